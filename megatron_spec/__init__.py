@@ -1,0 +1,3 @@
+"""megatron-spec: GRPO post-training of LLMs with lossless speculative-decoding rollouts."""
+
+__version__ = "0.1.0"

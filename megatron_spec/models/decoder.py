@@ -1,0 +1,109 @@
+"""The decoder-only language model shared by Qwen3, Qwen3-MoE and Llama.
+
+Reads top to bottom: embed -> N x (attention, MLP or MoE, both pre-norm residual) -> final norm -> output head.
+`trunk()` returns the hidden states (and any intermediate layers a drafter asks for); `forward()` adds the head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from .config import ModelConfig
+from .layers import MLP, Attention, AttentionCache, MoE, RMSNorm, rope_cos_sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class TrunkOutput:
+    hidden: Tensor
+    """Final hidden states after the last norm, [B, T, H]: what the output head reads."""
+    layers: dict[int, Tensor] = field(default_factory=dict)
+    """Residual stream after each requested layer index (EAGLE-3 fuses low/middle/high ones)."""
+
+
+class Transformer(nn.Module):
+    """Embedding, decoder layers and final norm (HF's `model.` prefix)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Transformer(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Random init (normal(0, std) matrices, unit norms), deterministic under torch.manual_seed."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.normal_(p, std=std)
+
+    @property
+    def aux_loss(self) -> Tensor | None:
+        """Sum over MoE layers of the load-balancing loss of the last forward; None for dense models."""
+        losses = [m.mlp.aux_loss for m in self.model.layers if isinstance(m.mlp, MoE) and m.mlp.aux_loss is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def trunk(
+        self,
+        input_ids: Tensor,
+        positions: Tensor | None = None,
+        cache: AttentionCache | None = None,
+        capture: tuple[int, ...] = (),
+        inputs_embeds: Tensor | None = None,
+    ) -> TrunkOutput:
+        """Hidden states for `input_ids` [B, T] at `positions` [B, T] (default 0..T-1), through `cache` if given."""
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        captured = {}
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache)
+            if i in capture:
+                captured[i] = x
+        return TrunkOutput(self.model.norm(x), captured)
+
+    def forward(self, input_ids: Tensor, positions: Tensor | None = None, cache: AttentionCache | None = None) -> Tensor:
+        """Logits [B, T, V] for every input position."""
+        return self.lm_head(self.trunk(input_ids, positions, cache).hidden)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype

@@ -1,0 +1,140 @@
+"""Building blocks of the decoder: RMSNorm, rotary embedding, attention, SwiGLU MLP and the MoE MLP.
+
+Parameter names follow HF transformers' on-disk layout (`q_proj`, `gate_proj`, `experts.{e}.up_proj`, ...) so a
+state dict loads from and saves to HF safetensors without a rename table. No distributed code lives here.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+
+class AttentionCache(Protocol):
+    """What attention needs from a KV cache (the engine's `KVCache` batch views implement it).
+
+    `update` stores this step's keys/values for `layer` and returns all keys/values the step's queries may attend
+    to, plus the additive or boolean attention mask for them (None means plain causal over the inputs).
+    """
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]: ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 (bf16 squares lose too much), then scale in the input dtype, as HF does.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin of the rotary angles for `positions` [B, T] -> two [B, 1, T, head_dim] tensors.
+
+    Computed per forward from the positions (a [B, T, head_dim/2] outer product) instead of a table, so any
+    position up to the context works and nothing is cached between calls.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
+    angles = positions.float()[..., None] * inv_freq
+    emb = torch.cat((angles, angles), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache | None) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        mask = None
+        if cache is not None:
+            k, v, mask = cache.update(self.layer, k, v)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=self.n_kv != self.n_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Qwen3-MoE sparse MLP: softmax router, top-k experts, optional renormalisation of the top-k weights.
+
+    After each forward `self.aux_loss` holds the Switch-style load-balancing loss
+    E * sum_e f_e * P_e (f_e: share of top-k assignments that went to expert e, P_e: mean router probability of e),
+    which is 1.0 for a perfectly balanced router. Training adds `router_aux_loss_coef * aux_loss`.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.aux_loss: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(-1, keepdim=True)
+        weights = weights.to(x.dtype)
+
+        out = torch.zeros_like(x)
+        # Loop over the experts that received tokens: each runs once on the rows routed to it.
+        for e in chosen.unique().tolist():
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])
+
+        n_experts = probs.shape[-1]
+        assigned = F.one_hot(chosen, n_experts).float().sum(1).mean(0) / self.top_k
+        self.aux_loss = n_experts * (assigned * probs.mean(0)).sum()
+        return out.view(shape)
