@@ -42,8 +42,8 @@ class ModelConfig:
     """Output head shares the embedding matrix (SmolLM2: yes, Qwen3 8B+: no)."""
     attention_bias: bool = False
     """Bias on the q/k/v/o projections."""
-    qk_norm: bool = False
-    """RMSNorm over each query and key head before RoPE (Qwen3's QK-norm)."""
+    qk_norm: bool | None = None
+    """RMSNorm over each query and key head before RoPE (Qwen3's QK-norm); None takes the family's default."""
     num_experts: int = 0
     """Routed experts per MoE layer; 0 means a dense model."""
     num_experts_per_tok: int = 0
@@ -68,6 +68,8 @@ class ModelConfig:
             raise ValueError(
                 f"unknown model_type {self.model_type!r}: supported are {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if self.qk_norm is None:
+            self.qk_norm = self.model_type.startswith("qwen3")
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
         self.mlp_only_layers = tuple(self.mlp_only_layers)
@@ -109,7 +111,6 @@ class ModelConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in hf.items() if k in names}
         kwargs["rope_theta"] = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-        kwargs["qk_norm"] = model_type.startswith("qwen3")
         if model_type == "qwen3_moe":
             kwargs["num_experts"] = hf.get("num_experts", hf.get("num_local_experts", 0))
         else:

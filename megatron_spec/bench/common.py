@@ -1,0 +1,63 @@
+"""Shared helpers for benchmarks: the machine's name, timing, tables and JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+
+def machine() -> str:
+    """A one-line description of where a benchmark ran (CPU model and threads, or the GPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"GPU {torch.cuda.get_device_name()} (torch {torch.__version__})"
+    cpu = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU {cpu}, {torch.get_num_threads()} threads (torch {torch.__version__})"
+
+
+def set_threads(threads: int | None) -> None:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def timed(fn, repeats: int = 1) -> tuple[float, object]:
+    """Best wall time of `repeats` calls (best-of filters noise from other processes) and the last result."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, result
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(columns, widths)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    return "-" if v is None else str(v)
+
+
+def write_json(path: str | os.PathLike, payload: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+    return path

@@ -1,0 +1,88 @@
+"""`megatron-spec bench engine`: our plain engine vs HF transformers' `generate`, side by side in one process.
+
+Same model weights, same prompts (equal length, so HF needs no padding), same sampling settings (temperature 1,
+no top-k/top-p, EOS ignored so both make exactly `new_tokens` tokens), batch 1, 8 and 32. Each cell is the best of
+`repeats` runs, alternating ours and HF's so that background load hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def hf_twin(model):
+    """An HF transformers model holding exactly our model's weights."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from ..models import save_pretrained
+
+    with tempfile.TemporaryDirectory() as d:
+        save_pretrained(model, d)
+        return AutoModelForCausalLM.from_pretrained(d, dtype=model.dtype).eval()
+
+
+def bench_prompts(vocab: int, batch: int, prompt_len: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, prompt_len), generator=g).tolist()
+
+
+def run(model_name: str, batches: list[int], new_tokens: int, prompt_len: int, repeats: int) -> dict:
+    import torch
+
+    from ..engine import LLMEngine, SamplingParams
+    from ..models import from_pretrained
+    from .common import machine, timed
+
+    model = from_pretrained(model_name)
+    hf = hf_twin(model)
+    engine = LLMEngine(model, max_num_seqs=max(batches))
+    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0)
+    rows = []
+    for batch in batches:
+        prompts = bench_prompts(model.config.vocab_size, batch, prompt_len, seed=batch)
+        ids = torch.tensor(prompts)
+
+        def ours():
+            return engine.generate(prompts, params)
+
+        def theirs():
+            with torch.inference_mode():
+                return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                                   top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+
+        ours(), theirs()  # warm-up: allocator, kernels, caches
+        t_ours, t_hf = float("inf"), float("inf")
+        for _ in range(repeats):
+            t_ours = min(t_ours, timed(ours)[0])
+            t_hf = min(t_hf, timed(theirs)[0])
+        tokens = batch * new_tokens
+        rows.append({"batch": batch, "ours_tok_s": tokens / t_ours, "hf_tok_s": tokens / t_hf,
+                     "ours_ms_step": 1000 * t_ours / new_tokens, "hf_ms_step": 1000 * t_hf / new_tokens,
+                     "speedup": t_hf / t_ours})
+    return {"benchmark": "engine", "model": model_name, "machine": machine(), "new_tokens": new_tokens,
+            "prompt_len": prompt_len, "repeats": repeats, "rows": rows}
+
+
+def main(args: argparse.Namespace) -> int:
+    from .common import print_table, set_threads, write_json
+
+    set_threads(args.threads)
+    result = run(args.model, args.batch, args.new_tokens, args.prompt_len, args.repeats)
+    print(f"bench engine: {result['model']} on {result['machine']}, {args.new_tokens} new tokens, sampling T=1")
+    print_table(result["rows"], ["batch", "ours_tok_s", "hf_tok_s", "ours_ms_step", "hf_ms_step", "speedup"])
+    print(f"wrote {write_json(args.out, result)}")
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="checkpoint directory or 'smollm2-135m'")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (0 keeps torch's default)")
+    p.add_argument("--out", default="benchmarks/results/bench_engine.json")

@@ -1,0 +1,68 @@
+"""KV cache: one preallocated tensor pair with a slot per running sequence and per-sequence lengths.
+
+A sequence owns one slot for its whole life. Its length lives with the sequence (not here), so rolling back
+rejected speculative tokens is just lowering that number: the stale keys beyond it are masked out and later
+overwritten. Extra "layers" beyond the model's hold drafter KV (MTP / EAGLE-3 heads attend too).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.free_slots = list(range(num_slots))
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[1]
+
+    def allocate(self) -> int:
+        # Lowest free slot first keeps running sequences packed, so most batches are one contiguous slice.
+        self.free_slots.sort()
+        return self.free_slots.pop(0)
+
+    def release(self, slot: int) -> None:
+        self.free_slots.append(slot)
+
+    def view(self, slots: list[int], starts: list[int], num_tokens: int) -> "BatchView":
+        """A view for one forward that feeds `num_tokens` new tokens to each sequence, starting at `starts`."""
+        return BatchView(self, slots, starts, num_tokens)
+
+
+class BatchView:
+    """Implements the model's `AttentionCache` protocol for one forward of a (possibly ragged) batch.
+
+    Sequence b's new tokens sit at positions starts[b] .. starts[b] + T - 1 (right padding is allowed: padded
+    queries see garbage but nobody reads their outputs). Query t of sequence b may attend to key j iff
+    j <= starts[b] + t.
+    """
+
+    def __init__(self, cache: KVCache, slots: list[int], starts: list[int], num_tokens: int):
+        self.cache = cache
+        device = cache.k.device
+        B, T = len(slots), num_tokens
+        start = torch.tensor(starts, device=device)
+        self.positions = start[:, None] + torch.arange(T, device=device)
+        if int(self.positions.max()) >= cache.max_len:
+            raise ValueError(f"sequence would exceed the KV cache length {cache.max_len}")
+        self.kv_len = int(self.positions.max()) + 1
+        key_pos = torch.arange(self.kv_len, device=device)
+        self.mask = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]  # [B, 1, T, kv_len]
+        contiguous = slots == list(range(slots[0], slots[0] + B))
+        self.rows = slice(slots[0], slots[0] + B) if contiguous else torch.tensor(slots, device=device)
+        self.slot_index = torch.tensor(slots, device=device)[:, None]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # k, v: [B, kv_heads, T, head_dim]; store at (slot, :, position) then read back the live prefix.
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        kc[self.slot_index, :, self.positions] = k.transpose(1, 2)
+        vc[self.slot_index, :, self.positions] = v.transpose(1, 2)
+        return kc[self.rows, :, : self.kv_len], vc[self.rows, :, : self.kv_len], self.mask

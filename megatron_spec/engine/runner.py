@@ -1,0 +1,43 @@
+"""Runs the target model over a batch of sequences through the KV cache."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..models.decoder import CausalLM, TrunkOutput
+from .kv_cache import KVCache
+from .sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: KVCache, capture: tuple[int, ...] = ()):
+        self.model = model
+        self.cache = cache
+        self.capture = capture
+        """Target layers whose hidden states a drafter reads (EAGLE-3); empty for most drafters."""
+
+    def forward(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> TrunkOutput:
+        """Feed each sequence its `new_tokens` (ragged, right-padded) after its cached ones; advance its cache."""
+        T = max(len(t) for t in new_tokens)
+        ids = torch.tensor([t + [0] * (T - len(t)) for t in new_tokens], device=self.model.device)
+        view = self.cache.view([s.slot for s in seqs], [s.num_cached for s in seqs], T)
+        out = self.model.trunk(ids, view.positions, view, capture=self.capture)
+        for seq, toks in zip(seqs, new_tokens):
+            seq.num_cached += len(toks)
+        return out
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.model.lm_head(hidden)
+
+    def prefill(self, seqs: list[Sequence]) -> tuple[Tensor, TrunkOutput]:
+        """Next-token logits [B, V] after each prompt (the head runs on the last prompt position only)."""
+        out = self.forward(seqs, [s.prompt for s in seqs])
+        last = torch.tensor([len(s.prompt) - 1 for s in seqs], device=out.hidden.device)
+        rows = torch.arange(len(seqs), device=out.hidden.device)
+        return self.logits(out.hidden[rows, last]), out
+
+    def decode(self, seqs: list[Sequence]) -> tuple[Tensor, TrunkOutput]:
+        """Next-token logits [B, V] after feeding each sequence its last sampled token."""
+        out = self.forward(seqs, [[s.last_token] for s in seqs])
+        return self.logits(out.hidden[:, 0]), out

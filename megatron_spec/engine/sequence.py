@@ -1,0 +1,55 @@
+"""One request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    index: int
+    """Position of the prompt in the `generate` call (completions come back in this order)."""
+    prompt: list[int]
+    """Prompt token ids."""
+    max_tokens: int
+    """New tokens allowed (already capped at the end of the context)."""
+    generator: torch.Generator
+    """This sequence's own random stream, so its samples do not depend on the rest of the batch."""
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int = -1
+    num_cached: int = 0
+    """Tokens whose keys/values are in the KV cache; rollback after a rejected draft just lowers it."""
+    finish_reason: str | None = None
+    drafted: int = 0
+    """Speculative tokens proposed for this sequence."""
+    accepted_per_pos: list[int] = field(default_factory=list)
+    """Accepted drafts by draft position (index 0 = first drafted token)."""
+    verify_steps: int = 0
+    """Target forwards that verified drafts for this sequence."""
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.output)

@@ -1,0 +1,113 @@
+"""Save and load drafters with weights (MTP, EAGLE-3) next to, not inside, their target's checkpoint.
+
+A drafter directory holds `drafter_config.json` and `model.safetensors`:
+
+    {"kind": "mtp" | "eagle3", "config": {...the drafter's own dataclass...}, "target": {...fingerprint...}}
+
+The fingerprint records the target architecture the weights were made for. Loading checks it against the target
+at hand and raises one ValueError naming every mismatch before a single tensor is read, because a drafter for
+another architecture either fails on shapes deep inside load_state_dict or, worse, loads and drafts garbage.
+
+A "draft_model" drafter is an ordinary `CausalLM` (`hf_io.from_pretrained`); `check_draft_model` is its guard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .eagle3 import Eagle3Config, Eagle3Head
+from .hf_io import check_state, load_tensors, save_tensors, write_atomically
+from .mtp import MTP, MTPConfig
+
+DRAFTER_CONFIG = "drafter_config.json"
+
+# kind -> (module class, its config dataclass, the attribute holding that config)
+_KINDS = {"mtp": (MTP, MTPConfig, "mtp_config"), "eagle3": (Eagle3Head, Eagle3Config, "eagle_config")}
+
+FINGERPRINT_FIELDS = (
+    "model_type", "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim",
+)
+
+
+def target_fingerprint(cfg: ModelConfig) -> dict:
+    """The target-architecture fields a drafter's weights depend on."""
+    return {name: getattr(cfg, name) for name in FINGERPRINT_FIELDS}
+
+
+def _check_fingerprint(saved: dict, target_config: ModelConfig, where: str) -> None:
+    want = target_fingerprint(target_config)
+    bad = [k for k, v in want.items() if saved.get(k) != v]
+    if not bad:
+        return
+    what = "vocabulary" if bad == ["vocab_size"] else "architecture"
+    diffs = "; ".join(f"{k}: drafter {saved.get(k)!r} vs target {want[k]!r}" for k in bad)
+    raise ValueError(f"drafter {where} was made for another target {what}: {diffs}")
+
+
+def save_drafter(module: nn.Module, out_dir: str | os.PathLike, kind: str, target_config: ModelConfig) -> Path:
+    """Write `module` (an `MTP` or `Eagle3Head` built for `target_config`) to `out_dir`, atomically."""
+    if kind not in _KINDS:
+        hint = " (a draft model is a CausalLM: save it with save_pretrained)" if kind == "draft_model" else ""
+        raise ValueError(f"unknown drafter kind {kind!r}: expected one of {', '.join(_KINDS)}{hint}")
+    cls, _, attr = _KINDS[kind]
+    if not isinstance(module, cls):
+        raise ValueError(f"drafter kind {kind!r} needs a {cls.__name__}, got {type(module).__name__}")
+    _check_fingerprint(target_fingerprint(module.target_config), target_config, f"being saved to {out_dir}")
+    meta = {
+        "kind": kind,
+        "config": dataclasses.asdict(getattr(module, attr)),
+        "target": target_fingerprint(target_config),
+    }
+    tensors = dict(module.state_dict())
+
+    def write(tmp: Path) -> None:
+        (tmp / DRAFTER_CONFIG).write_text(json.dumps(meta, indent=2))
+        save_tensors(tensors, tmp)
+
+    return write_atomically(out_dir, write)
+
+
+def read_drafter_config(path: str | os.PathLike) -> dict:
+    cfg_file = Path(path) / DRAFTER_CONFIG
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"no {DRAFTER_CONFIG} in drafter directory {path}")
+    return json.loads(cfg_file.read_text())
+
+
+def load_drafter(
+    path: str | os.PathLike,
+    target_config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> nn.Module:
+    """The drafter saved in `path`, checked against `target_config` before any tensor is read, in eval mode."""
+    meta = read_drafter_config(path)
+    kind = meta.get("kind")
+    if kind not in _KINDS:
+        raise ValueError(f"{Path(path) / DRAFTER_CONFIG}: unknown drafter kind {kind!r}, expected one of {', '.join(_KINDS)}")
+    _check_fingerprint(meta.get("target", {}), target_config, str(path))
+    cls, cfg_cls, _ = _KINDS[kind]
+    drafter_cfg = cfg_cls(**meta.get("config", {}))
+    with torch.device("meta"):
+        module = cls(target_config, drafter_cfg)
+    tensors = load_tensors(path, dtype)
+    check_state(module, tensors, str(path))
+    module.load_state_dict(tensors, strict=True, assign=True)
+    return module.to(device=device, dtype=dtype).eval()
+
+
+def check_draft_model(draft_cfg: ModelConfig, target_cfg: ModelConfig) -> None:
+    """Raise unless a separate draft model proposes tokens in the target's vocabulary (same ids, same size)."""
+    if draft_cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(
+            f"draft model vocabulary ({draft_cfg.vocab_size} tokens) differs from the target's "
+            f"({target_cfg.vocab_size}): speculative decoding needs one shared tokenizer"
+        )

@@ -1,0 +1,179 @@
+"""EAGLE-3 style draft head (Li et al. 2025), weights and forward only.
+
+The head fuses three of the target's hidden states (a low, a middle and a high layer) into one H-wide vector, then
+runs one decoder layer whose attention reads that vector next to the embedding of the following token:
+
+    g = fc(cat[h_low, h_mid, h_high])                                 # first draft step only
+    x = cat[input_layernorm(embed(token)), hidden_norm(g)]            # 2H wide: q/k/v read both halves
+    h = g + o_proj(attention(x));  h = h + mlp(post_attention_layernorm(h))
+    logits = lm_head(norm(h))
+
+Later draft steps feed the head its own `h` in place of `g` (EAGLE-3's training-time test, used at test time too),
+so `forward` takes "a hidden state" and `fuse` is only called on the target's captured states.
+
+The draft vocabulary equals the target's (no draft-to-target id map). The embedding belongs to the target: passed
+in, never saved, read through `.detach()`; the head's own `lm_head` starts as a copy of the target's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .config import ModelConfig
+from .decoder import CausalLM
+from .layers import MLP, Attention, AttentionCache, RMSNorm, rope_cos_sin
+
+Embed = Callable[[Tensor], Tensor]
+"""Token ids [B, T] -> the target's embeddings [B, T, H] (`CausalLM.embed`)."""
+
+
+def default_capture_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's (low, mid, high) = (1, N//2 - 1, N - 4), made to fit models shallower than 8 layers.
+
+    EAGLE-3 hooks the *inputs* of layers 2, N//2 and N-3, i.e. the outputs of layers 1, N//2-1 and N-4, which is
+    what `CausalLM.trunk(capture=...)` records. For small N each index is clamped into [0, N-1] and the triple made
+    non-decreasing (mid >= low, high >= mid), so a shallow model may fuse one layer more than once (N=4 gives
+    (1, 1, 1)); `fc` still sees three H-wide inputs, so the weight shapes never depend on N.
+    """
+    top = num_layers - 1
+    low = min(1, top)
+    mid = min(max(num_layers // 2 - 1, low), top)
+    high = min(max(num_layers - 4, mid), top)
+    return low, mid, high
+
+
+@dataclass
+class Eagle3Config:
+    target_num_layers: int
+    """Decoder layers of the target; the default capture rule and the range check need it."""
+    capture_layers: tuple[int, ...] = ()
+    """Target layers (low, mid, high) whose outputs are fused, in that order; () picks `default_capture_layers`."""
+    intermediate_size: int = 0
+    """FFN width of the head's dense MLP; 0 means the target's `intermediate_size` (resolved by `Eagle3Head`)."""
+
+    def __post_init__(self) -> None:
+        if self.target_num_layers < 1:
+            raise ValueError(f"Eagle3Config.target_num_layers must be >= 1, got {self.target_num_layers}")
+        self.capture_layers = tuple(int(i) for i in self.capture_layers) or default_capture_layers(self.target_num_layers)
+        if len(self.capture_layers) != 3:
+            raise ValueError(f"Eagle3Config.capture_layers needs three layers (low, mid, high), got {self.capture_layers}")
+        bad = [i for i in self.capture_layers if not 0 <= i < self.target_num_layers]
+        if bad:
+            raise ValueError(
+                f"Eagle3Config.capture_layers {self.capture_layers}: layer(s) {bad} outside the target's "
+                f"0..{self.target_num_layers - 1}"
+            )
+        if self.intermediate_size < 0:
+            raise ValueError(f"Eagle3Config.intermediate_size must be >= 0, got {self.intermediate_size}")
+
+
+class WideInputAttention(Attention):
+    """The trunk's attention, except q/k/v read a 2H-wide input ([embedding, hidden]); o_proj still writes H."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, in_features: int):
+        super().__init__(cfg, layer)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(in_features, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_features, self.n_kv * self.head_dim, bias=bias)
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's `midlayer`: pre-norm attention over [embedding, hidden], then a SwiGLU MLP, both residual."""
+
+    def __init__(self, cfg: ModelConfig, intermediate_size: int):
+        super().__init__()
+        H = cfg.hidden_size
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        # One extra KV-cache layer right after the target's.
+        self.self_attn = WideInputAttention(cfg, cfg.num_hidden_layers, 2 * H)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = MLP(H, intermediate_size)
+
+    def forward(
+        self, hidden: Tensor, token_embeds: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache | None
+    ) -> Tensor:
+        # The residual is the un-normed hidden state: the embedding only informs attention, as in EAGLE-3.
+        x = torch.cat((self.input_layernorm(token_embeds), self.hidden_norm(hidden)), dim=-1)
+        h = hidden + self.self_attn(x, cos, sin, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    """Fusion `fc`, one `midlayer`, `norm` and an own `lm_head` over the target's vocabulary."""
+
+    def __init__(self, target_config: ModelConfig, eagle_config: Eagle3Config | None = None):
+        super().__init__()
+        eagle_config = eagle_config or Eagle3Config(target_num_layers=target_config.num_hidden_layers)
+        if eagle_config.target_num_layers != target_config.num_hidden_layers:
+            raise ValueError(
+                f"Eagle3Config is for a {eagle_config.target_num_layers}-layer target, this target has "
+                f"{target_config.num_hidden_layers}"
+            )
+        inner = eagle_config.intermediate_size or target_config.intermediate_size
+        if inner < 1:
+            raise ValueError("Eagle3Config.intermediate_size must be set: the target has no dense intermediate_size")
+        # Stored resolved, so a saved config rebuilds the same shapes whatever the target's defaults become.
+        self.eagle_config = Eagle3Config(eagle_config.target_num_layers, eagle_config.capture_layers, inner)
+        self.target_config = target_config  # not `config`: see the note in mtp.MTP
+        H = target_config.hidden_size
+        self.fc = nn.Linear(3 * H, H, bias=False)
+        self.midlayer = Eagle3Layer(target_config, inner)
+        self.norm = RMSNorm(H, target_config.rms_norm_eps)
+        self.lm_head = nn.Linear(H, target_config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    @classmethod
+    def from_target(cls, target: CausalLM, eagle_config: Eagle3Config | None = None) -> "Eagle3Head":
+        """A fresh head for `target` on its device and dtype, its `lm_head` starting as a copy of the target's."""
+        head = cls(target.config, eagle_config).to(device=target.device, dtype=target.dtype)
+        with torch.no_grad():
+            head.lm_head.weight.copy_(target.lm_head.weight)
+        return head
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """Pass to `CausalLM.trunk(capture=...)` to get what `fuse` needs."""
+        return self.eagle_config.capture_layers
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Extra KV-cache layers (after the target's) this drafter writes."""
+        return 1
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """The trunk's init (normal(0, std) matrices, unit norms)."""
+        CausalLM.reset_parameters(self, std)
+
+    def fuse(self, captured: dict[int, Tensor]) -> Tensor:
+        """[B, T, H] from the target's captured layer outputs (`TrunkOutput.layers`), low, mid, high in order.
+
+        Detached: the target's states are inputs to the drafter, never trained through.
+        """
+        missing = [i for i in self.capture_layers if i not in captured]
+        if missing:
+            raise KeyError(f"EAGLE-3 fuse needs target layer(s) {missing}; capture {self.capture_layers} in trunk()")
+        return self.fc(torch.cat([captured[i].detach() for i in self.capture_layers], dim=-1))
+
+    def forward(
+        self,
+        hidden: Tensor,
+        input_ids: Tensor,
+        positions: Tensor | None,
+        embed: Embed,
+        cache: AttentionCache | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """`hidden` [B, T, H] at positions t (fused target state, or this head's previous output) and `input_ids`
+        [B, T] holding token t+1 -> (state [B, T, H] before `norm`, feed it to the next step; logits [B, T, V] for
+        token t+2). `positions` default to 0..T-1; `embed` maps ids to the target's embeddings."""
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        cos, sin = rope_cos_sin(positions, self.target_config.head_dim, self.target_config.rope_theta, hidden.dtype)
+        out = self.midlayer(hidden, embed(input_ids).detach(), cos, sin, cache)
+        return out, self.lm_head(self.norm(out))

@@ -1,0 +1,147 @@
+"""Multi-token prediction (MTP) drafter in Megatron-Core's layout (DeepSeek-V3 style), weights and forward only.
+
+Depth i turns a hidden state at position t and the embedding of the token i+1 places ahead into a prediction of
+the token one place further:
+
+    x = eh_proj(cat[enorm(embed(token)), hnorm(h_prev)])    # embedding half first, as Megatron-Core concatenates
+    h = final_layernorm(transformer_layer(x))               # one decoder layer of the trunk's kind
+    logits = lm_head(h)                                     # the target's shared head
+
+Which hidden state feeds depth 0: Megatron-Core's `GPTModel._postprocess` hands the MTP block the output of
+`self.decoder`, and `TransformerBlock` applies its `final_layernorm` before returning, so depth 0 reads the trunk's
+hidden state *after* the final norm, i.e. `CausalLM.trunk(...).hidden`. Every depth returns its state after its own
+`final_layernorm`, and that normed state is both what the head reads and what the next depth takes as `h_prev`
+(`MultiTokenPredictionBlock.forward` chains the layer outputs).
+
+RoPE: Megatron-Core rolls the token ids for each depth but passes the trunk's rotary embedding unchanged, so the
+transformer layer at depth i rotates by the position t of the hidden state it reads (not of the token). Callers pass
+those positions; `forward_all` does it for a full teacher-forced sequence.
+
+The embedding and the head belong to the target: they are passed in, never saved with the drafter, and read
+through `.detach()` so a drafter loss can never move the policy (only the RL loss trains it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+from .decoder import CausalLM, DecoderLayer
+from .layers import AttentionCache, RMSNorm, rope_cos_sin
+
+Embed = Callable[[Tensor], Tensor]
+"""Token ids [B, T] -> the target's embeddings [B, T, H] (`CausalLM.embed`)."""
+
+
+@dataclass
+class MTPConfig:
+    num_layers: int = 1
+    """MTP depths; depth i predicts the token i+2 places after the hidden state's position. A proposer that drafts
+    more tokens than this re-applies the last depth."""
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"MTPConfig.num_layers must be >= 1, got {self.num_layers}")
+
+
+class MTPLayer(nn.Module):
+    """One MTP depth: norms, the [embedding, hidden] projection, a decoder layer and its own final norm."""
+
+    def __init__(self, cfg: ModelConfig, depth: int):
+        super().__init__()
+        H = cfg.hidden_size
+        self.enorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        # Built as a copy of the trunk's last layer so it is dense or MoE exactly like that layer (building it with
+        # index N + depth could flip the kind under `decoder_sparse_step` / `mlp_only_layers`), then its attention
+        # is pointed at cache layer N + depth so its keys/values live in an extra layer of the engine's KV cache.
+        self.transformer_layer = DecoderLayer(cfg, cfg.num_hidden_layers - 1)
+        self.transformer_layer.self_attn.layer = cfg.num_hidden_layers + depth
+        self.final_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+
+    def forward(
+        self, hidden: Tensor, token_embeds: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache | None
+    ) -> Tensor:
+        x = self.eh_proj(torch.cat((self.enorm(token_embeds), self.hnorm(hidden)), dim=-1))
+        return self.final_layernorm(self.transformer_layer(x, cos, sin, cache))
+
+
+class MTP(nn.Module):
+    """`num_layers` MTP depths for a target `ModelConfig`; names match Megatron-Core (`mtp.layers.{i}.*`)."""
+
+    def __init__(self, target_config: ModelConfig, mtp_config: MTPConfig | None = None):
+        super().__init__()
+        # Not called `config`: hf_io.check_state reads `module.config.tie_word_embeddings` as "the module's own head
+        # is tied", which is the target's business, not the drafter's.
+        self.target_config = target_config
+        self.mtp_config = mtp_config or MTPConfig()
+        # Nested as `mtp.layers` so state-dict names equal Megatron-Core's GPTModel (`self.mtp.layers.{i}`).
+        self.mtp = nn.Module()
+        self.mtp.layers = nn.ModuleList(MTPLayer(target_config, i) for i in range(self.mtp_config.num_layers))
+        self.reset_parameters()
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.mtp.layers
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Extra KV-cache layers (after the target's) this drafter writes: one per depth."""
+        return self.mtp_config.num_layers
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """The trunk's init (normal(0, std) matrices, unit norms), so a fresh drafter starts at the trunk's scale."""
+        CausalLM.reset_parameters(self, std)
+
+    def forward(
+        self,
+        hidden: Tensor,
+        input_ids: Tensor,
+        positions: Tensor | None,
+        embed: Embed,
+        lm_head: nn.Linear,
+        cache: AttentionCache | None = None,
+        layer: int = 0,
+    ) -> tuple[Tensor, Tensor]:
+        """Depth `layer` (i): `hidden` [B, T, H] at positions t, `input_ids` [B, T] holding token t+i+1 -> (state, logits).
+
+        `hidden` is the trunk's final-normed state for depth 0 (then `input_ids[:, t]` is token t+1) and the previous
+        depth's returned state after that; `positions` [B, T] are the positions t of `hidden` (default 0..T-1);
+        `embed` maps ids to the target's embeddings and `lm_head` is the target's head. Returns the depth's normed
+        state [B, T, H] (what the next depth reads) and logits [B, T, V] for token t+i+2.
+        """
+        if not 0 <= layer < len(self.layers):
+            raise ValueError(f"MTP layer {layer} out of range: this drafter has {len(self.layers)} depth(s)")
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        cos, sin = rope_cos_sin(positions, self.target_config.head_dim, self.target_config.rope_theta, hidden.dtype)
+        out = self.layers[layer](hidden, embed(input_ids).detach(), cos, sin, cache)
+        bias = None if lm_head.bias is None else lm_head.bias.detach()
+        return out, F.linear(out, lm_head.weight.detach(), bias)
+
+    def forward_all(
+        self, hidden: Tensor, input_ids: Tensor, positions: Tensor | None, embed: Embed, lm_head: nn.Linear
+    ) -> list[Tensor]:
+        """Every depth over a full teacher-forced sequence (Megatron-Core's training layout), no cache.
+
+        `hidden` [B, T, H] is the trunk's state for `input_ids` [B, T]. Entry i of the result is the logits
+        [B, T-i-1, V] of depth i, row t predicting `input_ids[:, t+i+2]` (the last row of each has no label).
+        """
+        B, T = input_ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        logits = []
+        for i in range(len(self.layers)):
+            n = T - i - 1
+            if n < 1:
+                break
+            hidden, out = self(hidden[:, :n], input_ids[:, i + 1 :], positions[:, :n], embed, lm_head, layer=i)
+            logits.append(out)
+        return logits
