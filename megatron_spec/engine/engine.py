@@ -1,11 +1,23 @@
-"""`LLMEngine`: the single-machine rollout generator (continuous batching over a slotted KV cache)."""
+"""`LLMEngine`: the single-machine rollout generator (continuous batching over a slotted KV cache), with
+optional lossless speculative decoding.
+
+A decode step and a verify step are the same thing: feed each sequence its last token plus its drafts (none for
+plain decoding), then let rejection sampling decide how many drafts stand. With no drafts that is exactly plain
+sampling from p, so one code path serves both.
+"""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from ..models.decoder import CausalLM
-from ..spec.sampling import processed_logprobs, sample_tokens
+from ..spec.adaptive import AdaptiveController
+from ..spec.config import SpecConfig
+from ..spec.proposers import Drafts, Proposer, build_proposer
+from ..spec.sampling import processed_logprobs
+from ..spec.verify import verify_greedy, verify_sampled
 from .kv_cache import KVCache
 from .params import Completion, SamplingParams
 from .runner import ModelRunner
@@ -15,21 +27,34 @@ from .sequence import Sequence
 
 class LLMEngine:
     def __init__(self, model: CausalLM, max_num_seqs: int = 64, max_prefill_tokens: int = 16384,
-                 eos_token_id: int | list[int] | None = None):
+                 eos_token_id: int | list[int] | None = None, spec: SpecConfig | None = None, drafter=None):
         self.model = model.eval()
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.spec = spec
+        self.proposer: Proposer = build_proposer(spec, model, drafter) if spec else Proposer()
+        self.k_max = spec.num_speculative_tokens if spec else 0
+        self.controller = AdaptiveController(self.k_max) if spec and spec.adaptive else None
         self.cache: KVCache | None = None
 
     # -- the loop -------------------------------------------------------------------------------------------
     def step(self) -> None:
         seqs, is_prefill = self.scheduler.schedule()
-        logits, _ = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
-        tokens, logprobs = self.sample(seqs, logits)
-        for seq, token, logprob in zip(seqs, tokens, logprobs):
-            self.append(seq, [token], [logprob])
+        starts = [s.num_cached for s in seqs]
+        if is_prefill:
+            logits, out = self.runner.prefill(seqs)
+            emitted = self.accept(seqs, Drafts([[] for _ in seqs]), logits[:, None])
+            valid = [len(s.prompt) for s in seqs]
+        else:
+            drafts = self.propose(seqs)
+            logits, out = self.timed_target(seqs, drafts)
+            emitted = self.accept(seqs, drafts, logits)
+            valid = [len(tokens) for tokens, _ in emitted]  # the last token and the accepted drafts
+        self.proposer.observe(seqs, out, starts, valid)
+        for seq, (tokens, logprobs) in zip(seqs, emitted):
+            self.append(seq, tokens, logprobs)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         seqs = self.start(prompts, params)
@@ -38,6 +63,62 @@ class LLMEngine:
                 self.step()
         return [self.completion(s) for s in seqs]
 
+    # -- speculation ----------------------------------------------------------------------------------------
+    def propose(self, seqs: list[Sequence]) -> Drafts:
+        k = self.controller.choose_k(len(seqs)) if self.controller else self.k_max
+        if k == 0:
+            return Drafts([[] for _ in seqs])
+        t0 = time.perf_counter()
+        drafts = self.proposer.propose(seqs, k)
+        if self.controller:
+            self.controller.record_draft(k, time.perf_counter() - t0)
+        return drafts
+
+    def timed_target(self, seqs: list[Sequence], drafts: Drafts):
+        t0 = time.perf_counter()
+        logits, out = self.runner.verify(seqs, drafts.tokens)
+        if self.controller:
+            self.controller.record_target(len(seqs), logits.shape[1], time.perf_counter() - t0)
+        return logits, out
+
+    def accept(self, seqs: list[Sequence], drafts: Drafts, logits: torch.Tensor):
+        """Verify drafts against target `logits` [B, k+1, V]; roll back rejected KV; per sequence return the
+        emitted tokens (accepted drafts + one) with their log-probs under the processed target distribution."""
+        p = self.params
+        logprobs = processed_logprobs(logits, p.temperature, p.top_k, p.top_p)
+        k = logits.shape[1] - 1
+        draft_len = torch.tensor([len(d) for d in drafts.tokens])
+        padded = torch.tensor([d + [0] * (k - len(d)) for d in drafts.tokens], dtype=torch.long).view(len(seqs), k)
+        if p.greedy:
+            verdict = verify_greedy(logprobs, padded, draft_len)
+        else:
+            u = torch.stack([torch.rand(k + 1, generator=s.generator) for s in seqs])
+            verdict = verify_sampled(logprobs.exp(), padded, draft_len, u[:, :k], u[:, k], drafts.probs)
+        accepted, nxt = verdict.num_accepted.tolist(), verdict.next_token.tolist()
+        emitted = []
+        for b, seq in enumerate(seqs):
+            n = accepted[b]
+            tokens = drafts.tokens[b][:n] + [nxt[b]]
+            lps = logprobs[b, torch.arange(n + 1), torch.tensor(tokens)].tolist()
+            seq.num_cached -= len(drafts.tokens[b]) - n  # rollback: rejected drafts' keys are now stale
+            if drafts.tokens[b]:
+                self.record_stats(seq, len(drafts.tokens[b]), n)
+            emitted.append((tokens, lps))
+        if self.controller and k:
+            self.controller.record_acceptance([len(d) for d in drafts.tokens], accepted)
+        return emitted
+
+    @staticmethod
+    def record_stats(seq: Sequence, drafted: int, accepted: int) -> None:
+        seq.drafted += drafted
+        seq.verify_steps += 1
+        if len(seq.accepted_per_pos) < drafted:
+            seq.accepted_per_pos += [0] * (drafted - len(seq.accepted_per_pos))
+            seq.drafted_per_pos += [0] * (drafted - len(seq.drafted_per_pos))
+        for i in range(drafted):
+            seq.drafted_per_pos[i] += 1
+            seq.accepted_per_pos[i] += i < accepted
+
     # -- pieces ---------------------------------------------------------------------------------------------
     def start(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
         """Validate the request, size the KV cache for it and queue one sequence per prompt."""
@@ -45,16 +126,19 @@ class LLMEngine:
         self.params = params
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         context = self.model.config.max_position_embeddings
-        max_len = min(context, max(len(p) for p in prompts) + params.max_tokens) + self.cache_slack()
-        self.ensure_cache(min(len(prompts), self.max_num_seqs), max_len)
+        # Drafts are written past a sequence's end before verification, hence k_max + 1 spare positions.
+        max_len = min(context, max(len(p) for p in prompts) + params.max_tokens) + self.k_max + 1
+        num_slots = min(len(prompts), self.max_num_seqs)
+        self.ensure_cache(num_slots, max_len)
         self.scheduler = Scheduler(self.cache, self.max_num_seqs, self.max_prefill_tokens)
-        self.runner = ModelRunner(self.model, self.cache, self.capture_layers())
+        self.runner = ModelRunner(self.model, self.cache, self.proposer.capture_layers)
         seqs = []
         for i, prompt in enumerate(prompts):
             gen = torch.Generator().manual_seed(params.seed * 1_000_003 + i)
             seq = Sequence(i, list(prompt), min(params.max_tokens, context - len(prompt)), gen)
             self.scheduler.add(seq)
             seqs.append(seq)
+        self.proposer.start(seqs, params, max_len, self.cache.num_slots)
         return seqs
 
     def validate(self, prompts: list[list[int]]) -> None:
@@ -69,43 +153,29 @@ class LLMEngine:
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab})")
 
-    def cache_slack(self) -> int:
-        """Extra KV positions beyond the longest sequence (speculation writes drafts past the end)."""
-        return 1
-
-    def capture_layers(self) -> tuple[int, ...]:
-        return ()
-
-    def cache_layers(self) -> int:
-        return self.model.config.num_hidden_layers
-
     def ensure_cache(self, num_slots: int, max_len: int) -> None:
         """Reuse the KV cache when it is large enough, else allocate one sized for this request."""
         c = self.cache
-        if c is None or c.num_slots < num_slots or c.max_len < max_len or c.k.shape[0] < self.cache_layers():
+        if c is None or c.num_slots < num_slots or c.max_len < max_len:
             cfg = self.model.config
-            self.cache = KVCache(self.cache_layers(), num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim,
+            self.cache = KVCache(cfg.num_hidden_layers, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim,
                                  self.model.dtype, self.model.device)
         self.cache.free_slots = list(range(self.cache.num_slots))
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        p = self.params
-        logprobs = processed_logprobs(logits, p.temperature, p.top_k, p.top_p)
-        u = None if p.greedy else torch.cat([torch.rand(1, generator=s.generator) for s in seqs])
-        tokens, token_logprobs = sample_tokens(logprobs, u, p.greedy)
-        return tokens.tolist(), token_logprobs.tolist()
-
     def append(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> None:
-        """Append accepted tokens, stopping at the first stop token or at the length limit."""
+        """Append emitted tokens, stopping at the first stop token or at the length limit."""
         for token, logprob in zip(tokens, logprobs):
             seq.output.append(token)
             seq.logprobs.append(logprob)
-            if token in self.stop_ids:
-                self.scheduler.finish(seq, "stop")
-                return
-            if seq.remaining <= 0:
-                self.scheduler.finish(seq, "length")
+            reason = "stop" if token in self.stop_ids else "length" if seq.remaining <= 0 else None
+            if reason:
+                self.scheduler.finish(seq, reason)
+                self.proposer.finish(seq)
                 return
 
     def completion(self, seq: Sequence) -> Completion:
-        return Completion(seq.output, seq.logprobs, seq.finish_reason, len(seq.prompt))
+        spec = {}
+        if seq.verify_steps:
+            spec = {"drafted": seq.drafted, "accepted": sum(seq.accepted_per_pos), "verify_steps": seq.verify_steps,
+                    "accepted_per_pos": seq.accepted_per_pos, "drafted_per_pos": seq.drafted_per_pos}
+        return Completion(seq.output, seq.logprobs, seq.finish_reason, len(seq.prompt), spec)

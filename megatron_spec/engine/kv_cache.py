@@ -13,7 +13,9 @@ from torch import Tensor
 
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", first_layer: int = 0):
+        self.first_layer = first_layer
+        """Layer index stored at row 0 (a drafter's cache holds only its own layers, numbered after the target's)."""
         shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -41,7 +43,7 @@ class BatchView:
     """Implements the model's `AttentionCache` protocol for one forward of a (possibly ragged) batch.
 
     Sequence b's new tokens sit at positions starts[b] .. starts[b] + T - 1 (right padding is allowed: padded
-    queries see garbage but nobody reads their outputs). Query t of sequence b may attend to key j iff
+    queries see garbage but nobody reads their outputs, and their keys land beyond the sequence's length). Query t of sequence b may attend to key j iff
     j <= starts[b] + t.
     """
 
@@ -50,9 +52,9 @@ class BatchView:
         device = cache.k.device
         B, T = len(slots), num_tokens
         start = torch.tensor(starts, device=device)
-        self.positions = start[:, None] + torch.arange(T, device=device)
-        if int(self.positions.max()) >= cache.max_len:
-            raise ValueError(f"sequence would exceed the KV cache length {cache.max_len}")
+        # Only padding can run past the end (the engine sizes the cache for every real token plus the drafts), so
+        # clamping parks padded writes on the last row, which no real token ever uses.
+        self.positions = (start[:, None] + torch.arange(T, device=device)).clamp_(max=cache.max_len - 1)
         self.kv_len = int(self.positions.max()) + 1
         key_pos = torch.arange(self.kv_len, device=device)
         self.mask = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]  # [B, 1, T, kv_len]
@@ -62,6 +64,7 @@ class BatchView:
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # k, v: [B, kv_heads, T, head_dim]; store at (slot, :, position) then read back the live prefix.
+        layer -= self.cache.first_layer
         kc, vc = self.cache.k[layer], self.cache.v[layer]
         kc[self.slot_index, :, self.positions] = k.transpose(1, 2)
         vc[self.slot_index, :, self.positions] = v.transpose(1, 2)

@@ -37,7 +37,7 @@ class ModelRunner:
         rows = torch.arange(len(seqs), device=out.hidden.device)
         return self.logits(out.hidden[rows, last]), out
 
-    def decode(self, seqs: list[Sequence]) -> tuple[Tensor, TrunkOutput]:
-        """Next-token logits [B, V] after feeding each sequence its last sampled token."""
-        out = self.forward(seqs, [[s.last_token] for s in seqs])
-        return self.logits(out.hidden[:, 0]), out
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> tuple[Tensor, TrunkOutput]:
+        """Logits [B, 1 + k, V] after feeding each sequence its last token and its drafts (plain decode: none)."""
+        out = self.forward(seqs, [[s.last_token] + d for s, d in zip(seqs, drafts)])
+        return self.logits(out.hidden), out

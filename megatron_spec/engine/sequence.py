@@ -35,6 +35,8 @@ class Sequence:
     """Speculative tokens proposed for this sequence."""
     accepted_per_pos: list[int] = field(default_factory=list)
     """Accepted drafts by draft position (index 0 = first drafted token)."""
+    drafted_per_pos: list[int] = field(default_factory=list)
+    """Drafts offered by draft position."""
     verify_steps: int = 0
     """Target forwards that verified drafts for this sequence."""
 

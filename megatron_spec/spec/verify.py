@@ -1,0 +1,75 @@
+"""Speculative verification as pure functions (Leviathan et al. 2023; Chen et al. 2023).
+
+Given the processed target distributions p at the k+1 positions of a verify pass, k drafted tokens and, for a
+sampling drafter, its distributions q: accept draft i with probability min(1, p_i(x_i) / q_i(x_i)); at the first
+rejection emit a token from norm(max(p_i - q_i, 0)); if every draft is accepted emit a bonus token from p_k. A
+greedy (deterministic) drafter has q = one-hot(x_i), so it is accepted with probability p_i(x_i) and the residual is
+p_i with x_i removed. The emitted tokens then follow p exactly, whatever the drafter proposes.
+
+Drafts may be ragged: sequence b drafted `draft_len[b]` <= k tokens; positions past its length count as the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .sampling import sample_inverse_cdf
+
+
+@dataclass
+class Verdict:
+    num_accepted: Tensor
+    """[B] drafts accepted per sequence (0..draft_len)."""
+    next_token: Tensor
+    """[B] the token emitted after the accepted drafts (residual sample or bonus)."""
+
+
+def accepted_prefix(accept: Tensor, draft_len: Tensor) -> Tensor:
+    """Length [B] of the run of accepted drafts from position 0, capped by each sequence's draft length."""
+    k = accept.shape[1]
+    valid = torch.arange(k, device=accept.device)[None] < draft_len[:, None]
+    return (accept & valid).int().cumprod(-1).sum(-1)
+
+
+def verify_greedy(target_logprobs: Tensor, drafts: Tensor, draft_len: Tensor) -> Verdict:
+    """Greedy verification: accept while the draft equals the target's argmax; then emit the argmax."""
+    best = target_logprobs.argmax(-1)  # [B, k+1]
+    n = accepted_prefix(best[:, :-1] == drafts, draft_len)
+    return Verdict(n, best.gather(1, n[:, None]).squeeze(1))
+
+
+def verify_sampled(
+    target_probs: Tensor, drafts: Tensor, draft_len: Tensor, u_accept: Tensor, u_next: Tensor,
+    draft_probs: Tensor | None = None,
+) -> Verdict:
+    """Rejection sampling against `target_probs` [B, k+1, V] (processed p).
+
+    `draft_probs` [B, k, V] is the drafter's q, or None for a deterministic drafter (q = one-hot of the draft).
+    `u_accept` [B, k] and `u_next` [B] are uniforms in [0, 1).
+    """
+    B, k = drafts.shape
+    rows = torch.arange(B, device=drafts.device)
+    p_draft = target_probs[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # p_i(x_i)
+    if draft_probs is None:
+        ratio = p_draft
+    else:
+        q_draft = draft_probs.gather(-1, drafts[..., None]).squeeze(-1)
+        ratio = p_draft / q_draft.clamp_min(1e-30)
+    n = accepted_prefix(u_accept < ratio, draft_len)
+
+    # Distribution of the emitted token: the residual at the first rejection, or p itself after the last draft.
+    p_n = target_probs[rows, n]
+    rejected = n < draft_len
+    if draft_probs is None:
+        q_n = torch.zeros_like(p_n)
+        q_n[rows[rejected], drafts[rows[rejected], n[rejected]]] = 1.0
+    else:
+        q_n = draft_probs[rows, n.clamp(max=k - 1)] * rejected[:, None]
+    residual = (p_n - q_n).clamp_min(0)
+    # A residual that is all zero can only happen with probability zero (p == q and a rejection); fall back to p.
+    empty = residual.sum(-1) <= 0
+    residual[empty] = p_n[empty]
+    return Verdict(n, sample_inverse_cdf(residual, u_next))
