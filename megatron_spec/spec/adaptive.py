@@ -79,7 +79,8 @@ class AdaptiveController:
 
     def choose_k(self, batch: int) -> int:
         self.steps += 1
-        if self.steps <= self.warmup:
+        if self.steps <= self.warmup or self.t_target(batch, 1) is None:
+            # Too few distinct (batch, tokens) timings to fit the cost model yet: alternate to collect them.
             k = self.k_max if self.steps % 2 else 0
         elif self.steps % self.probe_every == 0:
             k = 0  # re-measure plain decoding so the comparison never goes stale

@@ -1,0 +1,88 @@
+"""Sampler-level losslessness: whatever the drafter proposes, emitted tokens follow the processed target p."""
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_spec.spec.sampling import processed_logprobs
+from megatron_spec.spec.verify import accepted_prefix, verify_greedy, verify_sampled
+
+from .stats import chi2_quantile_999, goodness_of_fit
+
+V, K, N = 8, 3, 40_000
+
+
+@pytest.mark.parametrize("proc", [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.0, top_k=4),
+                                  dict(temperature=1.0, top_p=0.7)])
+@pytest.mark.parametrize("draft_kind", ["sampled_q", "one_hot"])
+def test_emitted_tokens_follow_target(proc, draft_kind):
+    """N=40000 independent verify calls with K=3 drafts over V=8 tokens. The first emitted token (a draft that was
+    accepted, or the residual sample) and the second (when the first was an accepted draft) must follow p at
+    their positions: chi-square against p, threshold at the 99.9 % quantile (false alarm 0.001 per assertion)."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr((draft_kind, proc)).encode()))
+    target_logits = torch.randn(K + 1, V, generator=g) * 1.5
+    p = processed_logprobs(target_logits, **proc).exp()
+    q = torch.softmax(torch.randn(K, V, generator=g) * 1.5, -1)
+    if draft_kind == "sampled_q":
+        drafts = torch.multinomial(q, N, replacement=True, generator=g).T  # [N, K], each row drawn from q
+        probs = q.expand(N, K, V)
+    else:  # a deterministic drafter: always proposes the same (mostly wrong) tokens
+        drafts = p[:K].argsort(-1)[:, -2].expand(N, K)  # the runner-up token: often accepted, often rejected
+        probs = None
+    u = torch.rand(N, K + 1, generator=g)
+    verdict = verify_sampled(p.expand(N, K + 1, V), drafts, torch.full((N,), K), u[:, :K], u[:, K], probs)
+    n = verdict.num_accepted
+    first = torch.where(n > 0, drafts[:, 0], verdict.next_token)
+    chi2, df = goodness_of_fit(np.bincount(first.numpy(), minlength=V), p[0].numpy())
+    assert chi2 <= chi2_quantile_999(df)
+    # Second emitted token, among rows whose first token was an accepted draft.
+    rows = n > 0
+    assert rows.sum() > 500  # enough accepted first drafts for the chi-square approximation below
+    second = torch.where(n[rows] > 1, drafts[rows, 1], verdict.next_token[rows])
+    chi2, df = goodness_of_fit(np.bincount(second.numpy(), minlength=V), p[1].numpy())
+    assert chi2 <= chi2_quantile_999(df)
+
+
+def test_zero_probability_drafts_are_never_emitted():
+    """A deterministic drafter proposing a token that top-k removed is always rejected, and the residual (p with
+    that token removed) is p itself: the first token still follows p (chi-square, false alarm 0.001)."""
+    g = torch.Generator().manual_seed(3)
+    p = processed_logprobs(torch.randn(2, V, generator=g) * 1.5, top_k=3).exp()
+    x = int(p[0].argmin())
+    u = torch.rand(N, 2, generator=g)
+    v = verify_sampled(p.expand(N, 2, V), torch.full((N, 1), x), torch.ones(N, dtype=torch.long), u[:, :1], u[:, 1])
+    assert v.num_accepted.sum() == 0
+    chi2, df = goodness_of_fit(np.bincount(v.next_token.numpy(), minlength=V), p[0].numpy())
+    assert chi2 <= chi2_quantile_999(df)
+
+
+def test_acceptance_rate_matches_theory():
+    """With q one-hot on token x the first draft is accepted with probability p(x): the observed rate over
+    40000 trials is within 4 standard errors (sqrt(p(1-p)/N) ~ 0.0025)."""
+    g = torch.Generator().manual_seed(7)
+    p = torch.softmax(torch.randn(2, V, generator=g), -1)
+    x = int(p[0].argmax())
+    u = torch.rand(N, 2, generator=g)
+    v = verify_sampled(p.expand(N, 2, V), torch.full((N, 1), x), torch.ones(N, dtype=torch.long), u[:, :1], u[:, 1])
+    rate = (v.num_accepted == 1).float().mean().item()
+    assert abs(rate - p[0, x].item()) < 4 * (p[0, x].item() * (1 - p[0, x].item()) / N) ** 0.5
+
+
+def test_bonus_token_after_all_accepted_and_ragged_lengths():
+    """A draft identical to a one-hot target is always accepted; the bonus comes from p_k. A sequence that drafted
+    fewer tokens stops at its own length and its next token comes from p at that position."""
+    p = torch.zeros(2, 3, 5)
+    p[:, 0, 1] = p[:, 1, 2] = p[:, 2, 3] = 1.0
+    drafts = torch.tensor([[1, 2], [1, 0]])
+    v = verify_sampled(p, drafts, torch.tensor([2, 1]), torch.rand(2, 2), torch.rand(2))
+    assert v.num_accepted.tolist() == [2, 1] and v.next_token.tolist() == [3, 2]
+
+
+def test_greedy_verification():
+    logp = torch.log_softmax(torch.tensor([[[0.0, 5, 0], [0, 0, 5], [5, 0, 0]]]), -1)
+    assert verify_greedy(logp, torch.tensor([[1, 2]]), torch.tensor([2])).num_accepted.tolist() == [2]
+    v = verify_greedy(logp, torch.tensor([[1, 0]]), torch.tensor([2]))
+    assert v.num_accepted.tolist() == [1] and v.next_token.tolist() == [2]
+    assert accepted_prefix(torch.tensor([[True, False, True]]), torch.tensor([3])).tolist() == [1]
