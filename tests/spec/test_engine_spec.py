@@ -1,0 +1,236 @@
+"""Speculative decoding in the engine: greedy identity for every drafter, sampled distributions equal to plain
+decoding, exact logprobs, KV rollback, MTP/EAGLE-3 incremental drafting equal to drafting from scratch, and
+bad input."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_spec.engine import LLMEngine, SamplingParams
+from megatron_spec.models import MTP, CausalLM, Eagle3Head, MTPConfig, preset
+from megatron_spec.spec.adaptive import AdaptiveController
+from megatron_spec.spec.config import SpecConfig
+from megatron_spec.spec.proposers import HiddenStateProposer
+from megatron_spec.spec.sampling import processed_logprobs
+
+from .stats import chi2_quantile_999, homogeneity
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [8, 9, 10, 11, 12], [3], [20, 21, 20, 21, 20], [40] * 6, [33, 34]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    model = CausalLM(preset("tiny-qwen3")).eval()
+    model.reset_parameters(std=0.15)
+    return model
+
+
+def noisy_copy(model, scale, seed):
+    """A draft model that agrees with the target often but not always (partial acceptance exercises rollback)."""
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return draft
+
+
+def drafters(target):
+    torch.manual_seed(1)
+    return {
+        "ngram": (SpecConfig("ngram", 3), None),
+        "history": (SpecConfig("history", 3), None),
+        "draft_model": (SpecConfig("draft_model", 4), noisy_copy(target, 0.005, 2)),
+        "draft_model_small": (SpecConfig("draft_model", 2), CausalLM(preset("tiny-draft"))),
+        "mtp": (SpecConfig("mtp", 3), MTP(target.config, MTPConfig(1))),
+        "mtp_2_layers": (SpecConfig("mtp", 4), MTP(target.config, MTPConfig(2))),
+        "eagle3": (SpecConfig("eagle3", 3), Eagle3Head.from_target(target)),
+        "ngram_adaptive": (SpecConfig("ngram", 4, adaptive=True), None),
+    }
+
+
+@pytest.mark.parametrize("name", ["ngram", "history", "draft_model", "draft_model_small", "mtp", "mtp_2_layers",
+                                  "eagle3", "ngram_adaptive"])
+def test_greedy_identity(target, name):
+    """Every drafter emits exactly the plain engine's greedy tokens (batch capacity 4 with 6 prompts, so
+    sequences join and leave mid-flight), with the same stop reasons."""
+    spec, drafter = drafters(target)[name]
+    params = SamplingParams(temperature=0, max_tokens=30)
+    plain = LLMEngine(target, max_num_seqs=4).generate(PROMPTS, params)
+    fast = LLMEngine(target, max_num_seqs=4, spec=spec, drafter=drafter).generate(PROMPTS, params)
+    assert [o.token_ids for o in fast] == [o.token_ids for o in plain]
+    assert [o.finish_reason for o in fast] == [o.finish_reason for o in plain]
+    assert sum(o.spec.get("drafted", 0) for o in fast) > 0
+
+
+def test_partial_acceptance_happens(target):
+    """The noisy draft model is accepted at some positions and rejected at others, so the rollback path runs."""
+    spec, drafter = drafters(target)["draft_model"]
+    outs = LLMEngine(target, spec=spec, drafter=drafter).generate(PROMPTS, SamplingParams(temperature=0, max_tokens=30))
+    drafted = sum(o.spec["drafted"] for o in outs)
+    accepted = sum(o.spec["accepted"] for o in outs)
+    assert 0.2 * drafted < accepted < 0.95 * drafted
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=8), dict(temperature=1.0, top_p=0.8)])
+def test_sampled_completions_match_plain_decoding(target, kw):
+    """2000 three-token completions of one prompt, plain vs speculative (noisy draft model, k=3, sampled drafts
+    with their q in verification): for each of the three positions a two-sample chi-square test of the token
+    frequencies, threshold the 99.9 % quantile (false alarm 0.001 per assertion, fixed seeds)."""
+    spec = SpecConfig("draft_model", 3, draft_sampling=True)
+    draft = noisy_copy(target, 0.005, 5)
+    n, prompt = 2000, [5, 6, 7]
+    params = SamplingParams(max_tokens=3, seed=17, **kw)
+    plain = LLMEngine(target, max_num_seqs=250).generate([prompt] * n, params)
+    params_b = SamplingParams(max_tokens=3, seed=18, **kw)
+    fast = LLMEngine(target, max_num_seqs=250, spec=spec, drafter=draft).generate([prompt] * n, params_b)
+    assert sum(o.spec.get("accepted", 0) for o in fast) > n // 2  # speculation really ran and was accepted
+    for pos in range(3):
+        a = np.bincount([o.token_ids[pos] for o in plain], minlength=64)
+        b = np.bincount([o.token_ids[pos] for o in fast], minlength=64)
+        chi2, df = homogeneity(a, b)
+        assert chi2 <= chi2_quantile_999(df)
+
+
+@pytest.mark.parametrize("name", ["draft_model", "mtp", "history"])
+def test_speculative_logprobs_equal_full_forward(target, name):
+    """Logprobs returned for accepted drafts and residual/bonus tokens equal a full forward's (1e-5, fp32)."""
+    spec, drafter = drafters(target)[name]
+    kw = dict(temperature=0.8, top_p=0.9)
+    outs = LLMEngine(target, spec=spec, drafter=drafter).generate(PROMPTS, SamplingParams(max_tokens=20, seed=2, **kw))
+    for prompt, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            lp = processed_logprobs(target(torch.tensor([prompt + out.token_ids]))[0, len(prompt) - 1 : -1], **kw)
+        ref = lp.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1).numpy()
+        assert np.allclose(out.logprobs, ref, atol=1e-5)
+
+
+def test_kv_cache_after_partial_acceptance_equals_fresh_forward(target):
+    """After speculative steps with rejections, the cached keys/values of every live position equal those of a
+    fresh prefill over the accepted tokens (rejected drafts leave nothing behind that attention can see)."""
+    spec, drafter = drafters(target)["draft_model"]
+    engine = LLMEngine(target, max_num_seqs=8, spec=spec, drafter=drafter)
+    seqs = engine.start(PROMPTS, SamplingParams(temperature=0, max_tokens=40))
+    with torch.inference_mode():
+        for _ in range(6):
+            engine.step()
+    fresh = LLMEngine(target, max_num_seqs=8)
+    assert any(s.accepted_per_pos and sum(s.accepted_per_pos) < s.drafted for s in seqs)
+    for s in seqs:
+        n = s.num_cached
+        assert n == s.length - 1
+        fresh.start([s.tokens[:n]], SamplingParams(temperature=0, max_tokens=1))
+        with torch.inference_mode():
+            fresh.step()  # prefill fills the cache for the n accepted tokens
+        k_live = engine.cache.k[:, s.slot, :, :n]
+        k_ref = fresh.cache.k[:, 0, :, :n]
+        assert torch.allclose(k_live, k_ref, atol=1e-5)
+        assert torch.allclose(engine.cache.v[:, s.slot, :, :n], fresh.cache.v[:, 0, :, :n], atol=1e-5)
+
+
+def reference_hidden_drafts(target, head, tokens, k):
+    """Drafts from scratch with no cache: every depth over the full sequence, then the chain, as full forwards."""
+    is_mtp = isinstance(head, MTP)
+    depths = len(head.layers) if is_mtp else 1
+    with torch.no_grad():
+        out = target.trunk(torch.tensor([tokens[:-1]]), capture=() if is_mtp else head.capture_layers)
+        hidden = out.hidden if is_mtp else head.fuse(out.layers)
+        ext, L = list(tokens), len(tokens)
+
+        def run(depth, h, ids):
+            if is_mtp:
+                return head(h, torch.tensor([ids]), None, target.embed, target.lm_head, layer=depth)
+            return head(h, torch.tensor([ids]), None, target.embed)
+
+        drafts = []
+        for j in range(k):
+            depth = min(j, depths - 1)
+            if j < depths:
+                inputs = hidden  # what the last depth read at positions 0..L-2 (its keys there come from these)
+                hidden, logits = run(depth, hidden, ext[j + 1 : j + L])
+                state = hidden[:, -1:]
+            else:
+                inputs = torch.cat([inputs, state], 1)  # the chain reads its own previous state one position on
+                n = inputs.shape[1]
+                out, logits = run(depth, inputs, ext[depth + 1 : depth + 1 + n])
+                state = out[:, -1:]
+            drafts.append(int(logits[0, -1].argmax()))
+            ext.append(drafts[-1])
+    return drafts
+
+
+@pytest.mark.parametrize("layers,k", [(1, 3), (2, 2), (2, 4)])
+def test_incremental_mtp_drafts_equal_drafts_from_scratch(target, layers, k):
+    """The proposer's cached catch-up (frontier, provisional rows, chaining) drafts exactly what full forwards
+    over the whole sequence would, at every step of a generation with rejections."""
+    torch.manual_seed(layers)
+    head = MTP(target.config, MTPConfig(layers))
+    head.reset_parameters(std=0.15)
+    _check_incremental(target, head, k)
+
+
+def test_incremental_eagle3_drafts_equal_drafts_from_scratch(target):
+    torch.manual_seed(4)
+    head = Eagle3Head.from_target(target)
+    head.reset_parameters(std=0.15)
+    _check_incremental(target, head, 3)
+
+
+def _check_incremental(target, head, k):
+    engine = LLMEngine(target, spec=SpecConfig("mtp" if isinstance(head, MTP) else "eagle3", k), drafter=head)
+    proposer: HiddenStateProposer = engine.proposer
+    seen = []
+    original = proposer.propose
+
+    def spy(seqs, kk):
+        before = [s.tokens for s in seqs]
+        drafts = original(seqs, kk)
+        seen.extend(zip(before, drafts.tokens))
+        return drafts
+
+    proposer.propose = spy
+    engine.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=12))
+    assert len(seen) > 10
+    for tokens, drafts in seen:
+        assert drafts == reference_hidden_drafts(target, head, tokens, len(drafts))
+
+
+def test_adaptive_turns_speculation_off_when_it_cannot_pay():
+    """Compute-bound verify (cost grows with B*T) and poor acceptance: the fitted model picks k=0. Memory-bound
+    verify (flat in T) and high acceptance: it picks the deepest k."""
+    ctl = AdaptiveController(k_max=4, warmup=0)
+    for b in (8, 16, 32):
+        for t in (1, 3, 5):
+            ctl.record_target(b, t, 0.001 + 0.0005 * b * t)
+    ctl.record_draft(4, 0.002)
+    ctl.accept[:] = 0.2
+    assert ctl.choose_k(32) == 0
+    ctl = AdaptiveController(k_max=4, warmup=0)
+    for b in (1, 2, 4):
+        for t in (1, 3, 5):
+            ctl.record_target(b, t, 0.050 + 0.0001 * b * t)
+    ctl.record_draft(4, 0.004)
+    ctl.accept[:] = 0.8
+    assert ctl.choose_k(1) == 4
+
+
+def test_bad_spec_input(target):
+    with pytest.raises(ValueError, match="unknown speculative method 'medusa'"):
+        SpecConfig("medusa")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1"):
+        SpecConfig("ngram", 0)
+    with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
+        SpecConfig("ngram", 3, prompt_lookup_min=5, prompt_lookup_max=2)
+    other_vocab = CausalLM(preset("tiny-draft").__class__(**{**preset("tiny-draft").__dict__, "vocab_size": 80}))
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLMEngine(target, spec=SpecConfig("draft_model", 3), drafter=other_vocab)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        LLMEngine(target, spec=SpecConfig("mtp", 3))
+    with pytest.raises(ValueError, match="needs a MTP drafter"):
+        LLMEngine(target, spec=SpecConfig("mtp", 3), drafter=CausalLM(preset("tiny-draft")))
+    wide = CausalLM(preset("smollm2-135m").__class__(**{**preset("tiny-qwen3").__dict__, "hidden_size": 96}))
+    with pytest.raises(ValueError, match="hidden size"):
+        LLMEngine(target, spec=SpecConfig("mtp", 3), drafter=MTP(wide.config))
