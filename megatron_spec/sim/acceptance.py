@@ -1,0 +1,74 @@
+"""Acceptance arithmetic of speculative decoding, as pure functions.
+
+A verify pass over k drafted tokens emits the accepted prefix plus one token from the target (the correction on
+a rejection, the bonus token when all k are accepted). With alpha_i the probability that draft position i is
+accepted given positions 1..i-1 were, the expected tokens per verify ("acceptance length", tau) is
+
+    tau(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_j
+
+which for a constant per-token acceptance a is the geometric sum (1 - a^(k+1)) / (1 - a) (ANCHORS.md, Theory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def tau_from_positions(alphas: Sequence[float], k: int | None = None) -> float:
+    """Acceptance length using the first `k` (default: all) per-position acceptance probabilities."""
+    k = len(alphas) if k is None else k
+    if k > len(alphas):
+        raise ValueError(f"k={k} needs {k} per-position acceptance values, got {len(alphas)}")
+    tau, survive = 1.0, 1.0
+    for a in alphas[:k]:
+        survive *= a
+        tau += survive
+    return tau
+
+
+def tau_from_rate(a: float, k: int) -> float:
+    """(1 - a^(k+1)) / (1 - a): acceptance length for a constant per-token acceptance `a`."""
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"per-token acceptance must be in [0, 1], got {a}")
+    return float(k + 1) if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def rate_from_tau(tau: float, k: int) -> float:
+    """Invert `tau_from_rate` by bisection (it is increasing in `a`); needs 1 <= tau <= k+1."""
+    check_tau(tau, k)
+    if tau >= k + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if tau_from_rate(mid, k) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def check_tau(tau: float, k: int) -> None:
+    """A verify pass emits between 1 and k+1 tokens, so the mean must too."""
+    if k < 0:
+        raise ValueError(f"k (speculative tokens) must be >= 0, got {k}")
+    if tau > k + 1 + 1e-9:
+        raise ValueError(f"acceptance length {tau} exceeds k+1 = {k + 1}: a verify pass over k={k} drafted "
+                         f"tokens emits at most k+1 tokens")
+    if tau < 1.0:
+        raise ValueError(f"acceptance length {tau} is below 1: every verify pass emits at least one token")
+
+
+def speedup_floor(tau_a: float, tau_b: float, k_a: int, k_b: int) -> float:
+    """Lowest possible S(k_b) / S(k_a) for a model whose per-step cost grows at most linearly in k.
+
+    A speculative step costs (fixed) + verify(k+1 tokens) + k drafts; each term is a max or sum of a constant and
+    a term linear through the origin, so going from k_a to k_b > k_a multiplies it by at most
+    max((k_b+1)/(k_a+1), k_b/k_a). Steps shrink by tau_a/tau_b. So S(k_b)/S(k_a) >= (tau_b/tau_a) / that factor.
+    A measured ratio below this floor means the system has a super-linear cost in k (a capacity cliff), which no
+    roofline reproduces. Used to check the reference paper's k sweep for consistency (README.md).
+    """
+    if not 0 < k_a < k_b:
+        raise ValueError(f"need 0 < k_a < k_b, got k_a={k_a}, k_b={k_b}")
+    growth = max((k_b + 1) / (k_a + 1), k_b / k_a)
+    return (tau_b / tau_a) / growth

@@ -1,0 +1,162 @@
+"""`megatron-spec simulate` and `megatron-spec tune`.
+
+    megatron-spec simulate --model qwen3-8b --hardware gb200 --gpus 32 --k 3 --acceptance 2.8
+    megatron-spec simulate --validate            # the reference paper's 8B runs, predicted from its AR columns
+    megatron-spec simulate --project             # Qwen3-235B-A22B on GB200 / H100, sync and async, +- speculation
+    megatron-spec simulate --measured [PATH]     # vs `megatron-spec bench step` on this CPU
+    megatron-spec simulate --calibrate-cpu       # (re)measure this CPU's profile
+    megatron-spec tune --model qwen3-8b --hardware h100 --gpus 64 --k 3 --acceptance 2.8 --lags 0 1 2 --plot top.png
+
+Only argparse is imported at parser-build time; the simulator loads when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and cluster")
+    g.add_argument("--model", default="qwen3-8b", help="preset name or path to an HF config.json")
+    g.add_argument("--hardware", default="h100", help="h100, h200, b200, gb200 or cpu")
+    g.add_argument("--gpus", type=int, default=8, help="devices in the job")
+    g.add_argument("--cpu-profile", default="", help="CPU profile JSON (default ~/.cache/megatron_spec)")
+    g = p.add_argument_group("workload")
+    g.add_argument("--prompts", type=int, default=256, help="prompts per step")
+    g.add_argument("--group", type=int, default=16, help="responses per prompt")
+    g.add_argument("--prompt-len", type=int, default=200)
+    g.add_argument("--mean-len", type=float, default=4000, help="mean response length before the cap")
+    g.add_argument("--max-tokens", type=int, default=16384, help="response length cap")
+    g.add_argument("--sigma", type=float, default=0.8, help="log-normal spread of response lengths")
+    g = p.add_argument_group("speculation")
+    g.add_argument("--k", type=int, default=0, help="speculative tokens (0: autoregressive)")
+    g.add_argument("--acceptance", type=float, default=0.0, help="acceptance length tau at k (in [1, k+1])")
+    g.add_argument("--per-position", default="", help="comma-separated per-position acceptance (k values)")
+    g.add_argument("--drafter", default="eagle3", help="eagle3, mtp, model or ngram")
+    g.add_argument("--draft-model", default="", help="draft model preset for --drafter model")
+    g.add_argument("--adaptive", action="store_true", help="let the controller change k as the batch shrinks")
+    g.add_argument("--adaptive-threshold", type=int, default=0, help="sequences in flight above which k=0")
+    g.add_argument("--online-drafter", action="store_true", help="train the drafter every step")
+    g = p.add_argument_group("rollout engines")
+    g.add_argument("--fp8", action="store_true", help="FP8 engine weights")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    g.add_argument("--max-num-seqs", type=int, default=1024)
+
+
+def _layout(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism and placement")
+    for name in ("tp", "pp", "ep", "cp"):
+        g.add_argument(f"--{name}", type=int, default=1, help=f"training {name.upper()}")
+    g.add_argument("--dp", type=int, default=0, help="training DP (0: fill the training GPUs)")
+    g.add_argument("--gen-tp", type=int, default=1, help="GPUs per generation engine")
+    g.add_argument("--gen-ep", type=int, default=1, help="expert-parallel ranks inside an engine")
+    g.add_argument("--gen-gpus", type=int, default=0, help="disaggregated: GPUs that generate (0: colocated)")
+    g.add_argument("--lag", type=int, default=0, help="policy lag (needs --gen-gpus)")
+
+
+def register(subparsers) -> None:
+    sim = subparsers.add_parser("simulate", help="predict RL step stage times (gen/logprob/train/...)",
+                                description=__doc__.splitlines()[0])
+    _common(sim)
+    _layout(sim)
+    mode = sim.add_mutually_exclusive_group()
+    mode.add_argument("--validate", action="store_true", help="reference paper case (8B on 32 GB200)")
+    mode.add_argument("--project", action="store_true", help="Qwen3-235B-A22B projection and sensitivity")
+    mode.add_argument("--measured", nargs="?", const="benchmarks/results/bench_step_cpu.json", default=None,
+                      help="compare with a bench-step measurement JSON")
+    mode.add_argument("--calibrate-cpu", action="store_true", help="measure and cache this CPU's profile")
+    sim.add_argument("--threads", type=int, default=2, help="torch threads for --calibrate-cpu")
+    sim.add_argument("--json", action="store_true", help="print the result as JSON")
+    sim.set_defaults(func=simulate_command)
+
+    tune = subparsers.add_parser("tune", help="search parallelism, split, k and controller for throughput")
+    _common(tune)
+    tune.add_argument("--lags", type=int, nargs="+", default=[0], help="policy lags allowed (0 = sync)")
+    tune.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5, 7], help="k values to try")
+    tune.add_argument("--top", type=int, default=10)
+    tune.add_argument("--plot", default="", help="write a PNG of the top configurations here")
+    tune.add_argument("--json", action="store_true", help="print the top settings as JSON")
+    tune.set_defaults(func=tune_command)
+
+
+def _spec(args):
+    from .config import Speculation
+
+    if args.k <= 0:
+        return None
+    per_pos = tuple(float(x) for x in args.per_position.split(",") if x.strip())
+    return Speculation(k=args.k, acceptance_length=0.0 if per_pos else args.acceptance, per_position=per_pos,
+                       drafter=args.drafter, draft_model=args.draft_model, adaptive=args.adaptive,
+                       adaptive_threshold=args.adaptive_threshold, online_drafter_training=args.online_drafter)
+
+
+def _config(args, layout: bool = True):
+    from .config import GenParallel, LengthDist, SimConfig, TrainParallel, Workload
+
+    workload = Workload(prompts_per_step=args.prompts, group_size=args.group, prompt_len=args.prompt_len,
+                        response=LengthDist(mean=args.mean_len, max_tokens=args.max_tokens, sigma=args.sigma))
+    colocated = not getattr(args, "gen_gpus", 0)
+    train_gpus = args.gpus - (0 if colocated else args.gen_gpus)
+    if layout:
+        per = args.tp * args.pp * args.cp
+        train = TrainParallel(tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp, dp=args.dp or max(train_gpus // per, 1))
+        gen = GenParallel(tp=args.gen_tp, ep=args.gen_ep)
+    else:
+        train, gen = TrainParallel(dp=train_gpus), GenParallel()
+    cpu = args.hardware.lower() == "cpu"
+    return SimConfig(model=args.model, hardware=args.hardware, gpus=args.gpus, workload=workload, train=train,
+                     gen=gen, colocated=colocated, gen_gpus=0 if colocated else args.gen_gpus, spec=_spec(args),
+                     policy_lag=getattr(args, "lag", 0), gen_dtype_bytes=4 if cpu else (1 if args.fp8 else 2),
+                     gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                     cpu_profile=args.cpu_profile)
+
+
+def simulate_command(args) -> int:
+    if args.validate:
+        from .report import validation_report
+
+        print(validation_report())
+        return 0
+    if args.project:
+        from .report import projection_report
+
+        print(projection_report())
+        return 0
+    if args.measured is not None:
+        from .measured import compare, format_comparison
+
+        rows = compare(args.measured, args.cpu_profile or None)
+        print(format_comparison(rows))
+        return 0 if all(r.ok for r in rows) else 1
+    if args.calibrate_cpu:
+        from .cpu_profile import load_or_measure
+
+        profile = load_or_measure(args.cpu_profile or None, threads=args.threads, remeasure=True)
+        print(json.dumps(profile.__dict__, indent=2))
+        return 0
+    from .pipeline import simulate
+    from .report import step_report
+
+    result = simulate(_config(args))
+    if args.json:
+        print(json.dumps({"stages": result.stages, "step_s": result.step_s, "exposed_gen_s": result.exposed_gen_s,
+                          "tokens_per_s_per_gpu": result.throughput, "mean_batch": result.gen.mean_batch,
+                          "mean_k": result.gen.mean_k}, indent=2))
+    else:
+        print(step_report(result))
+    return 0
+
+
+def tune_command(args) -> int:
+    from .tune import TuneSpace, format_table, plot, tune
+
+    space = TuneSpace(lags=tuple(args.lags), ks=tuple(args.ks))
+    cands = tune(_config(args, layout=False), space, top=args.top)
+    if args.json:
+        print(json.dumps([c.settings() for c in cands], indent=2))
+    else:
+        print(format_table(cands))
+    if args.plot:
+        print(f"plot written to {plot(cands, args.plot)}")
+    return 0

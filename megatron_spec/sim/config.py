@@ -1,0 +1,303 @@
+"""Inputs of the simulator: workload, speculation, parallel layouts and the cluster, as validated dataclasses.
+
+Every check that can run before any arithmetic runs here, in `__post_init__`, and names the constraint it
+enforces (a layout that does not divide the model, an acceptance length above k+1, an async run on colocated
+GPUs). The memory-fit check needs the hardware and lives in `memory.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import NormalDist
+
+from megatron_spec.models.config import ModelConfig
+from megatron_spec.models.presets import PRESETS, preset
+
+from .acceptance import check_tau, rate_from_tau, tau_from_positions, tau_from_rate
+from .hardware import GPU_PROFILES
+from .shapes import DRAFTER_KINDS
+
+
+def resolve_model(model: str | dict | ModelConfig) -> ModelConfig:
+    """A preset name, a path to an HF `config.json`, an HF dict or a `ModelConfig`."""
+    if isinstance(model, ModelConfig):
+        return model
+    if isinstance(model, dict):
+        return ModelConfig.from_hf(model)
+    if model in PRESETS:
+        return preset(model)
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return ModelConfig.from_hf(json.loads(path.read_text()))
+    raise ValueError(f"model {model!r} is neither a preset ({', '.join(PRESETS)}) nor an HF config.json path")
+
+
+@dataclass
+class LengthDist:
+    mean: float
+    """Mean response length in tokens before the cap (log-normal body)."""
+    max_tokens: int
+    """Cap on new tokens: longer responses are truncated onto it, which is what makes RL's long tail."""
+    sigma: float = 0.8
+    """Log-normal shape of the body; larger means a longer tail (0.8 puts ~4 % of responses above 3x the mean)."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"LengthDist.max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 < self.mean <= self.max_tokens * 4:
+            raise ValueError(f"LengthDist.mean must be in (0, 4 * max_tokens], got {self.mean}")
+        if not 0 <= self.sigma <= 3:
+            raise ValueError(f"LengthDist.sigma must be in [0, 3], got {self.sigma}")
+
+    def quantiles(self, n: int = 64) -> list[float]:
+        """`n` equally likely response lengths (mid-quantiles), deterministic, ascending."""
+        mu = math.log(self.mean) - self.sigma ** 2 / 2
+        normal = NormalDist()
+        return [min(math.exp(mu + self.sigma * normal.inv_cdf((i + 0.5) / n)), self.max_tokens) for i in range(n)]
+
+    @property
+    def expected(self) -> float:
+        """Mean length after truncation."""
+        q = self.quantiles()
+        return sum(q) / len(q)
+
+
+@dataclass
+class Workload:
+    prompts_per_step: int
+    """Prompts drawn per RL step."""
+    group_size: int
+    """Responses sampled per prompt (GRPO group)."""
+    prompt_len: int
+    """Prompt tokens (mean)."""
+    response: LengthDist
+    """Response-length distribution with its long tail."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.response, dict):
+            self.response = LengthDist(**self.response)
+        for name in ("prompts_per_step", "group_size", "prompt_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Workload.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def rollouts(self) -> int:
+        """Sequences generated per step."""
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def tokens_per_rollout(self) -> float:
+        """Prompt plus expected response tokens: what training processes per sequence."""
+        return self.prompt_len + self.response.expected
+
+
+@dataclass
+class Speculation:
+    k: int = 3
+    """Draft tokens proposed per verify pass."""
+    acceptance_length: float = 0.0
+    """Mean tokens emitted per verify pass at this k, bonus token included (tau, in [1, k+1]); 0 means use
+    `per_position`."""
+    per_position: tuple[float, ...] = ()
+    """Conditional acceptance probability of each draft position (k values); used when acceptance_length is 0."""
+    drafter: str = "eagle3"
+    """Drafter kind: eagle3, mtp, model (a draft-model preset) or ngram (no accelerator cost)."""
+    draft_model: str = ""
+    """Preset of the draft model when drafter == 'model'."""
+    drafter_layers: int = 1
+    """Decoder layers of an eagle3 head, or MTP modules."""
+    draft_vocab: int = 0
+    """Rows of an eagle3 head's LM head; 0 means 32000 (public heads) or the target's, whichever is smaller."""
+    adaptive: bool = False
+    """Let a controller change k during generation (the shrinking batch changes what speculation is worth)."""
+    adaptive_threshold: int = 0
+    """With adaptive on: sequences in flight per engine above which speculation is switched off; 0 lets the
+    controller pick, at each point of the run, the k' <= k the cost model says emits tokens fastest."""
+    online_drafter_training: bool = False
+    """Train the drafter every step (adds its forward + backward to `train`)."""
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ValueError(f"Speculation.k must be >= 1 (k=0 is plain decoding: pass spec=None), got {self.k}")
+        if self.drafter not in DRAFTER_KINDS:
+            raise ValueError(f"unknown drafter {self.drafter!r}: known are {', '.join(DRAFTER_KINDS)}")
+        self.per_position = tuple(float(a) for a in self.per_position)
+        if self.acceptance_length:
+            if self.per_position:
+                raise ValueError("give either Speculation.acceptance_length or per_position, not both")
+            check_tau(self.acceptance_length, self.k)
+        elif self.per_position:
+            if len(self.per_position) != self.k:
+                raise ValueError(f"per_position needs k={self.k} values, got {len(self.per_position)}")
+            if not all(0.0 <= a <= 1.0 for a in self.per_position):
+                raise ValueError(f"per_position acceptance values must be in [0, 1], got {self.per_position}")
+        else:
+            raise ValueError("Speculation needs acceptance_length (tau) or per_position acceptance probabilities")
+        if self.adaptive_threshold < 0:
+            raise ValueError(f"adaptive_threshold must be >= 0, got {self.adaptive_threshold}")
+
+    @property
+    def rate(self) -> float:
+        """Constant per-token acceptance equivalent to the given acceptance length (geometric model)."""
+        return rate_from_tau(self.tau(self.k), self.k)
+
+    def tau(self, k: int) -> float:
+        """Acceptance length when speculating `k` <= self.k tokens (positions beyond k are never drafted)."""
+        if not 0 <= k <= self.k:
+            raise ValueError(f"k={k} is outside 0..{self.k}")
+        if self.per_position:
+            return tau_from_positions(self.per_position, k)
+        if k == self.k:
+            return self.acceptance_length
+        return tau_from_rate(rate_from_tau(self.acceptance_length, self.k), k)
+
+
+@dataclass
+class TrainParallel:
+    tp: int = 1
+    """Tensor parallel size of the trainer."""
+    pp: int = 1
+    """Pipeline parallel stages."""
+    ep: int = 1
+    """Expert parallel size (MoE only; carved out of dp * cp * tp, expert tensor parallelism 1)."""
+    cp: int = 1
+    """Context parallel size."""
+    dp: int = 1
+    """Data parallel replicas."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "ep", "cp", "dp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainParallel.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def check(self, m: ModelConfig) -> None:
+        """The layout must divide the model: heads and FFN over TP, experts over EP, at least one layer per
+        pipeline stage (uneven stages are allowed, as Megatron's first/last-stage layer counts allow; the slowest
+        stage sets the pace, see `stages.stage_imbalance`)."""
+        _check_tp(m, self.tp, "train")
+        if self.pp > m.num_hidden_layers:
+            raise ValueError(f"train pp={self.pp} exceeds num_hidden_layers={m.num_hidden_layers}: a pipeline stage "
+                             "needs at least one layer")
+        _check_ep(m, self.ep, "train")
+        if (self.dp * self.cp * self.tp) % self.ep:
+            raise ValueError(f"train ep={self.ep} must divide dp*cp*tp={self.dp * self.cp * self.tp} "
+                             "(experts are spread over the data, context and tensor ranks of a stage)")
+
+
+@dataclass
+class GenParallel:
+    tp: int = 1
+    """GPUs per generation engine (tensor parallel)."""
+    ep: int = 1
+    """Of those, how many the experts are spread over (expert parallel, must divide tp; MoE only)."""
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.ep < 1:
+            raise ValueError(f"GenParallel tp and ep must be >= 1, got tp={self.tp}, ep={self.ep}")
+        if self.tp % self.ep:
+            raise ValueError(f"generation ep={self.ep} must divide tp={self.tp} (experts live inside one engine)")
+
+    def check(self, m: ModelConfig) -> None:
+        _check_tp(m, self.tp, "generation")
+        _check_ep(m, self.ep, "generation")
+
+
+def _check_tp(m: ModelConfig, tp: int, who: str) -> None:
+    if m.num_attention_heads % tp:
+        raise ValueError(f"{who} tp={tp} does not divide num_attention_heads={m.num_attention_heads}")
+    if m.num_key_value_heads % tp and tp % m.num_key_value_heads:
+        raise ValueError(f"{who} tp={tp} and num_key_value_heads={m.num_key_value_heads}: one must divide the "
+                         "other (KV heads are split or replicated across tensor-parallel ranks)")
+    if not m.is_moe and m.intermediate_size % tp:
+        raise ValueError(f"{who} tp={tp} does not divide intermediate_size={m.intermediate_size}")
+
+
+def _check_ep(m: ModelConfig, ep: int, who: str) -> None:
+    if ep > 1 and not m.is_moe:
+        raise ValueError(f"{who} ep={ep} needs an MoE model ({m.model_type} is dense)")
+    if m.is_moe and m.num_experts % ep:
+        raise ValueError(f"{who} ep={ep} does not divide num_experts={m.num_experts}")
+
+
+@dataclass
+class SimConfig:
+    model: str | dict | ModelConfig
+    """Policy architecture: preset name, HF config.json path or dict, or a ModelConfig."""
+    hardware: str
+    """Hardware profile name (h100, h200, b200, gb200, cpu)."""
+    gpus: int
+    """Devices in the job."""
+    workload: Workload
+    """Prompts, group size, lengths."""
+    train: TrainParallel = field(default_factory=TrainParallel)
+    """Trainer layout; its gpus must equal the training share."""
+    gen: GenParallel = field(default_factory=GenParallel)
+    """Layout of one generation engine; engines = generation GPUs / gen.tp."""
+    colocated: bool = True
+    """Generation and training time-share all GPUs (engines sleep during training)."""
+    gen_gpus: int = 0
+    """Disaggregated only: GPUs given to generation; the rest train."""
+    spec: Speculation | None = None
+    """Speculative decoding; None is plain autoregressive decoding."""
+    policy_lag: int = 0
+    """0 = synchronous; L >= 1 = generation of step t+L overlaps training of step t (needs disaggregation)."""
+    gen_dtype_bytes: int = 2
+    """Bytes per weight in the engines (2 = BF16, 1 = FP8 rollouts)."""
+    gpu_memory_utilization: float = 0.85
+    """Fraction of device memory an engine may use for weights, KV cache and workspace."""
+    max_num_seqs: int = 1024
+    """Most sequences one engine runs at once (vLLM's max_num_seqs)."""
+    micro_batch_tokens: int = 16384
+    """Tokens per training micro-batch per data-parallel rank (sequence packing)."""
+    cpu_profile: str = ""
+    """Path of the CPU micro-benchmark JSON when hardware == 'cpu' (default: ~/.cache/megatron_spec)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.workload, dict):
+            self.workload = Workload(**self.workload)
+        self.model_config = resolve_model(self.model)
+        if str(self.hardware).lower() not in (*GPU_PROFILES, "cpu"):
+            raise ValueError(f"unknown hardware {self.hardware!r}: known are {', '.join([*GPU_PROFILES, 'cpu'])}")
+        if self.gpus < 1:
+            raise ValueError(f"gpus must be >= 1, got {self.gpus}")
+        if self.gen_dtype_bytes not in (1, 2, 4):
+            raise ValueError(f"gen_dtype_bytes must be 1 (FP8), 2 (BF16) or 4 (FP32), got {self.gen_dtype_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1 or self.micro_batch_tokens < 1:
+            raise ValueError("max_num_seqs and micro_batch_tokens must be >= 1")
+        if self.policy_lag < 0:
+            raise ValueError(f"policy_lag must be >= 0, got {self.policy_lag}")
+        if self.colocated:
+            if self.policy_lag:
+                raise ValueError("policy_lag > 0 needs a disaggregated placement (colocated=False, gen_gpus=...): "
+                                 "colocated generation and training take turns on the same GPUs")
+            if self.gen_gpus not in (0, self.gpus):
+                raise ValueError("gen_gpus is only for disaggregated placements (colocated=False)")
+            self.gen_gpus = self.gpus
+        elif not 0 < self.gen_gpus < self.gpus:
+            raise ValueError(f"disaggregated placement needs 0 < gen_gpus < gpus={self.gpus}, got {self.gen_gpus}")
+        if self.gen_gpus % self.gen.tp:
+            raise ValueError(f"generation GPUs ({self.gen_gpus}) are not a multiple of gen tp={self.gen.tp}")
+        if self.train.gpus != self.train_gpus:
+            raise ValueError(f"train layout tp*pp*cp*dp = {self.train.gpus} GPUs, but the placement gives training "
+                             f"{self.train_gpus}")
+        self.train.check(self.model_config)
+        self.gen.check(self.model_config)
+
+    @property
+    def train_gpus(self) -> int:
+        return self.gpus if self.colocated else self.gpus - self.gen_gpus
+
+    @property
+    def engines(self) -> int:
+        return self.gen_gpus // self.gen.tp

@@ -1,0 +1,212 @@
+"""A hardware profile of this CPU, measured with torch in about a second and cached as JSON.
+
+The embedded engine decodes on the CPU at float32 with one matrix product per weight matrix, each streamed cold
+from DRAM. A CPU does not overlap that stream with the arithmetic (time grows with the batch from 2 rows on), and
+each output row of a matrix-vector product costs a horizontal reduction and a store. So one linear of N x K
+weights over M tokens takes
+
+    t = 4 N K / dram_bw  +  N * row_s  +  2 M N K / gemm_flops  +  op_overhead_s
+
+and the micro-benchmark fits the three rates (least squares) to timings of cold stacks of matrices (128 MB each,
+far beyond the cache) whose rows per byte vary 16x, at M = 1 and M = 8.
+It also measures tiny operators (add, mul, silu, rms_norm, a 64 x 64 linear) for `op_overhead_s`, and a
+cache-resident 256 x 256 product at M = 1 and M = 8 for `cache_bw` and `cache_flops` (hot weights need no
+per-row term: the reduction hides under the arithmetic). Every timing is the fastest of a few repeats, on the thread's CPU clock
+when single-threaded, which filters out the preemptions of a shared machine. This is the only module of `megatron_spec.sim` that imports torch, and only
+inside `measure`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .hardware import Hardware
+
+DEFAULT_PATH = Path.home() / ".cache" / "megatron_spec" / "cpu_profile.json"
+DEFAULT_THREADS = 2
+
+
+@dataclass(frozen=True)
+class CpuProfile:
+    threads: int
+    """torch intra-op threads the figures were measured with."""
+    op_overhead_s: float
+    """Dispatch cost of one tiny operator, seconds."""
+    dram_bw: float
+    """Weight-streaming bandwidth from DRAM, bytes/s."""
+    cache_bw: float
+    """Weight-streaming bandwidth from the last-level cache, bytes/s."""
+    cache_flops: float
+    """Float32 matmul arithmetic rate with cache-resident weights, FLOP/s."""
+    row_s: float
+    """Cost per output row of a matrix product, seconds."""
+    gemm_flops: float
+    """Float32 matmul arithmetic rate, FLOP/s."""
+    cache_bytes: float
+    """Last-level cache size, bytes."""
+    mem_bytes: float
+    """Physical memory, bytes."""
+    machine: str = ""
+    """Processor / platform description, to notice a profile copied from another machine."""
+
+    def __post_init__(self) -> None:
+        for name in ("op_overhead_s", "dram_bw", "cache_bw", "cache_flops", "row_s", "gemm_flops", "mem_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"CpuProfile.{name} must be > 0, got {getattr(self, name)}")
+
+    def to_hardware(self) -> Hardware:
+        """The profile as a `Hardware` for the roofline: no overlap, per-operator overhead, one device."""
+        return Hardware(
+            name="cpu", flops_bf16=self.gemm_flops, mem_bw=self.dram_bw, mem_bytes=self.mem_bytes,
+            link_bw=2 * self.dram_bw, domain_size=1, net_bw=self.dram_bw, fp8_speedup=1.0,
+            op_overhead_s=self.op_overhead_s, is_gpu=False, overlap=False, cache_bytes=self.cache_bytes,
+            cache_bw=self.cache_bw, cache_flops=self.cache_flops, row_s=self.row_s,
+        )
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CpuProfile":
+        data = json.loads(Path(path).read_text())
+        return cls(**data)
+
+
+def _last_level_cache() -> float:
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        scale = {"K": 2 ** 10, "M": 2 ** 20}.get(text[-1:], 1)
+        sizes.append(float(text.rstrip("KM")) * scale)
+    return max(sizes) if sizes else 8 * 2 ** 20
+
+
+def _mem_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2 ** 30
+
+
+def clock_for(threads: int):
+    """The clock to time `threads`-thread work with: the thread's own CPU time when torch runs single-threaded (a
+    shared machine's preemptions then cost nothing), wall time otherwise."""
+    return time.thread_time if threads == 1 else time.perf_counter
+
+
+def min_time(fn, repeats: int, warmup: int = 2, clock=time.perf_counter) -> float:
+    """Fastest of `repeats` calls, seconds."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = clock()
+        fn()
+        best = min(best, clock() - t0)
+    return best
+
+
+# Cold-stack shapes (rows N, columns K, tokens M): rows per byte vary 16x across the M = 1 shapes, which separates
+# the per-row cost from the bandwidth; the M = 8 shapes add arithmetic.
+COLD_SHAPES = ((4096, 256, 1), (2048, 512, 1), (1024, 1024, 1), (512, 2048, 1), (256, 4096, 1), (2048, 512, 8),
+               (256, 4096, 8))
+MAX_FIT_ERROR = 0.30  # a timing further than this from the fitted model means the measurement was disturbed
+COLD_BYTES = 128 * 2 ** 20  # per stack: 4x a large last-level cache, and as long to stream as a small model's step
+
+
+def _least_squares(rows: list[list[float]], y: list[float]) -> list[float]:
+    """Solve min |A x - y| for three unknowns via the normal equations, each column scaled to unit size."""
+    scale = [max(abs(r[j]) for r in rows) for j in range(3)]
+    a = [[r[j] / scale[j] for j in range(3)] for r in rows]
+    ata = [[sum(r[i] * r[j] for r in a) for j in range(3)] for i in range(3)]
+    aty = [sum(r[i] * v for r, v in zip(a, y)) for i in range(3)]
+
+    def det(m: list[list[float]]) -> float:
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+
+    d = det(ata)
+    x = [det([[aty[r] if c == i else ata[r][c] for c in range(3)] for r in range(3)]) / d for i in range(3)]
+    return [xi / si for xi, si in zip(x, scale)]
+
+
+def measure(threads: int = DEFAULT_THREADS) -> CpuProfile:
+    """Run the micro-benchmark (about a second) with `threads` torch threads; restores the thread count."""
+    import torch
+    import torch.nn.functional as F
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    clock = clock_for(threads)
+    try:
+        with torch.inference_mode():
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(1, 64, generator=gen)
+            w64 = torch.randn(64, 64, generator=gen)
+            norm_w = torch.ones(64)
+            tiny = [lambda: x + x, lambda: x * x, lambda: F.silu(x), lambda: F.rms_norm(x, (64,), norm_w),
+                    lambda: F.linear(x, w64)]
+            overhead = sum(min_time(op, 300, clock=clock) for op in tiny) / len(tiny)
+
+            def stack_time(n: int, k: int, m: int) -> float:
+                # Separately allocated matrices, as a model's are: the prefetcher cannot run from one into the next.
+                mats = [torch.rand(n, k, generator=gen) for _ in range(COLD_BYTES // (4 * n * k))]
+                xin = torch.rand(m, k, generator=gen)
+
+                def run() -> None:
+                    for mat in mats:
+                        F.linear(xin, mat)
+
+                return min_time(run, 5, warmup=1, clock=clock) / len(mats) - overhead
+
+            # Unknowns (1/dram_bw, row_s, 1/gemm_flops); each row: bytes, output rows, FLOPs of one matrix.
+            coeffs = [[4.0 * n * k, float(n), 2.0 * m * n * k] for n, k, m in COLD_SHAPES]
+            times = [stack_time(*shape) for shape in COLD_SHAPES]
+            inv_bw, row_s, inv_flops = _least_squares(coeffs, times)
+            fit = [c[0] * inv_bw + c[1] * row_s + c[2] * inv_flops for c in coeffs]
+            worst = max(abs(f / t - 1) for f, t in zip(fit, times))
+            if inv_bw <= 0 or inv_flops <= 0 or worst > MAX_FIT_ERROR:
+                raise ValueError(f"CPU micro-benchmark with {threads} threads does not fit the linear cost model "
+                                 f"(worst timing off by {100 * worst:.0f} %): the machine is probably busy; "
+                                 "re-run `megatron-spec simulate --calibrate-cpu --threads 1` or on an idle machine")
+            dram_bw, gemm_flops = 1 / inv_bw, 1 / inv_flops
+
+            # Cache resident: t = bytes / cache_bw + FLOPs / cache_flops, from M = 1 and M = 8 (two unknowns).
+            small = torch.rand(256, 256, generator=gen)  # 256 KB: stays in the core's cache between calls
+            x1, x8 = torch.rand(1, 256, generator=gen), torch.rand(8, 256, generator=gen)
+            t1 = min_time(lambda: F.linear(x1, small), 200, clock=clock) - overhead
+            t8 = min_time(lambda: F.linear(x8, small), 200, clock=clock) - overhead
+            cache_flops = 2 * 7 * small.numel() / max(t8 - t1, 1e-9)
+            cache_bw = small.numel() * 4 / max(t1 - 2 * small.numel() / cache_flops, 1e-9)
+    finally:
+        torch.set_num_threads(previous)
+    return CpuProfile(threads=threads, op_overhead_s=overhead, dram_bw=dram_bw, cache_bw=max(cache_bw, dram_bw),
+                      cache_flops=cache_flops, row_s=max(row_s, 1e-12), gemm_flops=gemm_flops,
+                      cache_bytes=_last_level_cache(), mem_bytes=_mem_bytes(),
+                      machine=f"{platform.machine()} {platform.processor()} {os.cpu_count()} cpus".strip())
+
+
+def load_or_measure(path: str | Path | None = None, threads: int | None = None,
+                    remeasure: bool = False) -> CpuProfile:
+    """The cached profile at `path` (default ~/.cache/megatron_spec/cpu_profile.json); measured (with `threads`,
+    default 2) and written there if missing, if `threads` is given and differs from the cached one, or if
+    `remeasure` is set."""
+    path = Path(path) if path else DEFAULT_PATH
+    if path.is_file() and not remeasure:
+        profile = CpuProfile.load(path)
+        if threads is None or profile.threads == threads:
+            return profile
+    profile = measure(threads or DEFAULT_THREADS)
+    profile.save(path)
+    return profile

@@ -1,0 +1,147 @@
+"""Projection: Qwen3-235B-A22B GRPO on GB200 and H100 clusters, sync and async, with and without speculation.
+
+The reference paper projects ~2.5x end to end for async (lag 2) + speculation (k=5, acceptance 4) on 2048 GB200
+with a rollout batch of 4096 and FP8 rollouts, from a simulator it does not publish. Here the same question goes
+through the model validated on its 8B runs:
+
+- workload: 4096 rollouts per step (256 prompts x 16), FP8 engine weights, and the response-length distribution
+  inferred from the paper's RL-Think AR run (validation (a)), so lengths are not a free knob;
+- training layout: NeMo-RL's GRPO Qwen3-235B recipe, TP2 PP8 CP2 EP16 (ANCHORS.md), data parallel over the rest;
+- engines: TP8 with the experts spread over the same 8 GPUs (EP8) -- 29 GB of FP8 weights per GPU;
+- sync runs are colocated on all GPUs; async runs are disaggregated, with the generation / training split that
+  gives each variant (AR or speculative) its own best step time, so speculation is not handicapped by a split
+  chosen for AR.
+
+Speedups are against synchronous autoregressive generation on the same number of GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .config import GenParallel, LengthDist, SimConfig, Speculation, TrainParallel, Workload
+from .pipeline import StepResult, simulate
+from .reference import PAPER_AR_STAGES, ReferenceSetup, infer_mean_length
+
+MODEL = "qwen3-235b-a22b"
+TRAIN_TP, TRAIN_PP, TRAIN_CP, TRAIN_EP = 2, 8, 2, 16
+GEN_TP = 8
+GEN_FRACTIONS = (0.25, 0.375, 0.5, 0.625, 0.75, 0.875)
+
+
+@lru_cache(maxsize=1)
+def projection_workload() -> Workload:
+    """4096 rollouts with the RL-Think length distribution inferred from the paper's 8B AR gen time."""
+    setup = ReferenceSetup()
+    mean = infer_mean_length(setup, PAPER_AR_STAGES["think"]["gen"])
+    return Workload(prompts_per_step=256, group_size=16, prompt_len=setup.prompt_len,
+                    response=LengthDist(mean=mean, max_tokens=setup.max_tokens, sigma=setup.sigma))
+
+
+def projection_config(hardware: str, gpus: int, lag: int = 0, spec: Speculation | None = None,
+                      gen_gpus: int = 0, workload: Workload | None = None) -> SimConfig:
+    """The 235B configuration: colocated when lag == 0, else disaggregated with `gen_gpus` generating."""
+    train_gpus = gpus if lag == 0 else gpus - gen_gpus
+    per_replica = TRAIN_TP * TRAIN_PP * TRAIN_CP
+    train = TrainParallel(tp=TRAIN_TP, pp=TRAIN_PP, cp=TRAIN_CP, ep=TRAIN_EP, dp=max(train_gpus // per_replica, 1))
+    return SimConfig(model=MODEL, hardware=hardware, gpus=gpus, workload=workload or projection_workload(),
+                     train=train, gen=GenParallel(tp=GEN_TP, ep=GEN_TP), colocated=lag == 0,
+                     gen_gpus=0 if lag == 0 else gen_gpus, spec=spec, policy_lag=lag, gen_dtype_bytes=1)
+
+
+def best_async(hardware: str, gpus: int, lag: int, spec: Speculation | None,
+               workload: Workload | None = None) -> tuple[SimConfig, StepResult]:
+    """The disaggregated split (from GEN_FRACTIONS, training GPUs a multiple of one EP-complete replica set)
+    with the shortest step."""
+    dp_unit = TRAIN_EP // math.gcd(TRAIN_EP, TRAIN_CP * TRAIN_TP)  # ep must divide dp*cp*tp
+    unit = TRAIN_TP * TRAIN_PP * TRAIN_CP * dp_unit
+    best = None
+    for frac in GEN_FRACTIONS:
+        train_gpus = round(gpus * (1 - frac) / unit) * unit
+        if not 0 < train_gpus < gpus:
+            continue
+        cfg = projection_config(hardware, gpus, lag, spec, gpus - train_gpus, workload)
+        try:
+            res = simulate(cfg)
+        except ValueError:
+            continue  # this split does not fit in memory
+        if best is None or res.step_s < best[1].step_s:
+            best = (cfg, res)
+    if best is None:
+        raise ValueError(f"no generation/training split of {gpus} {hardware} GPUs fits Qwen3-235B-A22B")
+    return best
+
+
+@dataclass(frozen=True)
+class ProjectionRow:
+    hardware: str
+    """GPU profile."""
+    gpus: int
+    """GPUs in the job."""
+    lag: int
+    """Policy lag (0 = synchronous, colocated)."""
+    k: int
+    """Speculative tokens (0 = autoregressive)."""
+    tau: float
+    """Acceptance length (1 when autoregressive)."""
+    gen_gpus: int
+    """GPUs generating (all of them when colocated)."""
+    gen_s: float
+    """Generation seconds per step as the generation side runs it."""
+    step_s: float
+    """Seconds per RL step."""
+    exposed_gen_s: float
+    """Generation the training side waits for."""
+    rollout_speedup: float
+    """Sync AR gen seconds / this gen seconds (same GPU count)."""
+    e2e_speedup: float
+    """Sync AR step seconds / this step seconds (same GPU count)."""
+
+
+def run(hardware: str, gpus: int, lag: int, k: int = 0, tau: float = 1.0,
+        workload: Workload | None = None) -> ProjectionRow:
+    """One projection point, with its speedups against sync AR on the same GPUs."""
+    spec = Speculation(k=k, acceptance_length=tau) if k else None
+    base = simulate(projection_config(hardware, gpus, 0, None, workload=workload))
+    if lag == 0:
+        cfg = projection_config(hardware, gpus, 0, spec, workload=workload)
+        res = simulate(cfg)
+    else:
+        cfg, res = best_async(hardware, gpus, lag, spec, workload)
+    return ProjectionRow(hardware, gpus, lag, k, tau if k else 1.0, cfg.gen_gpus, res.stages["gen"], res.step_s,
+                         res.exposed_gen_s, base.stages["gen"] / res.stages["gen"], base.step_s / res.step_s)
+
+
+def headline(hardwares: tuple[str, ...] = ("gb200", "h100")) -> list[ProjectionRow]:
+    """The paper's two projected points (sync on 512 GPUs, async lag 2 on 2048) with and without speculation
+    at k=5, acceptance 4, on each hardware."""
+    rows = []
+    for hw in hardwares:
+        for gpus, lag in ((512, 0), (2048, 2)):
+            rows.append(run(hw, gpus, lag))
+            rows.append(run(hw, gpus, lag, k=5, tau=4.0))
+    return rows
+
+
+def sensitivity(hardware: str = "gb200", gpus: int = 2048, taus: tuple[float, ...] = (2.0, 3.0, 4.0, 5.0),
+                lags: tuple[int, ...] = (0, 1, 2, 4), k: int = 5) -> dict[tuple[int, float], float]:
+    """End-to-end speedup against sync AR for each (policy lag, acceptance length) at k; tau 1 means no
+    speculation."""
+    out = {}
+    for lag in lags:
+        out[(lag, 1.0)] = run(hardware, gpus, lag).e2e_speedup
+        for tau in taus:
+            out[(lag, tau)] = run(hardware, gpus, lag, k=k, tau=tau).e2e_speedup
+    return out
+
+
+def format_rows(rows: list[ProjectionRow]) -> str:
+    head = f"{'hw':6} {'gpus':>5} {'lag':>3} {'k':>2} {'tau':>4} {'gen_gpus':>8} {'gen_s':>7} {'step_s':>7} " \
+           f"{'exposed':>7} {'rollout_x':>9} {'e2e_x':>6}"
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r.hardware:6} {r.gpus:5d} {r.lag:3d} {r.k:2d} {r.tau:4.1f} {r.gen_gpus:8d} {r.gen_s:7.1f} "
+                     f"{r.step_s:7.1f} {r.exposed_gen_s:7.1f} {r.rollout_speedup:9.2f} {r.e2e_speedup:6.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""Validation case (a): the reference paper's Qwen3-8B GRPO runs on 32 GB200 (arXiv 2604.26779, ANCHORS.md).
+
+Inputs are what the paper reports for its autoregressive runs -- the five stage times -- plus the acceptance length
+of each speculative run and its k. Outputs are the speculative columns. The paper does not state its rollout
+batch or response lengths, so the setup below fixes what it does state (model, GPUs, drafter kind) and makes
+explicit, shared assumptions for the rest; the one unknown that the AR gen time pins down -- the mean response
+length -- is solved for per workload (RL-Think, RL-Zero) from that AR time, then reused unchanged for every k.
+
+Non-gen stages of the speculative run: `data`, `logprob` and `train` are unchanged (the drafter was trained
+offline, so `train` has no drafter term); `prepare` refits the drafter too, so it grows by the drafter's share of
+the refit bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import GenParallel, LengthDist, SimConfig, Speculation, TrainParallel, Workload
+from .memory import memory_report
+from .pipeline import build, generation
+from .stages import refit_bytes
+
+# What the paper reports (ANCHORS.md). AR stage times are inputs; the speculative figures are only compared with.
+PAPER_AR_STAGES = {
+    "think": {"data": 0.3, "prepare": 2.1, "gen": 133.6, "logprob": 17.9, "train": 31.4},
+    "zero": {"data": 0.2, "prepare": 1.9, "gen": 100.0, "logprob": 17.8, "train": 31.3},
+}
+PAPER_SPEC_K3 = {"think": {"gen": 87.0, "total": 137.4}, "zero": {"gen": 56.6, "total": 107.5}}
+PAPER_TAU = {"think": {3: 2.77, 5: 3.23, 7: 3.48}, "zero": {3: 3.32, 5: 4.35, 7: 5.06}}
+PAPER_GEN_SPEEDUP = {"think": {3: 1.53, 5: 0.84, 7: 0.71}, "zero": {3: 1.77, 5: 1.44, 7: 1.21}}
+
+
+@dataclass(frozen=True)
+class ReferenceSetup:
+    """The paper's 8B setup: stated facts, then our assumptions for what it leaves out."""
+
+    model: str = "qwen3-8b"
+    """Stated: Qwen3-8B policy."""
+    hardware: str = "gb200"
+    """Stated: GB200."""
+    gpus: int = 32
+    """Stated: 32 GPUs, synchronous, colocated (NeMo-RL's default placement)."""
+    drafter: str = "eagle3"
+    """Stated: an EAGLE-3 head (one layer, 32k draft vocabulary as in public heads)."""
+    rollouts: int = 4096
+    """Assumed: 256 prompts x 16 responses -- the rollout batch the paper states for its simulated runs."""
+    prompt_len: int = 200
+    """Assumed: DAPO-Math prompts with the chat template, ~200 tokens."""
+    max_tokens: int = 16384
+    """Assumed: a 16k response cap, DAPO's budget without its overlong buffer."""
+    sigma: float = 0.8
+    """Assumed: log-normal spread of response lengths (a long tail; 1-5 % of responses reach the cap)."""
+    gen_tp: int = 1
+    """Assumed: one vLLM engine per GPU (an 8B model fits a GB200 with room for KV)."""
+    gpu_memory_utilization: float = 0.6
+    """Assumed: NeMo-RL's colocated default for vLLM's share of memory."""
+
+    def config(self, mean_len: float, spec: Speculation | None = None) -> SimConfig:
+        workload = Workload(prompts_per_step=self.rollouts // 16, group_size=16, prompt_len=self.prompt_len,
+                            response=LengthDist(mean=mean_len, max_tokens=self.max_tokens, sigma=self.sigma))
+        return SimConfig(model=self.model, hardware=self.hardware, gpus=self.gpus, workload=workload,
+                         train=TrainParallel(dp=self.gpus), gen=GenParallel(tp=self.gen_tp), spec=spec,
+                         gpu_memory_utilization=self.gpu_memory_utilization)
+
+
+def gen_seconds(setup: ReferenceSetup, mean_len: float, spec: Speculation | None = None) -> float:
+    """Simulated gen stage of the reference setup."""
+    cfg = setup.config(mean_len, spec)
+    hw, cal, target, drafter = build(cfg)
+    return generation(cfg, hw, cal, target, drafter, memory_report(cfg, hw, target, drafter)).time_s
+
+
+def infer_mean_length(setup: ReferenceSetup, ar_gen_s: float) -> float:
+    """The mean response length at which the simulated autoregressive gen takes `ar_gen_s` (bisection: gen time
+    grows with every token generated)."""
+    lo, hi = 16.0, 4.0 * setup.max_tokens
+    if gen_seconds(setup, hi) < ar_gen_s:
+        raise ValueError(f"AR gen time {ar_gen_s} s is longer than the setup can produce even at the length cap")
+    for _ in range(40):
+        mid = (lo * hi) ** 0.5
+        if gen_seconds(setup, mid) < ar_gen_s:
+            lo = mid
+        else:
+            hi = mid
+    return (lo * hi) ** 0.5
+
+
+@dataclass(frozen=True)
+class SpecPrediction:
+    stages: dict[str, float]
+    """Predicted speculative stage times, seconds."""
+    mean_len: float
+    """Mean response length inferred from the AR gen time (before the cap)."""
+    gen_speedup: float
+    """AR gen / speculative gen."""
+    e2e_speedup: float
+    """AR step / speculative step."""
+
+    @property
+    def total(self) -> float:
+        return sum(self.stages.values())
+
+
+def predict_spec_run(ar_stages: dict[str, float], tau: float, k: int,
+                     setup: ReferenceSetup = ReferenceSetup(), mean_len: float | None = None) -> SpecPrediction:
+    """Predict the speculative run's stage times from the AR run's and the acceptance length at k."""
+    mean_len = mean_len or infer_mean_length(setup, ar_stages["gen"])
+    spec = Speculation(k=k, acceptance_length=tau, drafter=setup.drafter)
+    cfg = setup.config(mean_len, spec)
+    _, _, target, drafter = build(cfg)
+    refit_growth = refit_bytes(cfg, target, drafter) / refit_bytes(cfg, target, None)
+    gen = gen_seconds(setup, mean_len, spec)
+    stages = dict(ar_stages, gen=gen, prepare=ar_stages["prepare"] * refit_growth)
+    return SpecPrediction(stages=stages, mean_len=mean_len, gen_speedup=ar_stages["gen"] / gen,
+                          e2e_speedup=sum(ar_stages.values()) / sum(stages.values()))
+
+
+def k_sweep(workload: str, setup: ReferenceSetup = ReferenceSetup()) -> dict[int, float]:
+    """Predicted gen speedup at each k of the paper's sweep, with the paper's acceptance length at that k."""
+    ar = PAPER_AR_STAGES[workload]
+    mean_len = infer_mean_length(setup, ar["gen"])
+    return {k: predict_spec_run(ar, tau, k, setup, mean_len).gen_speedup for k, tau in PAPER_TAU[workload].items()}

@@ -1,0 +1,85 @@
+"""Time of one forward pass of one inference engine: a roofline per kernel family plus collectives and overhead.
+
+    linear    max(weight bytes / BW, 2 * active params * tokens / FLOPs)     weights read once for the whole batch
+    attention max(KV bytes / BW,     attention FLOPs / FLOPs)                 KV read once per sequence, shared by
+                                                                              its k+1 verify queries
+    sampler   tokens * vocab * 4 bytes * 2 / BW                               write + read the float32 logits
+    comm      2 all-reduces per layer over TP, 2 all-to-alls per MoE layer over EP
+    overhead  a fixed cost per forward (GPU) or per operator (CPU)
+
+Each family is its own roofline (they run as separate kernels, one after the other), so the sum of maxima is used
+rather than one max over the whole pass. On a profile without overlap (the CPU) "max" becomes "sum", and weights
+that fit in the last-level cache stream at the cache's bandwidth (`Hardware.roof`, `Hardware.linear_rates`).
+All figures are per GPU of a `tp`-wide engine: weights, KV heads and FLOPs split `tp` ways. MoE expert bytes count only the experts the batch touches (`CostShape.experts_touched`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .calibration import Calibration
+from .hardware import Hardware
+from .shapes import CostShape
+
+ACT_BYTES = 2  # activations move between GPUs in BF16
+LOGIT_BYTES = 4  # samplers work on float32 logits
+
+
+def linear_time(shape: CostShape, hw: Hardware, cal: Calibration, tokens: float, tp: int, dtype_bytes: float) -> float:
+    """Dense + expert GEMMs of one forward over `tokens` tokens."""
+    expert_bytes = shape.moe_layers * shape.experts_touched(tokens) * shape.expert_params
+    weight_bytes = (shape.dense_params + expert_bytes) * dtype_bytes / tp
+    stored = shape.total_params * dtype_bytes / tp  # what must stay cache-resident for weights to hit the cache
+    bw, peak, row_s = hw.linear_rates(stored, dtype_bytes)
+    flops = 2.0 * shape.active_params * tokens / tp
+    rows = (shape.out_rows + shape.moe_layers * shape.experts_touched(tokens) * shape.expert_out_rows) / tp
+    return hw.roof(weight_bytes / (bw * cal.mem_eff), flops / (peak * cal.gemm_eff)) + rows * row_s
+
+
+def attention_time(shape: CostShape, hw: Hardware, cal: Calibration, q_tokens: float, ctx_tokens: float,
+                   tp: int, dtype_bytes: float) -> float:
+    """Attention of `q_tokens` query tokens per sequence over `ctx_tokens` context tokens summed over sequences.
+
+    KV heads split over at most `kv_heads` ranks; past that they are replicated, so a rank holds ceil(kv/tp)."""
+    kv_share = math.ceil(shape.kv_heads / tp) / shape.kv_heads
+    kv_bytes = ctx_tokens * shape.kv_bytes_per_token * kv_share
+    flops = shape.attn_flops_per_token_ctx * q_tokens * ctx_tokens / tp
+    attn_flops = hw.flops(max(dtype_bytes, 2))  # attention stays in BF16 even with FP8 weights
+    return hw.roof(kv_bytes / (hw.mem_bw * cal.mem_eff), flops / (attn_flops * cal.gemm_eff))
+
+
+def collective_time(hw: Hardware, cal: Calibration, shape: CostShape, tokens: float, tp: int, ep: int) -> float:
+    """Tensor-parallel all-reduces (ring: 2 (tp-1)/tp of the buffer per rank) and expert all-to-alls."""
+    total = 0.0
+    if tp > 1:
+        buf = tokens * shape.hidden * ACT_BYTES
+        per_call = cal.collective_latency_s + 2 * (tp - 1) / tp * buf / (hw.collective_bw(tp) * cal.link_eff)
+        total += 2 * shape.layers * per_call
+    if ep > 1 and shape.moe_layers:
+        buf = tokens * shape.top_k * shape.hidden * ACT_BYTES * (ep - 1) / ep / tp
+        per_call = cal.collective_latency_s + buf / (hw.collective_bw(ep) * cal.link_eff)
+        total += 2 * shape.moe_layers * per_call
+    return total
+
+
+def overhead_time(shape: CostShape, hw: Hardware, cal: Calibration) -> float:
+    """Fixed cost of one forward: per forward on a GPU (CUDA graphs), per operator on the CPU (eager)."""
+    if hw.is_gpu:
+        return cal.forward_overhead_s
+    return (shape.layers * cal.ops_per_layer + 4) * hw.op_overhead_s
+
+
+def forward_time(shape: CostShape, hw: Hardware, cal: Calibration, n_seqs: float, q_tokens: float,
+                 ctx_tokens: float, tp: int = 1, ep: int = 1, dtype_bytes: float = 2,
+                 sample: bool = True) -> float:
+    """Seconds for one forward of `n_seqs` sequences with `q_tokens` new tokens each over `ctx_tokens` total
+    context; `sample` adds the sampler's pass over the logits of every new token."""
+    if n_seqs <= 0:
+        return 0.0
+    tokens = n_seqs * q_tokens
+    t = linear_time(shape, hw, cal, tokens, tp, dtype_bytes)
+    t += attention_time(shape, hw, cal, q_tokens, ctx_tokens, tp, dtype_bytes)
+    if sample:
+        t += tokens * shape.vocab * LOGIT_BYTES * 2 / (hw.mem_bw * cal.mem_eff)
+    t += collective_time(hw, cal, shape, tokens, tp, ep)
+    return t + overhead_time(shape, hw, cal)

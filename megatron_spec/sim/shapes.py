@@ -1,0 +1,157 @@
+"""What one forward pass of a network costs, in parameters, bytes and FLOPs, before any hardware is involved.
+
+`CostShape` condenses a `ModelConfig` (target or drafter) into the handful of numbers the roofline needs:
+
+- weights every forward reads whatever the batch (attention projections, dense MLPs, router, LM head);
+- MoE experts, read only when a token in the batch is routed to them (see `experts_touched`);
+- KV-cache bytes per token of context, and attention FLOPs per (query token x context token).
+
+Norms, biases and RoPE are left out: they are well under 0.1 % of the bytes and FLOPs of every preset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_spec.models.config import ModelConfig
+from megatron_spec.models.presets import preset
+
+# Public EAGLE-3 heads (e.g. for Llama-3.1-8B, Qwen3-8B) predict over a reduced 32k-token draft vocabulary.
+EAGLE3_DRAFT_VOCAB = 32000
+DRAFTER_KINDS = ("eagle3", "mtp", "model", "ngram")
+
+
+@dataclass(frozen=True)
+class CostShape:
+    name: str
+    """Human-readable name (preset or drafter kind)."""
+    layers: int
+    """Decoder layers; each adds two tensor-parallel all-reduces per forward."""
+    hidden: int
+    """Residual width: the size of activations that collectives move per token."""
+    dense_params: float
+    """Parameters every forward reads regardless of batch size (attention, dense MLPs, routers, LM head)."""
+    moe_layers: int
+    """Layers whose MLP is a mixture of experts."""
+    experts: int
+    """Routed experts per MoE layer (0 for dense models)."""
+    top_k: int
+    """Experts per token."""
+    expert_params: float
+    """Parameters of one expert (gate, up and down projections)."""
+    kv_heads: int
+    """Key/value heads per layer: the KV cache splits over at most this many tensor-parallel ranks."""
+    kv_bytes_per_token: float
+    """KV-cache bytes one token of context occupies, all layers, at `kv_dtype_bytes`."""
+    attn_flops_per_token_ctx: float
+    """Attention FLOPs (QK^T and PV) per query token per context token, all layers."""
+    vocab: int
+    """Output rows of the LM head (the sampler reads one float per row per query token)."""
+    embed_params: float
+    """Embedding-table parameters: stored (and refit) but only a few rows read per forward."""
+    out_rows: float = 0.0
+    """Output features summed over the always-read matrices (a CPU pays a reduction per row, `Hardware.row_s`)."""
+    expert_out_rows: float = 0.0
+    """Output features of one expert's matrices."""
+
+    @property
+    def total_params(self) -> float:
+        """Every stored parameter (memory, refit bytes, optimizer states)."""
+        return self.dense_params + self.moe_layers * self.experts * self.expert_params + self.embed_params
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token multiplies (training and prefill FLOPs are 2x / 6x this per token)."""
+        return self.dense_params + self.moe_layers * self.top_k * self.expert_params
+
+    def experts_touched(self, tokens: float) -> float:
+        """Expected distinct experts per MoE layer that `tokens` routed tokens read.
+
+        With uniform routing each expert is missed by one token with probability 1 - top_k/E, so by all tokens
+        with (1 - top_k/E)^tokens: E (1 - (1 - top_k/E)^tokens). Verifying k+1 tokens per sequence therefore
+        reads more expert weights than decoding one (ANCHORS.md, Theory).
+        """
+        if not self.experts:
+            return 0.0
+        return self.experts * (1.0 - (1.0 - self.top_k / self.experts) ** max(tokens, 0.0))
+
+
+def _attention_params(m: ModelConfig, in_width: int) -> float:
+    q = m.num_attention_heads * m.head_dim
+    kv = m.num_key_value_heads * m.head_dim
+    return in_width * (q + 2 * kv) + q * m.hidden_size
+
+
+def _attention_rows(m: ModelConfig) -> float:
+    return (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim + m.hidden_size
+
+
+def shape_of(m: ModelConfig, name: str = "model", kv_dtype_bytes: float = 2) -> CostShape:
+    """The cost shape of a full decoder (target policy or a separate draft model)."""
+    h = m.hidden_size
+    moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
+    dense_layers = m.num_hidden_layers - moe_layers
+    attn = _attention_params(m, h) * m.num_hidden_layers
+    mlp = 3 * h * m.intermediate_size * dense_layers
+    router = h * m.num_experts * moe_layers
+    head = m.vocab_size * h  # read every forward even when tied to the embedding
+    return CostShape(
+        name=name, layers=m.num_hidden_layers, hidden=h, dense_params=attn + mlp + router + head,
+        moe_layers=moe_layers, experts=m.num_experts, top_k=m.num_experts_per_tok,
+        expert_params=3 * h * m.moe_intermediate_size, kv_heads=m.num_key_value_heads,
+        kv_bytes_per_token=2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * kv_dtype_bytes,
+        attn_flops_per_token_ctx=4 * m.num_hidden_layers * m.num_attention_heads * m.head_dim,
+        vocab=m.vocab_size, embed_params=0 if m.tie_word_embeddings else m.vocab_size * h,
+        out_rows=_attention_rows(m) * m.num_hidden_layers + (2 * m.intermediate_size + h) * dense_layers
+        + m.num_experts * moe_layers + m.vocab_size,
+        expert_out_rows=2 * m.moe_intermediate_size + h,
+    )
+
+
+def drafter_shape(target: ModelConfig, kind: str, draft_model: str = "", layers: int = 1,
+                  draft_vocab: int = 0, kv_dtype_bytes: float = 2) -> CostShape | None:
+    """The cost shape of one draft forward; None for drafters that use no accelerator (n-gram / history).
+
+    - eagle3: `layers` decoder layers whose q/k/v read [embedding, hidden] (2H wide), an fc fusing three target
+      hidden states (3H -> H) and an LM head over `draft_vocab` rows (32k in public heads). Its embedding is the
+      target's, so it adds no stored embedding.
+    - mtp: `layers` modules, each a 2H -> H projection and one decoder layer like the target's (MoE if the
+      target is MoE), sharing the target's full-vocabulary LM head.
+    - model: a separate draft model, `draft_model` being a preset name.
+    """
+    if kind not in DRAFTER_KINDS:
+        raise ValueError(f"unknown drafter kind {kind!r}: known are {', '.join(DRAFTER_KINDS)}")
+    if kind == "ngram":
+        return None
+    if kind == "model":
+        if not draft_model:
+            raise ValueError("drafter kind 'model' needs a draft model preset name (e.g. tiny-draft)")
+        return shape_of(preset(draft_model), name=draft_model, kv_dtype_bytes=kv_dtype_bytes)
+    if layers < 1:
+        raise ValueError(f"drafter layers must be >= 1, got {layers}")
+    t = shape_of(target, kv_dtype_bytes=kv_dtype_bytes)
+    h = target.hidden_size
+    per_layer_kv = t.kv_bytes_per_token / t.layers
+    per_layer_attn = t.attn_flops_per_token_ctx / t.layers
+    ffn = target.intermediate_size or 4 * h
+    if kind == "eagle3":
+        vocab = draft_vocab or min(EAGLE3_DRAFT_VOCAB, target.vocab_size)
+        dense = layers * (_attention_params(target, 2 * h) + 3 * h * ffn) + 3 * h * h + vocab * h
+        return CostShape(
+            name="eagle3", layers=layers, hidden=h, dense_params=dense, moe_layers=0, experts=0, top_k=0,
+            expert_params=0, kv_heads=t.kv_heads, kv_bytes_per_token=layers * per_layer_kv,
+            attn_flops_per_token_ctx=layers * per_layer_attn, vocab=vocab, embed_params=0,
+            out_rows=layers * (_attention_rows(target) + 2 * ffn + h) + h + vocab,
+        )
+    # mtp: one target-like layer per module; experts only if the target's layers are MoE.
+    moe = target.is_moe
+    dense = layers * (_attention_params(target, h) + 2 * h * h + (h * t.experts if moe else 3 * h * ffn))
+    dense += target.vocab_size * h
+    return CostShape(
+        name="mtp", layers=layers, hidden=h, dense_params=dense, moe_layers=layers if moe else 0,
+        experts=t.experts, top_k=t.top_k, expert_params=t.expert_params, kv_heads=t.kv_heads,
+        kv_bytes_per_token=layers * per_layer_kv, attn_flops_per_token_ctx=layers * per_layer_attn,
+        vocab=target.vocab_size, embed_params=0,
+        out_rows=layers * (_attention_rows(target) + h + (t.experts if moe else 2 * ffn + h)) + target.vocab_size,
+        expert_out_rows=t.expert_out_rows,
+    )

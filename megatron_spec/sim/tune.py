@@ -1,0 +1,241 @@
+"""Tuner: search parallelism, generation/training split, k and adaptive thresholds for the most tokens trained
+per second per GPU, keeping only configurations that fit in memory.
+
+The search factorises the way the step does: the training side (data + logprob + train) depends only on the
+trainer layout and its GPU count, generation only on the engine layout, the engine count, k and the controller.
+So each training layout and each generation variant is simulated once per GPU share and the two are combined
+with `pipeline.compose`, instead of simulating the full product.
+
+For k other than the one the user measured, acceptance follows the constant per-token model: the per-token rate
+is solved from the given acceptance length and re-expanded as (1 - a^(k+1)) / (1 - a) (acceptance.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+from .acceptance import tau_from_rate
+from .config import GenParallel, SimConfig, Speculation, TrainParallel, Workload
+from .hardware import Hardware
+from .memory import fits, memory_report
+from .pipeline import StepResult, build, compose, generation
+from .shapes import CostShape
+from .stages import data_time, logprob_time, prepare_time, train_time
+
+
+@dataclass(frozen=True)
+class TuneSpace:
+    gen_tp: tuple[int, ...] = (1, 2, 4, 8)
+    """Engine tensor-parallel sizes to try (MoE engines also try EP = TP)."""
+    train_tp: tuple[int, ...] = (1, 2, 4, 8)
+    """Trainer tensor-parallel sizes."""
+    train_pp: tuple[int, ...] = (1, 2, 4, 8, 16)
+    """Pipeline stages."""
+    train_cp: tuple[int, ...] = (1, 2)
+    """Context-parallel sizes."""
+    train_ep: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    """Expert-parallel sizes (MoE only)."""
+    gen_fractions: tuple[float, ...] = (0.25, 0.375, 0.5, 0.625, 0.75)
+    """Shares of the GPUs given to generation in disaggregated placements (used when a lag > 0 is allowed)."""
+    lags: tuple[int, ...] = (0,)
+    """Policy lags allowed (0 = synchronous colocated; > 0 = asynchronous disaggregated)."""
+    ks: tuple[int, ...] = (0, 1, 2, 3, 4, 5, 7)
+    """Speculative tokens to try (0 = autoregressive)."""
+    adaptive: tuple[int | str, ...] = ("off", "auto", 64)
+    """Controllers: 'off' (fixed k), 'auto' (best k' <= k at each point), or a sequences-in-flight threshold."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    cfg: SimConfig = field(repr=False)
+    """The configuration."""
+    result: StepResult = field(repr=False)
+    """Its simulated step."""
+
+    @property
+    def throughput(self) -> float:
+        return self.result.throughput
+
+    def settings(self) -> dict:
+        """Flat settings a recipe can read: layouts, placement, lag, k and controller."""
+        c, s = self.cfg, self.cfg.spec
+        return {
+            "train_tp": c.train.tp, "train_pp": c.train.pp, "train_cp": c.train.cp, "train_ep": c.train.ep,
+            "train_dp": c.train.dp, "gen_tp": c.gen.tp, "gen_ep": c.gen.ep, "engines": c.engines,
+            "colocated": c.colocated, "gen_gpus": c.gen_gpus, "policy_lag": c.policy_lag,
+            "k": s.k if s else 0, "adaptive": bool(s and s.adaptive),
+            "adaptive_threshold": s.adaptive_threshold if s else 0,
+            "tokens_per_s_per_gpu": self.throughput, "step_s": self.result.step_s,
+        }
+
+
+def _train_layouts(base: SimConfig, space: TuneSpace, train_gpus: int):
+    m = base.model_config
+    eps = space.train_ep if m.is_moe else (1,)
+    for tp, pp, cp, ep in itertools.product(space.train_tp, space.train_pp, space.train_cp, eps):
+        if train_gpus % (tp * pp * cp):
+            continue
+        layout = TrainParallel(tp=tp, pp=pp, cp=cp, ep=ep, dp=train_gpus // (tp * pp * cp))
+        try:
+            layout.check(m)
+        except ValueError:
+            continue
+        yield layout
+
+
+def _spec_variants(space: TuneSpace, spec: Speculation | None):
+    yield None
+    if spec is None:
+        return
+    rate = spec.rate
+    for k in space.ks:
+        if k == 0:
+            continue
+        tau = tau_from_rate(rate, k)
+        for mode in space.adaptive:
+            yield replace(spec, k=k, acceptance_length=tau, per_position=(), adaptive=mode != "off",
+                          adaptive_threshold=mode if isinstance(mode, int) else 0)
+
+
+def _placements(base: SimConfig, space: TuneSpace):
+    if 0 in space.lags:
+        yield 0, base.gpus, True
+    for lag in (x for x in space.lags if x > 0):
+        for frac in space.gen_fractions:
+            gen_gpus = int(round(base.gpus * frac))
+            if 0 < gen_gpus < base.gpus:
+                yield lag, gen_gpus, False
+
+
+def tune(base: SimConfig, space: TuneSpace = TuneSpace(), top: int = 10) -> list[Candidate]:
+    """Best configurations around `base` (its model, hardware, GPU count, workload and drafter/acceptance),
+    highest tokens trained per second per GPU first."""
+    hw, cal, target, _ = build(base)
+    best: list[Candidate] = []
+    for lag, gen_gpus, colocated in _placements(base, space):
+        train_gpus = base.gpus if colocated else base.gpus - gen_gpus
+        train_side = None
+        for layout in _train_layouts(base, space, train_gpus):
+            cfg = replace(base, train=layout, gen=GenParallel(), colocated=colocated, policy_lag=lag,
+                          gen_gpus=0 if colocated else gen_gpus, spec=None)
+            if not fits_train(cfg, hw, target):
+                continue
+            t = data_time(cfg, cal) + logprob_time(cfg, hw, cal, target) + train_time(cfg, hw, cal, target, None)
+            if train_side is None or t < train_side[0]:
+                train_side = (t, layout)
+        if train_side is None:
+            continue
+        for gtp, spec in itertools.product(space.gen_tp, _spec_variants(space, base.spec)):
+            for gep in ({1, gtp} if base.model_config.is_moe else {1}):
+                cand = _evaluate(base, train_side[1], GenParallel(tp=gtp, ep=gep), colocated, gen_gpus, lag, spec)
+                if cand is not None:
+                    best.append(cand)
+    if not best:
+        raise ValueError(f"no configuration of {base.model} on {base.gpus} {base.hardware} fits in memory")
+    # Ties (a training-bound step) go to the shorter generation, then to the simpler controller and smaller k.
+    best.sort(key=lambda c: (-round(c.throughput, 6), c.result.stages['gen'], c.settings()['k']))
+    return _distinct(best)[:top]
+
+
+def _distinct(cands: list[Candidate]) -> list[Candidate]:
+    """Drop candidates that only differ from a better-ranked one by a larger k the controller never uses."""
+    seen, out = set(), []
+    for c in cands:
+        s = c.settings()
+        key = tuple(v for name, v in s.items() if name != "k") + (round(c.result.stages["gen"], 9),)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def fits_train(cfg: SimConfig, hw: Hardware, target: CostShape) -> bool:
+    """Memory check of the training side only (generation is checked per engine variant)."""
+    rep = memory_report(cfg, hw, target, None)
+    return rep.train_total <= rep.device_bytes
+
+
+def _evaluate(base: SimConfig, layout: TrainParallel, gen: GenParallel, colocated: bool, gen_gpus: int, lag: int,
+              spec: Speculation | None) -> Candidate | None:
+    try:
+        cfg = replace(base, train=layout, gen=gen, colocated=colocated, gen_gpus=0 if colocated else gen_gpus,
+                      policy_lag=lag, spec=spec)
+    except ValueError:
+        return None  # this engine layout does not divide the model or the GPU share
+    hw, cal, target, drafter = build(cfg)
+    mem = memory_report(cfg, hw, target, drafter)
+    if not fits(cfg, mem):
+        return None
+    try:
+        gen_res = generation(cfg, hw, cal, target, drafter, mem, steps_in_flight=max(lag, 1))
+    except ValueError:
+        return None
+    gen_side = gen_res.time_s / max(lag, 1)
+    stages = {"data": data_time(cfg, cal), "prepare": prepare_time(cfg, hw, cal, target, drafter), "gen": gen_side,
+              "logprob": logprob_time(cfg, hw, cal, target), "train": train_time(cfg, hw, cal, target, drafter)}
+    step, exposed = compose(cfg, stages, gen_side)
+    w: Workload = cfg.workload
+    res = StepResult(stages=stages, step_s=step, exposed_gen_s=exposed, tokens_per_step=w.rollouts *
+                     w.tokens_per_rollout, gpus=cfg.gpus, gen=gen_res, memory=mem,
+                     gen_tokens=w.rollouts * w.response.expected)
+    return Candidate(cfg, res)
+
+
+def recipe_defaults(base: SimConfig, space: TuneSpace = TuneSpace()) -> dict:
+    """The tuner's best settings for a recipe to start from."""
+    return tune(base, space, top=1)[0].settings()
+
+
+def format_table(cands: list[Candidate]) -> str:
+    cols = ("rank", "tok/s/gpu", "step_s", "gen_s", "train", "gen", "place", "lag", "k", "ctrl")
+    lines = [f"{cols[0]:>4} {cols[1]:>10} {cols[2]:>7} {cols[3]:>7} {cols[4]:>16} {cols[5]:>9} "
+             f"{cols[6]:>10} {cols[7]:>3} {cols[8]:>2} {cols[9]:>6}"]
+    for i, c in enumerate(cands, 1):
+        s = c.settings()
+        train = f"tp{s['train_tp']}pp{s['train_pp']}cp{s['train_cp']}ep{s['train_ep']}dp{s['train_dp']}"
+        place = "coloc" if s["colocated"] else f"{s['gen_gpus']}gen"
+        ctrl = "off" if not s["adaptive"] else (str(s["adaptive_threshold"]) if s["adaptive_threshold"] else "auto")
+        lines.append(f"{i:4d} {c.throughput:10.1f} {c.result.step_s:7.1f} {c.result.stages['gen']:7.1f} "
+                     f"{train:>16} {'tp%dep%d' % (s['gen_tp'], s['gen_ep']):>9} {place:>10} {s['policy_lag']:3d} "
+                     f"{s['k']:2d} {ctrl:>6}")
+    return "\n".join(lines)
+
+
+def _label(c: Candidate) -> str:
+    s = c.settings()
+    place = "coloc" if s["colocated"] else f"{s['gen_gpus']}g L{s['policy_lag']}"
+    ctrl = "" if not s["adaptive"] else (f" <={s['adaptive_threshold']}" if s["adaptive_threshold"] else " auto")
+    return f"k{s['k']}{ctrl}\ngen tp{s['gen_tp']}\n{place}"
+
+
+def plot(cands: list[Candidate], path: str) -> str:
+    """Throughput of the top configurations, and their step time against each side's time; returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [_label(c) for c in cands]
+    x = list(range(len(cands)))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.4 * len(cands)) * 1.6, 4.5))
+    ax1.bar(x, [c.throughput for c in cands], color="tab:blue")
+    ax1.set_ylabel("tokens trained / s / GPU")
+    ax1.set_title("top configurations (best first)")
+    width = 0.27
+    step = [c.result.step_s for c in cands]
+    gen = [c.result.stages["gen"] for c in cands]
+    train = [sum(c.result.stages[s] for s in ("data", "logprob", "train")) for c in cands]
+    ax2.bar([i - width for i in x], step, width, label="step")
+    ax2.bar(x, gen, width, label="gen (per step)")
+    ax2.bar([i + width for i in x], train, width, label="data+logprob+train")
+    ax2.set_ylabel("seconds")
+    ax2.set_title("step vs generation and training sides")
+    ax2.legend(fontsize=8)
+    for ax in (ax1, ax2):
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
