@@ -7,6 +7,7 @@ import importlib
 
 BENCHMARKS = {
     "engine": ("megatron_spec.bench.engine", "plain engine vs HF transformers generate"),
+    "rollout": ("megatron_spec.bench.rollout", "speculative vs plain decoding per drafter, batch and k"),
 }
 
 

@@ -1,0 +1,151 @@
+"""`megatron-spec bench rollout`: speculative vs plain decoding, measured side by side in one process.
+
+For each drafter x batch size x k (1, 2, 3, 5 and adaptive): tokens/s, speedup over plain decoding of the same
+prompts with the same seeds, mean acceptance length (tokens emitted per verify step, the bonus token included,
+as the reference paper counts it) and per-position acceptance. Plus an "RL rollout" row: one GRPO rollout batch
+(prompts x group size, sampled at temperature 1, stopping at EOS, so lengths are long-tailed), measured on the
+second of two steps so the history drafter has the previous step's rollouts, as it would in training.
+Speeds are best-of-`repeats`, plain and speculative runs alternating so background load hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DRAFTER_DIRS = {"mtp": "{target}-mtp", "eagle3": "{target}-eagle3", "draft_model": "{target}-draft"}
+
+
+def make_engine(target, method: str | None, k: int | str, drafter_dir: str | None, max_num_seqs: int):
+    from ..engine import LLMEngine
+    from ..spec.config import SpecConfig
+
+    if method is None:
+        return LLMEngine(target, max_num_seqs=max_num_seqs)
+    adaptive = k == "adaptive"
+    spec = SpecConfig(method, 5 if adaptive else int(k), model=drafter_dir, adaptive=adaptive)
+    return LLMEngine(target, max_num_seqs=max_num_seqs, spec=spec)
+
+
+def stats(outs) -> dict:
+    drafted = sum(o.spec.get("drafted", 0) for o in outs)
+    accepted = sum(o.spec.get("accepted", 0) for o in outs)
+    steps = sum(o.spec.get("verify_steps", 0) for o in outs)
+    width = max([len(o.spec.get("accepted_per_pos", [])) for o in outs] + [0])
+    acc_pos, off_pos = [0] * width, [0] * width
+    for o in outs:
+        for i, (a, d) in enumerate(zip(o.spec.get("accepted_per_pos", []), o.spec.get("drafted_per_pos", []))):
+            acc_pos[i] += a
+            off_pos[i] += d
+    return {"drafted": drafted, "accepted": accepted, "verify_steps": steps,
+            "acceptance_length": (accepted + steps) / steps if steps else None,
+            "per_position": [a / d if d else None for a, d in zip(acc_pos, off_pos)]}
+
+
+def measure(engine, plain, prompts, params, repeats: int) -> dict:
+    from .common import timed
+
+    t_plain = t_spec = float("inf")
+    for _ in range(repeats):
+        tp, ref = timed(lambda: plain.generate(prompts, params))
+        ts, outs = timed(lambda: engine.generate(prompts, params))
+        t_plain, t_spec = min(t_plain, tp), min(t_spec, ts)
+    tokens = sum(len(o.token_ids) for o in outs)
+    ref_tokens = sum(len(o.token_ids) for o in ref)
+    return {"tok_s": tokens / t_spec, "plain_tok_s": ref_tokens / t_plain,
+            "speedup": (tokens / t_spec) / (ref_tokens / t_plain), **stats(outs)}
+
+
+def run(args) -> dict:
+    from ..engine import SamplingParams
+    from ..models import from_pretrained
+    from ..spec.train_drafter import task_prompts
+    from .common import machine
+
+    target = from_pretrained(args.target)
+    name = Path(args.target).name
+    rows = []
+    for method in args.drafters:
+        ddir = None
+        if method in DRAFTER_DIRS:
+            ddir = str(Path(args.target).parent / DRAFTER_DIRS[method].format(target=name))
+            if not Path(ddir).exists():
+                print(f"  skip {method}: no drafter checkpoint at {ddir} (megatron-spec train-drafter makes one)")
+                continue
+        for batch in args.batch:
+            prompts = task_prompts(args.target, batch, seed=1000 + batch, split="bench")
+            params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=batch)
+            plain = make_engine(target, None, 0, None, batch)
+            plain.generate(prompts, params)  # warm-up
+            for k in args.k:
+                engine = make_engine(target, method, k, ddir, batch)
+                row = {"drafter": method, "batch": batch, "k": str(k), **measure(engine, plain, prompts, params, args.repeats)}
+                rows.append(row)
+                print(f"  {method:12s} B={batch:3d} k={str(k):8s} {row['tok_s']:8.1f} tok/s  x{row['speedup']:.2f}  "
+                      f"acc.len {row['acceptance_length'] or 0:.2f}")
+        # RL rollout: prompts x group, sampled to EOS (long tail), second of two steps.
+        prompts = [p for p in task_prompts(args.target, args.rl_prompts, seed=7, split="bench") for _ in range(args.group)]
+        params = SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens, seed=3)
+        plain = make_engine(target, None, 0, None, len(prompts))
+        for k in args.rl_k:
+            engine = make_engine(target, method, k, ddir, len(prompts))
+            engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens, seed=2))
+            plain.generate(prompts, params)
+            row = {"drafter": method, "batch": f"RL {args.rl_prompts}x{args.group}", "k": str(k),
+                   **measure(engine, plain, prompts, params, args.repeats)}
+            rows.append(row)
+            print(f"  {method:12s} RL rollout k={str(k):8s} x{row['speedup']:.2f}  acc.len {row['acceptance_length'] or 0:.2f}")
+    return {"benchmark": "rollout", "target": args.target, "machine": machine(), "max_tokens": args.max_tokens,
+            "repeats": args.repeats, "rows": rows}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if not str(r["batch"]).startswith("RL")]
+    drafters = sorted({r["drafter"] for r in rows})
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False, sharey=True)
+    for ax, b in zip(axes[0], batches):
+        for d in drafters:
+            cells = [r for r in rows if r["drafter"] == d and r["batch"] == b]
+            ax.plot([r["k"] for r in cells], [r["speedup"] for r in cells], marker="o", label=d)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_title(f"batch {b}")
+        ax.set_xlabel("k")
+    axes[0][0].set_ylabel("speedup over plain decoding")
+    axes[0][-1].legend()
+    fig.suptitle(f"bench rollout: {result['target']} ({result['machine']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(args: argparse.Namespace) -> int:
+    from .common import print_table, set_threads, write_json
+
+    set_threads(args.threads)
+    result = run(args)
+    print(f"bench rollout: {result['target']} on {result['machine']}")
+    print_table(result["rows"], ["drafter", "batch", "k", "tok_s", "plain_tok_s", "speedup", "acceptance_length"])
+    out = write_json(args.out, result)
+    plot(result, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="checkpoints/tiny-qwen3")
+    p.add_argument("--drafters", nargs="+", default=["ngram", "history", "draft_model", "mtp", "eagle3"])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--k", nargs="+", default=["1", "2", "3", "5", "adaptive"])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rl-prompts", type=int, default=8)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--rl-max-tokens", type=int, default=160)
+    p.add_argument("--rl-k", nargs="+", default=["3", "adaptive"])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results/bench_rollout.json")
