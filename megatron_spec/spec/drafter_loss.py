@@ -28,8 +28,11 @@ def soft_cross_entropy(student_logits: Tensor, teacher_logits: Tensor, mask: Ten
 def mtp_loss(target: CausalLM, mtp: MTP, input_ids: Tensor, out: TrunkOutput, logits: Tensor, mask: Tensor) -> Tensor:
     """Depth i at position t predicts token t+i+2, whose target distribution is the trunk's logits at t+i+1."""
     depth_logits = mtp.forward_all(out.hidden.detach(), input_ids, None, target.embed, target.lm_head)
-    losses = [soft_cross_entropy(lg, logits[:, i + 1 : i + 1 + lg.shape[1]], mask[:, i + 2 : i + 2 + lg.shape[1]])
-              for i, lg in enumerate(depth_logits) if lg.shape[1] > 1]
+    losses = []
+    for i, lg in enumerate(depth_logits):
+        n = lg.shape[1] - 1  # the last row's label lies past the end
+        if n > 0:
+            losses.append(soft_cross_entropy(lg[:, :n], logits[:, i + 1 : i + 1 + n], mask[:, i + 2 : i + 2 + n]))
     return torch.stack(losses).mean()
 
 
@@ -46,7 +49,8 @@ def eagle3_loss(target: CausalLM, head: Eagle3Head, input_ids: Tensor, out: Trun
         if n < 2:
             break
         hidden, lg = head(hidden[:, :n], input_ids[:, s + 1 : s + 1 + n], None, target.embed)
-        losses.append(soft_cross_entropy(lg, logits[:, s + 1 : s + 1 + n], mask[:, s + 2 : s + 2 + n]))
+        m = n - 1  # row t predicts token t+s+2; the last row's label lies past the end
+        losses.append(soft_cross_entropy(lg[:, :m], logits[:, s + 1 : s + 1 + m], mask[:, s + 2 : s + 2 + m]))
     return torch.stack(losses).mean()
 
 

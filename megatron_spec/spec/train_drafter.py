@@ -12,23 +12,13 @@ import time
 def task_prompts(target_path: str, n: int, seed: int, split: str = "train") -> list[list[int]]:
     """Token ids of n task prompts for the target: character-level for the tiny models, the natural-language
     chat prompt through the model's own tokenizer for SmolLM2."""
-    from ..models import from_pretrained  # noqa: F401  (keeps import errors about models here, not later)
     from ..models.hf_io import read_config
     from ..models.presets import TINY_VOCAB
-    from ..tasks.arithmetic import ArithmeticDataset
+    from ..rl.task import PromptTask
 
-    problems = ArithmeticDataset(size=n, seed=seed, split=split)
-    if str(target_path) != "smollm2-135m" and read_config(target_path).vocab_size == TINY_VOCAB:
-        from ..tasks.tokenizer import CharTokenizer
-
-        tok = CharTokenizer()
-        return [tok.encode(p.prompt, bos=True) for p in problems]
-    from ..models.gguf import load_tokenizer
-    from ..tasks.natural import from_problem
-
-    tok = load_tokenizer(target_path)
-    return [tok.apply_chat_template(from_problem(p).messages(), add_generation_prompt=True, tokenize=True)
-            for p in problems]
+    tiny = str(target_path) != "smollm2-135m" and read_config(target_path).vocab_size == TINY_VOCAB
+    task = PromptTask.build("tiny" if tiny else "natural", target_path, n, seed, split)
+    return [task.encode(p) for p in task.problems(0, n)]
 
 
 def new_drafter(method: str, target, draft_preset: str | None):

@@ -1,0 +1,59 @@
+"""Run checkpoints: policy, optimizer, drafter (+ its optimizer), RNG, step and data position, written atomically.
+
+A checkpoint directory is complete before it gets its final name, and `latest` is rewritten after that, so an
+interrupted save leaves the previous checkpoint untouched and still pointed to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from ..models.hf_io import write_atomically
+
+IGNORED_ON_RESUME = {"run.steps", "run.resume", "run.save_every", "run.eval_every", "run.out_dir"}
+"""Fields a resumed run may change (how long and how often), all others must match."""
+
+
+def flatten(cfg) -> dict:
+    out = {}
+
+    def walk(prefix, obj):
+        if dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                walk(f"{prefix}{f.name}.", getattr(obj, f.name))
+        else:
+            out[prefix[:-1]] = obj
+
+    walk("", cfg)
+    return out
+
+
+def check_same_config(saved: dict, cfg, run_dir: Path) -> None:
+    now = {k: v for k, v in flatten(cfg).items() if k not in IGNORED_ON_RESUME}
+    saved = {k: v for k, v in saved.items() if k not in IGNORED_ON_RESUME}
+    diff = sorted(k for k in set(now) | set(saved) if json.dumps(now.get(k)) != json.dumps(saved.get(k)))
+    if diff:
+        k = diff[0]
+        raise ValueError(f"resume directory {run_dir} was made with a different config ({len(diff)} field(s) differ, "
+                         f"e.g. {k}: saved {saved.get(k)!r}, now {now.get(k)!r}); use another run.out_dir or run.resume=false")
+
+
+def save(run_dir: Path, step: int, state: dict, cfg) -> Path:
+    ckpt_root = run_dir / "checkpoints"
+    payload = {"step": step, "state": state, "rng": torch.get_rng_state(), "config": flatten(cfg)}
+    out = write_atomically(ckpt_root / f"step_{step:06d}", lambda tmp: torch.save(payload, tmp / "state.pt"))
+    tmp = ckpt_root / "latest.tmp"
+    tmp.write_text(out.name)
+    tmp.replace(ckpt_root / "latest")  # atomic rename: `latest` names a complete checkpoint at every instant
+    return out
+
+
+def load_latest(run_dir: Path) -> dict | None:
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    return torch.load(run_dir / "checkpoints" / pointer.read_text().strip() / "state.pt", weights_only=False)

@@ -1,0 +1,109 @@
+"""Typed configuration of an RL run. Every field has a docstring and is validated before any compute starts.
+
+Nested dataclasses mirror the YAML files in `configs/` and the `key=value` overrides of the recipes
+(`spec.num_speculative_tokens=5`, `grpo.group_size=8`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..spec.config import SpecConfig
+
+
+@dataclass
+class ModelSection:
+    policy: str = "checkpoints/tiny-qwen3"
+    """Policy checkpoint directory (HF layout) or `smollm2-135m`."""
+    drafter: str | None = "checkpoints/tiny-qwen3-mtp"
+    """Drafter checkpoint (mtp / eagle3 drafter, or a draft model directory); None for ngram / history / no spec."""
+    task: str = "tiny"
+    """Prompt format: `tiny` (character-level arithmetic) or `natural` (chat prompts for SmolLM2)."""
+
+
+@dataclass
+class GRPOSection:
+    prompts_per_step: int = 8
+    """Distinct prompts per RL step."""
+    group_size: int = 8
+    """Rollouts per prompt (the GRPO group); advantages are relative within a group, so at least 2."""
+    max_tokens: int = 96
+    """Longest rollout in tokens."""
+    temperature: float = 1.0
+    """Rollout sampling temperature (the trainer's behaviour logprobs use the same processing)."""
+    top_p: float = 1.0
+    """Rollout nucleus mass."""
+    top_k: int = 0
+    """Rollout top-k (0: off)."""
+    lr: float = 1e-4
+    """Policy learning rate (AdamW)."""
+    clip_low: float = 0.2
+    """PPO clip below 1 (ratio >= 1 - clip_low)."""
+    clip_high: float = 0.2
+    """PPO clip above 1 (ratio <= 1 + clip_high); larger than clip_low gives DAPO's asymmetric clip."""
+    normalize_std: bool = True
+    """Divide group-relative advantages by the group's reward std (GRPO) or not (Dr. GRPO)."""
+    loss_agg: str = "token"
+    """`token`: mean over all generated tokens of the batch; `sequence`: mean per sequence, then over sequences."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL estimate to the reference (initial) policy; 0 disables and skips the reference."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping of the policy."""
+    max_nan_steps: int = 3
+    """Stop the run after this many consecutive steps whose loss is NaN (each such update is skipped)."""
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"grpo.group_size must be >= 2 (advantages compare rollouts of one prompt), got {self.group_size}")
+        if self.prompts_per_step < 1:
+            raise ValueError(f"grpo.prompts_per_step must be >= 1, got {self.prompts_per_step}")
+        if self.loss_agg not in ("token", "sequence"):
+            raise ValueError(f"grpo.loss_agg must be 'token' or 'sequence', got {self.loss_agg!r}")
+        if self.clip_low < 0 or self.clip_high < 0:
+            raise ValueError("grpo.clip_low and grpo.clip_high must be >= 0")
+
+
+@dataclass
+class DrafterTrainSection:
+    online: bool = True
+    """Train the drafter during RL on the policy's own forward (False: frozen drafter, for comparison)."""
+    loss_weight: float = 1.0
+    """Scale of the drafter's soft cross-entropy (its gradient never reaches the policy)."""
+    lr: float = 1e-3
+    """Drafter learning rate (AdamW)."""
+
+
+@dataclass
+class RunSection:
+    steps: int = 20
+    """RL steps to run."""
+    seed: int = 0
+    """Seed of data order, rollouts and initialisation."""
+    out_dir: str = "runs/tiny"
+    """Run directory: metrics, TensorBoard events, checkpoints, report."""
+    save_every: int = 10
+    """Checkpoint every N steps (and at the end)."""
+    resume: bool = True
+    """Continue from the last checkpoint in out_dir if there is one (its config must match)."""
+    dataset_size: int = 4096
+    """Training prompts (the data position wraps around)."""
+    eval_prompts: int = 64
+    """Held-out prompts for greedy accuracy, every `eval_every` steps."""
+    eval_every: int = 10
+    """Evaluate greedy accuracy every N steps (0: never)."""
+    threads: int = 2
+    """torch CPU threads."""
+
+
+@dataclass
+class RLConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    """Which policy, drafter and prompt format."""
+    grpo: GRPOSection = field(default_factory=GRPOSection)
+    """The algorithm."""
+    spec: SpecConfig | None = field(default_factory=lambda: SpecConfig("mtp", 3))
+    """Speculative rollouts (vLLM's speculative_config fields); None means plain decoding."""
+    drafter_train: DrafterTrainSection = field(default_factory=DrafterTrainSection)
+    """Online drafter training."""
+    run: RunSection = field(default_factory=RunSection)
+    """Steps, seeds, output."""

@@ -1,0 +1,34 @@
+"""The embedded generator: `LLMEngine` on its own copy of the policy (and drafter), refit every step.
+
+It keeps separate weights on purpose, as vLLM does at scale: the refit path is then exercised for real, and a test
+can prove that after a refit the engine's weights equal the trainer's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from ..engine import LLMEngine, SamplingParams
+from ..spec.config import SpecConfig
+from .refit import load_buckets
+
+
+class EmbeddedGenerator:
+    def __init__(self, policy_model, drafter=None, spec: SpecConfig | None = None, max_num_seqs: int = 256):
+        self.model = copy.deepcopy(policy_model).eval().requires_grad_(False)
+        self.drafter = copy.deepcopy(drafter).eval().requires_grad_(False) if drafter is not None else None
+        self.engine = LLMEngine(self.model, max_num_seqs=max_num_seqs, spec=spec, drafter=self.drafter)
+
+    def update_weights(self, stream) -> int:
+        """Load a bucketed `(hf_name, tensor)` stream (policy and `drafter.` tensors); returns bytes loaded."""
+        return load_buckets(self.model, self.drafter, stream)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams):
+        return self.engine.generate(prompts, params)
+
+    def sleep(self) -> None:
+        """Free the KV cache between rollouts (weights stay: a drafter is never lost across sleep)."""
+        self.engine.cache = None
+
+    def wake(self) -> None:
+        """Nothing to restore on CPU: the next `generate` sizes a new KV cache."""

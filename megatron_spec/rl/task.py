@@ -1,0 +1,57 @@
+"""The RL task as the loop sees it: prompts as token ids for a data position, and rewards for completions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..tasks.arithmetic import ArithmeticDataset, Problem
+from ..tasks.reward import reward
+
+
+@dataclass
+class PromptTask:
+    kind: str
+    """`tiny` (character-level arithmetic for the tiny models) or `natural` (chat prompts through an HF tokenizer)."""
+    dataset: ArithmeticDataset
+    """Problems; item i is a pure function of (seed, split, i), so a resumed run continues at the same place."""
+    tokenizer: object
+    """CharTokenizer for `tiny`, the model's HF tokenizer for `natural`."""
+
+    @classmethod
+    def build(cls, kind: str, policy_path: str, size: int, seed: int, split: str = "train") -> "PromptTask":
+        if size < 1:
+            raise ValueError(f"the prompt dataset is empty (size={size}): RL needs at least one prompt")
+        dataset = ArithmeticDataset(size=size, seed=seed, split=split)
+        if kind == "tiny":
+            from ..tasks.tokenizer import CharTokenizer
+
+            return cls(kind, dataset, CharTokenizer())
+        if kind == "natural":
+            from ..models.gguf import load_tokenizer
+
+            return cls(kind, dataset, load_tokenizer(policy_path))
+        raise ValueError(f"unknown task {kind!r}: use 'tiny' or 'natural'")
+
+    def problems(self, start: int, n: int) -> list[Problem]:
+        return [self.dataset[(start + i) % len(self.dataset)] for i in range(n)]
+
+    def encode(self, problem: Problem) -> list[int]:
+        if self.kind == "tiny":
+            return self.tokenizer.encode(problem.prompt, bos=True)
+        from ..tasks.natural import from_problem
+
+        return self.tokenizer.apply_chat_template(from_problem(problem).messages(), add_generation_prompt=True,
+                                                  tokenize=True)
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.kind == "tiny":
+            return self.tokenizer.decode(token_ids)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def reward(self, token_ids: list[int], problem: Problem) -> float:
+        """1.0 for the right final answer; a reward function that raises is a bug in it, reported with context."""
+        text = self.decode(token_ids)
+        try:
+            return float(reward(text, problem.answer))
+        except Exception as err:  # noqa: BLE001 - re-raised with the text that broke it
+            raise RuntimeError(f"reward function failed on completion {text[:80]!r}: {err}") from err
