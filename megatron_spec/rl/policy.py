@@ -81,7 +81,7 @@ class EmbeddedPolicy:
         aux = self.model.aux_loss
         if aux is not None:
             loss = loss + self.model.config.router_aux_loss_coef * aux
-        metrics["loss"] = float(loss)
+        metrics["loss"] = float(loss.detach())
         self.opt.zero_grad(set_to_none=True)
         if torch.isfinite(loss):
             loss.backward()
