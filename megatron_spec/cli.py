@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "megatron_spec.spec.train_drafter",  # train-drafter
     "megatron_spec.bench.cli",  # bench engine | rollout | step
     "megatron_spec.sim.cli",  # simulate, tune
+    "megatron_spec.rl.report",  # report
 )
 
 

@@ -23,13 +23,13 @@ class Parallelism:
     """How one model is split over ranks (Megatron-Core's names in brackets)."""
 
     tp: int = 1
-    """Tensor parallel size: attention heads / query groups, FFN columns and the vocabulary are split [tensor_model_parallel_size]."""
+    """Tensor parallel size: heads / query groups, FFN columns and the vocabulary are split [tensor_model_parallel_size]."""
     pp: int = 1
-    """Pipeline parallel size: consecutive decoder layers per stage; MTP layers sit on the last stage [pipeline_model_parallel_size]."""
+    """Pipeline parallel size: consecutive layers per stage, MTP on the last one [pipeline_model_parallel_size]."""
     ep: int = 1
-    """Expert parallel size: each rank holds num_experts / ep experts with consecutive global ids [expert_model_parallel_size]."""
+    """Expert parallel size: each rank holds num_experts / ep consecutive experts [expert_model_parallel_size]."""
     etp: int | None = None
-    """Expert tensor parallel size: each expert's FFN split over etp ranks; None means tp, as Megatron-Core [expert_tensor_parallel_size]."""
+    """Expert tensor parallel size: each expert's FFN split over etp ranks; None means tp [expert_tensor_parallel_size]."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep"):

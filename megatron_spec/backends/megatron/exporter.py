@@ -107,7 +107,8 @@ def _gather(bucket: list[_Entry], cfg, r: Ranks, pool: "_Pool") -> list[tuple[st
         return items
     # Experts: whole experts over ETP, then every EP rank's experts (fresh buffers: the HF tensors view them).
     split = [e for e in experts if r.etp > 1]
-    whole = {e.name: unshard(e.spec, s) for e, s in zip(split, _all_gather([e.param for e in split], r.etp_group, r.etp, pool))}
+    gathered = _all_gather([e.param for e in split], r.etp_group, r.etp, pool)
+    whole = {e.name: unshard(e.spec, s) for e, s in zip(split, gathered)}
     tensors = [whole.get(e.name, e.param.detach()) for e in experts]
     per_rank = _all_gather(tensors, r.ep_group, r.ep, pool, reuse_received=False) if r.ep > 1 else [[t] for t in tensors]
     for e, by_rank in zip(experts, per_rank):
@@ -169,17 +170,17 @@ def _all_gather(tensors: list[Tensor], group, size: int, pool: _Pool, reuse_rece
     send = _pack(tensors, pool.get("send", total, device), offsets)
     me = dist.get_rank(group)
 
-    def recv_buffer(q: int) -> Tensor:
-        return pool.get(("recv", q), total, device) if reuse_received else torch.empty(total, dtype=torch.uint8, device=device)
+    def recv_buffer(key, nbytes: int) -> Tensor:
+        return pool.get(key, nbytes, device) if reuse_received else torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     if dist.get_backend(group) == "gloo":
         # gloo's all-gather runs several times slower than its broadcast on a 2-process CPU run (measured while
         # writing bench_export), so gather as one broadcast from each rank in turn.
-        gathered = [send if q == me else recv_buffer(q) for q in range(size)]
+        gathered = [send if q == me else recv_buffer(("recv", q), total) for q in range(size)]
         for q in range(size):
             dist.broadcast(gathered[q], src=dist.get_global_rank(group, q), group=group)
     else:
-        out = pool.get("recv_all", size * total, device) if reuse_received else torch.empty(size * total, dtype=torch.uint8, device=device)
+        out = recv_buffer("recv_all", size * total)
         dist.all_gather_into_tensor(out, send, group=group)
         gathered = list(out.chunk(size))
     by_rank = [None if q == me else _unpack(gathered[q], offsets, like) for q in range(size)]

@@ -73,7 +73,8 @@ def _check_names(ckpt: _Checkpoint, model, where: str) -> None:
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
     if problems:
-        what = f"{cfg.model_type} with {cfg.num_hidden_layers} layers" + (f" + {mtp_layers} MTP layer(s)" if mtp_layers else "")
+        what = f"{cfg.model_type} with {cfg.num_hidden_layers} layers"
+        what += f" + {mtp_layers} MTP layer(s)" if mtp_layers else ""
         raise ValueError(f"checkpoint {where} does not hold the tensors of {what}: " + "; ".join(problems))
 
 

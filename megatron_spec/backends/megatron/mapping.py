@@ -75,7 +75,7 @@ _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc1|linear_fc2)\.weight(\d
 _LAYER_PARAMS = {
     "input_layernorm.weight": (REPLICATED, ("input_layernorm.weight",)),
     "self_attention.linear_qkv.layer_norm_weight": (REPLICATED, ("input_layernorm.weight",)),
-    "self_attention.linear_qkv.weight": (QKV, ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+    "self_attention.linear_qkv.weight": (QKV, tuple(f"self_attn.{p}_proj.weight" for p in "qkv")),
     "self_attention.q_layernorm.weight": (REPLICATED, ("self_attn.q_norm.weight",)),
     "self_attention.k_layernorm.weight": (REPLICATED, ("self_attn.k_norm.weight",)),
     "self_attention.linear_proj.weight": (ROW, ("self_attn.o_proj.weight",)),
@@ -118,7 +118,9 @@ def megatron_to_hf(name: str, layer_offset: int = 0, *, first_stage: bool = True
     if name == "embedding.word_embeddings.weight":
         return ParamSpec(VOCAB, ("model.embed_tokens.weight",), export=first_stage)
     if name == "output_layer.weight":
-        return ParamSpec(VOCAB, ("model.embed_tokens.weight",), export=False) if tied else ParamSpec(VOCAB, ("lm_head.weight",))
+        if tied:
+            return ParamSpec(VOCAB, ("model.embed_tokens.weight",), export=False)
+        return ParamSpec(VOCAB, ("lm_head.weight",))
     if name == "decoder.final_layernorm.weight":
         return ParamSpec(REPLICATED, ("model.norm.weight",))
     m = _LAYER.match(name)
@@ -166,7 +168,9 @@ def is_norm_name(name: str) -> bool:
     return name.endswith("norm.weight")
 
 
-def rename_for_vllm(items: Iterable[tuple[str, Tensor]], zero_centered_mtp_norms: bool = False) -> Iterator[tuple[str, Tensor]]:
+def rename_for_vllm(
+    items: Iterable[tuple[str, Tensor]], zero_centered_mtp_norms: bool = False
+) -> Iterator[tuple[str, Tensor]]:
     """An export stream with the drafter renamed for vLLM's Qwen3-Next / Qwen3.5 MTP (`vllm_mtp_name`).
 
     `zero_centered_mtp_norms`: those vLLM classes compute `x * (1 + w)` (Gemma-style RMSNorm), so their
@@ -189,7 +193,7 @@ def expected_hf_names(cfg: ModelConfig, mtp_num_layers: int = 0) -> set[str]:
     if cfg.tie_word_embeddings:
         names.discard("lm_head.weight")
     for i in range(mtp_num_layers):
-        names |= {f"mtp.layers.{i}.{s}" for s in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "final_layernorm.weight")}
+        names |= {f"mtp.layers.{i}.{s}" for s in _MTP_PARAMS}
         names |= {f"mtp.layers.{i}.transformer_layer.{s}" for s in layer}
     return names
 

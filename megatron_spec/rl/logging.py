@@ -1,0 +1,222 @@
+"""What a run shows while it trains, and what it leaves behind for `megatron-spec report`.
+
+Per RL step, `StepLogger.log(metrics)`:
+  - appends one JSON line to `RUN_DIR/metrics.jsonl` and flushes it, so a crash loses at most the step in flight;
+  - writes the numeric fields as TensorBoard scalars (when tensorboard is installed; otherwise a one-time note);
+  - prints one compact line: step, stage times, tokens/s, acceptance length, reward, accuracy, loss.
+
+`read_metrics(run_dir)` reads the file back. A process killed mid-write leaves a truncated last line, which is
+ignored; a resumed run re-logs the steps after its checkpoint, and the last record of a step wins.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Iterable
+
+METRICS_FILE = "metrics.jsonl"
+STAGES = ("data", "prepare", "gen", "logprob", "train")
+NO_PROGRESS_ENV = "MEGATRON_SPEC_NO_PROGRESS"
+
+# TensorBoard groups scalars by the prefix before "/"; these put related curves on one dashboard row.
+_TB_GROUP = {
+    "reward_mean": "reward", "accuracy": "reward", "eval_accuracy": "reward",
+    "gen_tokens": "gen", "tokens_per_s": "gen", "acceptance_length": "gen", "accepted_per_pos": "gen",
+    "response_len_mean": "gen", "response_len_max": "gen",
+    "loss": "train", "kl": "train", "clip_frac": "train", "grad_norm": "train", "logprob_mismatch": "train",
+    "drafter_loss": "train", "skipped": "train",
+    "step_time": "time",
+}
+
+_tensorboard_note_printed = False
+
+
+class StepLogger:
+    """One run's metrics sink. Use as a context manager or call `close()`; both are idempotent."""
+
+    def __init__(self, run_dir: str | os.PathLike, total_steps: int, tensorboard: bool = True,
+                 stream=None, purge_step: int | None = None):
+        # stream: where step lines go (stdout by default); purge_step: on resume, the first step being re-run,
+        # so TensorBoard drops the events a crashed attempt wrote for it and later steps.
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.total_steps = total_steps
+        self.stream = stream if stream is not None else sys.stdout
+        self._bar = None
+        path = self.run_dir / METRICS_FILE
+        _drop_partial_line(path)
+        self._file = open(path, "a", encoding="utf-8")
+        self._writer = _summary_writer(self.run_dir, purge_step) if tensorboard else None
+
+    # -- per step ---------------------------------------------------------------------------------------------
+
+    def log(self, metrics: dict) -> None:
+        self._file.write(json.dumps(metrics) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            self._write_scalars(metrics)
+        line = format_line(metrics, self.total_steps)
+        if self._bar is not None and not self._bar.disable:
+            # tqdm.write clears the bar, prints the line above it and redraws the bar, so the two never interleave.
+            self._bar.write(line, file=self.stream)
+            self._bar.set_postfix_str(_postfix(metrics), refresh=False)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    def progress(self, iterable: Iterable | int, desc: str = "RL steps", **tqdm_kwargs):
+        """A tqdm bar over `iterable` (or, given an int, a bar of that total advanced by `.update()`).
+
+        Silent when the terminal is not a TTY (logs, CI) or `MEGATRON_SPEC_NO_PROGRESS=1`."""
+        from tqdm import tqdm
+
+        disable = os.environ.get(NO_PROGRESS_ENV, "") not in ("", "0") or not _isatty(sys.stderr)
+        if isinstance(iterable, int):
+            bar = tqdm(total=iterable, desc=desc, disable=disable, dynamic_ncols=True, **tqdm_kwargs)
+        else:
+            bar = tqdm(iterable, desc=desc, disable=disable, dynamic_ncols=True, **tqdm_kwargs)
+        self._bar = bar
+        return bar
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if not self._file.closed:
+            self._file.close()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> "StepLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- TensorBoard ------------------------------------------------------------------------------------------
+
+    def _write_scalars(self, metrics: dict) -> None:
+        step = int(metrics.get("step", 0))
+        try:
+            for tag, value in scalars(metrics):
+                self._writer.add_scalar(tag, value, step)
+            self._writer.flush()
+        except Exception as err:  # a full disk or a broken writer must not stop training; the JSONL still has it
+            print(f"note: TensorBoard logging stopped ({type(err).__name__}: {err}); metrics.jsonl is unaffected",
+                  file=sys.stderr)
+            self._writer = None
+
+
+def scalars(metrics: dict) -> list[tuple[str, float]]:
+    """The TensorBoard (tag, value) pairs of one step: every number, grouped; None and non-numbers skipped."""
+    out = []
+    for key, value in metrics.items():
+        if key == "step":
+            continue
+        if key == "stages" and isinstance(value, dict):
+            out += [(f"time/{stage}", float(v)) for stage, v in value.items() if _is_number(v)]
+        elif isinstance(value, list):
+            # accepted_per_pos: fraction of drafts accepted at each draft position, one curve per position.
+            out += [(f"{_TB_GROUP.get(key, 'misc')}/{key}_{i}", float(v)) for i, v in enumerate(value) if _is_number(v)]
+        elif isinstance(value, bool) or _is_number(value):  # `skipped` becomes a 0/1 curve
+            out.append((f"{_TB_GROUP.get(key, 'misc')}/{key}", float(value)))
+    return out
+
+
+def format_line(m: dict, total_steps: int | None = None) -> str:
+    """The compact per-step line, e.g.
+    `step 3/30 | data 10ms prep 200ms gen 3.10s logp 520ms train 1.20s | 512 tok/s | tau 2.41 | reward 0.450 acc 0.38 | loss 0.0123`."""
+    step = f"step {m.get('step', '?')}" + (f"/{total_steps}" if total_steps else "")
+    st = m.get("stages") or {}
+    short = {"data": "data", "prepare": "prep", "gen": "gen", "logprob": "logp", "train": "train"}
+    times = " ".join(f"{short[s]} {_seconds(st[s])}" for s in STAGES if _is_number(st.get(s)))
+    parts = [step, times, f"{_fmt(m.get('tokens_per_s'), '.0f')} tok/s"]
+    if m.get("acceptance_length") is not None:
+        parts.append(f"tau {_fmt(m['acceptance_length'], '.2f')}")
+    parts.append(f"reward {_fmt(m.get('reward_mean'), '.3f')} acc {_fmt(m.get('accuracy'), '.2f')}"
+                 + (f" eval {_fmt(m['eval_accuracy'], '.2f')}" if m.get("eval_accuracy") is not None else ""))
+    parts.append(f"loss {_fmt(m.get('loss'), '.4f')}" + (" SKIPPED" if m.get("skipped") else ""))
+    return " | ".join(parts)
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """The step records of a run, sorted by step (the last record of a re-run step wins)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no {METRICS_FILE} in {run_dir}")
+    lines = path.read_text(encoding="utf-8").split("\n")
+    by_step: dict[int, dict] = {}
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            # Only the last line can be half-written by a crash; anything else is worth a warning.
+            if i != len(lines) - 1:
+                warnings.warn(f"{path}:{i + 1}: unreadable metrics line skipped")
+            continue
+        if not isinstance(record, dict) or "step" not in record:
+            warnings.warn(f"{path}:{i + 1}: metrics line without a step skipped")
+            continue
+        by_step[int(record["step"])] = record
+    return [by_step[s] for s in sorted(by_step)]
+
+
+# -- helpers ------------------------------------------------------------------------------------------------------
+
+def _summary_writer(run_dir: Path, purge_step: int | None):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        _note_once("tensorboard is not installed, so no TensorBoard events are written "
+              "(pip install 'megatron-spec[report]'); metrics.jsonl has everything")
+        return None
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
+
+
+def _drop_partial_line(path: Path) -> None:
+    """Cut a half-written last record (a crash mid-write) so the next append starts on a line of its own."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return
+        f.truncate(data.rfind(b"\n") + 1)
+
+
+def _note_once(msg: str) -> None:
+    global _tensorboard_note_printed
+    if not _tensorboard_note_printed:
+        _tensorboard_note_printed = True
+        print(f"note: {msg}", file=sys.stderr)
+
+
+def _postfix(m: dict) -> str:
+    tau = m.get("acceptance_length")
+    return f"reward={_fmt(m.get('reward_mean'), '.3f')}" + (f" tau={tau:.2f}" if _is_number(tau) else "")
+
+
+def _seconds(x: float) -> str:
+    # Tiny CPU runs have millisecond stages and real runs minutes; both stay readable in a fixed few characters.
+    return f"{x * 1000:.0f}ms" if x < 1 else f"{x:.2f}s"
+
+
+def _fmt(value, spec: str) -> str:
+    return format(value, spec) if _is_number(value) else "-"
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

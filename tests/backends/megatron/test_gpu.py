@@ -1,0 +1,150 @@
+"""GPU tier: Megatron-Core's own forward and backward on CUDA (H100 / H200 with megatron-core 0.19 there; the
+Transformer Engine spec when TE is installed, else the local spec), one process.
+
+- fp32 (TF32 off): Megatron-Core's policy and MTP logits equal our CausalLM and MTP drafter on the same weights
+  to 1e-4 (GPU kernels reorder sums; the CPU tier checks 1e-5 with the local spec); 2e-3 with Transformer Engine,
+  whose GEMMs may use TF32.
+- bf16: the same comparison against our fp32 model on the bf16-rounded weights. Stated tolerance: mean |diff| <=
+  2 % of mean |logit|, max |diff| <= 10 % of max |logit|, and the same argmax for >= 95 % of positions. bf16 keeps
+  8 mantissa bits (~0.4 % per rounding) and errors add up over 4 layers; the max bound is loose because a near-tie
+  in MoE routing can pick a different expert in bf16.
+- training only the MTP layers (detached trunk, detached embedding and head) leaves every trunk parameter without a
+  gradient and bitwise unchanged after an optimizer step, while every MTP parameter learns.
+- import -> export is bitwise on the GPU spec too (TE fuses the pre-attention / pre-MLP norms into the next linear,
+  so this checks those names).
+
+Without CUDA every test skips and says why.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from .common import MTP_LAYERS, hf_tensors, reference_logits, tiny, token_ids
+
+if not torch.cuda.is_available():
+    print("\nSKIP tests/backends/megatron/test_gpu.py: needs CUDA (Megatron-Core's forward/backward run on a GPU)")
+    pytest.skip("needs CUDA: Megatron-Core's forward/backward tier runs on a GPU (H100/H200)", allow_module_level=True)
+pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e .[megatron]")
+
+
+def gpu_cfg(kind: str):
+    """Larger than the CPU tier so bf16 error has room to show, still seconds on one GPU. Vocab 1000 is padded."""
+    return tiny(kind, vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=4, head_dim=32, intermediate_size=512, max_position_embeddings=256,
+                **(dict(num_experts=8, moe_intermediate_size=128) if kind == "moe" else {}))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank():
+    import torch.distributed as dist
+
+    from megatron_spec.backends.megatron.parallel import destroy_model_parallel
+
+    from megatron_spec.backends.megatron.parallel import _free_port
+
+    torch.cuda.set_device(0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def build(cfg, hf, dtype):
+    from megatron_spec.backends.megatron.importer import import_hf
+    from megatron_spec.backends.megatron.parallel import Parallelism, init_model_parallel
+    from megatron_spec.backends.megatron.provider import build_model
+
+    init_model_parallel(Parallelism(), cfg)
+    model = build_model(cfg, Parallelism(), mtp_num_layers=MTP_LAYERS, dtype=dtype, init=False)
+    assert next(model.parameters()).is_cuda
+    import_hf(model, {n: t.to(dtype) for n, t in hf.items()})
+    return model
+
+
+def megatron_logits(model, ids):
+    from megatron_spec.backends.megatron.forward import detached_mtp_logits
+
+    model.eval()
+    with torch.no_grad():
+        policy, mtp = detached_mtp_logits(model, ids.cuda())
+    return policy.float().cpu(), [m.float().cpu() for m in mtp]
+
+
+def fp32_tolerance() -> float:
+    from megatron_spec.backends.megatron.provider import have_transformer_engine
+
+    # Plain torch honours allow_tf32=False; Transformer Engine's GEMMs may still use TF32 (10-bit mantissa).
+    return 2e-3 if have_transformer_engine() else 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_fp32_logits_equal_ours(kind):
+    cfg = gpu_cfg(kind)
+    hf, ids = hf_tensors(cfg), token_ids(cfg, batch=2, length=64)
+    policy, mtp = megatron_logits(build(cfg, hf, torch.float32), ids)
+    ref_policy, ref_mtp = reference_logits(cfg, hf, ids)
+    tol = fp32_tolerance()
+    torch.testing.assert_close(policy, ref_policy, rtol=tol, atol=tol)
+    for ours, theirs in zip(ref_mtp, mtp):
+        torch.testing.assert_close(theirs[:, : ours.shape[1]], ours, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_bf16_logits_agree_with_ours_within_stated_tolerance(kind):
+    cfg = gpu_cfg(kind)
+    hf, ids = hf_tensors(cfg), token_ids(cfg, batch=2, length=64)
+    rounded = {n: t.to(torch.bfloat16).float() for n, t in hf.items()}
+    policy, mtp = megatron_logits(build(cfg, rounded, torch.bfloat16), ids)
+    ref_policy, ref_mtp = reference_logits(cfg, rounded, ids)
+    pairs = [(policy, ref_policy)] + [(theirs[:, : ours.shape[1]], ours) for ours, theirs in zip(ref_mtp, mtp)]
+    for got, want in pairs:
+        diff = (got - want).abs()
+        print(f"bf16 {kind}: mean|diff| {diff.mean():.4g} vs mean|logit| {want.abs().mean():.4g}, "
+              f"max|diff| {diff.max():.4g} vs max|logit| {want.abs().max():.4g}")
+        assert diff.mean() <= 0.02 * want.abs().mean()
+        assert diff.max() <= 0.10 * want.abs().max()
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_training_only_mtp_leaves_trunk_gradients_untouched(kind):
+    from megatron_spec.backends.megatron.forward import detached_mtp_logits, mtp_loss
+
+    cfg = gpu_cfg(kind)
+    model = build(cfg, hf_tensors(cfg), torch.bfloat16)
+    model.train()
+    ids = token_ids(cfg, batch=2, length=64).cuda()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    policy, mtp = detached_mtp_logits(model, ids)
+    loss = mtp_loss(policy, mtp, ids, soft=True)
+    loss.backward()
+    trunk = {n: p for n, p in model.named_parameters() if not n.startswith("mtp.")}
+    drafter = {n: p for n, p in model.named_parameters() if n.startswith("mtp.")}
+    assert [n for n, p in trunk.items() if p.grad is not None] == []
+    assert [n for n, p in drafter.items() if p.grad is None or not p.grad.any()] == []
+    torch.optim.SGD([p for p in model.parameters() if p.grad is not None], lr=1e-2).step()
+    assert [n for n, p in trunk.items() if not torch.equal(p, before[n])] == []
+    assert all(not torch.equal(p, before[n]) for n, p in drafter.items() if p.dim() > 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_gpu_spec_round_trip_is_bitwise(kind):
+    from megatron_spec.backends.megatron.exporter import export_hf
+
+    cfg = gpu_cfg(kind)
+    hf = {n: t.to(torch.bfloat16) for n, t in hf_tensors(cfg).items()}
+    out = {n: t.cpu() for n, t in export_hf(build(cfg, hf, torch.bfloat16), bucket_bytes=1 << 20)}
+    assert sorted(out) == sorted(hf)
+    assert [n for n in hf if not torch.equal(out[n], hf[n])] == []
