@@ -8,6 +8,7 @@ import importlib
 BENCHMARKS = {
     "engine": ("megatron_spec.bench.engine", "plain engine vs HF transformers generate"),
     "rollout": ("megatron_spec.bench.rollout", "speculative vs plain decoding per drafter, batch and k"),
+    "step": ("megatron_spec.bench.step", "RL step stage times, plain vs speculative, with the ideal bound"),
 }
 
 

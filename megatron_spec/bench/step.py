@@ -1,0 +1,124 @@
+"""`megatron-spec bench step`: RL step time and stage breakdown, plain vs speculative rollouts, same seeds.
+
+For each variant (plain; each drafter, online or frozen) it runs `--steps` GRPO steps of the tiny recipe and
+averages the stage times over all but the first (warm-up). Beside the measured end-to-end speedup it prints the
+ideal bound for a synchronous step, 1 / (R_gen / S_gen + 1 - R_gen), where R_gen is the plain run's generation
+share and S_gen the measured generation speedup: a variant at ~100 % of its bound adds no hidden cost to the other
+stages. It also writes the plain and best speculative measurements in the simulator's schema
+(`benchmarks/results/bench_step_cpu.json`, see megatron_spec/sim/measured.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+from pathlib import Path
+
+STAGES = ("data", "prepare", "gen", "logprob", "train")
+
+
+def variants(args) -> list[tuple[str, object]]:
+    from ..rl.config import RLConfig
+    from ..spec.config import SpecConfig
+
+    base = RLConfig()
+    base.model.policy = args.target
+    base.grpo.prompts_per_step, base.grpo.group_size, base.grpo.max_tokens = args.prompts, args.group, args.max_tokens
+    base.run.threads, base.run.eval_every, base.run.seed = args.threads, 0, args.seed
+    out = []
+    plain = copy.deepcopy(base)
+    plain.spec, plain.model.drafter = None, None
+    out.append(("plain", plain))
+    name = Path(args.target).name
+    for method in args.drafters:
+        drafter_dir = Path(args.target).parent / f"{name}-{ {'draft_model': 'draft'}.get(method, method)}"
+        needs_weights = method in ("mtp", "eagle3", "draft_model")
+        if needs_weights and not drafter_dir.is_dir():
+            print(f"  skip {method}: no drafter at {drafter_dir}")
+            continue
+        for online in ((True, False) if needs_weights else (False,)):
+            cfg = copy.deepcopy(base)
+            cfg.spec = SpecConfig(method, args.k, adaptive=args.adaptive)
+            cfg.model.drafter = str(drafter_dir) if needs_weights else None
+            cfg.drafter_train.online = online
+            label = f"{method} k={args.k}" + ("" if not needs_weights else " online" if online else " frozen")
+            out.append((label, cfg))
+    return out
+
+
+def run_variant(cfg, steps: int) -> dict:
+    import torch
+
+    from ..rl.loop import Trainer
+
+    torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(cfg.run.seed)
+    trainer = Trainer(cfg)
+    records = [trainer.step(s) for s in range(steps)]
+    kept = records[1:] if len(records) > 1 else records
+    mean = {st: sum(r["stages"][st] for r in kept) / len(kept) for st in STAGES}
+    acc = [r["acceptance_length"] for r in kept if r["acceptance_length"]]
+    lengths = [r["response_len_mean"] for r in kept]
+    return {"stages": mean, "step_time": sum(mean.values()), "tokens_per_s": sum(r["tokens_per_s"] for r in kept) / len(kept),
+            "acceptance_length": sum(acc) / len(acc) if acc else None, "response_len_mean": sum(lengths) / len(lengths),
+            "reward_mean": sum(r["reward_mean"] for r in kept) / len(kept)}
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..rl.task import PromptTask
+    from .common import machine, print_table, set_threads, write_json
+
+    set_threads(args.threads)
+    results = {}
+    for label, cfg in variants(args):
+        print(f"bench step: {label} ...")
+        results[label] = run_variant(cfg, args.steps)
+    plain = results["plain"]
+    r_gen = plain["stages"]["gen"] / plain["step_time"]
+    rows = []
+    for label, r in results.items():
+        s_gen = plain["stages"]["gen"] / r["stages"]["gen"]
+        bound = 1.0 / (r_gen / s_gen + 1.0 - r_gen)
+        e2e = plain["step_time"] / r["step_time"]
+        rows.append({"variant": label, "step_s": r["step_time"], **{st: r["stages"][st] for st in STAGES},
+                     "gen_speedup": s_gen, "e2e_speedup": e2e, "ideal_bound": bound, "of_bound": e2e / bound,
+                     "acc_len": r["acceptance_length"], "reward": r["reward_mean"]})
+    print(f"bench step: {args.target}, {args.prompts}x{args.group} rollouts, max {args.max_tokens} tokens, on {machine()}")
+    print_table(rows, ["variant", "step_s", *STAGES, "gen_speedup", "e2e_speedup", "ideal_bound", "of_bound", "acc_len"])
+    payload = {"benchmark": "step", "machine": machine(), "target": args.target, "steps": args.steps, "rows": rows}
+    print(f"wrote {write_json(args.out, payload)}")
+    # The simulator's validation case (b): the plain run and the best speculative one, in its schema.
+    task = PromptTask.build("tiny", args.target, 64, args.seed)
+    prompt_len = sum(len(task.encode(p)) for p in task.problems(0, 64)) / 64
+    best = max((r for r in rows if r["variant"] != "plain"), key=lambda r: r["e2e_speedup"], default=None)
+    for label, key in (("plain", "plain"), (best["variant"] if best else None, "spec")):
+        if label is None:
+            continue
+        r = results[label]
+        spec = None
+        if label != "plain":
+            method = label.split()[0]
+            spec = {"k": args.k, "acceptance_length": r["acceptance_length"], "drafter": method,
+                    "draft_model": "tiny-draft" if method == "draft_model" else ""}
+        write_json(Path(args.sim_out).with_name(Path(args.sim_out).stem + ("" if key == "plain" else "_spec") + ".json"), {
+            "machine": machine(), "model": "tiny-qwen3", "threads": args.threads,
+            "workload": {"prompts_per_step": args.prompts, "group_size": args.group, "prompt_len": round(prompt_len),
+                         "response": {"mean": r["response_len_mean"], "max_tokens": args.max_tokens, "sigma": 0.3}},
+            "stages": r["stages"], "spec": spec})
+    return 0 if all(math.isfinite(r["step_s"]) for r in rows) else 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="checkpoints/tiny-qwen3")
+    p.add_argument("--drafters", nargs="+", default=["mtp", "eagle3", "ngram", "history"])
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--adaptive", action="store_true", help="let the adaptive controller pick k (up to --k)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results/bench_step.json")
+    p.add_argument("--sim-out", default="benchmarks/results/bench_step_cpu.json")
