@@ -18,6 +18,7 @@ COMMAND_MODULES = (
     "megatron_spec.bench.cli",  # bench engine | rollout | step
     "megatron_spec.sim.cli",  # simulate, tune
     "megatron_spec.rl.report",  # report
+    "megatron_spec.rl.cli",  # train
 )
 
 

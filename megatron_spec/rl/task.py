@@ -40,8 +40,10 @@ class PromptTask:
             return self.tokenizer.encode(problem.prompt, bos=True)
         from ..tasks.natural import from_problem
 
-        return self.tokenizer.apply_chat_template(from_problem(problem).messages(), add_generation_prompt=True,
-                                                  tokenize=True)
+        text = self.tokenizer.apply_chat_template(from_problem(problem).messages(), add_generation_prompt=True,
+                                                  tokenize=False)
+        # The chat template already holds the special tokens; encode it verbatim.
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, token_ids: list[int]) -> str:
         if self.kind == "tiny":

@@ -1,0 +1,106 @@
+"""Executor plans: validated plain dicts describing where a job runs. No dependencies, so `--dryrun` can print
+them anywhere; `executors.build_executor(plan)` turns one into the matching NeMo-Run executor."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+_TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
+
+RAY_TEMPLATE = "slurm/ray.sub"
+"""The sbatch template that starts Ray on an allocation without NeMo-Run (see slurm/README.md)."""
+
+
+def local_plan(ntasks_per_node: int = 1, env_vars: dict[str, str] | None = None) -> dict:
+    """This machine, one process (what `--executor local` does in-process)."""
+    _positive("ntasks_per_node", ntasks_per_node)
+    return {"executor": "local", "nodes": 1, "ntasks_per_node": ntasks_per_node, "env_vars": dict(env_vars or {})}
+
+
+def slurm_plan(
+    account: str,
+    partition: str | None = None,
+    nodes: int = 1,
+    gpus_per_node: int = 8,
+    time: str = "04:00:00",
+    container_image: str | None = None,
+    container_mounts: list[str] | tuple[str, ...] = (),
+    ntasks_per_node: int | None = None,
+    env_vars: dict[str, str] | None = None,
+    ssh_host: str | None = None,
+    ssh_user: str | None = None,
+    job_dir: str | None = None,
+) -> dict:
+    """A SLURM batch job in a pyxis container.
+
+    `ntasks_per_node` defaults to one task per GPU (the torchrun / Megatron convention), or 1 without GPUs.
+    With `ssh_host` NeMo-Run submits over SSH from this machine; without it, it calls sbatch here (a login node).
+    """
+    if not account:
+        raise ValueError("a SLURM job needs an account (--account)")
+    _positive("nodes", nodes)
+    if gpus_per_node < 0:
+        raise ValueError(f"gpus_per_node must be >= 0, got {gpus_per_node}")
+    if not _TIME.match(time):
+        raise ValueError(f"time must be [D-]HH:MM:SS, got {time!r}")
+    if ntasks_per_node is None:
+        ntasks_per_node = max(gpus_per_node, 1)
+    _positive("ntasks_per_node", ntasks_per_node)
+    if ssh_host and not ssh_user:
+        raise ValueError("an SSH tunnel needs a user (--ssh-user) along with the host")
+    for mount in container_mounts:
+        if ":" not in mount:
+            raise ValueError(f"container mount {mount!r} is not SRC:DST")
+    if ssh_host:
+        tunnel = {"kind": "ssh", "host": ssh_host, "user": ssh_user, "job_dir": job_dir or f"/home/{ssh_user}/nemo_run"}
+    else:
+        tunnel = {"kind": "local", "job_dir": job_dir or ""}
+    return {
+        "executor": "slurm",
+        "account": account,
+        "partition": partition,
+        "nodes": nodes,
+        "gpus_per_node": gpus_per_node,
+        "ntasks_per_node": ntasks_per_node,
+        "time": time,
+        "container_image": container_image,
+        "container_mounts": list(container_mounts),
+        "env_vars": dict(env_vars or {}),
+        "tunnel": tunnel,
+    }
+
+
+def ray_slurm_plan(account: str, partition: str | None = None, nodes: int = 1, gpus_per_node: int = 8,
+                   **slurm_kwargs) -> dict:
+    """A Ray cluster on a SLURM allocation: one Ray process per node owning all its GPUs, the head on the first
+    node, the driver command on the head. Other arguments as `slurm_plan`."""
+    if slurm_kwargs.get("ntasks_per_node", 1) != 1:
+        raise ValueError("a Ray cluster runs one Ray process per node: ntasks_per_node must be 1")
+    slurm_kwargs["ntasks_per_node"] = 1
+    plan = slurm_plan(account, partition, nodes, gpus_per_node, **slurm_kwargs)
+    plan["executor"] = "ray-slurm"
+    plan["ray"] = {"head": "first node of the allocation", "workers": nodes - 1, "gpus": nodes * gpus_per_node,
+                   "template_without_nemo_run": RAY_TEMPLATE}
+    return plan
+
+
+def ray_sbatch_command(plan: dict, command: str) -> str:
+    """The shell line that submits `command` on the plan's allocation through `slurm/ray.sub`, without NeMo-Run."""
+    env = {"COMMAND": command, "GPUS_PER_NODE": str(plan["gpus_per_node"])}
+    if plan.get("container_image"):
+        env["CONTAINER"] = plan["container_image"]
+    if plan.get("container_mounts"):
+        env["MOUNTS"] = ",".join(plan["container_mounts"])
+    flags = [f"--account={plan['account']}", f"--nodes={plan['nodes']}", f"--time={plan['time']}"]
+    if plan.get("partition"):
+        flags.append(f"--partition={plan['partition']}")
+    if plan["gpus_per_node"]:
+        flags.append(f"--gres=gpu:{plan['gpus_per_node']}")
+    assignments = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
+    return " ".join([*assignments, "sbatch", *flags, RAY_TEMPLATE])
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -1,0 +1,169 @@
+"""Recipes and their YAML: configs equal the recipe functions, `--dryrun` prints and runs nothing, `nemo-run`
+delegates to the recipe, at-scale recipes name the extras they miss. `megatron_spec.rl.loop.train` is replaced in
+every test that could reach it, so no training runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+import megatron_spec.rl.loop as loop
+from launchers import missing_extras
+from megatron_spec import nemo_run_cli
+from megatron_spec.rl.config import RLConfig
+from megatron_spec.rl.overrides import apply_overrides, from_dict, load_yaml, to_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ("tiny_grpo_spec", "smollm2_grpo_spec", "qwen3_8b_grpo_spec", "qwen3_235b_grpo_spec")
+AT_SCALE = ("qwen3_8b_grpo_spec", "qwen3_235b_grpo_spec")
+
+
+def recipe(name: str):
+    return nemo_run_cli.load_recipe(ROOT / "recipes" / f"{name}.py")
+
+
+@pytest.fixture(autouse=True)
+def no_training(monkeypatch):
+    """Any path that would start training records the call instead."""
+    calls = []
+    monkeypatch.setattr(loop, "train", lambda cfg: calls.append(cfg) or {"step": cfg.run.steps - 1})
+    return calls
+
+
+def split_dryrun(out: str) -> tuple[RLConfig, dict]:
+    config_text, plan_text = out.split("# executor plan")
+    return from_dict(yaml.safe_load(config_text)), yaml.safe_load(plan_text.split("\n", 1)[1])
+
+
+def test_every_recipe_has_a_config_and_back():
+    recipes = {p.stem for p in (ROOT / "recipes").glob("*.py") if not p.stem.startswith("_")}
+    configs = {p.stem for p in (ROOT / "configs").glob("*.yaml")}
+    assert recipes == configs == set(RECIPES)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_config_equals_recipe_and_mirrors_the_dataclasses(name):
+    path = ROOT / "configs" / f"{name}.yaml"
+    cfg = getattr(recipe(name), name)()
+    assert load_yaml(path) == cfg
+    # Every field is spelled out (the YAML documents the whole config, not only what differs from the defaults).
+    assert yaml.safe_load(path.read_text()) == to_dict(cfg)
+
+
+def test_reference_recipes_are_what_the_docs_say():
+    tiny = recipe("tiny_grpo_spec").tiny_grpo_spec()
+    assert tiny == RLConfig() and tiny.spec is not None  # the README job speculates
+    smol = recipe("smollm2_grpo_spec").smollm2_grpo_spec()
+    assert smol.model.policy == "smollm2-135m" and smol.model.task == "natural"
+    assert smol.spec.method in ("ngram", "history") and smol.model.drafter is None
+    big = recipe("qwen3_235b_grpo_spec").SCALE  # NeMo-RL's 235B recipe (shared/ANCHORS.md)
+    assert (big.nodes, big.gpus_per_node, big.tp, big.pp, big.cp, big.ep, big.vllm_tp) == (16, 8, 2, 8, 2, 16, 16)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_dryrun_prints_the_resolved_config_and_runs_nothing(name, capsys, no_training):
+    assert recipe(name).main(["grpo.group_size=4", "--dryrun", "run.steps=2"]) == 0
+    cfg, plan = split_dryrun(capsys.readouterr().out)
+    expected = apply_overrides(getattr(recipe(name), name)(), ["grpo.group_size=4", "run.steps=2"])
+    assert cfg == expected and plan["executor"] == "local"
+    assert no_training == []
+    if name in AT_SCALE:
+        assert plan["recommended"]["vllm"]["speculative_config"] == expected.spec.vllm()
+
+
+def test_config_file_then_overrides(tmp_path, capsys):
+    path = tmp_path / "over.yaml"
+    path.write_text("spec: null\ngrpo:\n  group_size: 6\n")
+    assert recipe("smollm2_grpo_spec").main(["--config", str(path), "grpo.group_size=3", "--dryrun"]) == 0
+    cfg, _ = split_dryrun(capsys.readouterr().out)
+    base = recipe("smollm2_grpo_spec").smollm2_grpo_spec()
+    assert cfg == apply_overrides(base, ["spec=null", "grpo.group_size=3"])
+
+
+def test_local_executor_runs_the_loop_in_process(no_training, capsys):
+    assert recipe("tiny_grpo_spec").main(["run.steps=1", "spec.method=ngram"]) == 0
+    assert no_training == [apply_overrides(RLConfig(), ["run.steps=1", "spec.method=ngram"])]
+    assert '"step": 0' in capsys.readouterr().out
+
+
+def test_bad_override_is_one_line_and_trains_nothing(no_training, capsys):
+    assert recipe("tiny_grpo_spec").main(["grpo.group_size=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "group_size must be >= 2" in err and no_training == []
+
+
+def test_nemo_run_command_delegates_to_the_recipe(capsys, no_training):
+    path = str(ROOT / "recipes" / "tiny_grpo_spec.py")
+    assert nemo_run_cli.main([path, "spec=null", "--dryrun"]) == 0
+    cfg, plan = split_dryrun(capsys.readouterr().out)
+    assert cfg.spec is None and plan["runs"] == "megatron_spec.rl.loop.train(cfg)" and no_training == []
+    assert nemo_run_cli.main([path, "run.steps=1"]) == 0 and len(no_training) == 1
+    assert nemo_run_cli.main([str(ROOT / "recipes" / "nope.py")]) == 2
+    assert "not a Python file" in capsys.readouterr().err
+    assert nemo_run_cli.main([]) == 2
+
+
+@pytest.mark.parametrize("name", AT_SCALE)
+def test_at_scale_recipe_without_extras_names_them(name, capsys, no_training):
+    missing = missing_extras(("megatron", "vllm", "ray"))
+    if not missing:
+        pytest.skip("megatron-core, vLLM and Ray are all installed here")
+    assert recipe(name).main([]) == 2
+    err = capsys.readouterr().err
+    assert f"pip install -e .[{','.join(missing)}]" in err and no_training == []
+
+
+def test_at_scale_ray_slurm_plan(capsys):
+    argv = ["--dryrun", "--executor", "ray-slurm", "--account", "acct", "--partition", "batch", "--nodes", "2",
+            "--container-image", "img:1", "--container-mounts", "/data:/data", "spec.num_speculative_tokens=5"]
+    assert recipe("qwen3_235b_grpo_spec").main(argv) == 0
+    cfg, plan = split_dryrun(capsys.readouterr().out)
+    assert cfg.spec.num_speculative_tokens == 5
+    assert (plan["executor"], plan["account"], plan["partition"], plan["nodes"]) == ("ray-slurm", "acct", "batch", 2)
+    assert plan["gpus_per_node"] == 8 and plan["ntasks_per_node"] == 1 and plan["container_mounts"] == ["/data:/data"]
+    assert plan["command"] == ("python recipes/qwen3_235b_grpo_spec.py spec.num_speculative_tokens=5 "
+                               "--executor local")
+    assert "--nodes=2" in plan["sbatch_without_nemo_run"] and "slurm/ray.sub" in plan["sbatch_without_nemo_run"]
+    rec = plan["recommended"]
+    assert rec["megatron"] == {"tp": 2, "pp": 8, "cp": 2, "ep": 16, "etp": 1, "dp": 4}
+    assert rec["vllm"]["tensor_parallel_size"] == 16 and rec["vllm"]["engines"] == 8
+    assert rec["vllm"]["speculative_config"]["num_speculative_tokens"] == 5
+
+
+def test_embedded_recipe_slurm_plan(capsys):
+    argv = ["--executor", "slurm", "--dryrun", "--partition", "cpu", "--gpus-per-node", "0", "--nodes", "1",
+            "--time", "00:20:00", "run.steps=3"]
+    assert recipe("tiny_grpo_spec").main(argv) == 0
+    _, plan = split_dryrun(capsys.readouterr().out)
+    assert (plan["executor"], plan["partition"], plan["gpus_per_node"], plan["time"]) == ("slurm", "cpu", 0, "00:20:00")
+    assert plan["nodes"] == 1 and plan["ntasks_per_node"] == 1  # the embedded loop is one process
+    assert plan["account"] == "ACCOUNT"  # a dry run without --account shows the placeholder
+    assert plan["command"] == "python recipes/tiny_grpo_spec.py run.steps=3 --executor local"
+
+
+@pytest.mark.parametrize("name, argv, message", [
+    ("tiny_grpo_spec", ["--executor", "ray-slurm"], "use --executor local or slurm"),
+    ("qwen3_8b_grpo_spec", ["--executor", "slurm"], "use --executor local or ray-slurm"),
+    ("smollm2_grpo_spec", ["--executor", "slurm", "--nodes", "2"], "--nodes must be 1"),
+])
+def test_wrong_executor_shape_is_refused(name, argv, message, capsys):
+    assert recipe(name).main([*argv, "--dryrun"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_submitting_without_an_account_is_refused(capsys, monkeypatch):
+    monkeypatch.delenv("SBATCH_ACCOUNT", raising=False)
+    assert recipe("tiny_grpo_spec").main(["--executor", "slurm"]) == 2
+    assert "account" in capsys.readouterr().err
+
+
+def test_scale_layout_is_checked():
+    scale_cls = type(recipe("qwen3_8b_grpo_spec").SCALE)
+    with pytest.raises(ValueError, match="does not divide"):
+        scale_cls(nodes=1, gpus_per_node=8, tp=3)
+    with pytest.raises(ValueError, match="EP\\*PP"):
+        scale_cls(nodes=1, gpus_per_node=8, pp=2, ep=8)
+    with pytest.raises(ValueError, match="vLLM TP"):
+        scale_cls(nodes=1, gpus_per_node=8, vllm_tp=16)
