@@ -180,3 +180,15 @@ def test_resume_with_different_config_is_refused(ckpts, tmp_path, shaped_reward)
     with pytest.raises(ValueError, match="different config.*grpo.lr"):
         loop.train(cfg)
     assert (tmp_path / "checkpoints" / "latest").is_file()
+
+
+def test_grpo_learns_the_rewarded_behaviour(ckpts, tmp_path, monkeypatch):
+    """Reward = share of completion tokens equal to 20 (a random model emits it ~1/64 of the time). Ten GRPO steps
+    at lr 3e-3 must raise the sampled share of token 20 at least three-fold: the loss's sign, the advantage
+    alignment with rollouts and the logprob/mask alignment all have to be right for that."""
+    monkeypatch.setattr(PromptTask, "reward", lambda self, ids, problem: ids.count(20) / max(len(ids), 1))
+    cfg = small_cfg(ckpts, tmp_path, spec=None, prompts_per_step=4, group_size=6, max_tokens=16)
+    cfg.run.steps = 10
+    loop.train(cfg)
+    rewards = [m["reward_mean"] for m in read_metrics(tmp_path)]
+    assert sum(rewards[-2:]) > 3 * sum(rewards[:2]) + 0.02

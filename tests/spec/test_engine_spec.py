@@ -21,11 +21,8 @@ PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [8, 9, 10, 11, 12], [3], [20, 21, 20, 21, 2
 
 
 @pytest.fixture(scope="module")
-def target():
-    torch.manual_seed(0)
-    model = CausalLM(preset("tiny-qwen3")).eval()
-    model.reset_parameters(std=0.15)
-    return model
+def target(tiny_model):
+    return tiny_model
 
 
 def noisy_copy(model, scale, seed):

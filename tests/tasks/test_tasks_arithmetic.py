@@ -1,0 +1,105 @@
+"""Problem generator: determinism, worked solutions that really compute the answer, clear errors."""
+
+import itertools
+import re
+
+import pytest
+
+from megatron_spec.tasks.arithmetic import ANSWER_MARKER, ArithmeticDataset, Difficulty, Problem, solve
+
+STEP = re.compile(r"(-?\d+)([+\-*])(\d+)=(-?\d+)")
+
+
+def test_known_problems_are_stable():
+    # Pins the generator: changing it silently would change every shipped checkpoint's data.
+    ds = ArithmeticDataset(10, seed=0)
+    assert ds[0] == Problem("28-42+20+51\n", "28-42=-14\n-14+20=6\n6+51=57\n=> 57", "57")
+    assert ds[3] == Problem("17-1\n", "17-1=16\n=> 16", "16")
+
+
+def test_same_seed_and_index_give_the_same_problem():
+    a = ArithmeticDataset(1000, seed=7)
+    b = ArithmeticDataset(1000, seed=7)
+    assert [a[i] for i in (0, 1, 999, 500)] == [b[i] for i in (0, 1, 999, 500)]
+    # Index access needs no iteration state: reading 500 first does not change 0.
+    assert a[500] == b[500] and a[0] == b[0]
+
+
+def test_seeds_and_splits_give_different_streams():
+    base = [p.prompt for p in ArithmeticDataset(50, seed=0)]
+    assert base != [p.prompt for p in ArithmeticDataset(50, seed=1)]
+    assert base != [p.prompt for p in ArithmeticDataset(50, seed=0, split="eval")]
+
+
+def test_cycle_resumes_at_a_position_and_wraps():
+    ds = ArithmeticDataset(5, seed=2)
+    assert list(itertools.islice(ds.cycle(3), 4)) == [ds[3], ds[4], ds[0], ds[1]]
+    with pytest.raises(ValueError, match="position must be >= 0"):
+        next(ds.cycle(-1))
+    with pytest.raises(IndexError, match=r"index 5 out of range \[0, 5\)"):
+        ds[5]
+
+
+@pytest.mark.parametrize("ops", ["+-", "+-*", "*"])
+def test_worked_solutions_compute_the_answer(ops):
+    """Parse every line: each step is correct, chains on the previous result, uses the prompt's operands."""
+    difficulty = Difficulty(min_terms=2, max_terms=5, max_operand=99, ops=ops)
+    for p in ArithmeticDataset(300, seed=11, difficulty=difficulty):
+        *steps, last = p.solution.split("\n")
+        operands = [int(x) for x in re.findall(r"\d+", p.prompt)]
+        assert p.prompt.endswith("\n") and len(steps) == len(operands) - 1 >= 1
+        acc = operands[0]
+        for line, b in zip(steps, operands[1:]):
+            a, op, rhs, result = STEP.fullmatch(line).groups()
+            assert int(a) == acc and int(rhs) == b
+            acc = {"+": acc + b, "-": acc - b, "*": acc * b}[op]
+            assert int(result) == acc
+            if op == "*":
+                assert 0 <= b <= 9
+        assert last == f"{ANSWER_MARKER}{acc}" and p.answer == str(acc)
+        # The prompt means what it says under normal precedence (parentheses where a product follows a sum).
+        assert eval(p.prompt) == acc  # noqa: S307 - our own digits and operators only
+
+
+def test_difficulty_knob_bounds_the_problems():
+    difficulty = Difficulty(min_terms=3, max_terms=3, max_operand=9, ops="+")
+    for p in ArithmeticDataset(100, seed=0, difficulty=difficulty):
+        assert re.fullmatch(r"\d\+\d\+\d\n", p.prompt)
+
+
+def test_solve_parenthesises_a_product_after_a_sum():
+    assert solve([2, 3, 4], ["+", "*"]).prompt == "(2+3)*4\n"
+    assert solve([2, 3, 4], ["*", "+"]).prompt == "2*3+4\n"
+    assert solve([2, 3, 4], ["*", "+"]).answer == "10"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(min_terms=1), "min_terms must be >= 2"),
+        (dict(min_terms=4, max_terms=3), r"max_terms \(3\) must be >= min_terms \(4\)"),
+        (dict(max_operand=0), "max_operand must be >= 1"),
+        (dict(ops="/"), "ops must be a non-empty set"),
+        (dict(ops=""), "ops must be a non-empty set"),
+        (dict(ops="++"), "ops must be a non-empty set"),
+    ],
+)
+def test_bad_difficulty_is_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Difficulty(**kwargs)
+
+
+def test_empty_dataset_is_rejected():
+    with pytest.raises(ValueError, match="at least one problem, got size=0"):
+        ArithmeticDataset(0)
+    with pytest.raises(ValueError, match="split name must be non-empty"):
+        ArithmeticDataset(3, split="")
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [(("", "x", "1"), "non-empty prompt"), (("1\n", "x", "1.5"), "integer string"), (("1\n", "x", "+1"), "not canonical")],
+)
+def test_bad_problem_is_rejected(fields, message):
+    with pytest.raises(ValueError, match=message):
+        Problem(*fields)
