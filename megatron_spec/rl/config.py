@@ -35,8 +35,9 @@ class GRPOSection:
     """Rollout nucleus mass."""
     top_k: int = 0
     """Rollout top-k (0: off)."""
-    lr: float = 1e-4
-    """Policy learning rate (AdamW)."""
+    lr: float = 1e-5
+    """Policy learning rate (AdamW). On the tiny model 1e-4 lowered held-out greedy accuracy from 0.59 to 0.35 in
+    10 steps of 8x8 rollouts; 1e-5 held it (0.61 -> 0.59 over 30 steps)."""
     clip_low: float = 0.2
     """PPO clip below 1 (ratio >= 1 - clip_low)."""
     clip_high: float = 0.2
