@@ -110,6 +110,9 @@ def write_atomically(out_dir: str | os.PathLike, write) -> Path:
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; a checkpoint should get the usual permissions
     try:
         write(tmp)
         if out_dir.exists():

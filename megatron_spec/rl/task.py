@@ -21,7 +21,13 @@ class PromptTask:
     def build(cls, kind: str, policy_path: str, size: int, seed: int, split: str = "train") -> "PromptTask":
         if size < 1:
             raise ValueError(f"the prompt dataset is empty (size={size}): RL needs at least one prompt")
-        dataset = ArithmeticDataset(size=size, seed=seed, split=split)
+        if kind == "natural":
+            from ..tasks.natural import SMOLLM2_DIFFICULTY
+
+            # The chat model's own difficulty: SmolLM2-135M solves ~1/16 of the tiny task's two-digit chains.
+            dataset = ArithmeticDataset(size=size, seed=seed, split=split, difficulty=SMOLLM2_DIFFICULTY)
+        else:
+            dataset = ArithmeticDataset(size=size, seed=seed, split=split)
         if kind == "tiny":
             from ..tasks.tokenizer import CharTokenizer
 

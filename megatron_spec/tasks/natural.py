@@ -16,7 +16,12 @@ from .arithmetic import ANSWER_MARKER, ArithmeticDataset, Difficulty, Problem
 from .reward import reward
 
 INSTRUCTION = 'Solve it step by step, one operation per line, and finish with "The answer is N." where N is the result.'
-"""Appended to every question; names the exact closing phrase the extractor looks for first after a marker."""
+"""Appended to every question; names the closing phrase the extractor looks for."""
+
+SMOLLM2_DIFFICULTY = Difficulty(min_terms=2, max_terms=3, max_operand=9)
+"""Default for chat models: SmolLM2-135M-Instruct (the Q4_1 GGUF, dequantised; greedy, 32 eval problems) solved
+7/32 of these, 12/32 with two terms only, and 1/16 at the tiny models' `Difficulty()` (two-digit operands): RL
+needs a start well above 0."""
 
 
 @dataclass(frozen=True)
@@ -43,8 +48,8 @@ class NaturalProblem:
 def _spaced(expression: str) -> str:
     """`-11+5*2=-1` -> `-11 + 5 × 2 = -1`: an operator right after a digit is binary and gets spaces, a sign does
     not; spaced operators also make subword tokenizers split numbers from operators consistently."""
-    spaced = re.sub(r"(?<=[\d)])([+\-*=])", r" \1 ", expression)
-    return spaced.replace("=", " = ").replace("  ", " ").replace("*", "×")
+    spaced = re.sub(r"(?<=[\d)])([+\-*])", r" \1 ", expression).replace("=", " = ")
+    return spaced.replace("*", "×")
 
 
 def from_problem(problem: Problem) -> NaturalProblem:
@@ -59,14 +64,15 @@ def from_problem(problem: Problem) -> NaturalProblem:
 
 @dataclass(frozen=True)
 class NaturalDataset:
-    """The natural-language view of an `ArithmeticDataset`: problem i here is problem i there, reworded."""
+    """The natural-language view of an `ArithmeticDataset`: problem i here is problem i there (same seed, split and
+    difficulty), reworded."""
 
     size: int
     """Number of problems."""
     seed: int = 0
     """Seed of the whole dataset (same meaning as `ArithmeticDataset.seed`)."""
-    difficulty: Difficulty = Difficulty()
-    """Problem generator knob."""
+    difficulty: Difficulty = SMOLLM2_DIFFICULTY
+    """Problem generator knob; easier by default than the tiny task's (see `SMOLLM2_DIFFICULTY`)."""
     split: str = "train"
     """Random stream name ("train", "eval", ...)."""
 

@@ -5,12 +5,13 @@ Where the answer is looked for, most explicit first (the first rule that finds a
 last occurrence wins, because models restate intermediate results before concluding):
 
 1. the task's own marker `=> N`;
-2. `\\boxed{N}`;
+2. `\\boxed{N}` (also `\\boxed{\\text{N}}`, `\\boxed{x = N}`; a box holding anything else, e.g. `\\frac{1}{2}`, is skipped);
 3. "answer is N", "answer: N", "answer = N" (any case);
 4. the final non-empty line, if it is just a number or ends with `= N` (after markdown and punctuation are removed).
 
 A completion whose work was cut off mid-way therefore earns nothing unless it reached a conclusion. There is no
 format bonus: the reward is 1.0 for the right answer and 0.0 otherwise, so the RL signal is exactly accuracy.
+Every scan is linear in the text length (400 kB of adversarial garbage takes about 0.15 s).
 """
 
 from __future__ import annotations

@@ -98,7 +98,11 @@ def test_empty_dataset_is_rejected():
 
 @pytest.mark.parametrize(
     "fields, message",
-    [(("", "x", "1"), "non-empty prompt"), (("1\n", "x", "1.5"), "integer string"), (("1\n", "x", "+1"), "not canonical")],
+    [
+        (("", "x", "1"), "non-empty prompt"),
+        (("1\n", "x", "1.5"), "integer string"),
+        (("1\n", "x", "+1"), "not canonical"),
+    ],
 )
 def test_bad_problem_is_rejected(fields, message):
     with pytest.raises(ValueError, match=message):

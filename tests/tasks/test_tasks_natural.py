@@ -5,7 +5,14 @@ import itertools
 import pytest
 
 from megatron_spec.tasks.arithmetic import ArithmeticDataset, Difficulty
-from megatron_spec.tasks.natural import INSTRUCTION, SMOLLM2_DIFFICULTY, NaturalDataset, NaturalProblem, from_problem, natural_reward
+from megatron_spec.tasks.natural import (
+    INSTRUCTION,
+    SMOLLM2_DIFFICULTY,
+    NaturalDataset,
+    NaturalProblem,
+    from_problem,
+    natural_reward,
+)
 from megatron_spec.tasks.reward import extract_answer
 
 
