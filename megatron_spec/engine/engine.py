@@ -71,7 +71,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         drafts = self.proposer.propose(seqs, k)
         if self.controller:
-            self.controller.record_draft(k, time.perf_counter() - t0)
+            self.controller.record_draft(len(seqs), k, time.perf_counter() - t0)
         return drafts
 
     def timed_target(self, seqs: list[Sequence], drafts: Drafts):
@@ -94,12 +94,17 @@ class LLMEngine:
         else:
             u = torch.stack([torch.rand(k + 1, generator=s.generator) for s in seqs])
             verdict = verify_sampled(logprobs.exp(), padded, draft_len, u[:, :k], u[:, k], drafts.probs)
+        # Emitted token j of sequence b is draft j for j < n and the verdict's next token at j = n; one gather
+        # then yields every log-prob (per-sequence tensor ops would cost more than the forward at small sizes).
+        emitted_ids = torch.cat([padded, torch.zeros(len(seqs), 1, dtype=torch.long)], 1)
+        emitted_ids.scatter_(1, verdict.num_accepted[:, None], verdict.next_token[:, None])
+        all_lps = logprobs.gather(-1, emitted_ids[..., None]).squeeze(-1).tolist()
         accepted, nxt = verdict.num_accepted.tolist(), verdict.next_token.tolist()
         emitted = []
         for b, seq in enumerate(seqs):
             n = accepted[b]
             tokens = drafts.tokens[b][:n] + [nxt[b]]
-            lps = logprobs[b, torch.arange(n + 1), torch.tensor(tokens)].tolist()
+            lps = all_lps[b][: n + 1]
             seq.num_cached -= len(drafts.tokens[b]) - n  # rollback: rejected drafts' keys are now stale
             if drafts.tokens[b]:
                 self.record_stats(seq, len(drafts.tokens[b]), n)

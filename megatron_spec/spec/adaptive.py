@@ -3,8 +3,8 @@
 Cost model, calibrated online from the engine's own timings:
   t_target(B, T)  one target forward of B sequences feeding T tokens each (T=1: decode, T=k+1: verify),
                   fitted as c0 + c1 * B + c2 * B * T by least squares over recent measurements;
-  t_draft(B, k)   the drafter's proposing cost, fitted as d0 + d1 * k (per batch size bucket it barely varies
-                  for the drafters we ship, and the fit stays robust with few points).
+  t_draft(B, k)   the drafter's proposing cost, fitted as d0 + d1 * k + d2 * k * B (proportional to k until
+                  three distinct (B, k) points exist).
 Gain model: per-position acceptance a_i (moving averages of P(draft i accepted | drafts < i accepted)), so
 E[tokens per sequence per verify] = 1 + sum_{j<=k} prod_{i<=j} a_i (Leviathan et al.'s (1-a^(k+1))/(1-a) when
 all a_i = a). Speculation runs only when B * E / (t_draft + t_target(B, k+1)) beats B / t_target(B, 1) by
@@ -23,11 +23,11 @@ import numpy as np
 
 
 class AdaptiveController:
-    def __init__(self, k_max: int, margin: float = 1.03, warmup: int = 6, probe_every: int = 32,
+    def __init__(self, k_max: int, margin: float = 1.03, warmup: int = 4, probe_every: int = 32,
                  window: int = 64, ema: float = 0.1):
         self.k_max, self.margin, self.warmup, self.probe_every, self.ema = k_max, margin, warmup, probe_every, ema
         self.target_obs: deque = deque(maxlen=window)  # (B, T, seconds)
-        self.draft_obs: deque = deque(maxlen=window)  # (k, seconds)
+        self.draft_obs: deque = deque(maxlen=window)  # (B, k, seconds)
         self.accept = np.full(k_max, 0.7)  # optimistic prior so speculation gets measured at all
         self.steps = 0
         self.last_choice = 0
@@ -36,8 +36,8 @@ class AdaptiveController:
     def record_target(self, batch: int, tokens: int, seconds: float) -> None:
         self.target_obs.append((batch, tokens, seconds))
 
-    def record_draft(self, k: int, seconds: float) -> None:
-        self.draft_obs.append((k, seconds))
+    def record_draft(self, batch: int, k: int, seconds: float) -> None:
+        self.draft_obs.append((batch, k, seconds))
 
     def record_acceptance(self, drafted: list[int], accepted: list[int]) -> None:
         """Per sequence: drafts offered and accepted this step; updates the per-position acceptance estimate."""
@@ -56,15 +56,16 @@ class AdaptiveController:
         coef, *_ = np.linalg.lstsq(X, y, rcond=None)
         return float(max(coef @ np.array([1.0, batch, batch * tokens]), 1e-6))
 
-    def t_draft(self, k: int) -> float:
+    def t_draft(self, batch: int, k: int) -> float:
         if not self.draft_obs:
             return 0.0
-        ks = np.array([o[0] for o in self.draft_obs], dtype=float)
-        ts = np.array([o[1] for o in self.draft_obs])
-        if len(set(ks.tolist())) < 2:
-            return float(ts.mean() / ks.mean() * k)
-        d1, d0 = np.polyfit(ks, ts, 1)
-        return float(max(d0 + d1 * k, 0.0))
+        if len({(b, kk) for b, kk, _ in self.draft_obs}) < 3:
+            per_k = sum(t for *_, t in self.draft_obs) / sum(kk for _, kk, _ in self.draft_obs)
+            return per_k * k
+        X = np.array([[1.0, kk, kk * b] for b, kk, _ in self.draft_obs])
+        y = np.array([t for *_, t in self.draft_obs])
+        coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+        return float(max(coef @ np.array([1.0, k, k * batch]), 0.0))
 
     def expected_tokens(self, k: int) -> float:
         return 1.0 + float(np.cumprod(self.accept[:k]).sum())
@@ -74,7 +75,7 @@ class AdaptiveController:
         t = self.t_target(batch, k + 1)
         if t is None:
             return None
-        cost = t + (self.t_draft(k) if k else 0.0)
+        cost = t + (self.t_draft(batch, k) if k else 0.0)
         return batch * (self.expected_tokens(k) if k else 1.0) / cost
 
     def choose_k(self, batch: int) -> int:

@@ -202,14 +202,14 @@ def test_adaptive_turns_speculation_off_when_it_cannot_pay():
     for b in (8, 16, 32):
         for t in (1, 3, 5):
             ctl.record_target(b, t, 0.001 + 0.0005 * b * t)
-    ctl.record_draft(4, 0.002)
+    ctl.record_draft(32, 4, 0.002)
     ctl.accept[:] = 0.2
     assert ctl.choose_k(32) == 0
     ctl = AdaptiveController(k_max=4, warmup=0)
     for b in (1, 2, 4):
         for t in (1, 3, 5):
             ctl.record_target(b, t, 0.050 + 0.0001 * b * t)
-    ctl.record_draft(4, 0.004)
+    ctl.record_draft(1, 4, 0.004)
     ctl.accept[:] = 0.8
     assert ctl.choose_k(1) == 4
 

@@ -38,22 +38,20 @@ class HiddenStateProposer(Proposer):
         if self.cache is None or self.cache.num_slots < num_slots or self.cache.max_len < max_len:
             self.cache = KVCache(self.head.num_cache_layers, num_slots, max_len, cfg.num_key_value_heads, cfg.head_dim,
                                  self.target.dtype, self.target.device, first_layer=cfg.num_hidden_layers)
+            # Target features by (slot, position): one batched write per target forward, one gather per round.
+            self.features = torch.zeros(num_slots, max_len, cfg.hidden_size, dtype=self.target.dtype,
+                                        device=self.target.device)
         self.params = params
         self.frontier = {s.index: 0 for s in seqs}
-        self.features: dict[int, tuple[int, Tensor]] = {s.index: (0, None) for s in seqs}
-        """Per sequence: (first position, [n, H] target features from there on)."""
 
     def observe(self, seqs, out: TrunkOutput, starts, valid) -> None:
         feats = out.hidden if self.is_mtp else self.head.fuse(out.layers)
-        for b, s in enumerate(seqs):
-            first, old = self.features[s.index]
-            new = feats[b, : valid[b]]
-            if old is None:
-                first, rows = starts[b], new
-            else:
-                rows = torch.cat([old, new])
-            keep_from = max(self.frontier[s.index] - first, 0)  # rows before the frontier are never read again
-            self.features[s.index] = (first + keep_from, rows[keep_from:])
+        B, T = feats.shape[:2]
+        device = feats.device
+        keep = torch.arange(T, device=device)[None] < torch.tensor(valid, device=device)[:, None]
+        slots = torch.tensor([s.slot for s in seqs], device=device)[:, None].expand(B, T)
+        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
+        self.features[slots[keep], positions[keep]] = feats[keep]
 
     def step(self, depth: int, hidden: Tensor, ids: Tensor, positions: Tensor, view) -> tuple[Tensor, Tensor]:
         if self.is_mtp:
@@ -67,11 +65,10 @@ class HiddenStateProposer(Proposer):
         starts = [self.frontier[s.index] for s in seqs]
         counts = [len(e) - 1 - c for e, c in zip(ext, starts)]  # positions c .. L-2
         T = max(counts)
-        hidden = torch.zeros(B, T, self.target.config.hidden_size, dtype=self.target.dtype, device=device)
-        for b, s in enumerate(seqs):
-            first, rows = self.features[s.index]
-            hidden[b, : counts[b]] = rows[starts[b] - first : starts[b] - first + counts[b]]
         slots = [s.slot for s in seqs]
+        rows = (torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)).clamp_(
+            max=self.features.shape[1] - 1)  # rows past a sequence's count are padding
+        hidden = self.features[torch.tensor(slots, device=device)[:, None], rows]
         last = torch.tensor([n - 1 for n in counts], device=device)
         rows_b = torch.arange(B, device=device)
         drafts, probs = [[] for _ in seqs], []
