@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DRAFTER_DIRS = {"mtp": "{target}-mtp", "eagle3": "{target}-eagle3", "draft_model": "{target}-draft"}
+DRAFTER_DIRS = {"mtp": "{target}-mtp", "eagle3": "{target}-eagle3"}
+"""Where a target's trained heads live, beside it; the draft model is `--draft-model`."""
 
 
 def make_engine(target, method: str | None, k: int | str, drafter_dir: str | None, max_num_seqs: int):
@@ -72,8 +73,9 @@ def run(args) -> dict:
     rows = []
     for method in args.drafters:
         ddir = None
-        if method in DRAFTER_DIRS:
-            ddir = str(Path(args.target).parent / DRAFTER_DIRS[method].format(target=name))
+        if method in DRAFTER_DIRS or method == "draft_model":
+            ddir = args.draft_model if method == "draft_model" else str(
+                Path(args.target).parent / DRAFTER_DIRS[method].format(target=name))
             if not Path(ddir).exists():
                 print(f"  skip {method}: no drafter checkpoint at {ddir} (megatron-spec train-drafter makes one)")
                 continue
@@ -144,6 +146,7 @@ def main(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="checkpoints/tiny-qwen3")
     p.add_argument("--drafters", nargs="+", default=["ngram", "history", "draft_model", "mtp", "eagle3"])
+    p.add_argument("--draft-model", default="checkpoints/tiny-draft", help="checkpoint of the draft_model drafter")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--k", nargs="+", default=["1", "2", "3", "5", "adaptive"])
     p.add_argument("--max-tokens", type=int, default=64)

@@ -32,7 +32,7 @@ def variants(args) -> list[tuple[str, object]]:
     out.append(("plain", plain))
     name = Path(args.target).name
     for method in args.drafters:
-        drafter_dir = Path(args.target).parent / f"{name}-{ {'draft_model': 'draft'}.get(method, method)}"
+        drafter_dir = Path(args.draft_model) if method == "draft_model" else Path(args.target).parent / f"{name}-{method}"
         needs_weights = method in ("mtp", "eagle3", "draft_model")
         if needs_weights and not drafter_dir.is_dir():
             print(f"  skip {method}: no drafter at {drafter_dir}")
@@ -111,7 +111,8 @@ def main(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="checkpoints/tiny-qwen3")
-    p.add_argument("--drafters", nargs="+", default=["mtp", "eagle3", "ngram", "history"])
+    p.add_argument("--drafters", nargs="+", default=["mtp", "eagle3", "draft_model", "ngram", "history"])
+    p.add_argument("--draft-model", default="checkpoints/tiny-draft", help="checkpoint of the draft_model drafter")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--adaptive", action="store_true", help="let the adaptive controller pick k (up to --k)")
     p.add_argument("--prompts", type=int, default=8)

@@ -11,7 +11,7 @@ all a_i = a). Speculation runs only when B * E / (t_draft + t_target(B, k+1)) be
 `margin`; that is what keeps it from ever being slower than plain decoding. At small B a verify pass costs about
 what a decode does (weights are read once either way), so the tail of a rollout gets the deepest k.
 
-Until enough timings exist the controller explores: it alternates plain and speculative steps for the first
+Until enough timings exist the controller explores: it alternates plain steps and k=1 steps for the first
 `warmup` steps, and afterwards re-measures plain decoding every `probe_every` steps so the model stays honest.
 """
 
@@ -23,7 +23,7 @@ import numpy as np
 
 
 class AdaptiveController:
-    def __init__(self, k_max: int, margin: float = 1.03, warmup: int = 4, probe_every: int = 32,
+    def __init__(self, k_max: int, margin: float = 1.03, warmup: int = 2, probe_every: int = 32,
                  window: int = 64, ema: float = 0.1):
         self.k_max, self.margin, self.warmup, self.probe_every, self.ema = k_max, margin, warmup, probe_every, ema
         self.target_obs: deque = deque(maxlen=window)  # (B, T, seconds)
@@ -31,6 +31,9 @@ class AdaptiveController:
         self.accept = np.full(k_max, 0.7)  # optimistic prior so speculation gets measured at all
         self.steps = 0
         self.last_choice = 0
+        self._fits: dict = {}
+        self._decisions: dict[int, tuple[int, int]] = {}  # batch size -> (k, step decided)
+        self.decide_every = 8
 
     # -- measurements -----------------------------------------------------------------------------------------
     def record_target(self, batch: int, tokens: int, seconds: float) -> None:
@@ -49,23 +52,49 @@ class AdaptiveController:
 
     # -- the model ------------------------------------------------------------------------------------------
     def t_target(self, batch: int, tokens: int) -> float | None:
-        if len({(b, t) for b, t, _ in self.target_obs}) < 3:
-            return None
-        X = np.array([[1.0, b, b * t] for b, t, _ in self.target_obs])
-        y = np.array([s for _, _, s in self.target_obs])
-        coef, *_ = np.linalg.lstsq(X, y, rcond=None)
-        return float(max(coef @ np.array([1.0, batch, batch * tokens]), 1e-6))
+        """Fitted forward time; None until two different batch x tokens sizes have been timed."""
+        fit = self._target_fit()
+        return None if fit is None else float(max(fit[0] @ np.array(fit[1](batch, tokens)), 1e-6))
 
     def t_draft(self, batch: int, k: int) -> float:
+        fit = self._draft_fit()
+        return 0.0 if fit is None else float(max(fit[0] @ np.array(fit[1](batch, k)), 0.0))
+
+    def _target_fit(self):
+        # Refit only when a new timing arrived: the choice runs every engine step, the fit is not free.
+        key = ("target", len(self.target_obs), self.target_obs[-1] if self.target_obs else None)
+        if self._fits.get("target_key") != key:
+            self._fits["target_key"], self._fits["target"] = key, self._fit_target()
+        return self._fits["target"]
+
+    def _fit_target(self):
+        """t = c0 + c1 * B * T (+ c2 * B once several batch sizes were seen: a run whose batch never shrinks says
+        nothing about that term, and an under-determined fit would extrapolate nonsense)."""
+        if len({b * t for b, t, _ in self.target_obs}) < 2:
+            return None
+        with_b = len({b for b, _, _ in self.target_obs}) >= 2 and len({(b, t) for b, t, _ in self.target_obs}) >= 3
+        row = (lambda b, t: [1.0, b * t, b]) if with_b else (lambda b, t: [1.0, b * t])
+        X = np.array([row(b, t) for b, t, _ in self.target_obs])
+        y = np.array([s for _, _, s in self.target_obs])
+        return np.linalg.lstsq(X, y, rcond=None)[0], row
+
+    def _draft_fit(self):
+        key = ("draft", len(self.draft_obs), self.draft_obs[-1] if self.draft_obs else None)
+        if self._fits.get("draft_key") != key:
+            self._fits["draft_key"], self._fits["draft"] = key, self._fit_draft()
+        return self._fits["draft"]
+
+    def _fit_draft(self):
+        """t = d * k until three distinct (B, k) were seen, then d0 + d1 * k + d2 * k * B."""
         if not self.draft_obs:
-            return 0.0
-        if len({(b, kk) for b, kk, _ in self.draft_obs}) < 3:
-            per_k = sum(t for *_, t in self.draft_obs) / sum(kk for _, kk, _ in self.draft_obs)
-            return per_k * k
-        X = np.array([[1.0, kk, kk * b] for b, kk, _ in self.draft_obs])
+            return None
+        if len({(b, k) for b, k, _ in self.draft_obs}) < 3:
+            per_k = sum(t for *_, t in self.draft_obs) / sum(k for _, k, _ in self.draft_obs)
+            return np.array([per_k]), lambda b, k: [k]
+        row = lambda b, k: [1.0, k, k * b]  # noqa: E731
+        X = np.array([row(b, k) for b, k, _ in self.draft_obs])
         y = np.array([t for *_, t in self.draft_obs])
-        coef, *_ = np.linalg.lstsq(X, y, rcond=None)
-        return float(max(coef @ np.array([1.0, k, k * batch]), 0.0))
+        return np.linalg.lstsq(X, y, rcond=None)[0], row
 
     def expected_tokens(self, k: int) -> float:
         return 1.0 + float(np.cumprod(self.accept[:k]).sum())
@@ -81,17 +110,27 @@ class AdaptiveController:
     def choose_k(self, batch: int) -> int:
         self.steps += 1
         if self.steps <= self.warmup or self.t_target(batch, 1) is None:
-            # Too few distinct (batch, tokens) timings to fit the cost model yet: alternate to collect them.
-            k = self.k_max if self.steps % 2 else 0
+            # Too few timings to fit the cost model yet: alternate plain steps with cheap k=1 probes (a k=1 step
+            # costs little even where speculation cannot pay; the fit extrapolates to larger k).
+            k = 1 if self.steps % 2 else 0
         elif self.steps % self.probe_every == 0:
             k = 0  # re-measure plain decoding so the comparison never goes stale
         else:
-            plain = self.rate(batch, 0)
-            best_k, best = 0, plain
-            for k in range(1, self.k_max + 1):
-                r = self.rate(batch, k)
-                if r is not None and plain is not None and r > best and r > plain * self.margin:
-                    best_k, best = k, r
-            k = best_k
+            # The choice depends on the batch size and slowly moving estimates: decide again when the batch size
+            # changes or every `decide_every` steps, not every step (on a tiny model the decision itself would
+            # otherwise cost a noticeable share of a step).
+            cached = self._decisions.get(batch)
+            if cached is None or self.steps - cached[1] >= self.decide_every:
+                self._decisions[batch] = (self.best_k(batch), self.steps)
+            k = self._decisions[batch][0]
         self.last_choice = k
         return k
+
+    def best_k(self, batch: int) -> int:
+        plain = self.rate(batch, 0)
+        best_k, best = 0, plain
+        for k in range(1, self.k_max + 1):
+            r = self.rate(batch, k)
+            if r is not None and plain is not None and r > best and r > plain * self.margin:
+                best_k, best = k, r
+        return best_k
