@@ -76,7 +76,7 @@ class DrafterTrainSection:
 
 @dataclass
 class RunSection:
-    steps: int = 20
+    steps: int = 50
     """RL steps to run."""
     seed: int = 0
     """Seed of data order, rollouts and initialisation."""
