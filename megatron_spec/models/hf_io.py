@@ -64,6 +64,16 @@ def load_tensors(path: str | os.PathLike, dtype: torch.dtype | None = None) -> d
     return tensors
 
 
+def name_problems(missing: list[str], unexpected: list[str]) -> list[str]:
+    """The 'N missing / N unexpected tensor(s), e.g. ...' phrases of a checkpoint-mismatch error."""
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensor(s), e.g. {missing[:3]}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
+    return problems
+
+
 def check_state(module: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
     """Raise one clear error listing missing, unexpected and mis-shaped tensors."""
     expected = {n: p.shape for n, p in module.state_dict().items()}
@@ -73,11 +83,7 @@ def check_state(module: torch.nn.Module, tensors: dict[str, torch.Tensor], where
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     wrong = sorted(n for n in set(expected) & set(tensors) if tuple(tensors[n].shape) != tuple(expected[n]))
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing tensor(s), e.g. {missing[:3]}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
+    problems = name_problems(missing, unexpected)
     if wrong:
         n = wrong[0]
         problems.append(f"{len(wrong)} shape mismatch(es), e.g. {n}: checkpoint {tuple(tensors[n].shape)} vs model {tuple(expected[n])}")

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from megatron_spec.models.hf_io import read_config, weight_files
+from megatron_spec.models.hf_io import name_problems, read_config, weight_files
 
 from . import require_megatron
 from .checks import check_config_match
@@ -67,11 +67,7 @@ def _check_names(ckpt: _Checkpoint, model, where: str) -> None:
     # HF checkpoints of tied models sometimes store lm_head.weight as well: it is the embedding, so it is ignored.
     ignored = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     unexpected = sorted(n for n in ckpt.names - expected - ignored if not (n.startswith("mtp.") and not mtp_layers))
-    problems = []
-    if missing:
-        problems.append(f"{len(missing)} missing tensor(s), e.g. {missing[:3]}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
+    problems = name_problems(missing, unexpected)
     if problems:
         what = f"{cfg.model_type} with {cfg.num_hidden_layers} layers"
         what += f" + {mtp_layers} MTP layer(s)" if mtp_layers else ""
