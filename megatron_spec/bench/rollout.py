@@ -28,24 +28,10 @@ def make_engine(target, method: str | None, k: int | str, drafter_dir: str | Non
     return LLMEngine(target, max_num_seqs=max_num_seqs, spec=spec)
 
 
-def stats(outs) -> dict:
-    drafted = sum(o.spec.get("drafted", 0) for o in outs)
-    accepted = sum(o.spec.get("accepted", 0) for o in outs)
-    steps = sum(o.spec.get("verify_steps", 0) for o in outs)
-    width = max([len(o.spec.get("accepted_per_pos", [])) for o in outs] + [0])
-    acc_pos, off_pos = [0] * width, [0] * width
-    for o in outs:
-        for i, (a, d) in enumerate(zip(o.spec.get("accepted_per_pos", []), o.spec.get("drafted_per_pos", []))):
-            acc_pos[i] += a
-            off_pos[i] += d
-    return {"drafted": drafted, "accepted": accepted, "verify_steps": steps,
-            "acceptance_length": (accepted + steps) / steps if steps else None,
-            "per_position": [a / d if d else None for a, d in zip(acc_pos, off_pos)]}
-
-
 def measure(make_engine, plain, prompts, params, repeats: int, warm=None) -> dict:
     """Best-of-`repeats` tokens/s of a fresh speculative engine (a history drafter must never see the very rollout
     it is timed on) against the plain engine; `warm` runs one earlier step first (other seeds), as in RL."""
+    from ..spec.stats import speculation_summary
     from .common import timed
 
     t_plain = t_spec = float("inf")
@@ -59,7 +45,7 @@ def measure(make_engine, plain, prompts, params, repeats: int, warm=None) -> dic
     tokens = sum(len(o.token_ids) for o in outs)
     ref_tokens = sum(len(o.token_ids) for o in ref)
     return {"tok_s": tokens / t_spec, "plain_tok_s": ref_tokens / t_plain,
-            "speedup": (tokens / t_spec) / (ref_tokens / t_plain), **stats(outs)}
+            "speedup": (tokens / t_spec) / (ref_tokens / t_plain), **speculation_summary(outs)}
 
 
 def run(args) -> dict:

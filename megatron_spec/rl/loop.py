@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from ..engine import SamplingParams
+from ..spec.stats import speculation_summary
 from . import checkpoint
 from .config import RLConfig
 from .grpo import group_advantages
@@ -79,15 +80,8 @@ def make_batch(prompts: list[list[int]], outs) -> tuple[Batch, torch.Tensor]:
 
 
 def spec_metrics(outs) -> dict:
-    accepted = sum(o.spec.get("accepted", 0) for o in outs)
-    steps = sum(o.spec.get("verify_steps", 0) for o in outs)
-    width = max([len(o.spec.get("drafted_per_pos", [])) for o in outs] + [0])
-    per_pos = []
-    for i in range(width):
-        d = sum(o.spec["drafted_per_pos"][i] for o in outs if len(o.spec.get("drafted_per_pos", [])) > i)
-        a = sum(o.spec["accepted_per_pos"][i] for o in outs if len(o.spec.get("accepted_per_pos", [])) > i)
-        per_pos.append(a / d if d else None)
-    return {"acceptance_length": (accepted + steps) / steps if steps else None, "accepted_per_pos": per_pos or None}
+    summary = speculation_summary(outs)
+    return {"acceptance_length": summary["acceptance_length"], "accepted_per_pos": summary["per_position"] or None}
 
 
 class Trainer:

@@ -37,20 +37,13 @@ def new_drafter(method: str, target, draft_preset: str | None):
 
 def rollouts(target, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int):
     """(padded token ids [N, T], mask of generated positions [N, T]) from the target's own sampled generations."""
-    import torch
-
     from ..engine import LLMEngine, SamplingParams
+    from ..rl.loop import make_batch
 
     outs = LLMEngine(target, max_num_seqs=64).generate(
         prompts, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed))
-    seqs = [p + o.token_ids for p, o in zip(prompts, outs)]
-    T = max(len(s) for s in seqs)
-    ids = torch.zeros(len(seqs), T, dtype=torch.long)
-    mask = torch.zeros(len(seqs), T, dtype=torch.bool)
-    for i, (p, s) in enumerate(zip(prompts, seqs)):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, len(p) : len(s)] = True
-    return ids, mask
+    batch, _ = make_batch(prompts, outs)
+    return batch.input_ids, batch.mask
 
 
 def train(target, drafter, method: str, ids, mask, steps: int, batch_size: int, lr: float, seed: int,
