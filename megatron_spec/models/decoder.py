@@ -15,6 +15,18 @@ from .config import ModelConfig
 from .layers import MLP, Attention, AttentionCache, MoE, RMSNorm, rope_cos_sin
 
 
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    """Random init (normal(0, std) matrices, unit norms, zero biases), deterministic under torch.manual_seed.
+    Shared by the model and its drafter heads, so a fresh head starts at the trunk's scale."""
+    for name, p in module.named_parameters():
+        if name.endswith("norm.weight"):
+            nn.init.ones_(p)
+        elif name.endswith(".bias"):
+            nn.init.zeros_(p)
+        else:
+            nn.init.normal_(p, std=std)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -57,14 +69,7 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def reset_parameters(self, std: float = 0.02) -> None:
-        """Random init (normal(0, std) matrices, unit norms), deterministic under torch.manual_seed."""
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            elif name.endswith(".bias"):
-                nn.init.zeros_(p)
-            else:
-                nn.init.normal_(p, std=std)
+        init_weights(self, std)
 
     @property
     def aux_loss(self) -> Tensor | None:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .decoder import CausalLM
+from .decoder import CausalLM, init_weights
 from .layers import MLP, Attention, AttentionCache, RMSNorm, rope_cos_sin
 
 Embed = Callable[[Tensor], Tensor]
@@ -148,7 +148,7 @@ class Eagle3Head(nn.Module):
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """The trunk's init (normal(0, std) matrices, unit norms)."""
-        CausalLM.reset_parameters(self, std)
+        init_weights(self, std)
 
     def fuse(self, captured: dict[int, Tensor]) -> Tensor:
         """[B, T, H] from the target's captured layer outputs (`TrunkOutput.layers`), low, mid, high in order.

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .decoder import CausalLM, DecoderLayer
+from .decoder import CausalLM, DecoderLayer, init_weights
 from .layers import AttentionCache, RMSNorm, rope_cos_sin
 
 Embed = Callable[[Tensor], Tensor]
@@ -97,7 +97,7 @@ class MTP(nn.Module):
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """The trunk's init (normal(0, std) matrices, unit norms), so a fresh drafter starts at the trunk's scale."""
-        CausalLM.reset_parameters(self, std)
+        init_weights(self, std)
 
     def forward(
         self,
