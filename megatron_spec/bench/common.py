@@ -61,3 +61,16 @@ def write_json(path: str | os.PathLike, payload: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
     return path
+
+
+def drafter_checkpoint(target: str, method: str, draft_model: str) -> Path | None:
+    """Where the trained drafter for `method` lives: the draft model given, or the head that `train-drafter` saved
+    beside the target as `<target>-<method>` (beside `checkpoints/` for a preset name such as smollm2-135m).
+    None for the lookup drafters, which have no weights."""
+    if method == "draft_model":
+        return Path(draft_model)
+    if method not in ("mtp", "eagle3"):
+        return None
+    target = Path(target)
+    parent = target.parent if target.exists() else Path("checkpoints")
+    return parent / f"{target.name}-{method}"

@@ -13,10 +13,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DRAFTER_DIRS = {"mtp": "{target}-mtp", "eagle3": "{target}-eagle3"}
-"""Where a target's trained heads live, beside it; the draft model is `--draft-model`."""
-
-
 def make_engine(target, method: str | None, k: int | str, drafter_dir: str | None, max_num_seqs: int):
     from ..engine import LLMEngine
     from ..spec.config import SpecConfig
@@ -28,17 +24,18 @@ def make_engine(target, method: str | None, k: int | str, drafter_dir: str | Non
     return LLMEngine(target, max_num_seqs=max_num_seqs, spec=spec)
 
 
-def measure(make_engine, plain, prompts, params, repeats: int, warm=None) -> dict:
+def measure(make_engine, plain, prompts, params, repeats: int, warm: tuple) -> dict:
     """Best-of-`repeats` tokens/s of a fresh speculative engine (a history drafter must never see the very rollout
-    it is timed on) against the plain engine; `warm` runs one earlier step first (other seeds), as in RL."""
+    it is timed on) against the plain engine. Each fresh engine first runs `warm` = (prompts, params) untimed, as
+    the plain engine was warmed: in RL an engine lives across steps, so its caches are allocated and its adaptive
+    controller calibrated before the rollout that counts."""
     from ..spec.stats import speculation_summary
     from .common import timed
 
     t_plain = t_spec = float("inf")
     for _ in range(repeats):
         engine = make_engine()
-        if warm is not None:
-            engine.generate(prompts, warm)
+        engine.generate(*warm)
         tp, ref = timed(lambda: plain.generate(prompts, params))
         ts, outs = timed(lambda: engine.generate(prompts, params))
         t_plain, t_spec = min(t_plain, tp), min(t_spec, ts)
@@ -52,27 +49,28 @@ def run(args) -> dict:
     from ..engine import SamplingParams
     from ..models import from_pretrained
     from ..spec.train_drafter import task_prompts
-    from .common import machine
+    from .common import drafter_checkpoint, machine
 
     target = from_pretrained(args.target)
-    name = Path(args.target).name
     rows = []
     for method in args.drafters:
-        ddir = None
-        if method in DRAFTER_DIRS or method == "draft_model":
-            ddir = args.draft_model if method == "draft_model" else str(
-                Path(args.target).parent / DRAFTER_DIRS[method].format(target=name))
-            if not Path(ddir).exists():
-                print(f"  skip {method}: no drafter checkpoint at {ddir} (megatron-spec train-drafter makes one)")
-                continue
+        ddir = drafter_checkpoint(args.target, method, args.draft_model)
+        if ddir is not None and not ddir.exists():
+            print(f"  skip {method}: no drafter checkpoint at {ddir} (megatron-spec train-drafter makes one)")
+            continue
+        ddir = ddir and str(ddir)
         for batch in args.batch:
             prompts = task_prompts(args.target, batch, seed=1000 + batch, split="bench")
             params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=batch)
+            # Warm-up on other prompts and seeds: nothing a lookup drafter learns there helps the timed run.
+            warm = (task_prompts(args.target, batch, seed=2000 + batch, split="bench"),
+                    SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=batch + 1))
             plain = make_engine(target, None, 0, None, batch)
-            plain.generate(prompts, params)  # warm-up
+            plain.generate(*warm)
             for k in args.k:
                 fresh = lambda: make_engine(target, method, k, ddir, batch)  # noqa: E731
-                row = {"drafter": method, "batch": batch, "k": str(k), **measure(fresh, plain, prompts, params, args.repeats)}
+                row = {"drafter": method, "batch": batch, "k": str(k),
+                       **measure(fresh, plain, prompts, params, args.repeats, warm)}
                 rows.append(row)
                 print(f"  {method:12s} B={batch:3d} k={str(k):8s} {row['tok_s']:8.1f} tok/s  x{row['speedup']:.2f}  "
                       f"acc.len {row['acceptance_length'] or 0:.2f}")
@@ -81,11 +79,11 @@ def run(args) -> dict:
         params = SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens, seed=3)
         plain = make_engine(target, None, 0, None, len(prompts))
         previous_step = SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens, seed=2)
-        plain.generate(prompts, params)
+        plain.generate(prompts, previous_step)
         for k in args.rl_k:
             fresh = lambda: make_engine(target, method, k, ddir, len(prompts))  # noqa: E731
             row = {"drafter": method, "batch": f"RL {args.rl_prompts}x{args.group}", "k": str(k),
-                   **measure(fresh, plain, prompts, params, args.repeats, warm=previous_step)}
+                   **measure(fresh, plain, prompts, params, args.repeats, (prompts, previous_step))}
             rows.append(row)
             print(f"  {method:12s} RL rollout k={str(k):8s} x{row['speedup']:.2f}  acc.len {row['acceptance_length'] or 0:.2f}")
     return {"benchmark": "rollout", "target": args.target, "machine": machine(), "max_tokens": args.max_tokens,

@@ -49,12 +49,15 @@ class LLMEngine:
             valid = [len(s.prompt) for s in seqs]
         else:
             drafts = self.propose(seqs)
-            logits, out = self.timed_target(seqs, drafts)
+            t0 = time.perf_counter()
+            logits, out = self.runner.verify(seqs, drafts.tokens)
             emitted = self.accept(seqs, drafts, logits)
             valid = [len(tokens) for tokens, _ in emitted]  # the last token and the accepted drafts
         self.proposer.observe(seqs, out, starts, valid)
         for seq, (tokens, logprobs) in zip(seqs, emitted):
             self.append(seq, tokens, logprobs)
+        if self.controller and not is_prefill:  # the controller weighs whole steps: sampling and rollback included
+            self.controller.record_step(len(seqs), logits.shape[1], time.perf_counter() - t0)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         seqs = self.start(prompts, params)
@@ -73,13 +76,6 @@ class LLMEngine:
         if self.controller:
             self.controller.record_draft(len(seqs), k, time.perf_counter() - t0)
         return drafts
-
-    def timed_target(self, seqs: list[Sequence], drafts: Drafts):
-        t0 = time.perf_counter()
-        logits, out = self.runner.verify(seqs, drafts.tokens)
-        if self.controller:
-            self.controller.record_target(len(seqs), logits.shape[1], time.perf_counter() - t0)
-        return logits, out
 
     def accept(self, seqs: list[Sequence], drafts: Drafts, logits: torch.Tensor):
         """Verify drafts against target `logits` [B, k+1, V]; roll back rejected KV; per sequence return the

@@ -198,17 +198,17 @@ def _check_incremental(target, head, k):
 def test_adaptive_turns_speculation_off_when_it_cannot_pay():
     """Compute-bound verify (cost grows with B*T) and poor acceptance: the fitted model picks k=0. Memory-bound
     verify (flat in T) and high acceptance: it picks the deepest k."""
-    ctl = AdaptiveController(k_max=4, warmup=0)
+    ctl = AdaptiveController(k_max=4)
     for b in (8, 16, 32):
         for t in (1, 3, 5):
-            ctl.record_target(b, t, 0.001 + 0.0005 * b * t)
+            ctl.record_step(b, t, 0.001 + 0.0005 * b * t)
     ctl.record_draft(32, 4, 0.002)
     ctl.accept[:] = 0.2
     assert ctl.choose_k(32) == 0
-    ctl = AdaptiveController(k_max=4, warmup=0)
+    ctl = AdaptiveController(k_max=4)
     for b in (1, 2, 4):
         for t in (1, 3, 5):
-            ctl.record_target(b, t, 0.050 + 0.0001 * b * t)
+            ctl.record_step(b, t, 0.050 + 0.0001 * b * t)
     ctl.record_draft(1, 4, 0.004)
     ctl.accept[:] = 0.8
     assert ctl.choose_k(1) == 4
@@ -231,3 +231,29 @@ def test_bad_spec_input(target):
     wide = CausalLM(preset("smollm2-135m").__class__(**{**preset("tiny-qwen3").__dict__, "hidden_size": 96}))
     with pytest.raises(ValueError, match="hidden size"):
         LLMEngine(target, spec=SpecConfig("mtp", 3), drafter=MTP(wide.config))
+
+
+def test_adaptive_acceptance_estimate_is_conditional_per_position():
+    """Three sequences drafted (3, 3, 2) tokens and had (3, 1, 0) accepted. Position 0 was offered to all three and
+    taken by two (2/3); position 1 only reaches sequences whose first draft stood (0 and 1), one took it (1/2);
+    position 2 reached sequence 0 only, which took it (1/1). With ema=1 the estimate is exactly these ratios."""
+    ctl = AdaptiveController(k_max=4, ema=1.0)
+    ctl.accept[:] = 0.5
+    ctl.record_acceptance([3, 3, 2], [3, 1, 0])
+    assert ctl.accept.tolist() == pytest.approx([2 / 3, 1 / 2, 1.0, 0.5])  # position 3 never offered: unchanged
+
+
+def test_adaptive_hot_path_refits_only_at_decisions():
+    """Between decisions `choose_k` is a lookup: over 64 steps of one batch size the cost model is refitted at
+    most once per `decide_every` steps (a fit per ~1 ms step would cost several percent of it)."""
+    ctl = AdaptiveController(k_max=3)
+    for b, t in ((8, 1), (8, 2), (8, 4)):
+        ctl.record_step(b, t, 0.001 * t)
+    ctl.record_draft(8, 3, 0.0003)
+    fits = []
+    original = ctl.fit_step
+    ctl.fit_step = lambda: fits.append(1) or original()
+    for _ in range(64):
+        ctl.choose_k(8)
+        ctl.record_step(8, 1, 0.001)
+    assert 1 <= len(fits) <= 64 // ctl.decide_every + 1
