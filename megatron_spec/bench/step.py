@@ -6,6 +6,10 @@ ideal bound for a synchronous step, 1 / (R_gen / S_gen + 1 - R_gen), where R_gen
 share and S_gen the measured generation speedup: a variant at ~100 % of its bound adds no hidden cost to the other
 stages. It also writes the plain and best speculative measurements in the simulator's schema
 (`benchmarks/results/bench_step_cpu.json`, see megatron_spec/sim/measured.py).
+
+The peer (`--peer trl`, run by default when TRL is installed) is TRL's GRPOTrainer on the plain run's workload,
+timed the same way; its step time and our plain and best speculative step's speedups over it are printed and
+written to the JSON (see trl_peer.py for what is matched).
 """
 
 from __future__ import annotations
@@ -68,10 +72,11 @@ def run_variant(cfg, steps: int) -> dict:
 def main(args: argparse.Namespace) -> int:
     from ..rl.task import PromptTask
     from .common import machine, print_table, set_threads, write_json
+    from .trl_peer import print_peer, run_peer
 
     set_threads(args.threads)
-    results = {}
-    for label, cfg in variants(args):
+    results, configs = {}, variants(args)
+    for label, cfg in configs:
         print(f"bench step: {label} ...")
         results[label] = run_variant(cfg, args.steps)
     plain = results["plain"]
@@ -84,14 +89,17 @@ def main(args: argparse.Namespace) -> int:
         rows.append({"variant": label, "step_s": r["step_time"], **{st: r["stages"][st] for st in STAGES},
                      "gen_speedup": s_gen, "e2e_speedup": e2e, "ideal_bound": bound, "of_bound": e2e / bound,
                      "acc_len": r["acceptance_length"], "reward": r["reward_mean"]})
+    best = max((r for r in rows if r["variant"] != "plain"), key=lambda r: r["e2e_speedup"], default=None)
+    peer = run_peer(args, dict(configs)["plain"], plain, best)
     print(f"bench step: {args.target}, {args.prompts}x{args.group} rollouts, max {args.max_tokens} tokens, on {machine()}")
     print_table(rows, ["variant", "step_s", *STAGES, "gen_speedup", "e2e_speedup", "ideal_bound", "of_bound", "acc_len"])
-    payload = {"benchmark": "step", "machine": machine(), "target": args.target, "steps": args.steps, "rows": rows}
+    print_peer(peer)
+    payload = {"benchmark": "step", "machine": machine(), "target": args.target, "steps": args.steps, "rows": rows,
+               "peer": peer}
     print(f"wrote {write_json(args.out, payload)}")
     # The simulator's validation case (b): the plain run and the best speculative one, in its schema.
     task = PromptTask.build("tiny", args.target, 64, args.seed)
     prompt_len = sum(len(task.encode(p)) for p in task.problems(0, 64)) / 64
-    best = max((r for r in rows if r["variant"] != "plain"), key=lambda r: r["e2e_speedup"], default=None)
     for label, key in (("plain", "plain"), (best["variant"] if best else None, "spec")):
         if label is None:
             continue
@@ -123,3 +131,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results/bench_step.json")
     p.add_argument("--sim-out", default="benchmarks/results/bench_step_cpu.json")
+    p.add_argument("--peer", choices=["trl"], default=None,
+                   help="peer trainer on the same workload (default: trl when installed, else a skip line)")
+    p.add_argument("--no-peer", action="store_true", help="do not run the peer")

@@ -103,7 +103,7 @@ class EmbeddedPolicy:
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
         self.drafter_opt.step()
         self.drafter.eval()
-        return float(loss)
+        return float(loss.detach())
 
     def export_weights(self):
         return named_weights(self.model, self.drafter)

@@ -137,10 +137,11 @@ def lossless_table(runs: list[Run], tail: int = TAIL) -> dict:
 
 
 def same_seed_pairs(runs: list[Run]) -> list[dict]:
-    """Spec runs next to the plain run of the same seed: with greedy rollouts every column must be zero."""
+    """Spec runs next to the plain run of the same seed and the same rollout mode (a greedy run is never compared
+    with a sampled one): with greedy rollouts every column must be zero."""
     out = []
     for r in (r for r in runs if r.kind == "spec" and r.seed is not None):
-        for p in (p for p in runs if p.kind == "plain" and p.seed == r.seed):
+        for p in (p for p in runs if p.kind == "plain" and p.seed == r.seed and p.greedy == r.greedy):
             a, b = {m["step"]: m for m in r.metrics}, {m["step"]: m for m in p.metrics}
             common = sorted(set(a) & set(b))
             row = {"spec": r.name, "plain": p.name, "steps": len(common), "greedy": r.greedy and p.greedy}
@@ -294,7 +295,6 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
     plots.mkdir(parents=True, exist_ok=True)
     colors, sp = _colors(runs), speedups(runs)
     spec_runs = [r for r in runs if r.kind == "spec"]
-    n_plain = len(runs) - len(spec_runs)
 
     def img(name: str, alt: str) -> str:
         return f'<img src="{plots.name}/{name}" alt="{alt}">'
@@ -317,7 +317,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
         body.append(img("speedup.png", "generation speedup per step"))
     else:
         body.append("<p>Needs a plain run and a speculative run (<code>--compare</code>).</p>")
-    body += _lossless_html(runs, colors, plots, img, n_plain, spec_runs)
+    body += _lossless_html(runs, colors, plots, img)
     body += ["<h2>Summary</h2>", _summary_html(runs)]
     title = f"megatron-spec report: {html.escape(runs[0].name)}"
     out.write_text(f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{title}</title>\n<style>{_CSS}</style>"
@@ -326,7 +326,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
     return out
 
 
-def _lossless_html(runs, colors, plots, img, n_plain, spec_runs) -> list[str]:
+def _lossless_html(runs, colors, plots, img) -> list[str]:
     out = ["<h2>Losslessness at the RL level</h2>"]
     pairs = same_seed_pairs(runs)
     if pairs:
@@ -338,8 +338,12 @@ def _lossless_html(runs, colors, plots, img, n_plain, spec_runs) -> list[str]:
                           [[p["spec"], p["plain"], "greedy" if p["greedy"] else "sampled", p["steps"],
                             _g(p["reward_mean"]), _g(p["gen_tokens"]), _g(p["loss"]), "yes" if p["identical"] else "no"]
                            for p in pairs]))
+    # The band compares sampled runs: greedy runs have no seed-to-seed spread and would only blur it.
+    runs = [r for r in runs if not r.greedy]
+    spec_runs = [r for r in runs if r.kind == "spec"]
+    n_plain = len(runs) - len(spec_runs)
     if n_plain < 2 or not spec_runs:
-        out.append(f"<p>The seed-to-seed band needs at least 2 plain runs and 1 spec run "
+        out.append(f"<p>The seed-to-seed band needs at least 2 sampled plain runs and 1 sampled spec run "
                    f"(here {n_plain} plain, {len(spec_runs)} spec).</p>")
         return out
     plot_lossless(runs, colors, plots / "lossless.png")
