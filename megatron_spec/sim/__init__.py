@@ -1,8 +1,9 @@
 """Performance simulator and tuner for GRPO steps with speculative-decoding rollouts.
 
 Start at `pipeline.simulate(SimConfig(...))`; README.md in this folder derives the model of a step, and
-`calibration.py` holds every constant it uses. No module here imports torch at import time (only
-`cpu_profile.measure` and `cpu_check` do, inside their functions); torch still loads today because
+`calibration.py` holds every constant it uses (`eager.py` the operator counts of our code). No module here imports
+torch at import time (only `cpu_profile.measure`, `cpu_eager`, `cpu_check` and `op_census` do, inside their
+functions); torch still loads today because
 `megatron_spec/models/__init__.py`, which runs before `models.config` and `models.presets`, imports the model code.
 """
 

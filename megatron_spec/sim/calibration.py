@@ -48,9 +48,6 @@ class Calibration:
     """Fraction of the link bandwidth a bucketed weight refit reaches."""
     engine_wake_s: float
     """Fixed cost of waking a sleeping generation engine, seconds."""
-    ops_per_layer: int = 14
-    """Operators one decoder layer launches in eager mode (norms, projections, RoPE, attention, activation,
-    residual adds); the CPU roofline pays the measured `op_overhead_s` for each."""
     data_s_per_rollout: float = 5e-5
     """Host time per rollout for the `data` stage (batching prompts, scoring rewards), seconds."""
 
@@ -70,7 +67,9 @@ GPU = Calibration(
 )
 
 # The CPU profile is measured with the operators the embedded engine runs (see cpu_profile.py), so its rates are
-# used as measured (efficiency 1) and its fixed costs are counted per operator, not per forward.
+# used as measured (efficiency 1) and its fixed costs are counted per operator and per sequence, not per forward:
+# the operator counts are facts of our code (eager.py), the per-operator and per-sequence costs are measured
+# (CpuProfile.op_overhead_s, seq_overhead_s). Nothing in this set is fitted.
 CPU = Calibration(
     mem_eff=1.0, gemm_eff=1.0, train_mfu=1.0, link_eff=1.0, collective_latency_s=0.0,
     forward_overhead_s=0.0, refit_eff=1.0, engine_wake_s=0.0,

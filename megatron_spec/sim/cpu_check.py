@@ -7,8 +7,9 @@ Each layer of the loop launches the operators of a decoder layer minus attention
     rms_norm, gate and up linears, silu, multiply, down linear, residual add          = 13 operators
 
 plus an embedding lookup, a final rms_norm, the LM head and an argmax per step. The prediction is
-`roofline.forward_time` with no context (no KV cache) and `ops_per_layer` = 13: the operator count is a fact about
-this loop, not a fitted constant; rates and per-operator cost come from the measured `CpuProfile`.
+`roofline.forward_time` with no context (no KV cache) and 13 operators per layer + 4 (each call here dispatches one
+operator): the count is a fact about this loop, not a fitted constant, and the loop has no per-sequence Python;
+rates and per-operator cost come from the measured `CpuProfile`.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ STACK_OPS_PER_LAYER = 13
 def predicted_step_seconds(model: str | ModelConfig, batch: int, profile: CpuProfile) -> float:
     """Roofline time of one decode step of the matmul stack at `batch` sequences."""
     cfg = preset(model) if isinstance(model, str) else model
-    shape = shape_of(cfg, kv_dtype_bytes=4)
-    cal = replace(CPU, ops_per_layer=STACK_OPS_PER_LAYER)
-    return forward_time(shape, profile.to_hardware(), cal, batch, 1, 0.0, dtype_bytes=4)
+    shape = replace(shape_of(cfg, kv_dtype_bytes=4), ops=STACK_OPS_PER_LAYER * cfg.num_hidden_layers + 4,
+                    sample_ops=0.0, seq_ops=0.0)
+    hw = replace(profile.to_hardware(), seq_overhead_s=0.0)
+    return forward_time(shape, hw, CPU, batch, 1, 0.0, dtype_bytes=4)
 
 
 def measured_step_seconds(model: str | ModelConfig, batches: tuple[int, ...], threads: int, steps: int = 4,

@@ -9,9 +9,10 @@ weights over M tokens takes
 
 and the micro-benchmark fits the three rates (least squares) to timings of cold stacks of matrices (128 MB each,
 far beyond the cache) whose rows per byte vary 16x, at M = 1 and M = 8.
-It also measures tiny operators (add, mul, silu, rms_norm, a 64 x 64 linear) for `op_overhead_s`, and a
-cache-resident 256 x 256 product at M = 1 and M = 8 for `cache_bw` and `cache_flops` (hot weights need no
-per-row term: the reduction hides under the arithmetic). Every timing is the fastest of a few repeats, on the thread's CPU clock
+It also measures a cache-resident 256 x 256 product at M = 1 and M = 8 for `cache_bw` and `cache_flops` (hot
+weights need no per-row term: the reduction hides under the arithmetic), and the eager-execution figures of
+`cpu_eager.py`: per-operator and per-sequence costs, the rate of training-sized products, elementwise bandwidth on
+activations and the attention kernel's cost per score. Every timing is the fastest of a few repeats, on the thread's CPU clock
 when single-threaded, which filters out the preemptions of a shared machine. This is the only module of `megatron_spec.sim` that imports torch, and only
 inside `measure`.
 """
@@ -22,7 +23,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 from .hardware import Hardware
@@ -36,7 +37,7 @@ class CpuProfile:
     threads: int
     """torch intra-op threads the figures were measured with."""
     op_overhead_s: float
-    """Dispatch cost of one tiny operator, seconds."""
+    """Cost of one dispatched operator that does no work (Python call, dispatcher, allocation), seconds."""
     dram_bw: float
     """Weight-streaming bandwidth from DRAM, bytes/s."""
     cache_bw: float
@@ -51,21 +52,44 @@ class CpuProfile:
     """Last-level cache size, bytes."""
     mem_bytes: float
     """Physical memory, bytes."""
+    seq_overhead_s: float
+    """Our engine's Python work per sequence per forward, seconds (`cpu_eager.seq_seconds`)."""
+    seq_layer_s: float
+    """Our engine's cost per sequence per decoder layer per forward (its KV-cache slot write), seconds."""
+    dense_flops: float
+    """Float32 matmul rate on training-sized products, FLOP/s."""
+    act_bw: float
+    """Floats read plus written per second (x 4 bytes) by elementwise operators over activation-sized tensors."""
+    attn_score_s: float
+    """Torch's CPU attention cost per (query, key) score beyond its FLOPs, seconds."""
     machine: str = ""
     """Processor / platform description, to notice a profile copied from another machine."""
+    note: str = ""
+    """When it was measured and how busy the machine was (1-minute load average before and after)."""
 
     def __post_init__(self) -> None:
-        for name in ("op_overhead_s", "dram_bw", "cache_bw", "cache_flops", "row_s", "gemm_flops", "mem_bytes"):
+        for name in ("dram_bw", "cache_bw", "cache_flops", "row_s", "gemm_flops", "mem_bytes", "dense_flops",
+                     "act_bw"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"CpuProfile.{name} must be > 0, got {getattr(self, name)}")
+        # The fixed costs may be 0: `without_overheads` builds the pure roofline to show what they are worth.
+        for name in ("op_overhead_s", "seq_overhead_s", "seq_layer_s", "attn_score_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CpuProfile.{name} must be >= 0, got {getattr(self, name)}")
+
+    def without_overheads(self) -> "CpuProfile":
+        """The same machine with no per-operator or per-sequence cost: the roofline alone."""
+        return replace(self, op_overhead_s=0.0, seq_overhead_s=0.0, seq_layer_s=0.0)
 
     def to_hardware(self) -> Hardware:
         """The profile as a `Hardware` for the roofline: no overlap, per-operator overhead, one device."""
         return Hardware(
             name="cpu", flops_bf16=self.gemm_flops, mem_bw=self.dram_bw, mem_bytes=self.mem_bytes,
             link_bw=2 * self.dram_bw, domain_size=1, net_bw=self.dram_bw, fp8_speedup=1.0,
-            op_overhead_s=self.op_overhead_s, is_gpu=False, overlap=False, cache_bytes=self.cache_bytes,
-            cache_bw=self.cache_bw, cache_flops=self.cache_flops, row_s=self.row_s,
+            op_overhead_s=self.op_overhead_s, seq_overhead_s=self.seq_overhead_s, seq_layer_s=self.seq_layer_s,
+            is_gpu=False, overlap=False,
+            cache_bytes=self.cache_bytes, cache_bw=self.cache_bw, cache_flops=self.cache_flops, row_s=self.row_s,
+            dense_flops=self.dense_flops, act_bw=self.act_bw, attn_score_s=self.attn_score_s,
         )
 
     def save(self, path: str | Path) -> Path:
@@ -77,6 +101,10 @@ class CpuProfile:
     @classmethod
     def load(cls, path: str | Path) -> "CpuProfile":
         data = json.loads(Path(path).read_text())
+        missing = [f.name for f in fields(cls) if f.name not in data and f.default is MISSING]
+        if missing:
+            raise ValueError(f"CPU profile {path} lacks {', '.join(missing)} (written by an older version): "
+                             "re-measure with `megatron-spec simulate --calibrate-cpu`")
         return cls(**data)
 
 
@@ -146,18 +174,19 @@ def measure(threads: int = DEFAULT_THREADS) -> CpuProfile:
     import torch
     import torch.nn.functional as F
 
+    from .cpu_eager import measure_eager, op_seconds
+
+    load_before = os.getloadavg()[0]
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     clock = clock_for(threads)
     try:
         with torch.inference_mode():
+            # Put glibc's allocator in a running process's steady state: freeing a 16 MB block raises its mmap
+            # threshold, so megabyte tensors come from the heap instead of freshly mapped, page-faulting memory.
+            torch.empty(16 * 2 ** 20, dtype=torch.uint8).fill_(0)
             gen = torch.Generator().manual_seed(0)
-            x = torch.randn(1, 64, generator=gen)
-            w64 = torch.randn(64, 64, generator=gen)
-            norm_w = torch.ones(64)
-            tiny = [lambda: x + x, lambda: x * x, lambda: F.silu(x), lambda: F.rms_norm(x, (64,), norm_w),
-                    lambda: F.linear(x, w64)]
-            overhead = sum(min_time(op, 300, clock=clock) for op in tiny) / len(tiny)
+            overhead = op_seconds(clock, min_time)  # what each timed product below pays besides its work
 
             def stack_time(n: int, k: int, m: int) -> float:
                 # Separately allocated matrices, as a model's are: the prefetcher cannot run from one into the next.
@@ -189,12 +218,15 @@ def measure(threads: int = DEFAULT_THREADS) -> CpuProfile:
             t8 = min_time(lambda: F.linear(x8, small), 200, clock=clock) - overhead
             cache_flops = 2 * 7 * small.numel() / max(t8 - t1, 1e-9)
             cache_bw = small.numel() * 4 / max(t1 - 2 * small.numel() / cache_flops, 1e-9)
+        eager = measure_eager(clock, min_time, cache_flops)
     finally:
         torch.set_num_threads(previous)
-    return CpuProfile(threads=threads, op_overhead_s=overhead, dram_bw=dram_bw, cache_bw=max(cache_bw, dram_bw),
-                      cache_flops=cache_flops, row_s=max(row_s, 1e-12), gemm_flops=gemm_flops,
-                      cache_bytes=_last_level_cache(), mem_bytes=_mem_bytes(),
-                      machine=f"{platform.machine()} {platform.processor()} {os.cpu_count()} cpus".strip())
+    return CpuProfile(threads=threads, dram_bw=dram_bw, cache_bw=max(cache_bw, dram_bw), cache_flops=cache_flops,
+                      row_s=max(row_s, 1e-12), gemm_flops=gemm_flops, cache_bytes=_last_level_cache(),
+                      mem_bytes=_mem_bytes(), machine=f"{platform.machine()} {platform.processor()} "
+                      f"{os.cpu_count()} cpus".strip(), **eager,
+                      note=f"measured {time.strftime('%Y-%m-%d %H:%M')}, load average {load_before:.2f} before, "
+                           f"{os.getloadavg()[0]:.2f} after")
 
 
 def load_or_measure(path: str | Path | None = None, threads: int | None = None,
@@ -204,8 +236,11 @@ def load_or_measure(path: str | Path | None = None, threads: int | None = None,
     `remeasure` is set."""
     path = Path(path) if path else DEFAULT_PATH
     if path.is_file() and not remeasure:
-        profile = CpuProfile.load(path)
-        if threads is None or profile.threads == threads:
+        try:
+            profile = CpuProfile.load(path)
+        except (ValueError, TypeError):
+            profile = None  # written by an older version: measure again
+        if profile is not None and (threads is None or profile.threads == threads):
             return profile
     profile = measure(threads or DEFAULT_THREADS)
     profile.save(path)

@@ -63,14 +63,18 @@ class Engine:
 
         k = 0 is one decode forward. With k > 0: k draft forwards (the first re-reads the ~tau tokens accepted last
         step, as EAGLE-3 and MTP do) then one verify forward over k+1 tokens per sequence. Every forward pays the
-        fixed per-forward overhead (`Calibration.forward_overhead_s`), which is what makes k cheap-looking draft
-        forwards expensive at small batch."""
+        fixed per-forward overhead (`Calibration.forward_overhead_s`; on the CPU, its operators and its Python
+        work per sequence), which is what makes k cheap-looking draft forwards expensive at small batch."""
         if k == 0:
             return self._fwd(self.target, n_seqs, 1, ctx_tokens)
         t = self._fwd(self.target, n_seqs, k + 1, ctx_tokens)
         if self.drafter is not None:
-            t += self._fwd(self.drafter, n_seqs, tau, ctx_tokens)
+            # vLLM drops rejected positions before the drafter's catch-up (~tau per sequence); our embedded engine
+            # (the CPU profile) right-pads it to the batch's longest, k+1 once any sequence accepted every draft.
+            catch_up = tau if self.hw.is_gpu or n_seqs <= 1 else k + 1
+            t += self._fwd(self.drafter, n_seqs, catch_up, ctx_tokens)
             t += (k - 1) * self._fwd(self.drafter, n_seqs, 1, ctx_tokens)
+            t += self.drafter.step_ops * self.hw.op_overhead_s  # the eager CPU engine only (0 on GPU profiles)
         return t
 
     def prefill_time(self, n_seqs: float, tokens_per_seq: float) -> float:
@@ -144,6 +148,7 @@ def simulate_generation(engine: Engine, n_seqs: float, prompt_len: float, length
     for _ in range(max_events):
         used = sum(c * x for _, c, x in running)
         batch = sum(c for _, c, _ in running)
+        wave, wave_tokens = 0.0, 0.0  # sequences admitted now and their context: one batched prefill forward
         while queue and batch < engine.max_num_seqs - 1e-9:
             rem, count, ctx = queue[0]
             if count < 1e-9:  # a negligible sliver left by earlier splits
@@ -152,16 +157,19 @@ def simulate_generation(engine: Engine, n_seqs: float, prompt_len: float, length
             fit = min(count, (cap * (1 - WATERMARK) - used) / ctx, engine.max_num_seqs - batch)
             if fit <= 1e-9:
                 break
-            dt = engine.prefill_time(fit, ctx)
-            res.time_s += dt
-            res.prefill_s += dt
             running.append([rem, fit, ctx])
             used += fit * ctx
             batch += fit
+            wave += fit
+            wave_tokens += fit * ctx
             if fit >= count - 1e-12:
                 queue.pop(0)
             else:
                 queue[0][1] = count - fit
+        if wave:
+            dt = engine.prefill_time(wave, wave_tokens / wave)
+            res.time_s += dt
+            res.prefill_s += dt
         if not running:
             break
         k = choose_k(engine, spec, batch, used)

@@ -35,8 +35,15 @@ class Hardware:
     fp8_speedup: float = 2.0
     """Dense FP8 over dense BF16 FLOP/s; 2x on Hopper and Blackwell spec sheets."""
     op_overhead_s: float = 0.0
-    """Host cost of launching one operator, seconds (measured on the CPU; GPU engines use CUDA graphs, so their
-    per-forward overhead is a calibration constant instead)."""
+    """Host cost of launching one operator, seconds (measured on the CPU, where our eager engine and trainer launch
+    hundreds per forward: `eager.py` counts them). GPU engines replay CUDA graphs, so their launch costs are part of
+    the per-forward `Calibration.forward_overhead_s` instead, and this stays 0."""
+    seq_overhead_s: float = 0.0
+    """Host cost per sequence per engine forward, seconds: the embedded engine's Python work per sequence (token
+    lists, acceptance, appending); 0 on GPUs, where it is part of the per-forward overhead."""
+    seq_layer_s: float = 0.0
+    """Host cost per sequence per decoder layer per engine forward, seconds: the embedded engine writes each
+    sequence's keys and values into its KV-cache slot by advanced indexing; 0 on GPUs."""
     is_gpu: bool = True
     """False for the CPU profile: the roofline then adds `op_overhead_s` per operator instead of a per-forward cost."""
     overlap: bool = True
@@ -52,6 +59,15 @@ class Hardware:
     row_s: float = 0.0
     """Cost per output row of a matrix product beyond its bytes and FLOPs (a CPU's horizontal reduction and store
     per dot product; 0 on GPUs, where it hides under the memory stream)."""
+    dense_flops: float = 0.0
+    """Matmul rate on training-sized products (thousands of rows), FLOP/s; the CPU's trainer passes use it (GPUs
+    use `flops_bf16` at the training MFU)."""
+    act_bw: float = 0.0
+    """Bandwidth of elementwise operators on activation-sized tensors (megabytes, fresh outputs), bytes/s: norms,
+    RoPE, SwiGLU and residual adds of the CPU trainer's passes."""
+    attn_score_s: float = 0.0
+    """CPU attention's cost per (query, key) score beyond its 4 x head_dim FLOPs (scaling, mask, exponent,
+    softmax), seconds; the engine's written-out attention and the trainer's fused kernel both pay it."""
 
     def __post_init__(self) -> None:
         for field in ("flops_bf16", "mem_bw", "mem_bytes", "link_bw", "net_bw", "fp8_speedup"):
@@ -59,8 +75,9 @@ class Hardware:
                 raise ValueError(f"Hardware {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
         if self.domain_size < 1:
             raise ValueError(f"Hardware {self.name!r}: domain_size must be >= 1, got {self.domain_size}")
-        if self.op_overhead_s < 0:
-            raise ValueError(f"Hardware {self.name!r}: op_overhead_s must be >= 0")
+        for field in ("op_overhead_s", "seq_overhead_s", "seq_layer_s", "dense_flops", "act_bw", "attn_score_s"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"Hardware {self.name!r}: {field} must be >= 0, got {getattr(self, field)}")
 
     def linear_rates(self, stored_bytes: float, dtype_bytes: float) -> tuple[float, float, float]:
         """(bandwidth, FLOP/s, seconds per output row) for matmuls over a network of `stored_bytes` of weights:

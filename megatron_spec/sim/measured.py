@@ -11,6 +11,13 @@ The measurement file (benchmarks/results/bench_step_cpu.json) follows
 
 and the prediction is `pipeline.simulate` on the CPU profile (one device, colocated, float32) with the same
 workload and speculation: no constant is touched per file.
+
+The deterministic form of this check (tests/sim/test_measured.py) predicts the committed measurements
+(benchmarks/results/measured_step_tiny_{plain,spec}.json) with the CPU profile measured on this machine and
+committed beside them (benchmarks/results/sim_cpu_profile.json), so it needs no timing at test time. Stages shorter
+than `MIN_STAGE_S` (`data`, a quarter of a millisecond of prompt encoding, and `prepare`, a millisecond of refit
+through Python per tensor) are compared in absolute terms: at that size they are host bookkeeping the model does
+not describe, and they move the step total by under 1 %.
 """
 
 from __future__ import annotations
@@ -20,12 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import LengthDist, SimConfig, Speculation, Workload
-from .cpu_profile import DEFAULT_THREADS, load_or_measure
+from .cpu_profile import DEFAULT_THREADS, CpuProfile, load_or_measure
 from .pipeline import STAGES, simulate
 
 DEFAULT_MEASUREMENT = Path("benchmarks/results/bench_step_cpu.json")
-TOLERANCE = 0.15  # relative, for stages long enough to time (>= MIN_STAGE_S)
-MIN_STAGE_S = 0.05  # shorter stages are dominated by timer noise and Python overhead; compared in absolute terms
+COMMITTED_MEASUREMENTS = (Path("benchmarks/results/measured_step_tiny_plain.json"),
+                          Path("benchmarks/results/measured_step_tiny_spec.json"))
+COMMITTED_PROFILE = Path("benchmarks/results/sim_cpu_profile.json")
+TOLERANCE = 0.15  # relative, for stages long enough to time (>= MIN_STAGE_S) and for the step total
+MIN_STAGE_S = 0.01  # shorter stages are host bookkeeping the model does not describe; compared in absolute terms
 
 
 def _workload(raw: dict) -> Workload:
@@ -74,21 +84,43 @@ class StageComparison:
         return abs(self.rel_error) <= TOLERANCE
 
 
-def compare(path: str | Path = DEFAULT_MEASUREMENT, cpu_profile: str | None = None) -> list[StageComparison]:
-    """Prediction vs measurement for each stage of a bench-step result file."""
+def profile_for(data: dict, cpu_profile: str | Path | None = None) -> CpuProfile:
+    """The CPU profile to predict `data` with: a stored file as it is (it must have the measurement's thread
+    count: a committed profile is never re-measured behind the caller's back), or the cached one, measured with
+    the measurement's threads if missing."""
+    threads = int(data.get("threads", DEFAULT_THREADS))
+    if cpu_profile and Path(cpu_profile).is_file():
+        profile = CpuProfile.load(cpu_profile)
+        if profile.threads != threads:
+            raise ValueError(f"CPU profile {cpu_profile} was measured with {profile.threads} threads, the "
+                             f"measurement ran {threads}: re-measure it with --calibrate-cpu --threads {threads}")
+        return profile
+    return load_or_measure(cpu_profile, threads=threads)
+
+
+def compare(path: str | Path = DEFAULT_MEASUREMENT, cpu_profile: str | Path | None = None,
+            roofline_only: bool = False) -> list[StageComparison]:
+    """Prediction vs measurement for each stage of a bench-step result file, and for the step total.
+    `roofline_only` drops the per-operator and per-sequence costs (what the model was before it had them)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no measurement file at {path} (run `megatron-spec bench step` to write one)")
     data = json.loads(path.read_text())
-    load_or_measure(cpu_profile, threads=int(data.get("threads", DEFAULT_THREADS)))
-    result = simulate(config_from_measurement(data, cpu_profile))
+    profile = profile_for(data, cpu_profile)
+    if roofline_only:
+        profile = profile.without_overheads()
+    result = simulate(config_from_measurement(data), hw=profile.to_hardware())
     measured = data["stages"]
-    return [StageComparison(s, float(measured[s]), result.stages[s]) for s in STAGES if s in measured]
+    rows = [StageComparison(s, float(measured[s]), result.stages[s]) for s in STAGES if s in measured]
+    rows.append(StageComparison("total", sum(r.measured_s for r in rows), sum(r.predicted_s for r in rows)))
+    return rows
 
 
 def format_comparison(rows: list[StageComparison]) -> str:
     lines = [f"{'stage':8} {'measured_s':>10} {'predicted_s':>11} {'error':>7}  ok"]
     for r in rows:
-        lines.append(f"{r.stage:8} {r.measured_s:10.3f} {r.predicted_s:11.3f} {100 * r.rel_error:6.1f}%  "
-                     f"{'yes' if r.ok else 'NO'}")
+        verdict = "yes" if r.ok else "NO"
+        if r.measured_s < MIN_STAGE_S:
+            verdict += f" (under {1e3 * MIN_STAGE_S:.0f} ms: compared in absolute terms)"
+        lines.append(f"{r.stage:8} {r.measured_s:10.4f} {r.predicted_s:11.4f} {100 * r.rel_error:6.1f}%  {verdict}")
     return "\n".join(lines)

@@ -4,8 +4,9 @@
     attention max(KV bytes / BW,     attention FLOPs / FLOPs)                 KV read once per sequence, shared by
                                                                               its k+1 verify queries
     sampler   tokens * vocab * 4 bytes * 2 / BW                               write + read the float32 logits
+    activations (CPU only) norms, RoPE, SwiGLU, residual adds over every token, at the elementwise bandwidth
     comm      2 all-reduces per layer over TP, 2 all-to-alls per MoE layer over EP
-    overhead  a fixed cost per forward (GPU) or per operator (CPU)
+    overhead  a fixed cost per forward (GPU), or per operator and per sequence (CPU, eager: `eager.py`)
 
 Each family is its own roofline (they run as separate kernels, one after the other), so the sum of maxima is used
 rather than one max over the whole pass. On a profile without overlap (the CPU) "max" becomes "sum", and weights
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+from . import eager
 from .calibration import Calibration
 from .hardware import Hardware
 from .shapes import CostShape
@@ -45,7 +47,10 @@ def attention_time(shape: CostShape, hw: Hardware, cal: Calibration, q_tokens: f
     kv_bytes = ctx_tokens * shape.kv_bytes_per_token * kv_share
     flops = shape.attn_flops_per_token_ctx * q_tokens * ctx_tokens / tp
     attn_flops = hw.flops(max(dtype_bytes, 2))  # attention stays in BF16 even with FP8 weights
-    return hw.roof(kv_bytes / (hw.mem_bw * cal.mem_eff), flops / (attn_flops * cal.gemm_eff))
+    # The CPU also pays per score (scale, mask, softmax of a written-out attention); 0 on GPU profiles.
+    scores = shape.score_heads * q_tokens * ctx_tokens / tp
+    roof = hw.roof(kv_bytes / (hw.mem_bw * cal.mem_eff), flops / (attn_flops * cal.gemm_eff))
+    return roof + scores * hw.attn_score_s
 
 
 def collective_time(hw: Hardware, cal: Calibration, shape: CostShape, tokens: float, tp: int, ep: int) -> float:
@@ -62,11 +67,17 @@ def collective_time(hw: Hardware, cal: Calibration, shape: CostShape, tokens: fl
     return total
 
 
-def overhead_time(shape: CostShape, hw: Hardware, cal: Calibration) -> float:
-    """Fixed cost of one forward: per forward on a GPU (CUDA graphs), per operator on the CPU (eager)."""
+def overhead_time(shape: CostShape, hw: Hardware, cal: Calibration, n_seqs: float, tokens: float,
+                  sample: bool) -> float:
+    """Fixed cost of one forward. A GPU engine replays CUDA graphs and pays `forward_overhead_s` per forward (a
+    per-kernel launch term would double count it). Our eager CPU engine pays every operator it launches (`eager.py`
+    counts them: hundreds per forward) and its Python work per sequence."""
     if hw.is_gpu:
         return cal.forward_overhead_s
-    return (shape.layers * cal.ops_per_layer + 4) * hw.op_overhead_s
+    ops = shape.ops + shape.moe_layers * shape.experts_touched(tokens) * eager.EXPERT + n_seqs * shape.seq_ops
+    if sample:
+        ops += shape.sample_ops
+    return ops * hw.op_overhead_s + n_seqs * (hw.seq_overhead_s + shape.layers * hw.seq_layer_s)
 
 
 def forward_time(shape: CostShape, hw: Hardware, cal: Calibration, n_seqs: float, q_tokens: float,
@@ -81,5 +92,7 @@ def forward_time(shape: CostShape, hw: Hardware, cal: Calibration, n_seqs: float
     t += attention_time(shape, hw, cal, q_tokens, ctx_tokens, tp, dtype_bytes)
     if sample:
         t += tokens * shape.vocab * LOGIT_BYTES * 2 / (hw.mem_bw * cal.mem_eff)
+    if hw.act_bw:  # the CPU: elementwise passes over activations are not hidden behind anything
+        t += tokens * shape.act_elements * dtype_bytes / hw.act_bw / tp
     t += collective_time(hw, cal, shape, tokens, tp, ep)
-    return t + overhead_time(shape, hw, cal)
+    return t + overhead_time(shape, hw, cal, n_seqs, tokens, sample)

@@ -8,12 +8,15 @@
     train    3x the logprob FLOPs (forward + backward), the drafter's own 6 x params x tokens when it trains online,
              the same bubble and traffic (3 passes), and the gradient reduce-scatter + all-gather over data
              parallel
+
+On the CPU profile `logprob` and `train` are the embedded trainer's eager passes instead (`cpu_train.py`).
 """
 
 from __future__ import annotations
 
 import math
 
+from . import cpu_train
 from .calibration import Calibration
 from .config import SimConfig
 from .hardware import Hardware
@@ -89,6 +92,8 @@ def model_parallel_comm_time(cfg: SimConfig, hw: Hardware, cal: Calibration, tar
 
 
 def logprob_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape) -> float:
+    if not hw.is_gpu:
+        return cpu_train.logprob_time(cfg, hw, target)
     flops = _forward_flops(cfg, target, cfg.workload.response.quantiles())
     return _compute_time(cfg, hw, cal, flops) + model_parallel_comm_time(cfg, hw, cal, target, passes=1)
 
@@ -108,6 +113,8 @@ def grad_sync_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostS
 
 def train_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape,
                drafter: CostShape | None) -> float:
+    if not hw.is_gpu:
+        return cpu_train.train_time(cfg, hw, target, drafter)
     lengths = cfg.workload.response.quantiles()
     flops = 3 * _forward_flops(cfg, target, lengths)
     if cfg.spec is not None and cfg.spec.online_drafter_training and drafter is not None:

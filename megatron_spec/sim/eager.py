@@ -1,0 +1,145 @@
+"""How many operators our eager engine and trainer launch: the counts the CPU profile pays `op_overhead_s` for.
+
+A 0.8 M-parameter model does almost no arithmetic per operator, so on the CPU its step time is mostly the fixed
+cost of launching operators (Python, the dispatcher, allocation: a few microseconds each) and the engine's Python
+work per sequence. The roofline alone predicted half of the measured `gen` time of the tiny model for that reason.
+
+The counts below are ATen operators as the dispatcher sees them (views and in-place updates included, backward
+included), taken from our own code (`megatron_spec/models`, `engine`, `spec/proposers`, `rl/policy.py`) with
+`op_census.py`. They are facts of that code, not fitted constants: `tests/sim/test_eager.py` recounts them on the
+real engine and trainer and fails when the code drifts from this table. Counted at batch 8 (a batch of 1 launches
+two operators fewer per layer, because its KV rows are one slice rather than an index).
+
+    engine forward (embedding to logits, through the KV cache)
+        = FORWARD + layers x (LAYER + NORM x norms per layer) + MoE layers x (ROUTER + EXPERT x experts touched)
+    a target forward that samples adds SAMPLE (processed log-probs, rejection sampling, acceptance)
+    a draft forward = its decoder layers as above + DRAFTER[kind].per_forward; once per verify step
+        + DRAFTER[kind].per_step (hidden-state drafters store the target's features)
+    logprob pass  = LOGPROB_FIXED + layers x (LOGPROB_LAYER + LOGPROB_NORM x norms)
+    train step    = TRAIN_FIXED + layers x (TRAIN_LAYER + TRAIN_NORM x norms)          forward + backward + loss
+                  + OPT_FIXED + OPT_PER_TENSOR x parameter tensors                     clipping + AdamW
+
+Norms per layer: 2, or 4 with QK-norm (Qwen3). Attention runs through torch's fused kernel in training and
+through a few explicit operators in the engine (short query blocks), which is why the per-layer counts differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_spec.models.config import ModelConfig
+
+# -- engine (LLMEngine.step, ModelRunner, spec/proposers) -------------------------------------------------------
+LAYER = 55
+"""A decoder layer besides its RMSNorms: q/k/v/o projections, RoPE, the KV-cache write and read, grouped-query
+attention written out (scores, mask, softmax, values), the SwiGLU MLP, two residual adds, reshapes."""
+NORM = 8
+"""One RMSNorm: square, mean, add eps, rsqrt, two multiplies, and the float cast and cast back, which dispatch
+(as no-ops) under the engine's inference mode."""
+FORWARD = 44
+"""Once per forward: token-id tensor, KV-cache view (positions, mask, slot index), RoPE tables, embedding, final
+norm, output head."""
+SAMPLE = 63
+"""Once per target forward that samples: processed log-probs, the uniforms, rejection sampling (a plain decode
+step is verification of zero drafts), emitted ids, their log-probs, list conversion."""
+ROUTER = 22
+"""Once per MoE layer, net of the dense MLP it replaces: router, softmax, top-k, renormalisation, the expert loop's
+set-up and the load-balancing statistics."""
+EXPERT = 9
+"""Per expert a MoE layer's tokens touch: gather its rows, its SwiGLU MLP, weight and scatter-add."""
+
+
+@dataclass(frozen=True)
+class DrafterOps:
+    per_forward: int
+    """Operators of one draft forward besides the decoder layers it runs (and, for a draft model, its forward)."""
+    per_step: int
+    """Operators once per verify step outside the draft forwards."""
+    per_seq: float = 0.0
+    """Operators per sequence per draft forward (Python-side reads of single draft tokens)."""
+
+
+DRAFTER = {
+    # MTP: token ids, embedding, two norms, concatenation, eh_proj, final norm, the shared head, draft choice, the
+    # drafter's KV view; per step, the target's hidden states are written into the feature buffer.
+    "mtp": DrafterOps(per_forward=74, per_step=20),
+    # EAGLE-3: as MTP with its own head and no eh_proj; per step, the three captured layers are fused (fc) first.
+    "eagle3": DrafterOps(per_forward=64, per_step=25),
+    # A draft model: its own full forward (counted like the target's) plus the draft choice; int() per token read.
+    "model": DrafterOps(per_forward=9, per_step=0, per_seq=4.0),
+    "ngram": DrafterOps(per_forward=0, per_step=0),
+}
+
+# -- trainer (rl/policy.py: EmbeddedPolicy.logprobs and train_step) -------------------------------------------
+LOGPROB_LAYER = 55
+"""A decoder layer's forward without a KV cache, besides its norms (attention is torch's fused kernel)."""
+LOGPROB_NORM = 6
+"""One RMSNorm in that forward: the same minus the two casts, which return early outside inference mode."""
+LOGPROB_FIXED = 32
+"""Positions, RoPE tables, embedding, final norm, head, processed log-probs and the gather of token log-probs."""
+LOGPROB_EXPERT = 17
+"""Per expert touched per MoE layer in that forward (router included)."""
+TRAIN_LAYER = 155
+"""A decoder layer's forward with autograd plus its backward, besides its norms."""
+TRAIN_NORM = 25
+"""One RMSNorm, forward and backward."""
+TRAIN_FIXED = 137
+"""Embedding, head, log-probs, the clipped policy loss, its backward, gradient zeroing and the grad-norm."""
+TRAIN_EXPERT = 54
+"""Per expert touched per MoE layer, forward and backward (router included)."""
+OPT_PER_TENSOR = 9
+"""AdamW (torch's single-tensor loop on the CPU) per parameter tensor: step count, its .item(), two moment
+updates, bias corrections, square root, division, weight decay and the update."""
+OPT_FIXED = 2
+"""Once per optimizer step."""
+
+
+def norms_per_layer(m: ModelConfig) -> int:
+    return 4 if m.qk_norm else 2
+
+
+def param_tensors(m: ModelConfig) -> int:
+    """Parameter tensors of a `CausalLM` built from `m` (what the optimizer loops over)."""
+    per_layer = 4 * (2 if m.attention_bias else 1) + norms_per_layer(m)
+    dense = sum(not m.is_moe_layer(i) for i in range(m.num_hidden_layers))
+    moe = m.num_hidden_layers - dense
+    tensors = m.num_hidden_layers * per_layer + dense * 3 + moe * (1 + 3 * m.num_experts)
+    return tensors + 2 + (0 if m.tie_word_embeddings else 1)  # embedding, final norm, untied head
+
+
+def forward_ops(m: ModelConfig) -> float:
+    """Operators of one engine forward of `m`, MoE expert operators excluded (they depend on the batch)."""
+    moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
+    return FORWARD + m.num_hidden_layers * (LAYER + NORM * norms_per_layer(m)) + moe * ROUTER
+
+
+def draft_layer_ops(target: ModelConfig, layers: int) -> float:
+    """Operators of `layers` decoder layers shaped like the target's (an MTP module's or EAGLE-3 head's layer)."""
+    return layers * (LAYER + NORM * norms_per_layer(target))
+
+
+def logprob_ops(m: ModelConfig, experts_touched: float = 0.0) -> float:
+    """Operators of the trainer's logprob forward over one padded batch."""
+    moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
+    return (LOGPROB_FIXED + m.num_hidden_layers * (LOGPROB_LAYER + LOGPROB_NORM * norms_per_layer(m))
+            + moe * LOGPROB_EXPERT * experts_touched)
+
+
+def train_ops(m: ModelConfig, experts_touched: float = 0.0) -> float:
+    """Operators of one `train_step` (forward, backward, clipping and AdamW) over one padded batch."""
+    moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
+    passes = (TRAIN_FIXED + m.num_hidden_layers * (TRAIN_LAYER + TRAIN_NORM * norms_per_layer(m))
+              + moe * TRAIN_EXPERT * experts_touched)
+    return passes + OPT_FIXED + OPT_PER_TENSOR * param_tensors(m)
+
+
+def activation_elements(m: ModelConfig) -> float:
+    """Floats elementwise operators read plus write per token per decoder layer in a forward of our layer code
+    (`op_census.activation_elements` recounts it): 7 per element of each RMSNorm (square, mean, two multiplies),
+    3 per residual add, 10 per RoPE'd query / key element (negate, concatenate, two multiplies, add), 5 per FFN
+    element (SiLU, multiply). On a GPU this traffic hides under the weight stream; on the CPU, a 128-wide model's
+    activations cost as much as its products once a batch has a few hundred tokens."""
+    h, q, kv = m.hidden_size, m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    ffn = m.moe_intermediate_size * m.num_experts_per_tok if m.is_moe else m.intermediate_size
+    norm_width = 2 * h + (q + kv if m.qk_norm else 0)
+    return 7 * norm_width + 3 * 2 * h + 10 * (q + kv) + 5 * ffn

@@ -1,0 +1,185 @@
+"""Count the operators our eager engine and trainer launch: the facts behind the counts in `eager.py`.
+
+On the CPU a tiny model's step is dominated by what every operator costs to launch (Python, the dispatcher,
+allocation), so the simulator needs to know how many operators a forward, a verify step, a draft step, a training
+pass and an optimizer step launch. `eager.py` holds those counts as a small explained model; this module measures
+them on the real code (`LLMEngine`, the proposers, `EmbeddedPolicy`) by counting every ATen operator that reaches
+the dispatcher (`TorchDispatchMode`), views and in-place updates included, backward included. Models are built
+with random weights from a `ModelConfig`, so any shape can be counted without a checkpoint. Counting never times
+anything: the counts are deterministic, which is what lets `tests/sim/test_eager.py` hold `eager.py` to them.
+
+Like `cpu_profile.measure`, everything here imports torch inside the functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megatron_spec.models.config import ModelConfig
+
+PROMPT = [1, 5, 6, 7, 8, 9, 10, 11, 12, 13]  # any ten in-vocabulary ids: counts do not depend on the values
+
+
+def count_ops(fn) -> int:
+    """ATen operators dispatched while `fn()` runs (forward, backward and optimizer alike)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        fn()
+    return Counter.n
+
+
+def with_layers(cfg: ModelConfig, layers: int) -> ModelConfig:
+    """The same architecture with another depth (differences between depths give the per-layer counts)."""
+    return dataclasses.replace(cfg, num_hidden_layers=layers)
+
+
+@dataclass(frozen=True)
+class StepCensus:
+    step: int
+    """Operators of one whole engine step (decode or verify, drafting included)."""
+    forward: int
+    """Of which the target forward (embedding to logits, through the KV cache)."""
+    propose: int
+    """Of which the proposer (all k draft forwards and the draft choice); 0 without speculation."""
+
+    @property
+    def sample(self) -> int:
+        """What is left: sampling, verification, acceptance and bookkeeping after the target forward."""
+        return self.step - self.forward - self.propose
+
+
+def build_engine(cfg: ModelConfig, method: str | None, k: int = 3, max_num_seqs: int = 256):
+    """An `LLMEngine` over a random-weight model of `cfg`, speculating with `method` (mtp, eagle3, draft_model,
+    ngram) or plain; the draft model for draft_model is the `tiny-draft` preset with `cfg`'s vocabulary."""
+    import torch
+
+    from megatron_spec.engine import LLMEngine
+    from megatron_spec.models import MTP, CausalLM, Eagle3Config, Eagle3Head, preset
+    from megatron_spec.spec.config import SpecConfig
+
+    torch.manual_seed(0)
+    model = CausalLM(cfg)
+    drafter = None
+    if method == "mtp":
+        drafter = MTP(cfg)
+    elif method == "eagle3":
+        drafter = Eagle3Head(cfg, Eagle3Config(target_num_layers=cfg.num_hidden_layers))
+    elif method == "draft_model":
+        drafter = CausalLM(dataclasses.replace(preset("tiny-draft"), vocab_size=cfg.vocab_size))
+    spec = SpecConfig(method, k) if method else None
+    return LLMEngine(model, max_num_seqs=max_num_seqs, spec=spec, drafter=drafter)
+
+
+def engine_step(cfg: ModelConfig, batch: int, method: str | None = None, k: int = 3, warm_steps: int = 3,
+                engine=None) -> StepCensus:
+    """Count one steady-state engine step of `batch` sequences (after the prefill and `warm_steps` steps), with
+    sampling at temperature 1 as RL rollouts use."""
+    import torch
+
+    from megatron_spec.engine import SamplingParams
+
+    eng = engine or build_engine(cfg, method, k, max_num_seqs=max(batch, 1))
+    with torch.inference_mode():
+        eng.start([list(PROMPT) for _ in range(batch)], SamplingParams(max_tokens=200, ignore_eos=True, seed=0))
+        for _ in range(1 + warm_steps):
+            eng.step()
+        counts = {"forward": 0, "propose": 0}
+
+        def counted(name: str, fn):
+            def wrapper(*args, **kwargs):
+                result = []
+                counts[name] += count_ops(lambda: result.append(fn(*args, **kwargs)))
+                return result[0]
+            return wrapper
+
+        verify, propose = eng.runner.verify, eng.proposer.propose
+        eng.runner.verify = counted("forward", verify)
+        eng.proposer.propose = counted("propose", propose)
+        try:
+            total = count_ops(eng.step)
+        finally:
+            eng.runner.verify, eng.proposer.propose = verify, propose
+    return StepCensus(step=total, forward=counts["forward"], propose=counts["propose"])
+
+
+@dataclass(frozen=True)
+class TrainCensus:
+    logprob: int
+    """Operators of the logprob stage's forward (no autograd), logits to token log-probs."""
+    train: int
+    """Operators of one `train_step`: forward with autograd, loss, backward, clipping and the AdamW step."""
+    optimizer: int
+    """Of which the optimizer step alone."""
+    param_tensors: int
+    """Parameter tensors the optimizer updates."""
+
+
+def trainer_pass(cfg: ModelConfig, batch: int = 4, tokens: int = 16) -> TrainCensus:
+    """Count the embedded trainer's logprob and train stages on a random batch of `batch` x `tokens` ids (the
+    counts do not depend on the sizes, only on the architecture)."""
+    import torch
+
+    from megatron_spec.models import CausalLM
+    from megatron_spec.rl.config import GRPOSection
+    from megatron_spec.rl.policy import Batch, EmbeddedPolicy
+
+    torch.manual_seed(0)
+    model = CausalLM(cfg)
+    policy = EmbeddedPolicy(model, GRPOSection(), dict(temperature=1.0, top_k=0, top_p=1.0))
+    ids = torch.randint(3, cfg.vocab_size, (batch, tokens))
+    mask = torch.zeros(batch, tokens, dtype=torch.bool)
+    mask[:, tokens // 2:] = True
+    data = Batch(ids, mask, advantages=torch.randn(batch))
+    logprob = count_ops(lambda: setattr(data, "old_logprobs", policy.logprobs(data)))
+    policy.train_step(data)  # the first step creates the optimizer states; count a steady-state one
+    train = count_ops(lambda: policy.train_step(data))
+    optimizer = count_ops(policy.opt.step)
+    return TrainCensus(logprob=logprob, train=train, optimizer=optimizer,
+                       param_tensors=sum(1 for _ in model.parameters()))
+
+
+# Products, fused attention and pure views move no activation bytes of their own (products are costed by FLOPs,
+# attention per score); every other operator's tensors are read or written once.
+NOT_ELEMENTWISE = ("mm", "addmm", "bmm", "embedding", "_scaled_dot_product_flash_attention_for_cpu", "detach",
+                   "t", "transpose", "view", "_unsafe_view", "expand", "slice", "select", "as_strided",
+                   "_local_scalar_dense", "lift_fresh", "unsqueeze", "squeeze", "permute", "alias")
+
+
+def activation_elements(cfg: ModelConfig, batch: int = 4, tokens: int = 16) -> float:
+    """Floats elementwise operators read plus write per token per decoder layer in the trainer's forward: the
+    difference between a 2-layer and a 1-layer model of `cfg`, over the batch's tokens."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    from megatron_spec.models import CausalLM
+
+    class Elements(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ not in NOT_ELEMENTWISE:
+                Elements.n += sum(x.numel() for x in tree_flatten((args, kwargs, out))[0]
+                                  if isinstance(x, torch.Tensor))
+            return out
+
+    def run(layers: int) -> int:
+        torch.manual_seed(0)
+        model = CausalLM(with_layers(cfg, layers))
+        ids = torch.randint(3, cfg.vocab_size, (batch, tokens))
+        Elements.n = 0
+        with torch.no_grad(), Elements():
+            model(ids)
+        return Elements.n
+
+    return (run(2) - run(1)) / (batch * tokens)

@@ -1,0 +1,65 @@
+"""The operator counts of `megatron_spec/sim/eager.py` against a recount on the real engine and trainer.
+
+`eager.py` states how many operators a forward, a verify step, a draft step, a training pass and an optimizer step
+of our code launch; the CPU profile pays a measured cost for each. Those counts are facts of the code, so this test
+recounts them (`op_census`, a dispatch-mode counter: deterministic, no timing) on random-weight models and fails
+when the code and the table drift apart by more than 3 % (a 64-op accept path that grew by two ops passes; one more
+RMSNorm per layer, +9 %, does not). Counted at batch 8, as the table is. Two depths and two families (Qwen3 with
+QK-norm, Llama without) pin down the per-layer, per-norm and fixed parts separately.
+"""
+
+import dataclasses
+
+import pytest
+
+from megatron_spec.models import preset
+from megatron_spec.sim import eager, op_census
+from megatron_spec.sim.shapes import drafter_shape, shape_of
+
+TOL = 0.03
+BATCH = 8
+QWEN3 = preset("tiny-qwen3")
+LLAMA = dataclasses.replace(QWEN3, model_type="llama", qk_norm=False, tie_word_embeddings=True)
+
+
+def close(counted: float, modelled: float) -> bool:
+    return abs(modelled - counted) <= TOL * counted
+
+
+@pytest.mark.parametrize("cfg", [op_census.with_layers(QWEN3, 2), QWEN3, op_census.with_layers(LLAMA, 3)],
+                         ids=["qwen3-2", "qwen3-4", "llama-3"])
+def test_engine_step_counts(cfg):
+    plain = op_census.engine_step(cfg, BATCH)
+    assert close(plain.forward, shape_of(cfg).ops), plain
+    assert close(plain.sample, eager.SAMPLE + BATCH), plain  # one uniform per sequence besides the fixed part
+    k = 3
+    for kind, method in (("mtp", "mtp"), ("eagle3", "eagle3")):
+        spec = op_census.engine_step(cfg, BATCH, method, k)
+        draft = drafter_shape(cfg, kind)
+        assert close(spec.forward, plain.forward), (kind, spec)
+        assert close(spec.propose, k * draft.ops), (kind, spec, draft.ops)
+        assert close(spec.sample, eager.SAMPLE + BATCH + draft.step_ops), (kind, spec)
+
+
+def test_draft_model_counts():
+    spec = op_census.engine_step(QWEN3, BATCH, "draft_model", 3)
+    draft = dataclasses.replace(preset("tiny-draft"), vocab_size=QWEN3.vocab_size)
+    ops = eager.DRAFTER["model"]
+    assert close(spec.propose, 3 * (eager.forward_ops(draft) + ops.per_forward + BATCH * ops.per_seq)), spec
+
+
+@pytest.mark.parametrize("cfg", [op_census.with_layers(QWEN3, 2), QWEN3, op_census.with_layers(LLAMA, 3)],
+                         ids=["qwen3-2", "qwen3-4", "llama-3"])
+def test_trainer_counts(cfg):
+    counted = op_census.trainer_pass(cfg)
+    assert counted.param_tensors == eager.param_tensors(cfg)
+    assert close(counted.logprob, eager.logprob_ops(cfg)), counted
+    assert close(counted.train, eager.train_ops(cfg)), counted
+    assert close(counted.optimizer, eager.OPT_FIXED + eager.OPT_PER_TENSOR * counted.param_tensors), counted
+
+
+@pytest.mark.parametrize("cfg", [QWEN3, LLAMA], ids=["qwen3", "llama"])
+def test_activation_elements(cfg):
+    """The elementwise traffic the CPU trainer model charges per token per layer, against a recount (5 %)."""
+    counted = op_census.activation_elements(cfg)
+    assert abs(eager.activation_elements(cfg) / counted - 1) <= 0.05, counted
