@@ -4,6 +4,10 @@ A drafter directory holds `drafter_config.json` and `model.safetensors`:
 
     {"kind": "mtp" | "eagle3", "config": {...the drafter's own dataclass...}, "target": {...fingerprint...}}
 
+An EAGLE-3 head with a draft vocabulary (`draft_vocab_size` > 0) also saves its `d2t` buffer (draft id -> target id,
+int64) in `model.safetensors`: the map belongs to the weights (row i of its `lm_head` means target id d2t[i]), so
+it travels with them and is validated on save and on load (length, range, no duplicates).
+
 The fingerprint records the target architecture the weights were made for. Loading checks it against the target
 at hand and raises one ValueError naming every mismatch before a single tensor is read, because a drafter for
 another architecture either fails on shapes deep inside load_state_dict or, worse, loads and drafts garbage.
@@ -22,7 +26,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .eagle3 import Eagle3Config, Eagle3Head
+from .eagle3 import Eagle3Config, Eagle3Head, check_d2t
 from .hf_io import check_state, load_tensors, save_tensors, write_atomically
 from .mtp import MTP, MTPConfig
 
@@ -61,6 +65,9 @@ def save_drafter(module: nn.Module, out_dir: str | os.PathLike, kind: str, targe
     if not isinstance(module, cls):
         raise ValueError(f"drafter kind {kind!r} needs a {cls.__name__}, got {type(module).__name__}")
     _check_fingerprint(target_fingerprint(module.target_config), target_config, f"being saved to {out_dir}")
+    if getattr(module, "d2t", None) is not None:
+        check_d2t(module.d2t, module.eagle_config.draft_vocab_size, target_config.vocab_size,
+                  f"d2t of the drafter being saved to {out_dir}")
     meta = {
         "kind": kind,
         "config": dataclasses.asdict(getattr(module, attr)),
@@ -99,6 +106,9 @@ def load_drafter(
     with torch.device("meta"):
         module = cls(target_config, drafter_cfg)
     tensors = load_tensors(path, dtype)
+    draft_vocab = getattr(drafter_cfg, "draft_vocab_size", 0)
+    if draft_vocab and "d2t" in tensors:  # a missing map is reported by check_state with the other names
+        check_d2t(tensors["d2t"], draft_vocab, target_config.vocab_size, f"{path}: d2t")
     check_state(module, tensors, str(path))
     module.load_state_dict(tensors, strict=True, assign=True)
     return module.to(device=device, dtype=dtype).eval()

@@ -11,12 +11,18 @@ runs one decoder layer whose attention reads that vector next to the embedding o
 Later draft steps feed the head its own `h` in place of `g` (EAGLE-3's training-time test, used at test time too),
 so `forward` takes "a hidden state" and `fuse` is only called on the target's captured states.
 
-The draft vocabulary equals the target's (no draft-to-target id map). The embedding belongs to the target: passed
-in, never saved, read through `.detach()`; the head's own `lm_head` starts as a copy of the target's.
+The draft vocabulary is the target's by default. With `draft_vocab_size` N > 0 (EAGLE-3's reduced vocabulary) the
+head's `lm_head` has only N rows and the buffer `d2t` [N] maps draft id -> target id: a head drafts d2t[argmax], so
+the one matrix that dominates a draft step on a large-vocabulary target (49152 x 576 on SmolLM2) shrinks by V/N.
+Tokens outside the map can never be drafted, but the verifier still emits them (residual and bonus samples come
+from the target's full distribution), so output stays lossless. The embedding belongs to the target: passed in,
+never saved, read through `.detach()`, always indexed by *target* ids; the head's own `lm_head` starts as a copy
+of the target's rows for the ids it covers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,6 +60,9 @@ class Eagle3Config:
     """Target layers (low, mid, high) whose outputs are fused, in that order; () picks `default_capture_layers`."""
     intermediate_size: int = 0
     """FFN width of the head's dense MLP; 0 means the target's `intermediate_size` (resolved by `Eagle3Head`)."""
+    draft_vocab_size: int = 0
+    """Rows of the head's `lm_head`: 0 = the target's full vocabulary (no `d2t` map); N > 0 (smaller than the
+    target's vocabulary) drafts only the N target ids listed in the head's `d2t` buffer, saved with the head."""
 
     def __post_init__(self) -> None:
         if self.target_num_layers < 1:
@@ -69,6 +78,27 @@ class Eagle3Config:
             )
         if self.intermediate_size < 0:
             raise ValueError(f"Eagle3Config.intermediate_size must be >= 0, got {self.intermediate_size}")
+        if self.draft_vocab_size < 0:
+            raise ValueError(f"Eagle3Config.draft_vocab_size must be >= 0 (0 = the target's vocabulary), "
+                             f"got {self.draft_vocab_size}")
+
+
+def check_d2t(d2t: Tensor, draft_vocab_size: int, vocab_size: int, where: str = "d2t") -> None:
+    """Raise unless `d2t` is a draft-to-target map the verifier can trust: 1-D integer ids, `draft_vocab_size` of
+    them, each a target id (0 <= id < vocab_size), no id twice (a duplicate would split one target token's draft
+    mass over two rows and leave the map non-invertible)."""
+    if d2t.dim() != 1 or d2t.dtype.is_floating_point or d2t.dtype == torch.bool:
+        raise ValueError(f"{where} must be a 1-D integer tensor of target ids, got {d2t.dtype} of shape "
+                         f"{tuple(d2t.shape)}")
+    if d2t.numel() != draft_vocab_size:
+        raise ValueError(f"{where} maps {d2t.numel()} draft ids, the head's draft_vocab_size is {draft_vocab_size}")
+    if d2t.numel() and (int(d2t.min()) < 0 or int(d2t.max()) >= vocab_size):
+        bad = d2t[(d2t < 0) | (d2t >= vocab_size)]
+        raise ValueError(f"{where} holds id(s) outside the target vocabulary 0..{vocab_size - 1}, "
+                         f"e.g. {bad[:3].tolist()}")
+    if d2t.unique().numel() != d2t.numel():
+        values, counts = d2t.unique(return_counts=True)
+        raise ValueError(f"{where} lists target id(s) more than once, e.g. {values[counts > 1][:3].tolist()}")
 
 
 class WideInputAttention(Attention):
@@ -105,9 +135,14 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
-    """Fusion `fc`, one `midlayer`, `norm` and an own `lm_head` over the target's vocabulary."""
+    """Fusion `fc`, one `midlayer`, `norm` and an own `lm_head` over the target's or a draft vocabulary."""
 
-    def __init__(self, target_config: ModelConfig, eagle_config: Eagle3Config | None = None):
+    d2t: Tensor | None
+    """[draft_vocab_size] int64, draft id -> target id; None with the full vocabulary (not in the state dict then,
+    so full-vocabulary checkpoints keep their tensor names)."""
+
+    def __init__(self, target_config: ModelConfig, eagle_config: Eagle3Config | None = None,
+                 d2t: Tensor | None = None):
         super().__init__()
         eagle_config = eagle_config or Eagle3Config(target_num_layers=target_config.num_hidden_layers)
         if eagle_config.target_num_layers != target_config.num_hidden_layers:
@@ -118,22 +153,44 @@ class Eagle3Head(nn.Module):
         inner = eagle_config.intermediate_size or target_config.intermediate_size
         if inner < 1:
             raise ValueError("Eagle3Config.intermediate_size must be set: the target has no dense intermediate_size")
+        V, N = target_config.vocab_size, eagle_config.draft_vocab_size
+        if N >= V:
+            raise ValueError(f"Eagle3Config.draft_vocab_size {N} must be smaller than the target's vocabulary ({V}); "
+                             "0 selects the full vocabulary")
         # Stored resolved, so a saved config rebuilds the same shapes whatever the target's defaults become.
-        self.eagle_config = Eagle3Config(eagle_config.target_num_layers, eagle_config.capture_layers, inner)
+        self.eagle_config = Eagle3Config(eagle_config.target_num_layers, eagle_config.capture_layers, inner, N)
         self.target_config = target_config  # not `config`: see the note in mtp.MTP
         H = target_config.hidden_size
         self.fc = nn.Linear(3 * H, H, bias=False)
         self.midlayer = Eagle3Layer(target_config, inner)
         self.norm = RMSNorm(H, target_config.rms_norm_eps)
-        self.lm_head = nn.Linear(H, target_config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(H, N or V, bias=False)
+        if d2t is not None:
+            if not N:
+                raise ValueError("a d2t map needs Eagle3Config.draft_vocab_size > 0")
+            check_d2t(d2t, N, V)
+            d2t = d2t.to(torch.long).clone()
+        elif N:
+            d2t = torch.arange(N)  # a placeholder of the right shape: from_target and load_drafter set the real map
+        self.register_buffer("d2t", d2t)
         self.reset_parameters()
 
     @classmethod
-    def from_target(cls, target: CausalLM, eagle_config: Eagle3Config | None = None) -> "Eagle3Head":
-        """A fresh head for `target` on its device and dtype, its `lm_head` starting as a copy of the target's."""
-        head = cls(target.config, eagle_config).to(device=target.device, dtype=target.dtype)
+    def from_target(cls, target: CausalLM, eagle_config: Eagle3Config | None = None,
+                    d2t: Tensor | None = None) -> "Eagle3Head":
+        """A fresh head for `target` on its device and dtype, its `lm_head` starting as a copy of the target's rows
+        (all of them, or those of the target ids in `d2t`, the draft vocabulary, whose size sets
+        `draft_vocab_size` when the config leaves it 0)."""
+        eagle_config = eagle_config or Eagle3Config(target_num_layers=target.config.num_hidden_layers)
+        if d2t is not None and not eagle_config.draft_vocab_size:
+            eagle_config = dataclasses.replace(eagle_config, draft_vocab_size=d2t.numel())
+        if eagle_config.draft_vocab_size and d2t is None:
+            raise ValueError(f"a head with draft_vocab_size {eagle_config.draft_vocab_size} needs its d2t map "
+                             "(the target ids of its draft vocabulary)")
+        head = cls(target.config, eagle_config, d2t).to(device=target.device, dtype=target.dtype)
         with torch.no_grad():
-            head.lm_head.weight.copy_(target.lm_head.weight)
+            rows = target.lm_head.weight if head.d2t is None else target.lm_head.weight[head.d2t]
+            head.lm_head.weight.copy_(rows)
         return head
 
     @property
@@ -170,7 +227,8 @@ class Eagle3Head(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """`hidden` [B, T, H] at positions t (fused target state, or this head's previous output) and `input_ids`
         [B, T] holding token t+1 -> (state [B, T, H] before `norm`, feed it to the next step; logits [B, T, V] for
-        token t+2). `positions` default to 0..T-1; `embed` maps ids to the target's embeddings."""
+        token t+2; over the draft vocabulary when the head has one, map with `d2t`). `positions` default to 0..T-1;
+        `embed` maps (target) ids to the target's embeddings."""
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)

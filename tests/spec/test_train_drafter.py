@@ -9,7 +9,7 @@ from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.models import from_pretrained, load_drafter, save_drafter
 from megatron_spec.spec.config import SpecConfig
 from megatron_spec.spec.drafter_loss import soft_cross_entropy
-from megatron_spec.spec.train_drafter import new_drafter, rollouts, task_prompts, train
+from megatron_spec.spec.train_drafter import capture_layers, new_drafter, rollouts, task_prompts, train
 
 TARGET = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-qwen3"
 
@@ -40,8 +40,10 @@ def test_training_raises_acceptance_and_roundtrips(method, tmp_path):
     drafter = new_drafter(method, target, None)
     held_out = task_prompts(str(TARGET), 12, seed=99, split="eval")
     before = acceptance_length(target, method, drafter, held_out)
-    ids, mask = rollouts(target, task_prompts(str(TARGET), 96, seed=1), max_tokens=48, temperature=1.0, seed=1)
-    losses = train(target, drafter, method, ids, mask, steps=60, batch_size=16, lr=3e-3, seed=0, log_every=0)
+    ids, mask, feats = rollouts(target, task_prompts(str(TARGET), 96, seed=1), max_tokens=48, temperature=1.0, seed=1,
+                                capture=capture_layers(method, target, drafter))
+    losses = train(target, drafter, method, ids, mask, steps=60, batch_size=16, lr=3e-3, seed=0, log_every=0,
+                   feats=feats)
     assert losses[-1] < 0.5 * losses[0]
     after = acceptance_length(target, method, drafter, held_out)
     assert after >= before + 0.5
