@@ -176,11 +176,10 @@ def test_incremental_eagle3_drafts_equal_drafts_from_scratch(target):
     _check_incremental(target, head, 3)
 
 
-def _check_incremental(target, head, k):
-    engine = LLMEngine(target, spec=SpecConfig("mtp" if isinstance(head, MTP) else "eagle3", k), drafter=head)
+def incremental_drafts(engine: LLMEngine) -> list[tuple[list[int], list[int]]]:
+    """(sequence tokens before a round, drafts of that round) for every round of a short greedy generation."""
     proposer: HiddenStateProposer = engine.proposer
-    seen = []
-    original = proposer.propose
+    seen, original = [], proposer.propose
 
     def spy(seqs, kk):
         before = [s.tokens for s in seqs]
@@ -191,7 +190,12 @@ def _check_incremental(target, head, k):
     proposer.propose = spy
     engine.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=12))
     assert len(seen) > 10
-    for tokens, drafts in seen:
+    return seen
+
+
+def _check_incremental(target, head, k):
+    engine = LLMEngine(target, spec=SpecConfig("mtp" if isinstance(head, MTP) else "eagle3", k), drafter=head)
+    for tokens, drafts in incremental_drafts(engine):
         assert drafts == reference_hidden_drafts(target, head, tokens, len(drafts))
 
 

@@ -17,7 +17,7 @@ from megatron_spec.spec.proposers.hidden import choose_mapped
 from megatron_spec.spec.sampling import processed_logprobs
 
 from .stats import chi2_quantile_999, homogeneity
-from .test_engine_spec import PROMPTS, reference_hidden_drafts
+from .test_engine_spec import PROMPTS, incremental_drafts, reference_hidden_drafts
 
 V = 64  # the tiny target's vocabulary
 
@@ -89,19 +89,7 @@ def test_incremental_drafts_equal_drafts_from_scratch(target):
             return state, full
 
     engine = LLMEngine(target, spec=SpecConfig("eagle3", 3), drafter=head)
-    proposer: HiddenStateProposer = engine.proposer
-    seen, original = [], proposer.propose
-
-    def spy(seqs, k):
-        before = [s.tokens for s in seqs]
-        drafts = original(seqs, k)
-        seen.extend(zip(before, drafts.tokens))
-        return drafts
-
-    proposer.propose = spy
-    engine.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=12))
-    assert len(seen) > 10
-    for tokens, drafts in seen:
+    for tokens, drafts in incremental_drafts(engine):
         assert set(drafts) <= set(head.d2t.tolist())
         assert drafts == reference_hidden_drafts(target, FullVocab(), tokens, len(drafts))
 
