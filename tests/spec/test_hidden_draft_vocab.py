@@ -12,7 +12,6 @@ from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.models import Eagle3Head
 from megatron_spec.spec.config import SpecConfig
 from megatron_spec.spec.drafter_loss import drafter_loss, soft_cross_entropy, teacher_logits
-from megatron_spec.spec.proposers import HiddenStateProposer
 from megatron_spec.spec.proposers.hidden import choose_mapped
 from megatron_spec.spec.sampling import processed_logprobs
 
