@@ -46,10 +46,22 @@ def choose_mapped(logits: Tensor, d2t: Tensor | None, vocab_size: int, params, s
     return d2t[tokens], q
 
 
+def write_rows(buffer: Tensor, rows: list[int], starts: list[int], valid: list[int], feats: Tensor) -> None:
+    """buffer[rows[b], starts[b] + t] = feats[b, t] for the first valid[b] positions t of each sequence b (one
+    batched write per target forward; padding positions past valid[b] are dropped)."""
+    B, T = feats.shape[:2]
+    device = feats.device
+    keep = torch.arange(T, device=device)[None] < torch.tensor(valid, device=device)[:, None]
+    index = torch.tensor(rows, device=device)[:, None].expand(B, T)
+    positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
+    buffer[index[keep], positions[keep]] = feats[keep]
+
+
 class HiddenStateProposer(Proposer):
     def __init__(self, target: CausalLM, head: MTP | Eagle3Head, sample: bool):
         self.target, self.head, self.sample = target, head.eval(), sample
         self.is_mtp = isinstance(head, MTP)
+        self.d2t = getattr(head, "d2t", None)  # EAGLE-3 draft vocabulary -> target ids; None: the full vocabulary
         self.depths = len(head.layers) if self.is_mtp else 1
         self.capture_layers = () if self.is_mtp else tuple(head.capture_layers)
         self.cache: KVCache | None = None
@@ -67,12 +79,7 @@ class HiddenStateProposer(Proposer):
 
     def observe(self, seqs, out: TrunkOutput, starts, valid) -> None:
         feats = out.hidden if self.is_mtp else self.head.fuse(out.layers)
-        B, T = feats.shape[:2]
-        device = feats.device
-        keep = torch.arange(T, device=device)[None] < torch.tensor(valid, device=device)[:, None]
-        slots = torch.tensor([s.slot for s in seqs], device=device)[:, None].expand(B, T)
-        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
-        self.features[slots[keep], positions[keep]] = feats[keep]
+        write_rows(self.features, [s.slot for s in seqs], starts, valid, feats)
 
     def step(self, depth: int, hidden: Tensor, ids: Tensor, positions: Tensor, view) -> tuple[Tensor, Tensor]:
         if self.is_mtp:
@@ -107,7 +114,7 @@ class HiddenStateProposer(Proposer):
                 view = self.cache.view(slots, pos, 1)
                 state, logits = self.step(depth, state[:, None], ids, view.positions, view)
                 state, logits = state[:, 0], logits[:, 0]
-            tokens, q = choose_mapped(logits, getattr(self.head, "d2t", None), self.target.config.vocab_size,
+            tokens, q = choose_mapped(logits, self.d2t, self.target.config.vocab_size,
                                       self.params, seqs, self.sample)
             probs.append(q)
             for b, t in enumerate(tokens.tolist()):
@@ -136,12 +143,7 @@ class FeatureRecorder(Proposer):
 
     def observe(self, seqs, out, starts, valid) -> None:
         feats = torch.cat([out.hidden, *(out.layers[i] for i in self.capture_layers)], -1)
-        B, T = feats.shape[:2]
-        device = feats.device
-        keep = torch.arange(T, device=device)[None] < torch.tensor(valid, device=device)[:, None]
-        rows = torch.tensor([s.index for s in seqs], device=device)[:, None].expand(B, T)
-        positions = torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)
-        self.feats[rows[keep], positions[keep]] = feats[keep]
+        write_rows(self.feats, [s.index for s in seqs], starts, valid, feats)
 
     def features(self, length: int) -> TrunkOutput:
         """The recorded features of the first `length` positions as a right-padded `TrunkOutput` [N, length, H]
