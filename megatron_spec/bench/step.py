@@ -25,6 +25,7 @@ STAGES = ("data", "prepare", "gen", "logprob", "train")
 def variants(args) -> list[tuple[str, object]]:
     from ..rl.config import RLConfig
     from ..spec.config import SpecConfig
+    from .common import drafter_checkpoint
 
     base = RLConfig()
     base.model.policy = args.target
@@ -34,10 +35,9 @@ def variants(args) -> list[tuple[str, object]]:
     plain = copy.deepcopy(base)
     plain.spec, plain.model.drafter = None, None
     out.append(("plain", plain))
-    name = Path(args.target).name
     for method in args.drafters:
-        drafter_dir = Path(args.draft_model) if method == "draft_model" else Path(args.target).parent / f"{name}-{method}"
-        needs_weights = method in ("mtp", "eagle3", "draft_model")
+        drafter_dir = drafter_checkpoint(args.target, method, args.draft_model)
+        needs_weights = drafter_dir is not None
         if needs_weights and not drafter_dir.is_dir():
             print(f"  skip {method}: no drafter at {drafter_dir}")
             continue

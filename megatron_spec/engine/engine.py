@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from ..models.config import token_id_tuple
 from ..models.decoder import CausalLM
 from ..spec.adaptive import AdaptiveController
 from ..spec.config import SpecConfig
@@ -32,7 +33,7 @@ class LLMEngine:
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
         eos = model.config.eos_token_id if eos_token_id is None else eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.eos_ids = set(token_id_tuple(eos))
         self.spec = spec
         self.proposer: Proposer = build_proposer(spec, model, drafter) if spec else Proposer()
         self.k_max = spec.num_speculative_tokens if spec else 0

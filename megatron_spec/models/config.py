@@ -14,6 +14,11 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "llama")
 _ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}
 
 
+def token_id_tuple(ids: int | list[int] | None) -> tuple[int, ...]:
+    """An HF-style token-id field (one id, a list of them, or None) as a tuple, e.g. `eos_token_id`."""
+    return tuple(ids) if isinstance(ids, list) else () if ids is None else (ids,)
+
+
 @dataclass
 class ModelConfig:
     model_type: str

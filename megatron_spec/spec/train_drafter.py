@@ -80,11 +80,6 @@ def draft_vocab(ids, mask, size: int, vocab_size: int, always: tuple[int, ...] =
     return order[:size].sort().values
 
 
-def eos_ids(cfg) -> tuple[int, ...]:
-    eos = cfg.eos_token_id
-    return tuple(eos) if isinstance(eos, list) else () if eos is None else (eos,)
-
-
 def capture_layers(method: str, target, drafter=None) -> tuple[int, ...]:
     """Target layers whose outputs the drafter fuses: an EAGLE-3 head's (a fresh one's default), else none."""
     from ..models import default_capture_layers
@@ -178,6 +173,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from ..models import from_pretrained, load_drafter, save_drafter, save_pretrained
+    from ..models.config import token_id_tuple
 
     if args.draft_vocab and (args.method != "eagle3" or args.init is not None):
         raise ValueError("--draft-vocab builds a fresh EAGLE-3 head's map (a head from --init keeps its own)")
@@ -192,7 +188,8 @@ def main(args: argparse.Namespace) -> int:
           f"in {time.perf_counter() - t0:.1f}s")
     d2t = None
     if args.draft_vocab:
-        d2t = draft_vocab(ids, mask, args.draft_vocab, target.config.vocab_size, eos_ids(target.config))
+        d2t = draft_vocab(ids, mask, args.draft_vocab, target.config.vocab_size,
+                          token_id_tuple(target.config.eos_token_id))
         covered = torch.isin(ids[mask], d2t).float().mean().item()
         print(f"train-drafter: draft vocabulary of {args.draft_vocab} ids covers {covered:.2%} of generated tokens")
     if drafter is None:
