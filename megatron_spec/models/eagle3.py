@@ -208,14 +208,18 @@ class Eagle3Head(nn.Module):
         init_weights(self, std)
 
     def fuse(self, captured: dict[int, Tensor]) -> Tensor:
-        """[B, T, H] from the target's captured layer outputs (`TrunkOutput.layers`), low, mid, high in order.
+        """[B, T, H] from the target's captured layer outputs (`TrunkOutput.layers`), low, mid, high in order."""
+        return self.fc(self.stack(captured))
+
+    def stack(self, captured: dict[int, Tensor]) -> Tensor:
+        """The unfused input of `fuse`, [B, T, 3H] (the engine stores this and fuses only the rows it drafts from).
 
         Detached: the target's states are inputs to the drafter, never trained through.
         """
         missing = [i for i in self.capture_layers if i not in captured]
         if missing:
             raise KeyError(f"EAGLE-3 fuse needs target layer(s) {missing}; capture {self.capture_layers} in trunk()")
-        return self.fc(torch.cat([captured[i].detach() for i in self.capture_layers], dim=-1))
+        return torch.cat([captured[i].detach() for i in self.capture_layers], dim=-1)
 
     def forward(
         self,

@@ -18,9 +18,11 @@ decode does (weights are read once either way), so the tail of a rollout gets th
 
 The controller lives as long as its engine, so in RL it is calibrated after the first rollout. Until it is, it
 alternates plain steps with k=1 probes (cheap even where speculation cannot pay; the fit extrapolates to larger
-k). The hot path (`choose_k` between decisions) is a dict lookup: fits and decisions are refreshed every
-`decide_every` steps or when a new batch size appears, never per step, because on a ~1 ms step a least-squares
-fit per step would itself cost several percent.
+k). The first timing of each step size and the first drafting timing are dropped: they carry one-off costs (the
+first verify of a shape, the drafter catching up over every prompt) and a fit from one such outlier would rule
+for the rest of the run. The hot path (`choose_k` between decisions) is a dict lookup: decisions are refreshed
+every `decide_every` steps or when a new batch size appears, and the least-squares fits behind them at most every
+`refit_every` steps, because on a ~1 ms step a fit (~0.2 ms) every few steps would itself cost percents.
 """
 
 from __future__ import annotations
@@ -32,22 +34,30 @@ import numpy as np
 
 class AdaptiveController:
     def __init__(self, k_max: int, margin: float = 1.05, probe_every: int = 64, decide_every: int = 8,
-                 window: int = 32, ema: float = 0.1):
+                 refit_every: int = 64, window: int = 32, ema: float = 0.1):
         self.k_max, self.margin, self.probe_every, self.decide_every, self.ema = k_max, margin, probe_every, decide_every, ema
-        self.window = window
+        self.refit_every, self.window = refit_every, window
+        self._seen_sizes: set[int] = set()  # step sizes T timed at least once (their first timing is dropped)
+        self._seen_draft = False
         self.step_obs: dict[int, deque] = {}  # T -> (B, seconds); a window per T so rare verify sizes stay in the fit
         self.draft_obs: deque = deque(maxlen=4 * window)  # (B, k, seconds)
         self.accept = np.full(k_max, 0.7)  # optimistic prior so speculation gets measured at all
         self.steps = 0
         self._decisions: dict[int, tuple[int, int]] = {}  # batch size -> (k, step decided)
-        self._fit_step = -decide_every  # when the fits were last refreshed
+        self._fit_step = -refit_every  # when the fits were last refreshed
         self._step_fit = self._draft_fit = None
 
     # -- measurements -----------------------------------------------------------------------------------------
     def record_step(self, batch: int, tokens: int, seconds: float) -> None:
+        if tokens not in self._seen_sizes:
+            self._seen_sizes.add(tokens)
+            return
         self.step_obs.setdefault(tokens, deque(maxlen=self.window)).append((batch, seconds))
 
     def record_draft(self, batch: int, k: int, seconds: float) -> None:
+        if not self._seen_draft:
+            self._seen_draft = True
+            return
         self.draft_obs.append((batch, k, seconds))
 
     def record_acceptance(self, drafted: list[int], accepted: list[int]) -> None:
@@ -81,35 +91,34 @@ class AdaptiveController:
 
     def best_k(self, batch: int) -> int:
         self.refresh_fits()
-        plain = self.rate(batch, 0)
-        best_k, best = 0, plain * self.margin
-        for k in range(1, self.k_max + 1):
-            r = self.rate(batch, k)
-            if r > best:
-                best_k, best = k, r
-        return best_k
+        rates = self.rates(batch)
+        rates[0] *= self.margin  # speculate only for a clear gain: ties and noise go to plain decoding
+        return int(np.argmax(rates))
 
-    def rate(self, batch: int, k: int) -> float:
-        """Expected tokens per second for the batch at draft length k, from the fitted costs."""
-        cost = self.t_step(batch, k + 1) + (self.t_draft(batch, k) if k else 0.0)
-        return batch * self.expected_tokens(k) / cost
+    def rates(self, batch: int) -> np.ndarray:
+        """Expected tokens per second for the batch at every draft length k = 0..k_max, from the fitted costs."""
+        ks = np.arange(self.k_max + 1)
+        cost = self.t_step(batch, ks + 1) + np.where(ks > 0, self.t_draft(batch, ks), 0.0)
+        return batch * self.expected_tokens(ks) / cost
 
-    def expected_tokens(self, k: int) -> float:
-        return 1.0 + float(np.cumprod(self.accept[:k]).sum())
+    def expected_tokens(self, k):
+        """1 + sum_{j<=k} prod_{i<=j} a_i, for one k or an array of them."""
+        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.accept))])[k]
 
     # -- the fitted costs -------------------------------------------------------------------------------------
-    def t_step(self, batch: int, tokens: int) -> float:
+    def t_step(self, batch: int, tokens):
+        """Fitted step time of `batch` sequences feeding `tokens` each (a number or an array)."""
         coef, row = self._step_fit
-        return float(max(coef @ np.array(row(batch, tokens)), 1e-6))
+        return np.maximum(design(row, batch, tokens) @ coef, 1e-6)
 
-    def t_draft(self, batch: int, k: int) -> float:
+    def t_draft(self, batch: int, k):
         if self._draft_fit is None:
-            return 0.0
+            return np.zeros_like(np.asarray(k, dtype=float))
         coef, row = self._draft_fit
-        return float(max(coef @ np.array(row(batch, k)), 0.0))
+        return np.maximum(design(row, batch, k) @ coef, 0.0)
 
     def refresh_fits(self) -> None:
-        if self.steps - self._fit_step < self.decide_every and self._step_fit is not None:
+        if self.steps - self._fit_step < self.refit_every and self._step_fit is not None:
             return
         self._fit_step = self.steps
         self._step_fit, self._draft_fit = self.fit_step(), self.fit_draft()
@@ -117,12 +126,10 @@ class AdaptiveController:
     def fit_step(self):
         """t = c0 + c1 * B * T (+ c2 * B once several batch sizes were seen: a run whose batch never shrinks says
         nothing about that term, and an under-determined fit would extrapolate nonsense)."""
-        obs = [(b, t, s) for t, window in self.step_obs.items() for b, s in window]
-        with_b = len({b for b, _, _ in obs}) >= 2 and len({(b, t) for b, t, _ in obs}) >= 3
+        b, t, y = np.array([(b, t, s) for t, window in self.step_obs.items() for b, s in window]).T
+        with_b = len(set(b)) >= 2 and len(set(zip(b, t))) >= 3
         row = (lambda b, t: [1.0, b * t, b]) if with_b else (lambda b, t: [1.0, b * t])
-        X = np.array([row(b, t) for b, t, _ in obs])
-        y = np.array([s for _, _, s in obs])
-        return np.linalg.lstsq(X, y, rcond=None)[0], row
+        return np.linalg.lstsq(design(row, b, t), y, rcond=None)[0], row
 
     def fit_draft(self):
         """t = d * k until three distinct (B, k) were seen, then d0 + d1 * k + d2 * k * B."""
@@ -132,6 +139,10 @@ class AdaptiveController:
             per_k = sum(t for *_, t in self.draft_obs) / sum(k for _, k, _ in self.draft_obs)
             return np.array([per_k]), lambda b, k: [k]
         row = lambda b, k: [1.0, k, k * b]  # noqa: E731
-        X = np.array([row(b, k) for b, k, _ in self.draft_obs])
-        y = np.array([t for *_, t in self.draft_obs])
-        return np.linalg.lstsq(X, y, rcond=None)[0], row
+        b, k, y = np.array(self.draft_obs).T
+        return np.linalg.lstsq(design(row, b, k), y, rcond=None)[0], row
+
+
+def design(row, batch, size) -> np.ndarray:
+    """The design matrix [..., features] of `row` at batch sizes and step sizes (numbers or arrays, broadcast)."""
+    return np.stack(np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in row(batch, size))), -1)

@@ -207,6 +207,7 @@ def test_adaptive_turns_speculation_off_when_it_cannot_pay():
         for t in (1, 3, 5):
             ctl.record_step(b, t, 0.001 + 0.0005 * b * t)
     ctl.record_draft(32, 4, 0.002)
+    ctl.record_draft(32, 4, 0.002)  # the first drafting timing is dropped as a one-off
     ctl.accept[:] = 0.2
     assert ctl.choose_k(32) == 0
     ctl = AdaptiveController(k_max=4)
@@ -214,8 +215,27 @@ def test_adaptive_turns_speculation_off_when_it_cannot_pay():
         for t in (1, 3, 5):
             ctl.record_step(b, t, 0.050 + 0.0001 * b * t)
     ctl.record_draft(1, 4, 0.004)
+    ctl.record_draft(1, 4, 0.004)
     ctl.accept[:] = 0.8
     assert ctl.choose_k(1) == 4
+
+
+def test_adaptive_drops_one_off_first_timings():
+    """The first drafting call of an engine catches the drafter up over every prompt, and the first verify of a new
+    shape pays one-off costs. Here the first draft of 3 tokens took 50 ms (80x the steady 0.6 ms) and the first
+    T=4 step 20 ms: counted, drafting would be priced at 4.3 ms per token and k=3 at 3.44 tokens per ~20 ms, far
+    below plain decoding's 1 token per 1 ms, so speculation would stay off for the whole run. Dropped, the steady
+    costs make k=3 the best choice: 3.44 tokens per 2.1 ms (1640 tok/s) against k=2's 2.71 per 1.73 ms (1560),
+    k=1's 1.9 per 1.37 ms (1390) and plain's 1000."""
+    ctl = AdaptiveController(k_max=3)
+    ctl.accept[:] = 0.9
+    ctl.record_step(1, 4, 0.020)
+    ctl.record_draft(1, 3, 0.050)
+    for _ in range(3):
+        ctl.record_step(1, 1, 0.001)  # the first of these is dropped too, the rest count
+        ctl.record_step(1, 4, 0.0015)
+        ctl.record_draft(1, 3, 0.0006)
+    assert ctl.choose_k(1) == 3
 
 
 def test_bad_spec_input(target):
@@ -249,10 +269,11 @@ def test_adaptive_acceptance_estimate_is_conditional_per_position():
 
 def test_adaptive_hot_path_refits_only_at_decisions():
     """Between decisions `choose_k` is a lookup: over 64 steps of one batch size the cost model is refitted at
-    most once per `decide_every` steps (a fit per ~1 ms step would cost several percent of it)."""
+    most once per `refit_every` steps (a fit per ~1 ms step would cost several percent of it)."""
     ctl = AdaptiveController(k_max=3)
-    for b, t in ((8, 1), (8, 2), (8, 4)):
+    for b, t in ((8, 1), (8, 2), (8, 4)) * 2:
         ctl.record_step(b, t, 0.001 * t)
+    ctl.record_draft(8, 3, 0.0003)
     ctl.record_draft(8, 3, 0.0003)
     fits = []
     original = ctl.fit_step
@@ -260,4 +281,4 @@ def test_adaptive_hot_path_refits_only_at_decisions():
     for _ in range(64):
         ctl.choose_k(8)
         ctl.record_step(8, 1, 0.001)
-    assert 1 <= len(fits) <= 64 // ctl.decide_every + 1
+    assert 1 <= len(fits) <= 64 // ctl.refit_every + 1
