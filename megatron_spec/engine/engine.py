@@ -17,7 +17,7 @@ from ..models.decoder import CausalLM
 from ..spec.adaptive import AdaptiveController
 from ..spec.config import SpecConfig
 from ..spec.proposers import Drafts, Proposer, build_proposer
-from ..spec.sampling import processed_logprobs
+from ..spec.sampling import processed_logprobs, sample_tokens
 from ..spec.verify import verify_greedy, verify_sampled
 from .kv_cache import KVCache
 from .params import Completion, SamplingParams
@@ -84,12 +84,16 @@ class LLMEngine:
         p = self.params
         logprobs = processed_logprobs(logits, p.temperature, p.top_k, p.top_p)
         k = logits.shape[1] - 1
+        if k == 0:  # plain decoding (or prefill): sampling from p is all there is to it
+            u = torch.tensor([s.uniforms(1) for s in seqs])[:, 0]
+            tokens, lps = sample_tokens(logprobs[:, 0], u, p.greedy)
+            return [([t], [lp]) for t, lp in zip(tokens.tolist(), lps.tolist())]
         draft_len = torch.tensor([len(d) for d in drafts.tokens])
         padded = torch.tensor([d + [0] * (k - len(d)) for d in drafts.tokens], dtype=torch.long).view(len(seqs), k)
         if p.greedy:
             verdict = verify_greedy(logprobs, padded, draft_len)
         else:
-            u = torch.stack([torch.rand(k + 1, generator=s.generator) for s in seqs])
+            u = torch.tensor([s.uniforms(k + 1) for s in seqs])
             verdict = verify_sampled(logprobs.exp(), padded, draft_len, u[:, :k], u[:, k], drafts.probs)
         # Emitted token j of sequence b is draft j for j < n and the verdict's next token at j = n; one gather
         # then yields every log-prob (per-sequence tensor ops would cost more than the forward at small sizes).

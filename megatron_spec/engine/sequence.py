@@ -39,6 +39,17 @@ class Sequence:
     """Drafts offered by draft position."""
     verify_steps: int = 0
     """Target forwards that verified drafts for this sequence."""
+    _uniforms: list[float] = field(default_factory=list, repr=False)
+    _next_uniform: int = 0
+
+    def uniforms(self, n: int) -> list[float]:
+        """The next n uniforms in [0, 1) of this sequence's stream. Drawn from its generator in blocks: one
+        generator call per step per sequence cost ~2.3 us, 150 us of a 3.5 ms decode step at batch 64."""
+        if self._next_uniform + n > len(self._uniforms):
+            self._uniforms, self._next_uniform = torch.rand(max(256, n), generator=self.generator).tolist(), 0
+        i = self._next_uniform
+        self._next_uniform += n
+        return self._uniforms[i : i + n]
 
     @property
     def tokens(self) -> list[int]:

@@ -12,7 +12,7 @@ two operators fewer per layer, because its KV rows are one slice rather than an 
 
     engine forward (embedding to logits, through the KV cache)
         = FORWARD + layers x (LAYER + NORM x norms per layer) + MoE layers x (ROUTER + EXPERT x experts touched)
-    a target forward that samples adds SAMPLE (processed log-probs, rejection sampling, acceptance)
+    a target forward that samples adds SAMPLE (verify: rejection sampling, acceptance) or SAMPLE_PLAIN (decode)
     a draft forward = its decoder layers as above + DRAFTER[kind].per_forward; once per verify step
         + DRAFTER[kind].per_step (hidden-state drafters store the target's features)
     logprob pass  = LOGPROB_FIXED + layers x (LOGPROB_LAYER + LOGPROB_NORM x norms)
@@ -39,9 +39,12 @@ NORM = 8
 FORWARD = 44
 """Once per forward: token-id tensor, KV-cache view (positions, mask, slot index), RoPE tables, embedding, final
 norm, output head."""
-SAMPLE = 63
-"""Once per target forward that samples: processed log-probs, the uniforms, rejection sampling (a plain decode
-step is verification of zero drafts), emitted ids, their log-probs, list conversion."""
+SAMPLE = 64
+"""Once per verify step (a target forward over drafts): processed log-probs, the uniforms, rejection sampling,
+emitted ids, their log-probs, rollback, list conversion."""
+SAMPLE_PLAIN = 23
+"""Once per plain decode step (no drafts in the batch): processed log-probs, the uniforms, inverse-CDF sampling
+and the sampled tokens' log-probs."""
 ROUTER = 22
 """Once per MoE layer, net of the dense MLP it replaces: router, softmax, top-k, renormalisation, the expert loop's
 set-up and the load-balancing statistics."""
@@ -62,9 +65,10 @@ class DrafterOps:
 DRAFTER = {
     # MTP: token ids, embedding, two norms, concatenation, eh_proj, final norm, the shared head, draft choice, the
     # drafter's KV view; per step, the target's hidden states are written into the feature buffer.
-    "mtp": DrafterOps(per_forward=74, per_step=20),
-    # EAGLE-3: as MTP with its own head and no eh_proj; per step, the three captured layers are fused (fc) first.
-    "eagle3": DrafterOps(per_forward=64, per_step=25),
+    "mtp": DrafterOps(per_forward=74, per_step=8),
+    # EAGLE-3: as MTP with its own head and no eh_proj; per step, the three captured layers are concatenated and
+    # stored (fused by fc only on the rows a round drafts from, counted with its draft forwards).
+    "eagle3": DrafterOps(per_forward=64, per_step=12),
     # A draft model: its own full forward (counted like the target's) plus the draft choice; int() per token read.
     "model": DrafterOps(per_forward=9, per_step=0, per_seq=4.0),
     "ngram": DrafterOps(per_forward=0, per_step=0),

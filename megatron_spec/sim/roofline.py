@@ -75,8 +75,8 @@ def overhead_time(shape: CostShape, hw: Hardware, cal: Calibration, n_seqs: floa
     if hw.is_gpu:
         return cal.forward_overhead_s
     ops = shape.ops + shape.moe_layers * shape.experts_touched(tokens) * eager.EXPERT + n_seqs * shape.seq_ops
-    if sample:
-        ops += shape.sample_ops
+    if sample:  # a verify step (drafts: more than one token per sequence) or a plain decode step
+        ops += shape.sample_ops if tokens > n_seqs else shape.plain_sample_ops
     return ops * hw.op_overhead_s + n_seqs * (hw.seq_overhead_s + shape.layers * hw.seq_layer_s)
 
 

@@ -63,8 +63,10 @@ class CostShape:
     """Operators one forward launches in our eager engine, embedding to logits, MoE experts aside (`eager.py`);
     the CPU profile pays `op_overhead_s` for each."""
     sample_ops: float = 0.0
-    """Operators of sampling and verification after a target forward (0 for drafters: their draft choice is in
-    `ops`)."""
+    """Operators of sampling and verification after a target forward that verifies drafts (0 for drafters: their
+    draft choice is in `ops`)."""
+    plain_sample_ops: float = 0.0
+    """Operators of sampling after a plain decode forward (no drafts to verify)."""
     step_ops: float = 0.0
     """Operators a drafter launches once per verify step outside its forwards (storing the target's features)."""
     seq_ops: float = 0.0
@@ -125,6 +127,7 @@ def shape_of(m: ModelConfig, name: str = "model", kv_dtype_bytes: float = 2) -> 
         out_rows=_attention_rows(m) * m.num_hidden_layers + (2 * m.intermediate_size + h) * dense_layers
         + m.num_experts * moe_layers + m.vocab_size,
         expert_out_rows=2 * m.moe_intermediate_size + h, ops=eager.forward_ops(m), sample_ops=eager.SAMPLE,
+        plain_sample_ops=eager.SAMPLE_PLAIN,
         act_elements=m.num_hidden_layers * eager.activation_elements(m),
     )
 
@@ -149,7 +152,7 @@ def drafter_shape(target: ModelConfig, kind: str, draft_model: str = "", layers:
             raise ValueError("drafter kind 'model' needs a draft model preset name (e.g. tiny-draft)")
         ops = eager.DRAFTER["model"]
         draft = shape_of(preset(draft_model), name=draft_model, kv_dtype_bytes=kv_dtype_bytes)
-        return replace(draft, ops=draft.ops + ops.per_forward, sample_ops=0.0, seq_ops=ops.per_seq)
+        return replace(draft, ops=draft.ops + ops.per_forward, sample_ops=0.0, plain_sample_ops=0.0, seq_ops=ops.per_seq)
     if layers < 1:
         raise ValueError(f"drafter layers must be >= 1, got {layers}")
     t = shape_of(target, kv_dtype_bytes=kv_dtype_bytes)

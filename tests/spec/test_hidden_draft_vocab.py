@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_spec.engine import LLMEngine, SamplingParams
+from megatron_spec.engine.sequence import Sequence
 from megatron_spec.models import Eagle3Head
 from megatron_spec.spec.config import SpecConfig
 from megatron_spec.spec.drafter_loss import drafter_loss, soft_cross_entropy, teacher_logits
@@ -42,7 +43,7 @@ def head_with_vocab(target, seed: int = 3, n: int = 16) -> Eagle3Head:
 def test_choose_mapped_greedy_and_sampled():
     d2t = torch.tensor([1, 4, 9, 16, 25])
     logits = torch.randn(3, 5)
-    seqs = [SimpleNamespace(generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    seqs = [Sequence(i, [1], 4, torch.Generator().manual_seed(i)) for i in range(3)]
     greedy = SimpleNamespace(greedy=True)
     tokens, q = choose_mapped(logits, d2t, 30, greedy, seqs, sample=True)
     assert q is None and tokens.tolist() == d2t[logits.argmax(-1)].tolist()
