@@ -13,14 +13,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-def make_engine(target, method: str | None, k: int | str, drafter_dir: str | None, max_num_seqs: int):
+def make_engine(target, method: str | None, k: int | str, drafter_dir: str | None, max_num_seqs: int,
+                draft_sampling: bool = False):
     from ..engine import LLMEngine
     from ..spec.config import SpecConfig
 
     if method is None:
         return LLMEngine(target, max_num_seqs=max_num_seqs)
     adaptive = k == "adaptive"
-    spec = SpecConfig(method, 5 if adaptive else int(k), model=drafter_dir, adaptive=adaptive)
+    spec = SpecConfig(method, 5 if adaptive else int(k), model=drafter_dir, adaptive=adaptive,
+                      draft_sampling=draft_sampling)
     return LLMEngine(target, max_num_seqs=max_num_seqs, spec=spec)
 
 
@@ -76,7 +78,7 @@ def run(args) -> dict:
             plain = make_engine(target, None, 0, None, batch)
             plain.generate(*warm)
             for k in args.k:
-                fresh = lambda: make_engine(target, method, k, ddir, batch)  # noqa: E731
+                fresh = lambda: make_engine(target, method, k, ddir, batch, args.draft_sampling)  # noqa: E731
                 row = {"drafter": method, "batch": batch, "k": str(k),
                        **measure(fresh, plain, prompts, params, args.repeats, warm)}
                 rows.append(row)
@@ -89,12 +91,13 @@ def run(args) -> dict:
         previous_step = SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens, seed=2)
         plain.generate(prompts, previous_step)
         for k in args.rl_k:
-            fresh = lambda: make_engine(target, method, k, ddir, len(prompts))  # noqa: E731
+            fresh = lambda: make_engine(target, method, k, ddir, len(prompts), args.draft_sampling)  # noqa: E731
             row = {"drafter": method, "batch": f"RL {args.rl_prompts}x{args.group}", "k": str(k),
                    **measure(fresh, plain, prompts, params, args.repeats, (prompts, previous_step))}
             rows.append(row)
             print(f"  {method:12s} RL rollout k={str(k):8s} x{row['speedup']:.2f}  acc.len {row['acceptance_length'] or 0:.2f}")
-    return {"benchmark": "rollout", "target": args.target, "dtype": args.dtype, "machine": machine(),
+    return {"benchmark": "rollout", "target": args.target, "dtype": args.dtype, "draft_sampling": args.draft_sampling,
+            "machine": machine(),
             "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows}
 
 
@@ -147,6 +150,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rl-max-tokens", type=int, default=160)
     p.add_argument("--rl-k", nargs="+", default=["3", "adaptive"])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--draft-sampling", action="store_true",
+                   help="model drafters sample their drafts (their q enters verification) instead of their argmax")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="weights and activations of target and drafter; on CPUs with AVX512-BF16 a bf16 135M model "
