@@ -59,16 +59,33 @@ def check_tau(tau: float, k: int) -> None:
         raise ValueError(f"acceptance length {tau} is below 1: every verify pass emits at least one token")
 
 
-def speedup_floor(tau_a: float, tau_b: float, k_a: int, k_b: int) -> float:
+def speedup_floor(tau_a: float, tau_b: float, k_a: int, k_b: int, speedup_a: float | None = None) -> float:
     """Lowest possible S(k_b) / S(k_a) for a model whose per-step cost grows at most linearly in k.
 
-    A speculative step costs (fixed) + verify(k+1 tokens) + k drafts; each term is a max or sum of a constant and
-    a term linear through the origin, so going from k_a to k_b > k_a multiplies it by at most
-    max((k_b+1)/(k_a+1), k_b/k_a). Steps shrink by tau_a/tau_b. So S(k_b)/S(k_a) >= (tau_b/tau_a) / that factor.
-    A measured ratio below this floor means the system has a super-linear cost in k (a capacity cliff), which no
+    A speculative step costs C(k) = V(k) + k D: V the verify pass and the fixed per-step work, a sum (or roofline
+    max) of terms that are constant or linear through the origin in the k+1 tokens verified, so V(k) / (k+1) never
+    grows with k; D one draft forward (same batch and context at every k). In a fluid batch every sequence
+    advances tau tokens per step, so the step count scales as 1 / tau and S(k) = tau(k) C_AR / C(k), C_AR being the
+    decode step's cost over the same batch / context profile.
+
+    Without more information C(k_b) / C(k_a) <= max((k_b+1)/(k_a+1), k_b/k_a), so
+    S(k_b)/S(k_a) >= (tau_b/tau_a) / that factor.
+
+    With `speedup_a` = S(k_a) the bound tightens: a verify pass never costs less than a decode step at the same
+    batch, V(k_a) >= C_AR, so at most C(k_a) - C_AR is spent on the k_a drafts, and
+        C(k_b) <= r C_AR + (k_b/k_a) (C(k_a) - C_AR),   r = (k_b+1)/(k_a+1) < k_b/k_a,
+    with C_AR / C(k_a) = S(k_a) / tau_a (the AR run is the baseline of the speedup). The equality case is a verify
+    pass that costs exactly a decode at k_a and grows in proportion to its tokens from there: a kink at k_a.
+
+    A measured ratio below the floor means the system has a super-linear cost in k (a capacity cliff), which no
     roofline reproduces. Used to check the reference paper's k sweep for consistency (README.md).
     """
     if not 0 < k_a < k_b:
         raise ValueError(f"need 0 < k_a < k_b, got k_a={k_a}, k_b={k_b}")
     growth = max((k_b + 1) / (k_a + 1), k_b / k_a)
+    if speedup_a is not None:
+        if not 0 < speedup_a <= tau_a + 1e-9:
+            raise ValueError(f"speedup at k_a must be in (0, tau_a = {tau_a}], got {speedup_a}: a verify step "
+                             "never costs less than a decode step, so the speedup is below the acceptance length")
+        growth -= (k_b / k_a - (k_b + 1) / (k_a + 1)) * speedup_a / tau_a
     return (tau_b / tau_a) / growth

@@ -104,6 +104,11 @@ class GenResult:
     """Sequences preempted and recomputed."""
     trace: list[tuple[float, float, int]] = field(default_factory=list)
     """(time, sequences in flight, k) at each event, for plots."""
+    batch_steps: list[tuple[float, float, int]] = field(default_factory=list)
+    """(sequences in flight, steps, k) of each interval between events: how many steps ran at which batch (what a
+    per-batch-size effect such as a CUDA-graph capture limit would act on)."""
+    peak_kv_tokens: float = 0.0
+    """Most context tokens the KV cache held at once (compare with `Engine.kv_capacity_tokens`)."""
 
     @property
     def mean_batch(self) -> float:
@@ -183,6 +188,8 @@ def simulate_generation(engine: Engine, n_seqs: float, prompt_len: float, length
         mid_ctx = used + growth * steps / 2
         dt = steps * engine.step_time(batch, mid_ctx, k, tau)
         res.trace.append((res.time_s, batch, k))
+        res.batch_steps.append((batch, steps, k))
+        res.peak_kv_tokens = max(res.peak_kv_tokens, used + growth * steps)
         res.time_s += dt
         res.steps += steps
         res.seq_steps += steps * batch

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import GenParallel, LengthDist, SimConfig, Speculation, TrainParallel, Workload
+from .generation import GenResult
 from .memory import memory_report
 from .pipeline import build, generation
 from .stages import refit_bytes
@@ -28,6 +29,18 @@ PAPER_AR_STAGES = {
 PAPER_SPEC_K3 = {"think": {"gen": 87.0, "total": 137.4}, "zero": {"gen": 56.6, "total": 107.5}}
 PAPER_TAU = {"think": {3: 2.77, 5: 3.23, 7: 3.48}, "zero": {3: 3.32, 5: 4.35, 7: 5.06}}
 PAPER_GEN_SPEEDUP = {"think": {3: 1.53, 5: 0.84, 7: 0.71}, "zero": {3: 1.77, 5: 1.44, 7: 1.21}}
+
+# Facts of vLLM used to test candidate explanations of the paper's k sweep (docs/simulator.md, "(a)").
+# - The largest CUDA graph vLLM captures by default, in tokens: `VllmConfig._set_cudagraph_sizes` sets
+#   min(max_num_seqs * (1 + num_speculative_tokens) * 2, 512), capped by max_num_batched_tokens; a forward over
+#   more tokens runs without a graph (vllm/config/vllm.py; docs.vllm.ai/en/latest/design/cuda_graphs/), and so does
+#   the EAGLE proposer's first draft pass over the same tokens (vllm/v1/spec_decode/eagle.py).
+VLLM_MAX_CUDAGRAPH_TOKENS = 512
+# - What running an 8B dense model without CUDA graphs costs per forward: Llama-3-8B decode at batch 1 took
+#   9.28 ms without and 7.06 ms with graphs (triton attention; 8.23 vs 7.35 ms with FlashInfer), sglang PR #1401;
+#   at large batch the difference is not visible (vllm PR #1440), since kernel launches overlap long kernels.
+#   The largest of these differences, per forward that falls out of the graphs:
+EAGER_PENALTY_8B_S = 2.2e-3
 
 
 @dataclass(frozen=True)
@@ -63,11 +76,17 @@ class ReferenceSetup:
                          gpu_memory_utilization=self.gpu_memory_utilization)
 
 
-def gen_seconds(setup: ReferenceSetup, mean_len: float, spec: Speculation | None = None) -> float:
-    """Simulated gen stage of the reference setup."""
+def gen_result(setup: ReferenceSetup, mean_len: float, spec: Speculation | None = None) -> tuple[GenResult, float]:
+    """One engine's simulated generation in the reference setup, and its KV-cache capacity in tokens."""
     cfg = setup.config(mean_len, spec)
     hw, cal, target, drafter = build(cfg)
-    return generation(cfg, hw, cal, target, drafter, memory_report(cfg, hw, target, drafter)).time_s
+    mem = memory_report(cfg, hw, target, drafter)
+    return generation(cfg, hw, cal, target, drafter, mem), mem.kv_capacity_tokens
+
+
+def gen_seconds(setup: ReferenceSetup, mean_len: float, spec: Speculation | None = None) -> float:
+    """Simulated gen stage of the reference setup."""
+    return gen_result(setup, mean_len, spec)[0].time_s
 
 
 def infer_mean_length(setup: ReferenceSetup, ar_gen_s: float) -> float:
@@ -120,3 +139,40 @@ def k_sweep(workload: str, setup: ReferenceSetup = ReferenceSetup()) -> dict[int
     ar = PAPER_AR_STAGES[workload]
     mean_len = infer_mean_length(setup, ar["gen"])
     return {k: predict_spec_run(ar, tau, k, setup, mean_len).gen_speedup for k, tau in PAPER_TAU[workload].items()}
+
+
+@dataclass(frozen=True)
+class GraphLimitCheck:
+    """How much a verify step that exceeds the CUDA-graph capture limit would have to cost to close the gap between
+    the simulated and the paper's speculative gen time at one k (docs/simulator.md, "(a)")."""
+
+    k: int
+    """Speculative tokens."""
+    steps: float
+    """Engine steps of the simulated run."""
+    steps_over: float
+    """Of which steps whose verify forward (sequences x (k+1) tokens) exceeds `VLLM_MAX_CUDAGRAPH_TOKENS`."""
+    model_gen_s: float
+    """Simulated gen time (no penalty for running without a graph)."""
+    paper_gen_s: float
+    """The paper's gen time at this k (its AR gen time / its gen speedup)."""
+    peak_kv_share: float
+    """Largest share of the engine's KV cache the simulated run fills."""
+
+    @property
+    def needed_s_per_step_over(self) -> float:
+        """Extra seconds each step over the limit would need to cost for the model to match the paper."""
+        return (self.paper_gen_s - self.model_gen_s) / self.steps_over if self.steps_over else float("inf")
+
+
+def graph_limit_check(workload: str, k: int, setup: ReferenceSetup = ReferenceSetup(),
+                      capture_tokens: int = VLLM_MAX_CUDAGRAPH_TOKENS, mean_len: float | None = None
+                      ) -> GraphLimitCheck:
+    """Count the simulated run's steps past the capture limit and the paper's time it leaves unexplained."""
+    mean_len = mean_len or infer_mean_length(setup, PAPER_AR_STAGES[workload]["gen"])
+    spec = Speculation(k=k, acceptance_length=PAPER_TAU[workload][k], drafter=setup.drafter)
+    res, capacity = gen_result(setup, mean_len, spec)
+    over = sum(steps for batch, steps, kk in res.batch_steps if batch * (kk + 1) > capture_tokens + 1e-9)
+    paper = PAPER_AR_STAGES[workload]["gen"] / PAPER_GEN_SPEEDUP[workload][k]
+    return GraphLimitCheck(k=k, steps=res.steps, steps_over=over, model_gen_s=res.time_s, paper_gen_s=paper,
+                           peak_kv_share=res.peak_kv_tokens / capacity)
