@@ -10,6 +10,10 @@ stages. It also writes the plain and best speculative measurements in the simula
 The peer (`--peer trl`, run by default when TRL is installed) is TRL's GRPOTrainer on the plain run's workload,
 timed the same way; its step time and our plain and best speculative step's speedups over it are printed and
 written to the JSON (see trl_peer.py for what is matched).
+
+The trainer runs as configured by default: length-bucketed micro-batches and the behaviour-logprob recompute folded
+into the train forward, so the `logprob` stage is ~0 s (it only assembles the batch). `--micro-batch-tokens 0
+--no-fold-logprob` measures the trainer as it was before both (one padded batch, a separate recompute forward).
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ def variants(args) -> list[tuple[str, object]]:
     base.model.policy = args.target
     base.grpo.prompts_per_step, base.grpo.group_size, base.grpo.max_tokens = args.prompts, args.group, args.max_tokens
     base.run.threads, base.run.eval_every, base.run.seed = args.threads, 0, args.seed
+    if args.micro_batch_tokens is not None:
+        base.grpo.micro_batch_tokens = args.micro_batch_tokens
+    base.grpo.fold_logprob = not args.no_fold_logprob
     out = []
     plain = copy.deepcopy(base)
     plain.spec, plain.model.drafter = None, None
@@ -127,6 +134,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="trainer micro-batch budget in padded tokens (default: grpo.micro_batch_tokens; 0: one padded "
+                        "batch)")
+    p.add_argument("--no-fold-logprob", action="store_true",
+                   help="recompute the behaviour logprobs in their own forward (grpo.fold_logprob=false)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results/bench_step.json")

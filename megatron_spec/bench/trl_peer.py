@@ -7,9 +7,9 @@ max tokens, sampling, learning rate, clip range, KL weight (0: no reference mode
 otherwise runs with its defaults on one CPU process (`transformers` `generate` for the rollouts, no vLLM), except
 two that would make it do different work from ours: fp32 instead of bf16, and no activation checkpointing.
 
-Two differences are in TRL's favour and left in: with one update per generation batch TRL takes the behaviour
-log-probs from the training forward itself, while our trainer recomputes them in its own `logprob` stage; and TRL
-generates with the training model in place, so it has nothing like our `prepare` stage (refit + wake).
+With one update per generation batch both take the behaviour log-probs from the training forward itself (ours:
+`grpo.fold_logprob`, so our `logprob` stage is ~0 s). One difference is in TRL's favour and left in: TRL generates
+with the training model in place, so it has nothing like our `prepare` stage (refit + wake).
 
 The step time is measured by a callback from `on_step_begin` (before generation) to `on_step_end` (after the
 optimizer step), so TRL's logging between steps is not counted, as our stage timers do not count ours.

@@ -14,8 +14,10 @@ import torch
 
 from ..models.hf_io import write_atomically
 
-IGNORED_ON_RESUME = {"run.steps", "run.resume", "run.save_every", "run.eval_every", "run.out_dir"}
-"""Fields a resumed run may change (how long and how often), all others must match."""
+IGNORED_ON_RESUME = {"run.steps", "run.resume", "run.save_every", "run.eval_every", "run.out_dir",
+                     "grpo.micro_batch_tokens", "grpo.fold_logprob"}
+"""Fields a resumed run may change (how long, how often, and how a step computes the same update), all others must
+match. The last two also let a run saved before they existed resume."""
 
 
 def flatten(cfg) -> dict:

@@ -52,6 +52,23 @@ class GRPOSection:
     """Gradient clipping of the policy."""
     max_nan_steps: int = 3
     """Stop the run after this many consecutive steps whose loss is NaN (each such update is skipped)."""
+    micro_batch_tokens: int = 1024
+    """Padded-token budget of one trainer micro-batch (logprob and train forwards); 0: the whole batch at once.
+    Rollout lengths are long-tailed, so a batch padded to its longest rollout is largely padding; sorted by length
+    and cut into micro-batches each padded only to its own longest, the forwards skip it. Each micro-batch is
+    aggregated with the whole batch's denominators and the gradients accumulate into one optimizer step, so the
+    update equals the one-big-batch update up to fp32 summation order (except an MoE router's load-balancing loss,
+    taken per micro-batch as Megatron does). A row longer than the budget is a micro-batch of its own.
+    Measured on the tiny recipe's batches (64 rows, 25-30 % padding; 2 CPU threads), median train step: 0.189 s at
+    0, 0.172 at 512, 0.160 at 1024, 0.163 at 2048; smaller budgets pay a fixed cost per micro-batch, larger ones
+    padding. Where that fixed cost is larger relative to the compute (a GPU), a larger budget is the better start."""
+    fold_logprob: bool = True
+    """Take the ratio's "old" log-probs from the train forward itself (detached) instead of a separate forward in the
+    `logprob` stage, as TRL does for a single iteration. Exact here: a step makes one optimizer update on its batch,
+    so before it the trained policy is the one whose weights were refit into the generator, and a recompute would
+    return the very numbers the train forward computes. The `logprob` stage then only assembles the batch and the
+    engine-vs-trainer `logprob_mismatch` (from the train forward's log-probs), ~0 s. False: the separate recompute,
+    which several updates per batch, or a behaviour policy other than the trained one, would need."""
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -62,6 +79,9 @@ class GRPOSection:
             raise ValueError(f"grpo.loss_agg must be 'token' or 'sequence', got {self.loss_agg!r}")
         if self.clip_low < 0 or self.clip_high < 0:
             raise ValueError("grpo.clip_low and grpo.clip_high must be >= 0")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"grpo.micro_batch_tokens must be >= 0 (0: no micro-batching), "
+                             f"got {self.micro_batch_tokens}")
 
 
 @dataclass

@@ -2,6 +2,9 @@
 
     for step:  data -> prepare (refit + wake) -> gen (rollouts) -> logprob (recompute) -> train (policy + drafter)
 
+With `grpo.fold_logprob` (the default) the recompute is folded into the train forward, exact with one update per
+step, and the `logprob` stage only assembles the batch and the mismatch metric.
+
 `train(cfg)` validates everything it will need before computing anything, resumes from the run directory's last
 checkpoint when it holds one for the same config, and logs one metrics line per step.
 """
@@ -79,6 +82,11 @@ def make_batch(prompts: list[list[int]], outs) -> tuple[Batch, torch.Tensor]:
     return Batch(ids, mask), behaviour
 
 
+def logprob_mismatch(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> float:
+    """Largest |trainer - engine| log-prob over the generated tokens: ~0 when both apply the same processing."""
+    return float((trainer - engine).abs()[mask].max()) if mask.any() else 0.0
+
+
 def spec_metrics(outs) -> dict:
     summary = speculation_summary(outs)
     return {"acceptance_length": summary["acceptance_length"], "accepted_per_pos": summary["per_position"] or None}
@@ -119,12 +127,13 @@ class Trainer:
         rewards = torch.tensor([self.task.reward(o.token_ids, problems[i // g.group_size]) for i, o in enumerate(outs)])
         with timer("logprob"):
             batch, behaviour = make_batch(prompts, outs)
-            batch.old_logprobs = self.policy.logprobs(batch)
-            m = batch.mask[:, 1:]
-            mismatch = float((batch.old_logprobs - behaviour).abs()[m].max()) if m.any() else 0.0
+            if not g.fold_logprob:  # folded: train_step takes them from its own forward and fills them in
+                batch.old_logprobs = self.policy.logprobs(batch)
         with timer("train"):
             batch.advantages = group_advantages(rewards.view(g.prompts_per_step, g.group_size), g.normalize_std).flatten()
             train = self.policy.train_step(batch)
+        with timer("logprob"):
+            mismatch = logprob_mismatch(batch.old_logprobs, behaviour, batch.mask[:, 1:])
         gen_tokens = sum(len(o.token_ids) for o in outs)
         lengths = [len(o.token_ids) for o in outs]
         return {"step": step, "stages": timer.times, "step_time": sum(timer.times.values()), "gen_tokens": gen_tokens,

@@ -4,20 +4,26 @@
 Online drafter training rides on the policy's own forward in `train_step`: the drafter reads the trunk's hidden
 states and logits *detached*, and has its own optimizer and its own backward, so its loss cannot send gradient
 into the trunk (a test compares the trunk's gradients with and without it).
+
+Both forwards run over length-bucketed micro-batches (`microbatch.py`) with the whole batch's loss denominators, so
+a step's update is the one-big-batch update without the padding. With one update per step, the behaviour log-probs
+can come from the train forward itself (`Batch.old_logprobs` None), which removes the recompute forward.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from ..models.decoder import CausalLM
+from ..models.decoder import CausalLM, TrunkOutput
 from ..models.eagle3 import Eagle3Head
 from ..spec.drafter_loss import drafter_loss
 from ..spec.sampling import processed_logprobs
-from .grpo import aggregate, kl_k3, policy_loss
+from .grpo import LossNorm, aggregate, kl_k3, policy_loss
+from .microbatch import micro_batches, sequence_lengths
 from .refit import named_weights
 
 
@@ -30,13 +36,37 @@ class Batch:
     advantages: Tensor | None = None
     """[B] per-sequence advantage."""
     old_logprobs: Tensor | None = None
-    """[B, T-1] log-probs of token t+1 under the policy before this update (from the logprob stage)."""
+    """[B, T-1] log-probs of token t+1 under the policy before this update (from the logprob stage). None:
+    `train_step` takes them from its own forward, detached, and fills them in (`grpo.fold_logprob`)."""
+
+    def select(self, rows: list[int], length: int) -> "Batch":
+        """The micro-batch of `rows`, cropped to its first `length` positions."""
+        idx = torch.tensor(rows)
+        return Batch(self.input_ids[idx, :length], self.mask[idx, :length],
+                     None if self.advantages is None else self.advantages[idx],
+                     None if self.old_logprobs is None else self.old_logprobs[idx, : length - 1])
+
+
+class DrafterInputs(NamedTuple):
+    """What the drafter update needs from one micro-batch's policy forward, all detached."""
+
+    input_ids: Tensor
+    mask: Tensor
+    out: TrunkOutput
+    logits: Tensor
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, sampling: dict) -> Tensor:
     """[B, T-1]: log-prob of token t+1 under the processed distribution at t (the engine's exact processing)."""
     lp = processed_logprobs(logits[:, :-1], **sampling)
     return lp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def masked(values: Tensor, mask: Tensor) -> Tensor:
+    """`values` with every position outside `mask` set to 0. Under top-k / top-p a padding position's log-prob can
+    be -inf, and -inf - (-inf) is NaN, which a 0-weight in the loss does not remove (0 * NaN = NaN, in the backward
+    too); `where` passes neither the value nor a gradient through the zeroed positions."""
+    return torch.where(mask, values, 0.0)
 
 
 class EmbeddedPolicy:
@@ -56,54 +86,123 @@ class EmbeddedPolicy:
         if drafter is not None and drafter_cfg is not None and drafter_cfg.online:
             self.drafter_opt = torch.optim.AdamW(drafter.parameters(), lr=drafter_cfg.lr, weight_decay=0.0)
 
+    def split(self, batch: Batch) -> list[tuple[list[int], Batch]]:
+        """The batch's length-bucketed micro-batches (`grpo.micro_batch_tokens`), each with its row indices."""
+        lengths = sequence_lengths(batch.mask)
+        groups = micro_batches(lengths, self.grpo.micro_batch_tokens)
+        return [(rows, batch.select(rows, max(lengths[r] for r in rows))) for rows in groups]
+
     @torch.no_grad()
     def logprobs(self, batch: Batch) -> Tensor:
-        return token_logprobs(self.model(batch.input_ids), batch.input_ids, self.sampling)
+        """[B, T-1] log-prob of each next token (0 outside the completion mask), one forward per micro-batch."""
+        B, T = batch.mask.shape
+        out = torch.zeros(B, T - 1)
+        for rows, mb in self.split(batch):
+            lp = token_logprobs(self.model(mb.input_ids), mb.input_ids, self.sampling)
+            out[rows, : lp.shape[1]] = masked(lp, mb.mask[:, 1:])
+        return out
 
     def capture(self) -> tuple[int, ...]:
         return tuple(self.drafter.capture_layers) if isinstance(self.drafter, Eagle3Head) else ()
 
     def train_step(self, batch: Batch) -> dict:
-        """One policy update on the batch; then, if online, one drafter update on the same forward's states."""
+        """One policy update on the batch, then, if online, one drafter update on the same forwards' states.
+
+        The gradient is accumulated over length-bucketed micro-batches, each aggregated with the whole batch's
+        denominators (`LossNorm`), so the update is the one-big-batch update (up to fp32 summation order); one
+        optimizer step, clipped after accumulation. With `batch.old_logprobs` None the ratio's "old" log-probs are
+        this forward's own, detached: exact when this is the step's only update, since nothing has moved since the
+        rollouts' refit (`grpo.fold_logprob`); they are written into `batch.old_logprobs` for the caller's metrics.
+        """
         self.model.train()
-        out = self.model.trunk(batch.input_ids, capture=self.capture())
-        logits = self.model.lm_head(out.hidden)
-        logprobs = token_logprobs(logits, batch.input_ids, self.sampling)
+        parts = self.split(batch)  # before old_logprobs is filled in: a micro-batch without them folds
         mask = batch.mask[:, 1:]
-        loss, metrics = policy_loss(logprobs, batch.old_logprobs, batch.advantages, mask,
-                                    self.grpo.clip_low, self.grpo.clip_high, self.grpo.loss_agg)
-        if self.ref is not None:
-            with torch.no_grad():
-                ref_lp = token_logprobs(self.ref(batch.input_ids), batch.input_ids, self.sampling)
-            kl = aggregate(kl_k3(logprobs, ref_lp), mask, self.grpo.loss_agg)
-            loss = loss + self.grpo.kl_coef * kl
-            metrics["kl"] = float(kl)
-        aux = self.model.aux_loss
-        if aux is not None:
-            loss = loss + self.model.config.router_aux_loss_coef * aux
-        metrics["loss"] = float(loss.detach())
+        norm = LossNorm.of(mask)
+        fold = batch.old_logprobs is None
+        if fold:
+            batch.old_logprobs = torch.zeros(mask.shape)
+        positions = sum(mb.input_ids.numel() for _, mb in parts)
         self.opt.zero_grad(set_to_none=True)
-        if torch.isfinite(loss):
-            loss.backward()
+        metrics: dict = {}
+        finite, forwards = True, []
+        for rows, mb in parts:
+            loss, mb_metrics, logprobs, drafter_inputs = self.micro_loss(mb, norm, mb.input_ids.numel() / positions)
+            if fold:
+                batch.old_logprobs[rows, : logprobs.shape[1]] = logprobs
+            finite = finite and bool(torch.isfinite(loss))
+            if finite:  # one non-finite micro-batch makes the whole loss non-finite: no more backward passes
+                loss.backward()
+            for k, v in mb_metrics.items():
+                metrics[k] = metrics.get(k, 0.0) + v
+            if drafter_inputs is not None:
+                forwards.append(drafter_inputs)
+        if finite:
             metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grpo.max_grad_norm))
             self.opt.step()
             metrics["skipped"] = False
         else:
-            metrics["skipped"] = True  # a NaN/inf loss never reaches the weights
+            self.opt.zero_grad(set_to_none=True)  # a NaN/inf loss never reaches the weights
+            metrics["skipped"] = True
         if self.drafter_opt is not None:
-            metrics["drafter_loss"] = self.train_drafter(batch, out, logits)
+            metrics["drafter_loss"] = self.train_drafter(forwards, float(batch.mask.sum()))
         return metrics
 
-    def train_drafter(self, batch: Batch, out, logits: Tensor) -> float:
+    def micro_loss(self, mb: Batch, norm: LossNorm,
+                   aux_share: float) -> tuple[Tensor, dict, Tensor, DrafterInputs | None]:
+        """This micro-batch's share of the step's loss (policy + KL + MoE aux) and of its metrics, its detached
+        log-probs [b, t-1] (0 outside the mask), and what the drafter update will need from this forward.
+
+        The MoE load-balancing loss is a product of two batch means (routed share x mean router probability), so
+        no split of it adds up exactly; each micro-batch's own is weighted by its share of the forwarded positions
+        (Megatron's per-micro-batch convention). With a single micro-batch it is the one-big-batch value.
+        """
+        out = self.model.trunk(mb.input_ids, capture=self.capture())
+        logits = self.model.lm_head(out.hidden)
+        mask = mb.mask[:, 1:]
+        logprobs = masked(token_logprobs(logits, mb.input_ids, self.sampling), mask)
+        old = logprobs.detach() if mb.old_logprobs is None else masked(mb.old_logprobs, mask)
+        loss, metrics = policy_loss(logprobs, old, mb.advantages, mask, self.grpo.clip_low, self.grpo.clip_high,
+                                    self.grpo.loss_agg, norm)
+        if self.ref is not None:
+            with torch.no_grad():
+                ref_lp = masked(token_logprobs(self.ref(mb.input_ids), mb.input_ids, self.sampling), mask)
+            kl = aggregate(kl_k3(logprobs, ref_lp), mask, self.grpo.loss_agg, norm)
+            loss = loss + self.grpo.kl_coef * kl
+            metrics["kl"] = float(kl.detach())
+        aux = self.model.aux_loss
+        if aux is not None:
+            loss = loss + self.model.config.router_aux_loss_coef * aux_share * aux
+        metrics["loss"] = float(loss.detach())
+        drafter_inputs = None
+        if self.drafter_opt is not None:
+            detached = TrunkOutput(out.hidden.detach(), {i: h.detach() for i, h in out.layers.items()})
+            drafter_inputs = DrafterInputs(mb.input_ids, mb.mask, detached, logits.detach())
+        return loss, metrics, logprobs.detach(), drafter_inputs
+
+    def train_drafter(self, forwards: list[DrafterInputs], tokens: float) -> float:
+        """One drafter update accumulated over the micro-batches' detached states, after the policy's update (the
+        MTP / EAGLE-3 heads read the trunk's embedding and output head as they are now, as before bucketing).
+
+        A micro-batch's drafter loss is a mean over its generated tokens (per depth, or per unrolled step); weighted
+        by its share of the batch's generated tokens, the shares add up to the one-big-batch loss exactly when every
+        depth's mean counts all generated tokens: a depth-d prediction has no label before position d + 1, so prompts
+        must be at least as long as the drafter trains deep (MTP layers + 1, EAGLE-3's unroll 2 + 1). Every task prompt
+        is (BOS + a problem); a shorter one only shifts the weights of its first few tokens' predictions.
+        """
         self.drafter.train()
-        loss = self.drafter_cfg.loss_weight * drafter_loss(
-            self.drafter_method, self.model, self.drafter, batch.input_ids, batch.mask, out, logits.detach())
         self.drafter_opt.zero_grad(set_to_none=True)
-        loss.backward(inputs=[p for p in self.drafter.parameters() if p.requires_grad])
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        total = 0.0
+        for f in forwards:
+            share = float(f.mask.sum()) / max(tokens, 1.0)
+            loss = self.drafter_cfg.loss_weight * share * drafter_loss(
+                self.drafter_method, self.model, self.drafter, f.input_ids, f.mask, f.out, f.logits)
+            loss.backward(inputs=params)
+            total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
         self.drafter_opt.step()
         self.drafter.eval()
-        return float(loss.detach())
+        return total
 
     def export_weights(self):
         return named_weights(self.model, self.drafter)

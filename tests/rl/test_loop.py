@@ -124,9 +124,27 @@ def test_greedy_rl_plain_and_speculative_runs_are_identical(ckpts, tmp_path, sha
     assert all(m["acceptance_length"] is not None for m in runs["spec"])
 
 
-def test_behaviour_logprobs_match_recompute(ckpts, tmp_path, shaped_reward):
-    metrics = loop.Trainer(small_cfg(ckpts, tmp_path, top_p=0.9)).step(0)
+@pytest.mark.parametrize("fold", [True, False])
+def test_behaviour_logprobs_match_recompute(ckpts, tmp_path, shaped_reward, fold):
+    """The engine's per-token logprobs equal the trainer's, from the train forward (folded) or a recompute."""
+    metrics = loop.Trainer(small_cfg(ckpts, tmp_path, top_p=0.9, fold_logprob=fold)).step(0)
     assert metrics["logprob_mismatch"] < 1e-4
+    assert not metrics["skipped"] and list(metrics["stages"]) == ["data", "prepare", "gen", "logprob", "train"]
+
+
+def test_folded_logprob_stage_gives_the_recompute_step(ckpts, tmp_path, shaped_reward):
+    """Two RL steps with the recompute folded into the train forward and with the separate logprob forward: the
+    same losses, mismatch and weights, bit for bit (one update per step, so the two old log-probs are one)."""
+    runs = []
+    for fold in (True, False):
+        trainer = loop.Trainer(small_cfg(ckpts, tmp_path / str(fold), micro_batch_tokens=64, fold_logprob=fold))
+        metrics = [trainer.step(s) for s in range(2)]
+        runs.append((metrics, trainer.policy.state_dict()))
+    (m_fold, s_fold), (m_sep, s_sep) = runs
+    keys = ["loss", "logprob_mismatch", "reward_mean", "drafter_loss", "grad_norm"]
+    assert [[m[k] for k in keys] for m in m_fold] == [[m[k] for k in keys] for m in m_sep]
+    for part in ("model", "drafter"):
+        assert all(torch.equal(s_fold[part][k], s_sep[part][k]) for k in s_fold[part]), part
 
 
 def test_bad_input(ckpts, tmp_path, monkeypatch):

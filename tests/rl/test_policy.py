@@ -1,0 +1,159 @@
+"""The embedded trainer's step: length-bucketed micro-batches give the one-big-batch update (policy, KL, drafter),
+folding the logprob recompute into the train forward gives the separate recompute's update, and padded positions
+stay out of the loss even where the processed distribution gives them -inf."""
+
+import copy
+
+import pytest
+import torch
+
+import megatron_spec.rl.policy as policy_mod
+from megatron_spec.models import MTP, CausalLM, Eagle3Head, preset
+from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
+from megatron_spec.rl.policy import Batch, EmbeddedPolicy
+
+SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)
+
+
+def tiny_model(name: str = "tiny-qwen3") -> CausalLM:
+    torch.manual_seed(0)
+    model = CausalLM(preset(name))
+    model.reset_parameters(std=0.1)
+    return model
+
+
+def rollout_batch(seed: int = 0, rows: int = 16) -> Batch:
+    """Prompts of 4-7 tokens and long-tailed completions (most short, a few up to ~40), right-padded."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(4, 8, (rows,), generator=g)
+    completions = (torch.rand(rows, generator=g) ** 3 * 40).int() + 1
+    ends = prompts + completions
+    ids = torch.zeros(rows, int(ends.max()), dtype=torch.long)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    for i, (p, n) in enumerate(zip(prompts.tolist(), ends.tolist())):
+        ids[i, :n] = torch.randint(3, 64, (n,), generator=g)
+        mask[i, p:n] = True
+    return Batch(ids, mask, advantages=torch.randn(rows, generator=g))
+
+
+def make_policy(budget: int, drafter_method: str | None = None, model: str = "tiny-qwen3", move_ref: bool = True,
+                **grpo) -> EmbeddedPolicy:
+    target = tiny_model(model)
+    drafter = None
+    if drafter_method is not None:
+        torch.manual_seed(1)
+        drafter = {"mtp": lambda: MTP(target.config), "eagle3": lambda: Eagle3Head(target.config),
+                   "draft_model": lambda: CausalLM(target.config)}[drafter_method]()
+    cfg = GRPOSection(**{"lr": 1e-3, "max_grad_norm": 0.05, "micro_batch_tokens": budget, **grpo})
+    policy = EmbeddedPolicy(target, cfg, dict(SAMPLING, top_k=cfg.top_k, top_p=cfg.top_p), drafter, drafter_method,
+                            DrafterTrainSection())
+    if policy.ref is not None and move_ref:  # a reference away from the policy, or the KL and its gradient are 0
+        g = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for p in policy.ref.parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=g))
+    return policy
+
+
+def off_policy(policy: EmbeddedPolicy, batch: Batch, seed: int = 1) -> torch.Tensor:
+    """Behaviour log-probs a little away from the policy's, so ratios differ from 1 and the clip is active somewhere."""
+    g = torch.Generator().manual_seed(seed)
+    return policy.logprobs(batch) + 0.3 * torch.randn(batch.mask.shape[0], batch.mask.shape[1] - 1, generator=g)
+
+
+def run_step(policy: EmbeddedPolicy, batch: Batch, old: torch.Tensor | None) -> dict:
+    batch = copy.copy(batch)
+    batch.old_logprobs = None if old is None else old.clone()
+    return policy.train_step(batch)
+
+
+def assert_same_update(a: torch.nn.Module, b: torch.nn.Module, lr: float = 1e-3) -> None:
+    """Same (clipped) gradients to 1e-5 of each tensor's largest entry, which fp32 summation order stays far
+    inside, and the same weights after the AdamW step to 5 % of one step (lr): Adam moves a coordinate by about
+    lr * g / (|g| + 1e-8), so where |g| is ~1e-8 the last bits of g still show in the step."""
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert (pa.grad is None) == (pb.grad is None), name
+        if pa.grad is not None:
+            scale = float(pa.grad.abs().max())
+            torch.testing.assert_close(pa.grad, pb.grad, rtol=0, atol=1e-5 * scale,
+                                       msg=lambda m: f"grad of {name}: {m}")
+        torch.testing.assert_close(pa, pb, rtol=0, atol=0.05 * lr, msg=lambda m: f"{name} after the update: {m}")
+
+
+@pytest.mark.parametrize("loss_agg", ["token", "sequence"])
+def test_bucketed_update_equals_one_big_batch(loss_agg, monkeypatch):
+    """Budget 0 (one batch padded to the longest row) against a budget that cuts the batch into several buckets,
+    KL on: same loss, KL, clip fraction, gradients and updated weights (fp32, up to summation order). The negative
+    control drops the whole-batch denominators (each bucket a mean of its own): the same check then fails, so the
+    comparison is tight enough to see a wrong normalisation."""
+    batch = rollout_batch()
+    one, bucketed = make_policy(0, loss_agg=loss_agg, kl_coef=0.1), make_policy(160, loss_agg=loss_agg, kl_coef=0.1)
+    old = off_policy(one, batch)
+    assert len(bucketed.split(batch)) >= 3 and len(one.split(batch)) == 1
+    ma, mb = run_step(one, batch, old), run_step(bucketed, batch, old)
+    for key in ("loss", "kl", "clip_frac"):
+        assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-7), key
+    assert 0 < ma["clip_frac"] < 1 and ma["kl"] > 0 and not mb["skipped"]
+    assert mb["grad_norm"] == pytest.approx(ma["grad_norm"], rel=1e-5) and ma["grad_norm"] > 0.05  # clip active
+    assert_same_update(one.model, bucketed.model)
+    moved = tiny_model()
+    assert any(not torch.allclose(p, q) for p, q in zip(moved.parameters(), bucketed.model.parameters()))
+
+    real_loss, real_aggregate = policy_mod.policy_loss, policy_mod.aggregate
+    monkeypatch.setattr(policy_mod, "policy_loss", lambda *a, **k: real_loss(*a[:7]))
+    monkeypatch.setattr(policy_mod, "aggregate", lambda *a, **k: real_aggregate(*a[:3]))
+    wrong = make_policy(160, loss_agg=loss_agg, kl_coef=0.1)
+    run_step(wrong, batch, old)
+    with pytest.raises(AssertionError):
+        assert_same_update(one.model, wrong.model)
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "draft_model"])
+def test_bucketed_drafter_update_equals_one_big_batch(method):
+    """Online drafter training per bucket, each bucket's loss weighted by its share of the generated tokens: the
+    drafter's gradient, loss and weights equal the one-big-batch drafter update (prompts here are >= 4 tokens)."""
+    batch = rollout_batch(seed=2)
+    one, bucketed = make_policy(0, method), make_policy(160, method)
+    old = off_policy(one, batch)
+    ma, mb = run_step(one, batch, old), run_step(bucketed, batch, old)
+    assert mb["drafter_loss"] == pytest.approx(ma["drafter_loss"], rel=1e-5)
+    assert_same_update(one.model, bucketed.model)
+    assert_same_update(one.drafter, bucketed.drafter)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in bucketed.drafter.parameters())
+
+
+@pytest.mark.parametrize("budget", [0, 160])
+def test_folded_logprobs_give_exactly_the_recompute_update(budget):
+    """One update per step: the train forward's own detached log-probs are the recompute's, bit for bit, so the
+    loss and the updated weights are identical; the folded log-probs come back in `batch.old_logprobs`."""
+    batch = rollout_batch(seed=3)
+    sep, fold = make_policy(budget, kl_coef=0.1), make_policy(budget, kl_coef=0.1)
+    recomputed = sep.logprobs(batch)
+    folded = copy.copy(batch)
+    m_sep, m_fold = run_step(sep, batch, recomputed), fold.train_step(folded)
+    assert m_fold["loss"] == m_sep["loss"] and m_fold["kl"] == m_sep["kl"]
+    assert torch.equal(folded.old_logprobs, recomputed)
+    for (name, a), b in zip(sep.model.named_parameters(), fold.model.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("processing", [dict(top_k=5), dict(top_p=0.5)])
+def test_padding_outside_top_k_or_top_p_keeps_the_loss_finite(processing):
+    """A padding token outside the top-k / top-p set has log-prob -inf under the policy and the reference alike;
+    -inf - (-inf) at a zero-weight position used to make every such step's loss NaN (and skip its update)."""
+    policy = make_policy(160, kl_coef=0.1, move_ref=False, **processing)  # ref's top-k set = the policy's
+    batch = rollout_batch(seed=4)
+    with torch.no_grad():  # greedy completions: every generated token lies inside the top-k / top-p set
+        for t in range(1, batch.mask.shape[1]):
+            greedy = policy.model(batch.input_ids[:, :t])[:, -1].argmax(-1)
+            batch.input_ids[:, t] = torch.where(batch.mask[:, t], greedy, batch.input_ids[:, t])
+    metrics = run_step(policy, batch, None)
+    assert not metrics["skipped"] and torch.isfinite(torch.tensor([metrics["loss"], metrics["kl"]])).all()
+    assert all(torch.isfinite(p.grad).all() for p in policy.model.parameters() if p.grad is not None)
+
+
+def test_moe_router_loss_is_taken_per_bucket():
+    """MoE: the load-balancing loss joins each bucket's loss; with one bucket the step is the one-big-batch step."""
+    batch = rollout_batch(seed=5, rows=8)
+    metrics = run_step(make_policy(160, model="tiny-qwen3-moe"), batch, None)
+    assert not metrics["skipped"] and metrics["loss"] > 0  # on-policy A-weighted loss + aux (~coef * 1)
