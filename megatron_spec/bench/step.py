@@ -73,6 +73,7 @@ def run_variant(cfg, steps: int) -> dict:
     lengths = [r["response_len_mean"] for r in kept]
     return {"stages": mean, "step_time": sum(mean.values()), "tokens_per_s": sum(r["tokens_per_s"] for r in kept) / len(kept),
             "acceptance_length": sum(acc) / len(acc) if acc else None, "response_len_mean": sum(lengths) / len(lengths),
+            "response_len_max": sum(r["response_len_max"] for r in kept) / len(kept),
             "reward_mean": sum(r["reward_mean"] for r in kept) / len(kept)}
 
 
@@ -104,22 +105,31 @@ def main(args: argparse.Namespace) -> int:
     payload = {"benchmark": "step", "machine": machine(), "target": args.target, "steps": args.steps, "rows": rows,
                "peer": peer}
     print(f"wrote {write_json(args.out, payload)}")
-    # The simulator's validation case (b): the plain run and the best speculative one, in its schema.
+    # The simulator's validation case (b): the plain run and the best speculative one, in its schema, with how the
+    # trainer ran and the response lengths' log-normal fitted to the steps' mean and longest response (a step keeps
+    # no per-rollout lengths; see megatron_spec/sim/measured.py and LengthDist.fit).
+    from ..sim.config import LengthDist
+
     task = PromptTask.build("tiny", args.target, 64, args.seed)
     prompt_len = sum(len(task.encode(p)) for p in task.problems(0, 64)) / 64
     for label, key in (("plain", "plain"), (best["variant"] if best else None, "spec")):
         if label is None:
             continue
-        r = results[label]
+        r, grpo = results[label], dict(configs)[label].grpo
         spec = None
         if label != "plain":
             method = label.split()[0]
             spec = {"k": args.k, "acceptance_length": r["acceptance_length"], "drafter": method,
-                    "draft_model": "tiny-draft" if method == "draft_model" else ""}
+                    "draft_model": "tiny-draft" if method == "draft_model" else "", "online": label.endswith("online")}
+        lengths = LengthDist.fit(r["response_len_mean"], r["response_len_max"], args.prompts * args.group,
+                                 args.max_tokens)
         write_json(Path(args.sim_out).with_name(Path(args.sim_out).stem + ("" if key == "plain" else "_spec") + ".json"), {
             "machine": machine(), "model": "tiny-qwen3", "threads": args.threads,
             "workload": {"prompts_per_step": args.prompts, "group_size": args.group, "prompt_len": round(prompt_len),
-                         "response": {"mean": r["response_len_mean"], "max_tokens": args.max_tokens, "sigma": 0.3}},
+                         "response": {"mean": lengths.mean, "max_tokens": args.max_tokens, "sigma": lengths.sigma,
+                                      "measured_mean": r["response_len_mean"],
+                                      "measured_longest": r["response_len_max"]}},
+            "trainer": {"micro_batch_tokens": grpo.micro_batch_tokens, "fold_logprob": grpo.fold_logprob},
             "stages": r["stages"], "spec": spec})
     return 0 if all(math.isfinite(r["step_s"]) for r in rows) else 1
 

@@ -42,6 +42,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp8", action="store_true", help="FP8 engine weights")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     g.add_argument("--max-num-seqs", type=int, default=1024)
+    g = p.add_argument_group("trainer")
+    g.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="tokens per training micro-batch (0: the whole batch; default 16384 packed on a GPU, 1024 "
+                        "padded on the CPU as the embedded trainer)")
+    g.add_argument("--fold-logprob", action=argparse.BooleanOptionalAction, default=None,
+                   help="behaviour logprobs from the train forward, no recompute pass (default: on for the CPU's "
+                        "embedded trainer, off on a GPU)")
 
 
 def _layout(p: argparse.ArgumentParser) -> None:
@@ -109,6 +116,7 @@ def _config(args, layout: bool = True):
                      gen=gen, colocated=colocated, gen_gpus=0 if colocated else args.gen_gpus, spec=_spec(args),
                      policy_lag=getattr(args, "lag", 0), gen_dtype_bytes=4 if cpu else (1 if args.fp8 else 2),
                      gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                     micro_batch_tokens=args.micro_batch_tokens, fold_logprob=args.fold_logprob,
                      cpu_profile=args.cpu_profile)
 
 

@@ -66,6 +66,41 @@ class LengthDist:
         q = self.quantiles()
         return sum(q) / len(q)
 
+    @classmethod
+    def fit(cls, mean: float, longest: float, n: int, max_tokens: int) -> "LengthDist":
+        """The distribution whose `n` quantiles (`quantiles(n)`, what the simulator gives a batch of `n` rollouts)
+        have mean `mean` and longest `longest`: what a step's mean and longest response length (each averaged over
+        steps) pin down when the per-rollout lengths are not kept.
+
+        Below the cap every quantile is the body's mean times a factor of sigma alone, so the longest-to-mean ratio
+        of the quantiles fixes sigma (it grows with sigma: solved by bisection) and then `mean` fixes the body's
+        mean; both are matched exactly. The largest of `n` mid-quantiles sits at the normal's (n - 1/2) / n quantile,
+        within 1 % of the expected largest of `n` normal draws from n = 16 up, so it stands for a measured maximum.
+        A longest response at the cap is censored: the fit then takes the cap as the longest, i.e. the smallest
+        sigma whose longest quantile reaches it (a lower bound on the tail), and the quantiles' mean falls a little
+        below `mean` (their capped share is shorter than the body would be)."""
+        if n < 1:
+            raise ValueError(f"LengthDist.fit needs n >= 1 rollouts, got {n}")
+        if mean <= 0:
+            raise ValueError(f"LengthDist.fit needs a positive mean length, got {mean}")
+        normal = NormalDist()
+        zs = [normal.inv_cdf((i + 0.5) / n) for i in range(n)]
+        target = math.log(min(longest, max_tokens) / mean) if longest > mean else 0.0
+
+        def log_ratio(sigma: float) -> float:  # log(longest quantile / mean of the quantiles), uncapped
+            return -math.log(sum(math.exp(sigma * (z - zs[-1])) for z in zs) / n)
+
+        lo, hi = 0.0, 3.0
+        if log_ratio(hi) <= target:
+            lo = hi
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if log_ratio(mid) < target else (lo, mid)
+        sigma = lo
+        # The quantiles are exp(mu + sigma z): pick the body's mean so that their (uncapped) mean is `mean`.
+        scale = sum(math.exp(sigma * z - sigma ** 2 / 2) for z in zs) / n
+        return cls(mean=min(mean / scale, 4 * max_tokens), max_tokens=max_tokens, sigma=sigma)
+
 
 @dataclass
 class Workload:
@@ -228,6 +263,13 @@ def _check_ep(m: ModelConfig, ep: int, who: str) -> None:
         raise ValueError(f"{who} ep={ep} does not divide num_experts={m.num_experts}")
 
 
+GPU_MICRO_BATCH_TOKENS = 16384
+"""Default micro-batch of a GPU trainer: tokens packed per micro-batch per data-parallel rank."""
+CPU_MICRO_BATCH_TOKENS = 1024
+"""Default micro-batch of the embedded trainer the CPU profile stands for: `GRPOSection.micro_batch_tokens`
+(a test holds them equal)."""
+
+
 @dataclass
 class SimConfig:
     model: str | dict | ModelConfig
@@ -256,8 +298,18 @@ class SimConfig:
     """Fraction of device memory an engine may use for weights, KV cache and workspace."""
     max_num_seqs: int = 1024
     """Most sequences one engine runs at once (vLLM's max_num_seqs)."""
-    micro_batch_tokens: int = 16384
-    """Tokens per training micro-batch per data-parallel rank (sequence packing)."""
+    micro_batch_tokens: int | None = None
+    """Token budget of one training micro-batch per data-parallel rank; 0: the whole batch at once. A GPU trainer
+    (Megatron) packs sequences up to it, which sets the pipeline bubble and the activation memory. The CPU stands for
+    the embedded trainer (`grpo.micro_batch_tokens`): rollouts sorted longest first are cut greedily so that rows x
+    the micro-batch's longest stays within it, each micro-batch padded to its own longest (`cpu_train.py`).
+    None: that trainer's default, 16384 packed tokens on a GPU, 1024 padded tokens on the CPU."""
+    fold_logprob: bool | None = None
+    """The behaviour log-probs come from the train forward itself (`grpo.fold_logprob`: exact with one update per
+    step), so the `logprob` stage runs no forward; on the CPU it keeps its batch assembly (~12 operators per
+    rollout), on a GPU it is 0. False: a separate recompute forward, the norm of Megatron-based RL frameworks and
+    what several updates per batch need. None: the trainer's default, folded on the CPU (the embedded trainer),
+    a separate recompute on a GPU."""
     cpu_profile: str = ""
     """Path of the CPU micro-benchmark JSON when hardware == 'cpu' (default: ~/.cache/megatron_spec)."""
 
@@ -273,8 +325,16 @@ class SimConfig:
             raise ValueError(f"gen_dtype_bytes must be 1 (FP8), 2 (BF16) or 4 (FP32), got {self.gen_dtype_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_num_seqs < 1 or self.micro_batch_tokens < 1:
-            raise ValueError("max_num_seqs and micro_batch_tokens must be >= 1")
+        cpu = str(self.hardware).lower() == "cpu"
+        if self.micro_batch_tokens is None:
+            self.micro_batch_tokens = CPU_MICRO_BATCH_TOKENS if cpu else GPU_MICRO_BATCH_TOKENS
+        if self.fold_logprob is None:
+            self.fold_logprob = cpu
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.micro_batch_tokens < 0:
+            raise ValueError(f"micro_batch_tokens must be >= 0 (0: the whole batch in one micro-batch), "
+                             f"got {self.micro_batch_tokens}")
         if self.policy_lag < 0:
             raise ValueError(f"policy_lag must be >= 0, got {self.policy_lag}")
         if self.colocated:
@@ -293,6 +353,12 @@ class SimConfig:
                              f"{self.train_gpus}")
         self.train.check(self.model_config)
         self.gen.check(self.model_config)
+
+    @property
+    def packed_micro_batches(self) -> int:
+        """Micro-batches one data-parallel rank of a packing (GPU) trainer runs per step (1 with budget 0)."""
+        tokens = self.workload.rollouts * self.workload.tokens_per_rollout / self.train.dp
+        return max(1, math.ceil(tokens / self.micro_batch_tokens)) if self.micro_batch_tokens else 1
 
     @property
     def train_gpus(self) -> int:

@@ -5,19 +5,25 @@ cost of launching operators (Python, the dispatcher, allocation: a few microseco
 work per sequence. The roofline alone predicted half of the measured `gen` time of the tiny model for that reason.
 
 The counts below are ATen operators as the dispatcher sees them (views and in-place updates included, backward
-included), taken from our own code (`megatron_spec/models`, `engine`, `spec/proposers`, `rl/policy.py`) with
-`op_census.py`. They are facts of that code, not fitted constants: `tests/sim/test_eager.py` recounts them on the
-real engine and trainer and fails when the code drifts from this table. Counted at batch 8 (a batch of 1 launches
-two operators fewer per layer, because its KV rows are one slice rather than an index).
+included), taken from our own code (`megatron_spec/models`, `engine`, `spec/proposers`, `rl/policy.py`,
+`rl/loop.py`) with `op_census.py`. They are facts of that code, not fitted constants: `tests/sim/test_eager.py`
+recounts them on the real engine and trainer and fails when the code drifts from this table. The engine is counted
+at batch 8 (a batch of 1 launches two operators fewer per layer, because its KV rows are one slice rather than an
+index); the trainer with one micro-batch and with two of two rows each.
 
     engine forward (embedding to logits, through the KV cache)
         = FORWARD + layers x (LAYER + NORM x norms per layer) + MoE layers x (ROUTER + EXPERT x experts touched)
     a target forward that samples adds SAMPLE (verify: rejection sampling, acceptance) or SAMPLE_PLAIN (decode)
     a draft forward = its decoder layers as above + DRAFTER[kind].per_forward; once per verify step
         + DRAFTER[kind].per_step (hidden-state drafters store the target's features)
-    logprob pass  = LOGPROB_FIXED + layers x (LOGPROB_LAYER + LOGPROB_NORM x norms)
-    train step    = TRAIN_FIXED + layers x (TRAIN_LAYER + TRAIN_NORM x norms)          forward + backward + loss
-                  + OPT_FIXED + OPT_PER_TENSOR x parameter tensors                     clipping + AdamW
+    the trainer runs its forwards over n length-bucketed micro-batches (`rl/microbatch.py`); per micro-batch
+        logprob forward = LOGPROB_MB + layers x (LOGPROB_LAYER + LOGPROB_NORM x norms)
+        train pass      = TRAIN_MB + layers x (TRAIN_LAYER + TRAIN_NORM x norms)       forward + backward + loss
+    logprob stage = BATCH_FIXED + BATCH_ROW x rollouts                              batch assembly, mismatch
+                  + LOGPROB_STEP + n x logprob forward + (n - 1) x MB_CROP         the recompute (not when folded)
+    train step    = TRAIN_STEP + n x train pass + (n - 1) x MB_CROP (+ TRAIN_FOLD when folded)
+                  + OPT_FIXED + OPT_PER_TENSOR x parameter tensors                 clipping + AdamW
+    MoE layers add LOGPROB_EXPERT / TRAIN_EXPERT per expert touched, summed over the micro-batches.
 
 Norms per layer: 2, or 4 with QK-norm (Qwen3). Attention runs through torch's fused kernel in training and
 through a few explicit operators in the engine (short query blocks), which is why the per-layer counts differ.
@@ -74,23 +80,45 @@ DRAFTER = {
     "ngram": DrafterOps(per_forward=0, per_step=0),
 }
 
-# -- trainer (rl/policy.py: EmbeddedPolicy.logprobs and train_step) -------------------------------------------
+# -- trainer (rl/policy.py: EmbeddedPolicy.logprobs and train_step; rl/loop.py: the logprob stage) -----------
+# `op_census.trainer_pass` counts each pass with one micro-batch (budget 0) and with two of two rows each; the
+# difference is the per-micro-batch part, the rest the per-step part. A micro-batch of a single row launches 2-5
+# operators more (a one-element row index), which no realistic budget makes common and the table leaves out.
 LOGPROB_LAYER = 55
 """A decoder layer's forward without a KV cache, besides its norms (attention is torch's fused kernel)."""
 LOGPROB_NORM = 6
 """One RMSNorm in that forward: the same minus the two casts, which return early outside inference mode."""
-LOGPROB_FIXED = 32
-"""Positions, RoPE tables, embedding, final norm, head, processed log-probs and the gather of token log-probs."""
+LOGPROB_MB = 41
+"""Per micro-batch of the logprob forward: selecting its rows, positions, RoPE tables, embedding, final norm,
+head, processed log-probs, the gather of token log-probs, `masked` (torch.where) and the write into the output."""
+LOGPROB_STEP = 9
+"""Once per `logprobs` call: the rows' used lengths (`sequence_lengths`) and the output tensor."""
 LOGPROB_EXPERT = 17
-"""Per expert touched per MoE layer in that forward (router included)."""
+"""Per expert touched per MoE layer in that forward (router included), per micro-batch."""
+MB_CROP = 3
+"""Per micro-batch shorter than the padded batch (every one but the first, which holds the longest row): the
+slices that crop its ids, mask and log-probs to its own length."""
+BATCH_ROW = 12
+"""The logprob stage's own work per rollout (`loop.make_batch`): the row's id and log-prob tensors and the writes
+of ids, completion mask and behaviour log-probs into the padded batch. Paid with or without the recompute."""
+BATCH_FIXED = 10
+"""Once per logprob stage: the padded batch's three tensors and the engine-vs-trainer `logprob_mismatch`, less the
+slice the longest row's id write does not need (it spans the whole row)."""
 TRAIN_LAYER = 155
 """A decoder layer's forward with autograd plus its backward, besides its norms."""
 TRAIN_NORM = 25
 """One RMSNorm, forward and backward."""
-TRAIN_FIXED = 137
-"""Embedding, head, log-probs, the clipped policy loss, its backward, gradient zeroing and the grad-norm."""
+TRAIN_MB = 134
+"""Per micro-batch of `train_step`: selecting its rows, embedding, head, log-probs, `masked`, the clipped policy
+loss against the whole batch's denominators, the metrics' host reads and the backward of all of it."""
+TRAIN_STEP = 23
+"""Once per `train_step` besides the optimizer: used lengths, the loss denominators (`LossNorm`), gradient zeroing,
+the grad-norm and clipping."""
+TRAIN_FOLD = 1
+"""Once per `train_step` with the recompute folded in (`grpo.fold_logprob`): the tensor the forward's detached
+log-probs are written into (per micro-batch the write replaces `masked` of the given ones: no change)."""
 TRAIN_EXPERT = 54
-"""Per expert touched per MoE layer, forward and backward (router included)."""
+"""Per expert touched per MoE layer, forward and backward (router included), per micro-batch."""
 OPT_PER_TENSOR = 9
 """AdamW (torch's single-tensor loop on the CPU) per parameter tensor: step count, its .item(), two moment
 updates, bias corrections, square root, division, weight decay and the update."""
@@ -122,17 +150,27 @@ def draft_layer_ops(target: ModelConfig, layers: int) -> float:
     return layers * (LAYER + NORM * norms_per_layer(target))
 
 
-def logprob_ops(m: ModelConfig, experts_touched: float = 0.0) -> float:
-    """Operators of the trainer's logprob forward over one padded batch."""
+def logprob_ops(m: ModelConfig, micro_batches: int = 1, experts_touched: float = 0.0) -> float:
+    """Operators of the trainer's `logprobs` over `micro_batches` micro-batches; `experts_touched` per MoE layer
+    summed over the micro-batches. The stage's batch assembly is `batch_ops`."""
     moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
-    return (LOGPROB_FIXED + m.num_hidden_layers * (LOGPROB_LAYER + LOGPROB_NORM * norms_per_layer(m))
+    per_mb = LOGPROB_MB + m.num_hidden_layers * (LOGPROB_LAYER + LOGPROB_NORM * norms_per_layer(m))
+    return (LOGPROB_STEP + micro_batches * per_mb + (micro_batches - 1) * MB_CROP
             + moe * LOGPROB_EXPERT * experts_touched)
 
 
-def train_ops(m: ModelConfig, experts_touched: float = 0.0) -> float:
-    """Operators of one `train_step` (forward, backward, clipping and AdamW) over one padded batch."""
+def batch_ops(rows: float) -> float:
+    """Operators of the logprob stage besides the recompute: assembling the padded batch and the mismatch metric."""
+    return BATCH_FIXED + BATCH_ROW * rows
+
+
+def train_ops(m: ModelConfig, micro_batches: int = 1, experts_touched: float = 0.0, fold: bool = False) -> float:
+    """Operators of one `train_step` (forward, backward, clipping and AdamW) over `micro_batches` micro-batches;
+    `experts_touched` per MoE layer summed over the micro-batches; `fold`: the behaviour log-probs are taken from
+    this forward (`grpo.fold_logprob`)."""
     moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
-    passes = (TRAIN_FIXED + m.num_hidden_layers * (TRAIN_LAYER + TRAIN_NORM * norms_per_layer(m))
+    per_mb = TRAIN_MB + m.num_hidden_layers * (TRAIN_LAYER + TRAIN_NORM * norms_per_layer(m))
+    passes = (TRAIN_STEP + (TRAIN_FOLD if fold else 0) + micro_batches * per_mb + (micro_batches - 1) * MB_CROP
               + moe * TRAIN_EXPERT * experts_touched)
     return passes + OPT_FIXED + OPT_PER_TENSOR * param_tensors(m)
 

@@ -66,8 +66,9 @@ def memory_report(cfg: SimConfig, hw: Hardware, target: CostShape, drafter: Cost
         local += drafter.total_params  # the drafter trains replicated on every rank (it is small)
     weights = local * (2 + 4)
     optimizer = local * 12 / (t.dp * t.cp)
-    mb_tokens = min(cfg.micro_batch_tokens, m.rollouts * m.tokens_per_rollout / t.dp) / t.cp
-    in_flight = min(t.pp, max(1, math.ceil(m.rollouts * m.tokens_per_rollout / (t.dp * cfg.micro_batch_tokens))))
+    rank_tokens = m.rollouts * m.tokens_per_rollout / t.dp
+    mb_tokens = min(cfg.micro_batch_tokens or rank_tokens, rank_tokens) / t.cp
+    in_flight = min(t.pp, cfg.packed_micro_batches)
     layers_per_stage = math.ceil(target.layers / t.pp)
     act = mb_tokens * target.hidden * 2 * layers_per_stage * in_flight / t.tp
     act += mb_tokens * target.hidden * LAYER_ACT_BYTES_PER_TOKEN_HIDDEN / t.tp

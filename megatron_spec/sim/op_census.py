@@ -114,18 +114,24 @@ def engine_step(cfg: ModelConfig, batch: int, method: str | None = None, k: int 
 @dataclass(frozen=True)
 class TrainCensus:
     logprob: int
-    """Operators of the logprob stage's forward (no autograd), logits to token log-probs."""
+    """Operators of the policy's `logprobs` (the recompute forward, no autograd), logits to token log-probs."""
     train: int
     """Operators of one `train_step`: forward with autograd, loss, backward, clipping and the AdamW step."""
     optimizer: int
     """Of which the optimizer step alone."""
     param_tensors: int
     """Parameter tensors the optimizer updates."""
+    micro_batches: int
+    """Micro-batches both passes ran over."""
 
 
-def trainer_pass(cfg: ModelConfig, batch: int = 4, tokens: int = 16) -> TrainCensus:
-    """Count the embedded trainer's logprob and train stages on a random batch of `batch` x `tokens` ids (the
-    counts do not depend on the sizes, only on the architecture)."""
+def trainer_pass(cfg: ModelConfig, batch: int = 4, tokens: int = 16, budget: int = 0,
+                 fold: bool = False) -> TrainCensus:
+    """Count the embedded trainer's `logprobs` and `train_step` on a random batch of `batch` x `tokens` ids whose
+    odd rows end 4 tokens early, cut into micro-batches with the padded-token budget `budget` (0: one micro-batch;
+    `2 * tokens` gives two of two rows each, the second cropped), the behaviour log-probs recomputed or, with
+    `fold`, taken from the train forward. The counts depend on the architecture and the number of micro-batches
+    (and on how many are cropped or hold a single row), not on the sizes."""
     import torch
 
     from megatron_spec.models import CausalLM
@@ -134,17 +140,42 @@ def trainer_pass(cfg: ModelConfig, batch: int = 4, tokens: int = 16) -> TrainCen
 
     torch.manual_seed(0)
     model = CausalLM(cfg)
-    policy = EmbeddedPolicy(model, GRPOSection(), dict(temperature=1.0, top_k=0, top_p=1.0))
+    grpo = GRPOSection(micro_batch_tokens=budget, fold_logprob=fold)
+    policy = EmbeddedPolicy(model, grpo, dict(temperature=1.0, top_k=0, top_p=1.0))
     ids = torch.randint(3, cfg.vocab_size, (batch, tokens))
     mask = torch.zeros(batch, tokens, dtype=torch.bool)
     mask[:, tokens // 2:] = True
+    mask[1::2, tokens - 4:] = False
     data = Batch(ids, mask, advantages=torch.randn(batch))
-    logprob = count_ops(lambda: setattr(data, "old_logprobs", policy.logprobs(data)))
-    policy.train_step(data)  # the first step creates the optimizer states; count a steady-state one
-    train = count_ops(lambda: policy.train_step(data))
+    old = policy.logprobs(data)
+    logprob = count_ops(lambda: policy.logprobs(data))
+
+    def step():
+        data.old_logprobs = None if fold else old  # folded: train_step fills them in, so reset before each step
+        policy.train_step(data)
+
+    step()  # the first step creates the optimizer states; count a steady-state one
+    train = count_ops(step)
     optimizer = count_ops(policy.opt.step)
     return TrainCensus(logprob=logprob, train=train, optimizer=optimizer,
-                       param_tensors=sum(1 for _ in model.parameters()))
+                       param_tensors=sum(1 for _ in model.parameters()), micro_batches=len(policy.split(data)))
+
+
+def batch_assembly(rows: int, prompt: int = 10) -> int:
+    """Operators of the logprob stage's own work on `rows` rollouts of distinct lengths (`loop.make_batch` and the
+    `logprob_mismatch` metric), what is left of the stage when the recompute is folded into the train forward."""
+    from megatron_spec.engine import Completion
+    from megatron_spec.rl.loop import logprob_mismatch, make_batch
+
+    prompts = [list(PROMPT[:prompt]) for _ in range(rows)]
+    outs = [Completion(token_ids=[5] * (i + 1), logprobs=[-1.0] * (i + 1), finish_reason="stop")
+            for i in range(rows)]
+
+    def stage():
+        batch, behaviour = make_batch(prompts, outs)
+        logprob_mismatch(behaviour, behaviour, batch.mask[:, 1:])
+
+    return count_ops(stage)
 
 
 # Products, fused attention and pure views move no activation bytes of their own (products are costed by FLOPs,

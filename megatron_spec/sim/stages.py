@@ -4,12 +4,14 @@
     prepare  refit bytes (policy + drafter at the rollout dtype) each engine GPU receives, over the link that
              connects trainer and engine, at the refit efficiency; plus the wake-up of a sleeping (colocated) engine
     logprob  2 x active params x tokens + causal attention FLOPs, over the training GPUs at the training MFU, with
-             the pipeline bubble and uneven stages, plus tensor/expert-parallel activation traffic
+             the pipeline bubble and uneven stages, plus tensor/expert-parallel activation traffic; 0 when the
+             recompute is folded into the train forward (`SimConfig.fold_logprob`, off by default on a GPU)
     train    3x the logprob FLOPs (forward + backward), the drafter's own 6 x params x tokens when it trains online,
              the same bubble and traffic (3 passes), and the gradient reduce-scatter + all-gather over data
              parallel
 
-On the CPU profile `logprob` and `train` are the embedded trainer's eager passes instead (`cpu_train.py`).
+On the CPU profile `logprob` and `train` are the embedded trainer's eager passes over length-bucketed micro-batches
+instead (`cpu_train.py`).
 """
 
 from __future__ import annotations
@@ -58,9 +60,8 @@ def _forward_flops(cfg: SimConfig, shape: CostShape, lengths: list[float]) -> fl
 
 def bubble_factor(cfg: SimConfig) -> float:
     """1F1B pipeline: (m + pp - 1) / m for m micro-batches per data-parallel rank."""
-    w, t = cfg.workload, cfg.train
-    m = max(1, math.ceil(w.rollouts * w.tokens_per_rollout / (t.dp * cfg.micro_batch_tokens)))
-    return (m + t.pp - 1) / m
+    m = cfg.packed_micro_batches
+    return (m + cfg.train.pp - 1) / m
 
 
 def stage_imbalance(cfg: SimConfig) -> float:
@@ -92,8 +93,12 @@ def model_parallel_comm_time(cfg: SimConfig, hw: Hardware, cal: Calibration, tar
 
 
 def logprob_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape) -> float:
+    """The recompute forward; 0 when it is folded into the train forward (`cfg.fold_logprob`: only host
+    bookkeeping is left, which the GPU model does not describe)."""
     if not hw.is_gpu:
         return cpu_train.logprob_time(cfg, hw, target)
+    if cfg.fold_logprob:
+        return 0.0
     flops = _forward_flops(cfg, target, cfg.workload.response.quantiles())
     return _compute_time(cfg, hw, cal, flops) + model_parallel_comm_time(cfg, hw, cal, target, passes=1)
 

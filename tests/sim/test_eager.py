@@ -51,11 +51,27 @@ def test_draft_model_counts():
 @pytest.mark.parametrize("cfg", [op_census.with_layers(QWEN3, 2), QWEN3, op_census.with_layers(LLAMA, 3)],
                          ids=["qwen3-2", "qwen3-4", "llama-3"])
 def test_trainer_counts(cfg):
-    counted = op_census.trainer_pass(cfg)
-    assert counted.param_tensors == eager.param_tensors(cfg)
-    assert close(counted.logprob, eager.logprob_ops(cfg)), counted
-    assert close(counted.train, eager.train_ops(cfg)), counted
-    assert close(counted.optimizer, eager.OPT_FIXED + eager.OPT_PER_TENSOR * counted.param_tensors), counted
+    """Both passes over one micro-batch (budget 0, separate recompute) and over two (a budget of two 16-token rows,
+    recompute folded into the train forward). The totals pin the per-step parts, the differences between the two
+    counts the per-micro-batch parts (one more micro-batch, cropped), each to 3 %."""
+    one = op_census.trainer_pass(cfg, tokens=16, budget=0, fold=False)
+    two = op_census.trainer_pass(cfg, tokens=16, budget=32, fold=True)
+    assert (one.micro_batches, two.micro_batches) == (1, 2)
+    assert one.param_tensors == eager.param_tensors(cfg)
+    assert close(one.logprob, eager.logprob_ops(cfg, 1)), one
+    assert close(two.logprob, eager.logprob_ops(cfg, 2)), two
+    assert close(two.logprob - one.logprob, eager.logprob_ops(cfg, 2) - eager.logprob_ops(cfg, 1)), (one, two)
+    assert close(one.train, eager.train_ops(cfg, 1, fold=False)), one
+    assert close(two.train, eager.train_ops(cfg, 2, fold=True)), two
+    assert close(two.train - one.train, eager.train_ops(cfg, 2, fold=True) - eager.train_ops(cfg, 1)), (one, two)
+    assert close(one.optimizer, eager.OPT_FIXED + eager.OPT_PER_TENSOR * one.param_tensors), one
+
+
+def test_logprob_stage_bookkeeping_counts():
+    """What the logprob stage does besides the recompute (batch assembly, mismatch metric): per rollout and fixed."""
+    eight, sixteen = op_census.batch_assembly(8), op_census.batch_assembly(16)
+    assert close(eight, eager.batch_ops(8)), eight
+    assert close(sixteen - eight, eager.batch_ops(16) - eager.batch_ops(8)), (eight, sixteen)
 
 
 @pytest.mark.parametrize("cfg", [QWEN3, LLAMA], ids=["qwen3", "llama"])

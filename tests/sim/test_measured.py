@@ -4,7 +4,9 @@ Deterministic form: the committed measurements of the tiny model (8 prompts x 8 
 and MTP k=3; benchmarks/results/measured_step_tiny_{plain,spec}.json) are predicted with the CPU profile measured on
 the same machine and committed beside them (benchmarks/results/sim_cpu_profile.json). No timing happens here, so the
 result is the same on every machine; what it checks is the model (operator counts, per-sequence costs, padded
-trainer passes) with one shared set of measured constants. `gen`, `logprob`, `train` and the step total must be
+trainer passes) with one shared set of measured constants. The committed runs predate the trainer's micro-batching
+and folded recompute; their files have no `trainer` block and are predicted as one padded batch with a separate
+recompute forward, as they ran. `gen`, `logprob`, `train` and the step total must be
 within 15 %; `data` (0.25 ms) and `prepare` (1 ms) are under `MIN_STAGE_S` = 10 ms and compared in absolute terms:
 host bookkeeping the model does not describe, under 1 % of the step.
 
@@ -83,6 +85,19 @@ def test_comparison_plumbing(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     rows = {r.stage: r for r in compare(tmp_path / "bad.json", PROFILE)}
     assert not rows["gen"].ok
+
+
+def test_trainer_settings_default_to_the_old_trainer():
+    """A file without a `trainer` block (the committed ones) was measured with one padded batch and a separate
+    recompute; one with it is predicted with its micro-batch budget and folded recompute."""
+    old = config_from_measurement(RAW)
+    assert (old.micro_batch_tokens, old.fold_logprob) == (0, False)
+    new = config_from_measurement(dict(RAW, trainer={"micro_batch_tokens": 512, "fold_logprob": True}))
+    assert (new.micro_batch_tokens, new.fold_logprob) == (512, True)
+    hw = CpuProfile.load(PROFILE).to_hardware()
+    assert simulate(new, hw=hw).stages["logprob"] < 0.01 < simulate(old, hw=hw).stages["logprob"]
+    online = config_from_measurement(dict(RAW, spec=dict(RAW["spec"], online=True)))
+    assert online.spec.online_drafter_training and not old.spec.online_drafter_training
 
 
 def test_schema_errors(tmp_path):
