@@ -9,19 +9,23 @@ denominators (`grpo.LossNorm`) and the gradients are accumulated into one optimi
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch only where tensors are used: the simulator imports `micro_batches` and stays torch-free
+    from torch import Tensor
 
 
 def sequence_lengths(mask: Tensor) -> list[int]:
     """Used length of each row of a right-padded batch: up to its last generated token (`mask` [B, T]), at least 2
     so every row keeps one next-token prediction. Positions past it never influence the ones before (causal model)
     and carry no loss, so cropping them changes nothing."""
+    import torch
+
     end = mask.shape[1] - mask.flip(1).int().argmax(1)  # one past the last True (argmax: its first occurrence)
     return torch.where(mask.any(1), end, 0).clamp_min(2).tolist()
 
 
-def micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+def micro_batches(lengths: list[float], token_budget: int) -> list[list[int]]:
     """Row indices of each micro-batch. Rows sorted longest first (ties by index, so the cut is deterministic) are
     taken greedily while the micro-batch's padded size, rows x its longest length, stays within `token_budget`; a
     row longer than the budget goes alone. `token_budget` 0: one micro-batch of every row in the original order."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..rl.microbatch import micro_batches  # the trainer's own grouping rule (torch-free)
 from . import eager
 from .config import SimConfig
 from .hardware import Hardware
@@ -42,23 +43,6 @@ FLOAT = 4  # the embedded trainer runs in float32
 LOGIT_PASSES = 3  # the head writes the logits, log-softmax reads them and writes log-probs
 ADAMW_ACCESSES = 24  # 4-byte reads + writes per parameter: AdamW's ~8 operators over param, grad, 2 moments, + clip
 MIN_ROW_LEN = 2  # the trainer keeps at least one next-token prediction per row (`microbatch.sequence_lengths`)
-
-
-def micro_batches(lengths: list[float], token_budget: int) -> list[list[int]]:
-    """Row indices of each micro-batch, by the embedded trainer's rule (`rl/microbatch.micro_batches`, restated
-    here so the simulator stays free of torch; a test holds the two equal): rows sorted longest first (ties by
-    index) are taken greedily while rows x the micro-batch's longest stays within `token_budget`; a row longer than
-    the budget goes alone; budget 0 is one micro-batch of every row."""
-    if token_budget <= 0:
-        return [list(range(len(lengths)))]
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    out: list[list[int]] = []
-    for i in order:
-        if out and (len(out[-1]) + 1) * lengths[out[-1][0]] <= token_budget:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
 
 
 @dataclass(frozen=True)
