@@ -85,7 +85,7 @@ class LLMEngine:
         logprobs = processed_logprobs(logits, p.temperature, p.top_k, p.top_p)
         k = logits.shape[1] - 1
         if k == 0:  # plain decoding (or prefill): sampling from p is all there is to it
-            u = torch.tensor([s.uniforms(1) for s in seqs])[:, 0]
+            u = torch.tensor([s.uniforms(1)[0] for s in seqs])
             tokens, lps = sample_tokens(logprobs[:, 0], u, p.greedy)
             return [([t], [lp]) for t, lp in zip(tokens.tolist(), lps.tolist())]
         draft_len = torch.tensor([len(d) for d in drafts.tokens])

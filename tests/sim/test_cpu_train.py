@@ -40,14 +40,13 @@ def trainer_lengths(prompt: int, responses: list[int]) -> list[int]:
     return sequence_lengths(mask)
 
 
-@pytest.mark.parametrize("budget", [0, 1, 64, 256, 1024, 4096])
-def test_micro_batch_rule_is_the_trainers(budget):
-    rng = random.Random(budget)
-    for _ in range(20):
+def test_trainer_row_lengths_are_prompt_plus_response():
+    """The rows the simulator costs (prompt + response) are the trainer's used lengths of a right-padded batch."""
+    rng = random.Random(0)
+    for _ in range(120):
         responses = [rng.choice([rng.randint(1, 40), rng.randint(1, 200)]) for _ in range(rng.randint(1, 64))]
         lengths = trainer_lengths(10, responses)
         assert lengths == [10 + r for r in responses]
-        assert cpu_train.micro_batches(lengths, budget) == trainer_micro_batches(lengths, budget)
 
 
 @pytest.mark.parametrize("budget", [0, 512, 1024, 2048])
@@ -57,7 +56,6 @@ def test_workload_micro_batches_are_the_trainers(budget):
     cfg = cpu_config(LengthDist(mean=40, max_tokens=96, sigma=0.6), micro_batch_tokens=budget)
     lengths = cpu_train.row_lengths(cfg)
     groups = trainer_micro_batches(lengths, budget)
-    assert cpu_train.micro_batches(lengths, budget) == groups
     assert [(b.rows, b.length) for b in cpu_train.trainer_batches(cfg)] == \
         [(len(g), max(lengths[i] for i in g)) for g in groups]
     if budget:

@@ -98,9 +98,14 @@ def test_speculative_logprobs_equal_full_forward(target, name):
     spec, drafter = drafters(target)[name]
     kw = dict(temperature=0.8, top_p=0.9)
     outs = LLMEngine(target, spec=spec, drafter=drafter).generate(PROMPTS, SamplingParams(max_tokens=20, seed=2, **kw))
+    assert_logprobs_equal_full_forward(target, outs, kw)
+
+
+def assert_logprobs_equal_full_forward(target, outs, sampling: dict) -> None:
+    """Each completion's returned log-probs equal those of one full forward over prompt + completion (1e-5)."""
     for prompt, out in zip(PROMPTS, outs):
         with torch.no_grad():
-            lp = processed_logprobs(target(torch.tensor([prompt + out.token_ids]))[0, len(prompt) - 1 : -1], **kw)
+            lp = processed_logprobs(target(torch.tensor([prompt + out.token_ids]))[0, len(prompt) - 1 : -1], **sampling)
         ref = lp.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1).numpy()
         assert np.allclose(out.logprobs, ref, atol=1e-5)
 

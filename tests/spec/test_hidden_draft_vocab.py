@@ -17,7 +17,7 @@ from megatron_spec.spec.proposers.hidden import choose_mapped
 from megatron_spec.spec.sampling import processed_logprobs
 
 from .stats import chi2_quantile_999, homogeneity
-from .test_engine_spec import PROMPTS, incremental_drafts, reference_hidden_drafts
+from .test_engine_spec import PROMPTS, assert_logprobs_equal_full_forward, incremental_drafts, reference_hidden_drafts
 
 V = 64  # the tiny target's vocabulary
 
@@ -101,11 +101,7 @@ def test_logprobs_equal_full_forward(target, draft_sampling):
     spec = SpecConfig("eagle3", 3, draft_sampling=draft_sampling)
     outs = LLMEngine(target, spec=spec, drafter=head).generate(PROMPTS, SamplingParams(max_tokens=20, seed=2, **kw))
     assert sum(o.spec.get("accepted", 0) for o in outs) > 0
-    for prompt, out in zip(PROMPTS, outs):
-        with torch.no_grad():
-            lp = processed_logprobs(target(torch.tensor([prompt + out.token_ids]))[0, len(prompt) - 1 : -1], **kw)
-        ref = lp.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1).numpy()
-        assert np.allclose(out.logprobs, ref, atol=1e-5)
+    assert_logprobs_equal_full_forward(target, outs, kw)
 
 
 def test_sampled_completions_match_plain_decoding(target):
