@@ -48,7 +48,7 @@ norm, output head."""
 SAMPLE = 64
 """Once per verify step (a target forward over drafts): processed log-probs, the uniforms, rejection sampling,
 emitted ids, their log-probs, rollback, list conversion."""
-SAMPLE_PLAIN = 23
+SAMPLE_PLAIN = 22
 """Once per plain decode step (no drafts in the batch): processed log-probs, the uniforms, inverse-CDF sampling
 and the sampled tokens' log-probs."""
 ROUTER = 22
