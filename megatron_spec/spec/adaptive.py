@@ -43,6 +43,7 @@ class AdaptiveController:
         self.draft_obs: deque = deque(maxlen=4 * window)  # (B, k, seconds)
         self.accept = np.full(k_max, 0.7)  # optimistic prior so speculation gets measured at all
         self.steps = 0
+        self.asked = k_max  # the k of the latest choice
         self._decisions: dict[int, tuple[int, int]] = {}  # batch size -> (k, step decided)
         self._fit_step = -refit_every  # when the fits were last refreshed
         self._step_fit = self._draft_fit = None
@@ -61,10 +62,16 @@ class AdaptiveController:
         self.draft_obs.append((batch, k, seconds))
 
     def record_acceptance(self, drafted: list[int], accepted: list[int]) -> None:
-        """Per sequence: drafts offered and accepted this step; updates the per-position acceptance estimate."""
+        """Per sequence: drafts offered and accepted this step; updates the per-position acceptance estimate.
+
+        Position i counts as reached by every sequence whose first i drafts stood, up to the k this step asked
+        for, whether or not its drafter had an i-th token: a lookup drafter (n-gram, history) often finds no
+        match, and the verify pass is as wide for that sequence either way (the batch is padded to k + 1). Counting
+        only sequences that drafted would price a lookup drafter as if it always had k tokens to offer, and the
+        controller would speculate where most rows of the batch pay for a verify pass and get one token."""
         d, a = np.asarray(drafted)[:, None], np.asarray(accepted)[:, None]
         pos = np.arange(self.k_max)[None]
-        offered = ((d > pos) & (a >= pos)).sum(0)
+        offered = ((pos < self.asked) & (a >= pos)).sum(0)
         hits = ((d > pos) & (a > pos)).sum(0)
         seen = offered > 0
         self.accept[seen] += self.ema * (hits[seen] / offered[seen] - self.accept[seen])
@@ -77,6 +84,10 @@ class AdaptiveController:
 
     # -- the choice -------------------------------------------------------------------------------------------
     def choose_k(self, batch: int) -> int:
+        self.asked = self._choose(batch)  # what `record_acceptance` counts positions up to
+        return self.asked
+
+    def _choose(self, batch: int) -> int:
         self.steps += 1
         if self.steps % self.probe_every == 0:
             return 0  # re-measure plain decoding so the comparison never goes stale

@@ -268,8 +268,35 @@ def test_adaptive_acceptance_estimate_is_conditional_per_position():
     position 2 reached sequence 0 only, which took it (1/1). With ema=1 the estimate is exactly these ratios."""
     ctl = AdaptiveController(k_max=4, ema=1.0)
     ctl.accept[:] = 0.5
+    ctl.asked = 3  # the step asked for 3 drafts
     ctl.record_acceptance([3, 3, 2], [3, 1, 0])
     assert ctl.accept.tolist() == pytest.approx([2 / 3, 1 / 2, 1.0, 0.5])  # position 3 never offered: unchanged
+
+
+def test_adaptive_counts_missing_lookup_drafts_as_misses():
+    """A lookup drafter (n-gram, history) often has no match. Asked for k=3, one sequence drafted 3 tokens and had
+    all accepted, the other found nothing: position 0 was reached by both and taken by one (1/2), and a sequence
+    with 2 of 3 asked drafts, both accepted, misses at position 2. Counting only sequences that drafted (1.0 at
+    position 0) made the controller price a half-empty batch as full and speculate where it lost (n-gram, bf16
+    SmolLM2, RL row: 0.72x). The controller then prefers plain decoding for the half-empty drafter."""
+    ctl = AdaptiveController(k_max=3, ema=1.0)
+    ctl.asked = 3
+    ctl.record_acceptance([3, 0], [3, 0])
+    assert ctl.accept.tolist() == pytest.approx([1 / 2, 1.0, 1.0])
+    ctl.record_acceptance([2], [2])
+    assert ctl.accept.tolist() == pytest.approx([1.0, 1.0, 0.0])
+
+    def controller(accept):
+        ctl = AdaptiveController(k_max=3)
+        for _ in range(3):
+            for t in (1, 2, 4):  # a verify pass over 2 tokens costs 1.5x a decode step, over 4 tokens 2.4x
+                ctl.record_step(8, t, 0.010 + 0.0006 * 8 * (t - 1))
+            ctl.record_draft(8, 3, 0.0003)
+        ctl.accept[:] = accept
+        return ctl.choose_k(8)
+
+    assert controller([0.8, 0.8, 0.8]) > 0  # every row drafts: k=1 gives 1.8 tokens for 1.5 steps' time, pays
+    assert controller([0.4, 0.8, 0.8]) == 0  # half the rows draft: 1.4 tokens for 1.5 steps does not, nor deeper
 
 
 def test_adaptive_hot_path_refits_only_at_decisions():
