@@ -11,9 +11,10 @@ The peer (`--peer trl`, run by default when TRL is installed) is TRL's GRPOTrain
 timed the same way; its step time and our plain and best speculative step's speedups over it are printed and
 written to the JSON (see trl_peer.py for what is matched).
 
-The trainer runs as configured by default: length-bucketed micro-batches and the behaviour-logprob recompute folded
-into the train forward, so the `logprob` stage is ~0 s (it only assembles the batch). `--micro-batch-tokens 0
---no-fold-logprob` measures the trainer as it was before both (one padded batch, a separate recompute forward).
+The trainer runs as configured by default: length-bucketed micro-batches, the behaviour-logprob recompute folded
+into the train forward (so the `logprob` stage is ~0 s: it only assembles the batch), and each group's prompt
+computed once per step. `--micro-batch-tokens 0 --no-fold-logprob --no-share-prompt` measures the trainer as it was
+before all three (one padded batch, a separate recompute forward, every prompt once per rollout).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def variants(args) -> list[tuple[str, object]]:
     if args.micro_batch_tokens is not None:
         base.grpo.micro_batch_tokens = args.micro_batch_tokens
     base.grpo.fold_logprob = not args.no_fold_logprob
+    base.grpo.share_prompt = not args.no_share_prompt
     out = []
     plain = copy.deepcopy(base)
     plain.spec, plain.model.drafter = None, None
@@ -129,7 +131,8 @@ def main(args: argparse.Namespace) -> int:
                          "response": {"mean": lengths.mean, "max_tokens": args.max_tokens, "sigma": lengths.sigma,
                                       "measured_mean": r["response_len_mean"],
                                       "measured_longest": r["response_len_max"]}},
-            "trainer": {"micro_batch_tokens": grpo.micro_batch_tokens, "fold_logprob": grpo.fold_logprob},
+            "trainer": {"micro_batch_tokens": grpo.micro_batch_tokens, "fold_logprob": grpo.fold_logprob,
+                        "share_prompt": grpo.share_prompt},
             "stages": r["stages"], "spec": spec})
     return 0 if all(math.isfinite(r["step_s"]) for r in rows) else 1
 
@@ -149,6 +152,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "batch)")
     p.add_argument("--no-fold-logprob", action="store_true",
                    help="recompute the behaviour logprobs in their own forward (grpo.fold_logprob=false)")
+    p.add_argument("--no-share-prompt", action="store_true",
+                   help="run every rollout's prompt through the trainer's forwards (grpo.share_prompt=false)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results/bench_step.json")

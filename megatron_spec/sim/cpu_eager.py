@@ -14,7 +14,10 @@ the kind of work but not the case being predicted:
   at 1 and 96 sequences: the step-time slope less `seq_layer_s` is the engine's Python work per sequence per forward
   (token lists, the per-sequence uniforms, acceptance, appending). The stand-in is not the tiny model and the batch
   is not the validation's workload; only the engine code is shared, which is the point.
-- `dense_flops`: one 2048 x 256 by 256 x 512 product, the shape class of a training pass (thousands of rows).
+- `dense_flops`: a training pass's three products per weight (forward, input gradient, weight gradient) of a
+  1024-row micro-batch through a 128 x 384 weight, the trainer's shape class on the models validated on this CPU.
+  Wider weights run faster (one 2048 x 256 x 512 forward product: ~185 GFLOP/s against ~160 here), so for a wider
+  model the trainer's products are predicted somewhat slow.
 - `act_bw`: the elementwise share of a training forward, in place: a 64-wide one-layer stand-in's forward over
   32 x 64 tokens, less its products and its attention (each timed alone) and its operators, per float read or
   written (x 4 bytes). Timed alone, the same elementwise operators run about twice as fast (their inputs stay in
@@ -40,6 +43,7 @@ ACT_STAND_IN = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=64, nu
                            max_position_embeddings=512)
 ACT_TOKENS = (32, 64)  # sequences x tokens of the stand-in layer's forward
 ATTN_SHAPE = (64, 4, 2, 4, 64, 32)  # sequences, query heads, kv heads, queries, keys, head dim
+DENSE_SHAPE = (1024, 128, 384)  # rows, in, out: a ~1000-token micro-batch through a tiny-model-wide MLP weight
 
 
 def op_seconds(clock, min_time) -> float:
@@ -120,12 +124,17 @@ def seq_seconds(clock, min_time, steps: int = 10, rounds: int = 3) -> float:
 
 
 def dense_flops(clock, min_time) -> float:
+    """The three products a training pass runs per weight, at the trainer's shape class (DENSE_SHAPE): the forward
+    x W^T, the input gradient dY W and the weight gradient dY^T x, whose long reduction over the rows runs slower
+    than the other two on this CPU (110-155 against 125-170 GFLOP/s at 128-384 wide, 500-1500 rows)."""
     import torch
     import torch.nn.functional as F
 
+    rows, width, out = DENSE_SHAPE
     gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(2048, 256, generator=gen), torch.randn(512, 256, generator=gen)
-    return 2 * 2048 * 256 * 512 / min_time(lambda: F.linear(x, w), 10, clock=clock)
+    x, w, dy = (torch.randn(*s, generator=gen) for s in ((rows, width), (out, width), (rows, out)))
+    seconds = min_time(lambda: (F.linear(x, w), dy @ w, dy.t() @ x), 10, clock=clock)
+    return 3 * 2 * rows * width * out / seconds
 
 
 def act_bandwidth(clock, min_time, op_s: float) -> float:
