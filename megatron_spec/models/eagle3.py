@@ -239,3 +239,9 @@ class Eagle3Head(nn.Module):
         cos, sin = rope_cos_sin(positions, self.target_config.head_dim, self.target_config.rope_theta, hidden.dtype)
         out = self.midlayer(hidden, embed(input_ids).detach(), cos, sin, cache)
         return out, self.lm_head(self.norm(out))
+
+
+def captured_layers(drafter) -> tuple[int, ...]:
+    """The target layers a drafter reads besides the final hidden state, distinct and in order (pass to
+    `CausalLM.trunk(capture=...)`): an EAGLE-3 head's fused layers, none for any other drafter (or None)."""
+    return tuple(dict.fromkeys(drafter.capture_layers)) if isinstance(drafter, Eagle3Head) else ()

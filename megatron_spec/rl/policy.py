@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..models.decoder import CausalLM, TrunkOutput
-from ..models.eagle3 import Eagle3Head
+from ..models.eagle3 import captured_layers
 from ..spec.drafter_loss import drafter_loss
 from ..spec.sampling import processed_logprobs
 from .grpo import LossNorm, aggregate, kl_k3, policy_loss
@@ -131,7 +131,7 @@ class EmbeddedPolicy:
         return out
 
     def capture(self) -> tuple[int, ...]:
-        return tuple(self.drafter.capture_layers) if isinstance(self.drafter, Eagle3Head) else ()
+        return captured_layers(self.drafter)
 
     def train_step(self, batch: Batch) -> dict:
         """One policy update on the batch, then, if online, one drafter update on the same forwards' states.

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..models.decoder import CausalLM, TrunkOutput
-from ..models.eagle3 import Eagle3Head
+from ..models.eagle3 import Eagle3Head, captured_layers
 from ..models.mtp import MTP
 
 
@@ -94,9 +94,8 @@ def drafter_loss(method: str, target: CausalLM, drafter, input_ids: Tensor, mask
     `out.hidden` (only the draft-vocabulary columns for an EAGLE-3 head with one: cached features stay cheap).
     """
     if out is None:
-        capture = tuple(drafter.capture_layers) if isinstance(drafter, Eagle3Head) else ()
         with torch.no_grad():
-            out = target.trunk(input_ids, capture=capture)
+            out = target.trunk(input_ids, capture=captured_layers(drafter))
     if logits is None:
         with torch.no_grad():
             logits = teacher_logits(target, drafter, out.hidden)

@@ -82,12 +82,12 @@ def draft_vocab(ids, mask, size: int, vocab_size: int, always: tuple[int, ...] =
 
 def capture_layers(method: str, target, drafter=None) -> tuple[int, ...]:
     """Target layers whose outputs the drafter fuses: an EAGLE-3 head's (a fresh one's default), else none."""
-    from ..models import default_capture_layers
+    from ..models import captured_layers, default_capture_layers
 
     if method != "eagle3":
         return ()
     if drafter is not None:
-        return tuple(drafter.capture_layers)
+        return captured_layers(drafter)
     return default_capture_layers(target.config.num_hidden_layers)
 
 
@@ -96,10 +96,10 @@ def target_features(target, drafter, ids, chunk: int = 16) -> TrunkOutput:
     an EAGLE-3 head fuses), `chunk` rows at a time: for token ids that were not recorded by `rollouts`."""
     import torch
 
-    from ..models import Eagle3Head
+    from ..models import captured_layers
     from ..models.decoder import TrunkOutput
 
-    capture = tuple(dict.fromkeys(drafter.capture_layers)) if isinstance(drafter, Eagle3Head) else ()
+    capture = captured_layers(drafter)
     hidden, layers = [], {i: [] for i in capture}
     with torch.no_grad():
         for start in range(0, ids.shape[0], chunk):
