@@ -310,6 +310,11 @@ class SimConfig:
     rollout), on a GPU it is 0. False: a separate recompute forward, the norm of Megatron-based RL frameworks and
     what several updates per batch need. None: the trainer's default, folded on the CPU (the embedded trainer),
     a separate recompute on a GPU."""
+    share_prompt: bool | None = None
+    """Each distinct prompt runs through the trainer's forwards once per step instead of once per rollout
+    (`grpo.share_prompt`): a prefix pass over the prompts, then the completions attending to their prompt's keys
+    and values (`rl/prefix.py`). Dense models only (a MoE model never shares, whatever this says). None: the
+    trainer's default, on for the embedded trainer (CPU), off on a GPU (Megatron packs whole sequences)."""
     cpu_profile: str = ""
     """Path of the CPU micro-benchmark JSON when hardware == 'cpu' (default: ~/.cache/megatron_spec)."""
 
@@ -330,6 +335,11 @@ class SimConfig:
             self.micro_batch_tokens = CPU_MICRO_BATCH_TOKENS if cpu else GPU_MICRO_BATCH_TOKENS
         if self.fold_logprob is None:
             self.fold_logprob = cpu
+        if self.share_prompt is None:
+            self.share_prompt = cpu
+        if self.share_prompt and not cpu:
+            raise ValueError("share_prompt describes the embedded trainer (hardware='cpu'); a GPU trainer packs "
+                             "whole sequences, so set share_prompt=False (or leave it None) there")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.micro_batch_tokens < 0:

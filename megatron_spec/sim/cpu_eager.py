@@ -14,14 +14,21 @@ the kind of work but not the case being predicted:
   at 1 and 96 sequences: the step-time slope less `seq_layer_s` is the engine's Python work per sequence per forward
   (token lists, the per-sequence uniforms, acceptance, appending). The stand-in is not the tiny model and the batch
   is not the validation's workload; only the engine code is shared, which is the point.
-- `dense_flops`: a training pass's three products per weight (forward, input gradient, weight gradient) of a
-  1024-row micro-batch through a 128 x 384 weight, the trainer's shape class on the models validated on this CPU.
-  Wider weights run faster (one 2048 x 256 x 512 forward product: ~185 GFLOP/s against ~160 here), so for a wider
-  model the trainer's products are predicted somewhat slow.
-- `act_bw`: the elementwise share of a training forward, in place: a 64-wide one-layer stand-in's forward over
-  32 x 64 tokens, less its products and its attention (each timed alone) and its operators, per float read or
-  written (x 4 bytes). Timed alone, the same elementwise operators run about twice as fast (their inputs stay in
-  the core's cache between repeats); in a pass they do not.
+- `dense_flops`: a training pass's products as autograd runs them: a bias-free 128 -> 384 -> 128 MLP stand-in,
+  forward and backward over a 1024-token micro-batch (8 x 128), the trainer's shape class on the models validated
+  on this CPU. Autograd's backward products read transposed views of tensors other operators just wrote, and run
+  ~15 % slower than the same three products timed alone on fresh contiguous inputs (~155 against ~185 GFLOP/s);
+  the trainer's products, profiled inside a train step, run at the slower rate. Wider weights run faster, so for
+  a wider model the trainer's products are predicted somewhat slow.
+- `act_bw`: a training pass's elementwise work as autograd runs it: an RMSNorm, a head-split transpose copy, a
+  SwiGLU-style product and a residual add (17 float accesses per element forward) over 2 MB activations (8 x 512
+  tokens x 128), forward and backward, rotating through 24 of them (48 MB, more than the cores' caches hold, as a
+  pass's saved activations are), less the operators' fixed cost (~5 %), per byte of the forward's traffic x 3 (the
+  trainer model's backward = 2 x forward). ~40-50 GB/s here, as the elementwise share of a real train step reads
+  from the profiler (other operators' self time less their fixed cost: ~40). Forward alone, or on one tensor pair,
+  the same operators run up to twice as fast (inputs left in cache), which a pass does not see. (Derived before as
+  a stand-in layer's forward less its products, attention and operators, this difference of timings moved
+  40-110 GB/s between calibrations on this shared host.)
 - `attn_score_s`: the engine's written-out grouped-query attention (`models.layers.attend`) over 64 sequences x 4
   heads, 4 queries x 64 keys each (a verify step's shape), per score, less the score's 4 x 32 FLOPs at the
   cache-resident matmul rate. Torch's fused kernel, which the trainer uses, costs about the same per score at the
@@ -33,17 +40,23 @@ picks, so a shared machine's preemptions are filtered where they can be.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from megatron_spec.models.config import ModelConfig
 
 STAND_IN = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=8, intermediate_size=16, max_position_embeddings=512)
 SEQ_BATCHES = (1, 96)
-ACT_STAND_IN = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=64, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=192,
-                           max_position_embeddings=512)
-ACT_TOKENS = (32, 64)  # sequences x tokens of the stand-in layer's forward
+ACT_SHAPE = (8, 512, 128)  # sequences, tokens, width of one activation tensor (2 MB), tiny-model wide
+ACT_TENSORS = 24  # rotated through: 48 MB, beyond what the cores' caches hold
+TRAIN_STAND_IN = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=192,
+                             max_position_embeddings=512)
+TRAIN_WORKLOAD = dict(prompts_per_step=4, group_size=8, prompt_len=8,
+                      response=dict(mean=16.0, max_tokens=48, sigma=0.4))  # the stand-in trainer's batch
+TRAIN_BUDGET = 256  # its micro-batch budget: several micro-batches, as the validated runs have
 ATTN_SHAPE = (64, 4, 2, 4, 64, 32)  # sequences, query heads, kv heads, queries, keys, head dim
-DENSE_SHAPE = (1024, 128, 384)  # rows, in, out: a ~1000-token micro-batch through a tiny-model-wide MLP weight
+DENSE_SHAPE = (8, 128, 128, 384)  # sequences, tokens, width, MLP width: a ~1000-token micro-batch, tiny-model wide
 
 
 def op_seconds(clock, min_time) -> float:
@@ -124,49 +137,49 @@ def seq_seconds(clock, min_time, steps: int = 10, rounds: int = 3) -> float:
 
 
 def dense_flops(clock, min_time) -> float:
-    """The three products a training pass runs per weight, at the trainer's shape class (DENSE_SHAPE): the forward
-    x W^T, the input gradient dY W and the weight gradient dY^T x, whose long reduction over the rows runs slower
-    than the other two on this CPU (110-155 against 125-170 GFLOP/s at 128-384 wide, 500-1500 rows)."""
+    """Products of a training pass per second: an MLP stand-in (DENSE_SHAPE) forward and backward through autograd,
+    three products per weight (the forward x W^T, the input gradient dY W, the weight gradient dY^T x). Its dozen
+    other operators cost ~30 us of the ~3 ms, so they are left in."""
     import torch
-    import torch.nn.functional as F
 
-    rows, width, out = DENSE_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    x, w, dy = (torch.randn(*s, generator=gen) for s in ((rows, width), (out, width), (rows, out)))
-    seconds = min_time(lambda: (F.linear(x, w), dy @ w, dy.t() @ x), 10, clock=clock)
-    return 3 * 2 * rows * width * out / seconds
+    seqs, tokens, width, inner = DENSE_SHAPE
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(width, inner, bias=False), torch.nn.Linear(inner, width, bias=False))
+    x = torch.randn(seqs, tokens, width, requires_grad=True)
+    grad = torch.ones(seqs, tokens, width)
+
+    def pass_():
+        mlp(x).backward(grad)
+
+    seconds = min_time(pass_, 10, clock=clock)
+    return 3 * 2 * seqs * tokens * 2 * width * inner / seconds
 
 
 def act_bandwidth(clock, min_time, op_s: float) -> float:
-    """Elementwise traffic of a training forward, in place: a 64-wide stand-in decoder layer's forward over 32 x 64
-    tokens, less its products and its fused attention (each timed alone) and its operators' fixed cost, per float
-    `eager.activation_elements` counts. Timed alone, the same operators run twice as fast (their inputs stay in the
-    core's cache between repeats), which is not what a pass sees."""
+    """Bytes per second of a training pass's elementwise operators, inputs not cache-resident (module docstring)."""
     import torch
     import torch.nn.functional as F
 
-    from megatron_spec.models.decoder import DecoderLayer
-    from megatron_spec.models.layers import rope_cos_sin
+    from .op_census import count_ops
 
-    from .eager import LOGPROB_LAYER, LOGPROB_NORM, activation_elements, norms_per_layer
+    count, (seqs, tokens, width), heads = ACT_TENSORS, ACT_SHAPE, 4
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(seqs, tokens, width, generator=gen, requires_grad=True) for _ in range(count)]
+    weight = torch.randn(width, generator=gen, requires_grad=True)
+    split = (seqs, heads, tokens, width // heads)
+    ones = torch.ones(split)
 
-    cfg, (b, t) = ACT_STAND_IN, ACT_TOKENS
-    torch.manual_seed(0)
-    layer = DecoderLayer(cfg, 0)
-    x = torch.randn(b, t, cfg.hidden_size)
-    cos, sin = rope_cos_sin(torch.arange(t).expand(b, t), cfg.head_dim, cfg.rope_theta, x.dtype)
-    inputs = {n: torch.randn(b * t, n) for n in (cfg.hidden_size, cfg.intermediate_size)}
-    linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
-    q = torch.randn(b, cfg.num_attention_heads, t, cfg.head_dim)
-    kv = torch.randn(b, cfg.num_key_value_heads, t, cfg.head_dim)
-    with torch.no_grad():
-        whole = min_time(lambda: layer(x, cos, sin, None), 20, clock=clock)
-        products = min_time(lambda: [F.linear(inputs[m.in_features], m.weight) for m in linears], 20, clock=clock)
-        attention = min_time(lambda: F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True), 20,
-                             clock=clock)
-    ops = (LOGPROB_LAYER + LOGPROB_NORM * norms_per_layer(cfg)) * op_s
-    rest = max(whole - products - attention - ops, 1e-9)
-    return 4 * activation_elements(cfg) * b * t / rest
+    def run():
+        for i in range(count):
+            a, b = xs[i], xs[(i + 7) % count]
+            h = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6) * weight  # 7 accesses per element
+            t = h.view(seqs, tokens, heads, -1).transpose(1, 2).contiguous()  # 2
+            y = F.silu(t) * b.view(split) + a.view(split)  # 2 + 3 + 3
+            torch.autograd.grad(y, (a, b, weight), ones)
+
+    with torch.inference_mode(False), torch.enable_grad():
+        seconds = min_time(run, 10, clock=clock) - count_ops(run) * op_s
+    return 3 * 17 * 4 * seqs * tokens * width * count / max(seconds, 1e-9)
 
 
 def attn_score_seconds(clock, min_time, cache_flops: float) -> float:
@@ -183,14 +196,69 @@ def attn_score_seconds(clock, min_time, cache_flops: float) -> float:
 
 
 def measure_eager(clock, min_time, cache_flops: float) -> dict[str, float]:
-    """The six eager figures of a `CpuProfile`; the caller has set torch's thread count."""
+    """The eager figures of a `CpuProfile` but `train_op_s` (which models a trainer step with these); the caller
+    has set torch's thread count."""
     import torch
 
     with torch.inference_mode():
         op_s = op_seconds(clock, min_time)
-        out = {"op_overhead_s": op_s, "dense_flops": dense_flops(clock, min_time),
-               "act_bw": act_bandwidth(clock, min_time, op_s),
+        out = {"op_overhead_s": op_s,
                "attn_score_s": attn_score_seconds(clock, min_time, cache_flops)}
         out["seq_layer_s"] = seq_layer_seconds(clock, min_time)
+    out["dense_flops"] = dense_flops(clock, min_time)  # with autograd, as the trainer runs them
+    out["act_bw"] = act_bandwidth(clock, min_time, op_s)
     out["seq_overhead_s"] = max(seq_seconds(clock, min_time) - STAND_IN.num_hidden_layers * out["seq_layer_s"], 1e-9)
     return out
+
+
+def trainer_step_seconds(model: ModelConfig, workload: dict, budget: int, clock, min_time):
+    """One `train_step` of the embedded trainer (`rl/policy.py`: shared prompts, folded recompute, micro-batches
+    of `budget`) on random ids shaped like `workload`'s rollouts (`cpu_train.row_lengths`), timed; with the
+    SimConfig that describes it."""
+    import torch
+
+    from megatron_spec.models import CausalLM
+    from megatron_spec.rl.config import GRPOSection
+    from megatron_spec.rl.policy import Batch, EmbeddedPolicy
+
+    from . import cpu_train
+    from .config import SimConfig
+
+    cfg = SimConfig(model=model, hardware="cpu", gpus=1, workload=workload, micro_batch_tokens=budget,
+                    max_num_seqs=64)
+    w = cfg.workload
+    lengths = [round(n) for n in cpu_train.row_lengths(cfg)]
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.vocab_size, (len(lengths), max(lengths)), generator=gen)
+    mask = torch.zeros(ids.shape, dtype=torch.bool)
+    for r, n in enumerate(lengths):
+        ids[r, : w.prompt_len] = ids[r - r % w.group_size, : w.prompt_len]  # a group's rollouts share its prompt
+        mask[r, w.prompt_len : n] = True
+    torch.manual_seed(0)
+    policy = EmbeddedPolicy(CausalLM(model), GRPOSection(micro_batch_tokens=budget, share_prompt=True),
+                            dict(temperature=1.0, top_k=0, top_p=1.0))
+    batch = Batch(ids, mask, advantages=torch.randn(len(lengths), generator=gen))
+
+    def step():
+        batch.old_logprobs = None  # folded: the step fills them in
+        policy.train_step(batch)
+
+    with torch.inference_mode(False), torch.enable_grad():
+        return min_time(step, 10, clock=clock), cfg
+
+
+def train_op_seconds(clock, min_time, hw) -> float:
+    """The cost of one of the trainer's operators: what one `train_step` of the embedded trainer takes on a
+    stand-in beyond its model's arithmetic and memory traffic, per operator it launches. The stand-in is
+    TRAIN_STAND_IN (64 wide, 2 layers) on TRAIN_WORKLOAD (4 prompts x 8 rollouts, shared prompts, micro-batches of
+    TRAIN_BUDGET), modelled by `cpu_train.train_time` on the profile's other figures (`hw`); operators dominate
+    its step, so the difference is what they cost inside a train step: autograd records each and schedules its
+    backward, and the trainer's Python runs between them (~10 % of a tiny-model step under the profiler, outside
+    any operator). ~3.3 us here, against ~2.4 us per operator of an inference forward (`op_overhead_s`)."""
+    from . import cpu_train
+    from .shapes import shape_of
+
+    measured, cfg = trainer_step_seconds(TRAIN_STAND_IN, TRAIN_WORKLOAD, TRAIN_BUDGET, clock, min_time)
+    shape = shape_of(TRAIN_STAND_IN, kv_dtype_bytes=4)
+    work = cpu_train.train_time(cfg, replace(hw, train_op_s=0.0), shape, None)
+    return max(measured - work, 0.0) / cpu_train.train_step_ops(cfg, shape) or hw.op_overhead_s

@@ -62,6 +62,9 @@ class CpuProfile:
     """Floats read plus written per second (x 4 bytes) by elementwise operators over activation-sized tensors."""
     attn_score_s: float
     """Torch's CPU attention cost per (query, key) score beyond its FLOPs, seconds."""
+    train_op_s: float = 0.0
+    """Cost of one operator of the trainer's step (autograd included), seconds (`cpu_eager.train_op_seconds`);
+    0 in profiles measured before it existed, which then charge `op_overhead_s`."""
     machine: str = ""
     """Processor / platform description, to notice a profile copied from another machine."""
     note: str = ""
@@ -73,13 +76,13 @@ class CpuProfile:
             if getattr(self, name) <= 0:
                 raise ValueError(f"CpuProfile.{name} must be > 0, got {getattr(self, name)}")
         # The fixed costs may be 0: `without_overheads` builds the pure roofline to show what they are worth.
-        for name in ("op_overhead_s", "seq_overhead_s", "seq_layer_s", "attn_score_s"):
+        for name in ("op_overhead_s", "seq_overhead_s", "seq_layer_s", "attn_score_s", "train_op_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CpuProfile.{name} must be >= 0, got {getattr(self, name)}")
 
     def without_overheads(self) -> "CpuProfile":
         """The same machine with no per-operator or per-sequence cost: the roofline alone."""
-        return replace(self, op_overhead_s=0.0, seq_overhead_s=0.0, seq_layer_s=0.0)
+        return replace(self, op_overhead_s=0.0, seq_overhead_s=0.0, seq_layer_s=0.0, train_op_s=0.0)
 
     def to_hardware(self) -> Hardware:
         """The profile as a `Hardware` for the roofline: no overlap, per-operator overhead, one device."""
@@ -90,6 +93,7 @@ class CpuProfile:
             is_gpu=False, overlap=False,
             cache_bytes=self.cache_bytes, cache_bw=self.cache_bw, cache_flops=self.cache_flops, row_s=self.row_s,
             dense_flops=self.dense_flops, act_bw=self.act_bw, attn_score_s=self.attn_score_s,
+            train_op_s=self.train_op_s or self.op_overhead_s,
         )
 
     def save(self, path: str | Path) -> Path:
@@ -174,7 +178,7 @@ def measure(threads: int = DEFAULT_THREADS) -> CpuProfile:
     import torch
     import torch.nn.functional as F
 
-    from .cpu_eager import measure_eager, op_seconds
+    from .cpu_eager import measure_eager, op_seconds, train_op_seconds
 
     load_before = os.getloadavg()[0]
     previous = torch.get_num_threads()
@@ -219,14 +223,18 @@ def measure(threads: int = DEFAULT_THREADS) -> CpuProfile:
             cache_flops = 2 * 7 * small.numel() / max(t8 - t1, 1e-9)
             cache_bw = small.numel() * 4 / max(t1 - 2 * small.numel() / cache_flops, 1e-9)
         eager = measure_eager(clock, min_time, cache_flops)
+        profile = CpuProfile(threads=threads, dram_bw=dram_bw, cache_bw=max(cache_bw, dram_bw),
+                             cache_flops=cache_flops, row_s=max(row_s, 1e-12), gemm_flops=gemm_flops,
+                             cache_bytes=_last_level_cache(), mem_bytes=_mem_bytes(),
+                             machine=f"{platform.machine()} {platform.processor()} {os.cpu_count()} cpus".strip(),
+                             **eager)
+        # Last: the trainer stand-in is modelled with every other figure.
+        train_op_s = train_op_seconds(clock, min_time, profile.to_hardware())
     finally:
         torch.set_num_threads(previous)
-    return CpuProfile(threads=threads, dram_bw=dram_bw, cache_bw=max(cache_bw, dram_bw), cache_flops=cache_flops,
-                      row_s=max(row_s, 1e-12), gemm_flops=gemm_flops, cache_bytes=_last_level_cache(),
-                      mem_bytes=_mem_bytes(), machine=f"{platform.machine()} {platform.processor()} "
-                      f"{os.cpu_count()} cpus".strip(), **eager,
-                      note=f"measured {time.strftime('%Y-%m-%d %H:%M')}, load average {load_before:.2f} before, "
-                           f"{os.getloadavg()[0]:.2f} after")
+    return replace(profile, train_op_s=train_op_s,
+                   note=f"measured {time.strftime('%Y-%m-%d %H:%M')}, load average {load_before:.2f} before, "
+                        f"{os.getloadavg()[0]:.2f} after")
 
 
 def load_or_measure(path: str | Path | None = None, threads: int | None = None,

@@ -12,17 +12,26 @@ embedded trainer (`rl/policy.py`) on a CPU, which differs in ways that each matt
   it reads and writes ~7.7 k floats per token per layer of tiny-qwen3 (`eager.activation_elements`), at `act_bw`;
 - torch's fused CPU attention computes whole 32-query blocks up to the diagonal and pays `attn_score_s` per score
   beyond its FLOPs (`attention_time`), per row of each micro-batch at that micro-batch's length;
-- every operator costs `op_overhead_s`, and a train step launches ~450 (optimizer included) + ~1150 per
-  micro-batch on tiny-qwen3 (`eager.py`): ~2.8 ms per micro-batch at 2.4 us, what a small budget pays for;
+- every operator costs `op_overhead_s` in a forward without autograd, and `train_op_s` (~3-4 us against ~2.4) in
+  a train step, where autograd records it and schedules its backward and the trainer's Python runs between them
+  (measured on a stand-in trainer, `cpu_eager.train_op_seconds`); a train step launches ~450 (optimizer
+  included) + ~1150 per micro-batch on tiny-qwen3, more with shared prompts (`eager.py`);
 - with `fold_logprob` (the embedded trainer's default) the behaviour log-probs come from the train forward, so the
-  `logprob` stage runs no forward: only its batch assembly, ~12 operators per rollout (~2 ms for 64 rollouts).
+  `logprob` stage runs no forward: only its batch assembly, ~12 operators per rollout (~2 ms for 64 rollouts);
+- with `share_prompt` (its default for dense models) each distinct prompt runs once, in a prefix pass, and each
+  micro-batch computes only its rows' completions (padded to its longest completion; the cut itself is unchanged),
+  attending to the prompt's recorded keys/values. Attention is then written out (`layers.attend`: every score of
+  the [completion, prompt + completion] block, each read and written as a float by ~8 elementwise accesses forward
+  and ~10 backward) instead of the fused kernel, and the prefix and suffix passes add their own operators.
 
-Summed over the micro-batches b (r_b rows padded to T_b, tokens N = sum r_b T_b):
+Summed over the micro-batches b (r_b rows padded to T_b, row tokens N = sum r_b T_b; the trunk computes N, or
+with shared prompts N' = prompts x prompt length + sum r_b (T_b - prompt length)):
 
     logprob = batch assembly ops x op_s  [+ P + A + E + ops x op_s  without the fold]
-    train   = 3 P + (A_fwd + A_bwd) + 3 E + AdamW bytes / act_bw + ops x op_s
-              P = 2 x active params x N / dense_flops, A attention over each micro-batch, E = (activation + logit)
-              bytes of N tokens / act_bw, ops = per-step + per-micro-batch operators (`eager.train_ops`)
+    train   = 3 P + (A_fwd + A_bwd) + 3 E + AdamW bytes / act_bw + ops x train_op_s
+              P = 2 x (trunk params x N' + head params x N) / dense_flops, A attention over each micro-batch (or
+              the prefix and suffix passes), E = (activation bytes of N' + logit bytes of N) / act_bw,
+              ops = per-step + per-micro-batch (+ prefix and suffix pass) operators (`eager.train_ops`)
 
 Backward costs twice the forward's products (input and weight gradients) and elementwise traffic (each gradient
 reads the output gradient and a saved input and writes one tensor); attention's backward recomputes the scores and
@@ -41,6 +50,8 @@ from .shapes import CostShape
 
 FLOAT = 4  # the embedded trainer runs in float32
 LOGIT_PASSES = 3  # the head writes the logits, log-softmax reads them and writes log-probs
+SCORE_ACCESSES = 8 + 10  # `attend`'s float reads + writes per score: forward (product, scale, mask, softmax, values
+#                          product) and backward (value gradient, softmax and mask backward, the two products)
 ADAMW_ACCESSES = 24  # 4-byte reads + writes per parameter: AdamW's ~8 operators over param, grad, 2 moments, + clip
 MIN_ROW_LEN = 2  # the trainer keeps at least one next-token prediction per row (`microbatch.sequence_lengths`)
 
@@ -71,9 +82,26 @@ def trainer_batches(cfg: SimConfig) -> list[MicroBatch]:
             for rows in micro_batches(lengths, cfg.micro_batch_tokens)]
 
 
+def shares_prompt(cfg: SimConfig) -> bool:
+    """The trainer computes each prompt once (`grpo.share_prompt` on a dense model whose prompts repeat)."""
+    w = cfg.workload
+    return bool(cfg.share_prompt) and not cfg.model_config.is_moe and w.group_size > 1 and w.prompt_len > 0
+
+
+def passes(cfg: SimConfig) -> tuple[MicroBatch | None, list[MicroBatch]]:
+    """The trainer's passes over one step's batch: the prefix pass over the distinct prompts (None when prompts
+    are not shared) and the micro-batches, each cut to its rows' completions when they are."""
+    batches = trainer_batches(cfg)
+    if not shares_prompt(cfg):
+        return None, batches
+    p = cfg.workload.prompt_len
+    return MicroBatch(cfg.workload.prompts_per_step, p), [MicroBatch(b.rows, b.length - p) for b in batches]
+
+
 def padded_tokens(cfg: SimConfig) -> float:
     """Positions the trainer's forward computes per step, padding included."""
-    return sum(b.tokens for b in trainer_batches(cfg))
+    prefix, batches = passes(cfg)
+    return sum(b.tokens for b in batches) + (prefix.tokens if prefix else 0.0)
 
 
 def computed_scores(t: float) -> float:
@@ -97,8 +125,16 @@ def attention_time(cfg: SimConfig, hw: Hardware, target: CostShape, batches: lis
     return scores * (flop_factor * 4 * m.head_dim / hw.cache_flops + score_factor * hw.attn_score_s)
 
 
-def _elementwise_bytes(cfg: SimConfig, shape: CostShape, tokens: float, layers: float) -> float:
-    return tokens * FLOAT * (layers * eager.activation_elements(cfg.model_config) + LOGIT_PASSES * shape.vocab)
+def written_out_attention_time(cfg: SimConfig, hw: Hardware, prefix: MicroBatch, batches: list[MicroBatch],
+                               backward: bool) -> float:
+    """Attention with shared prompts (`layers.attend`): the prefix pass scores its whole prompt block, each
+    micro-batch every completion position against its prompt and its own completion; 4 x head_dim FLOPs per score
+    forward (twice that backward) at the cache-resident matmul rate, plus the scores' elementwise traffic."""
+    m = cfg.model_config
+    scores = prefix.rows * prefix.length**2 + sum(b.rows * b.length * (prefix.length + b.length) for b in batches)
+    scores *= m.num_attention_heads * m.num_hidden_layers
+    flops, accesses = (3, SCORE_ACCESSES) if backward else (1, 8)
+    return scores * (flops * 4 * m.head_dim / hw.cache_flops + accesses * FLOAT / hw.act_bw)
 
 
 def _experts_touched(target: CostShape, batches: list[MicroBatch]) -> float:
@@ -111,32 +147,55 @@ def assembly_time(cfg: SimConfig, hw: Hardware) -> float:
     return eager.batch_ops(cfg.workload.rollouts) * hw.op_overhead_s
 
 
+def _forward_work(cfg: SimConfig, hw: Hardware, target: CostShape, backward: bool,
+                  drafter: CostShape | None = None) -> tuple[float, float, float, int, float]:
+    """Products, attention and elementwise seconds of the passes over one step's batch (forward only, or forward
+    and backward), with the number of micro-batches and the experts they touch. The trunk computes
+    `padded_tokens`; the head (and a drafter training online) every position of the padded rows, because shared
+    prompts are laid back into the rows before the head."""
+    prefix, batches = passes(cfg)
+    row_tokens = sum(b.tokens for b in trainer_batches(cfg))
+    trunk_tokens = padded_tokens(cfg)
+    m = cfg.model_config
+    head = m.vocab_size * m.hidden_size
+    row_params = head + (drafter.active_params if drafter else 0.0)
+    layers = target.layers + (drafter.layers if drafter else 0)
+    factor = 3 if backward else 1  # backward: input and weight gradients, each as much as the forward
+    macs = (target.active_params - head) * trunk_tokens + row_params * row_tokens
+    products = factor * 2 * macs / hw.dense_flops
+    if prefix is None:
+        attention = (attention_time(cfg, hw, target, batches, flop_factor=1 + 2.5, score_factor=1 + 2) if backward
+                     else attention_time(cfg, hw, target, batches))
+    else:
+        attention = written_out_attention_time(cfg, hw, prefix, batches, backward)
+    act = eager.activation_elements(m)
+    row_elements = (layers - target.layers) * act + LOGIT_PASSES * target.vocab
+    elementwise = factor * FLOAT * (target.layers * act * trunk_tokens + row_elements * row_tokens) / hw.act_bw
+    return products, attention, elementwise, len(batches), _experts_touched(target, batches)
+
+
 def logprob_time(cfg: SimConfig, hw: Hardware, target: CostShape) -> float:
     """The batch assembly, plus the recompute forward over every micro-batch unless it is folded into `train`."""
     if cfg.fold_logprob:
         return assembly_time(cfg, hw)
-    batches = trainer_batches(cfg)
-    tokens = sum(b.tokens for b in batches)
-    products = 2 * target.active_params * tokens / hw.dense_flops
-    elementwise = _elementwise_bytes(cfg, target, tokens, target.layers) / hw.act_bw
-    ops = eager.logprob_ops(cfg.model_config, len(batches), _experts_touched(target, batches)) * hw.op_overhead_s
-    return assembly_time(cfg, hw) + products + attention_time(cfg, hw, target, batches) + elementwise + ops
+    products, attention, elementwise, n, experts = _forward_work(cfg, hw, target, backward=False)
+    ops = eager.logprob_ops(cfg.model_config, n, experts, shared=shares_prompt(cfg)) * hw.op_overhead_s
+    return assembly_time(cfg, hw) + products + attention + elementwise + ops
 
 
 def train_time(cfg: SimConfig, hw: Hardware, target: CostShape, drafter: CostShape | None) -> float:
     """Forward and backward of the policy over every micro-batch, AdamW, and the drafter's own pass when it trains
     online (on the same micro-batches' detached states)."""
-    batches = trainer_batches(cfg)
-    tokens = sum(b.tokens for b in batches)
-    params = target.active_params
-    layers = target.layers
-    if cfg.spec is not None and cfg.spec.online_drafter_training and drafter is not None:
-        params += drafter.active_params  # the drafter learns on the policy's detached states, one more layer
-        layers += drafter.layers
-    products = 3 * 2 * params * tokens / hw.dense_flops
-    attention = attention_time(cfg, hw, target, batches, flop_factor=1 + 2.5, score_factor=1 + 2)
-    elementwise = 3 * _elementwise_bytes(cfg, target, tokens, layers) / hw.act_bw
+    online = cfg.spec is not None and cfg.spec.online_drafter_training and drafter is not None
+    # the drafter learns on the policy's detached states: its own layer(s), forward and backward
+    products, attention, elementwise, n, experts = _forward_work(cfg, hw, target, backward=True,
+                                                                 drafter=drafter if online else None)
     optimizer = ADAMW_ACCESSES * FLOAT * target.total_params / hw.act_bw
-    ops = eager.train_ops(cfg.model_config, len(batches), _experts_touched(target, batches),
-                          fold=cfg.fold_logprob) * hw.op_overhead_s
-    return products + attention + elementwise + optimizer + ops
+    return products + attention + elementwise + optimizer + train_step_ops(cfg, target) * hw.train_op_s
+
+
+def train_step_ops(cfg: SimConfig, target: CostShape) -> float:
+    """Operators one `train_step` launches on this workload (`eager.train_ops`)."""
+    prefix, batches = passes(cfg)
+    return eager.train_ops(cfg.model_config, len(batches), _experts_touched(target, batches), fold=cfg.fold_logprob,
+                           shared=prefix is not None)

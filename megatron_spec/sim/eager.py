@@ -24,6 +24,9 @@ index); the trainer with one micro-batch and with two of two rows each.
     train step    = TRAIN_STEP + n x train pass + (n - 1) x MB_CROP (+ TRAIN_FOLD when folded)
                   + OPT_FIXED + OPT_PER_TENSOR x parameter tensors                 clipping + AdamW
     MoE layers add LOGPROB_EXPERT / TRAIN_EXPERT per expert touched, summed over the micro-batches.
+    with shared prompts (`grpo.share_prompt`, `rl/prefix.py`) each pass adds, once, the prefix pass over the
+    distinct prompts = its layers' usual operators + layers x PREFIX_*_LAYER + PREFIX_*, and per micro-batch (now
+    a suffix pass) layers x SUFFIX_*_LAYER + SUFFIX_*_MB.
 
 Norms per layer: 2, or 4 with QK-norm (Qwen3). Attention runs through torch's fused kernel in training and
 through a few explicit operators in the engine (short query blocks), which is why the per-layer counts differ.
@@ -125,6 +128,29 @@ updates, bias corrections, square root, division, weight decay and the update.""
 OPT_FIXED = 2
 """Once per optimizer step."""
 
+# Shared prompts (`rl/prefix.py`), counted by `op_census.trainer_pass(shared=True)` against the same batch unshared.
+# The per-layer parts are the same for Qwen3 and Llama once the prefix pass's norms are counted as usual.
+PREFIX_LOGPROB_LAYER = 27
+"""Per layer of the prefix pass without autograd, besides that layer's usual forward: attention is written out
+over the recorded keys and values (`layers.attend`) instead of the fused kernel, and they are kept."""
+PREFIX_LOGPROB = 51
+"""Once per `logprobs` call with shared prompts: grouping the rows by prompt, the padded prompt block, the prefix
+pass's embedding and final norm."""
+SUFFIX_LOGPROB_LAYER = 27
+"""Per layer per micro-batch's suffix pass without autograd: the group's prompt keys/values selected and
+concatenated before the completion's own, and attention written out."""
+SUFFIX_LOGPROB_MB = 38
+"""Per micro-batch's suffix pass: its ids and positions, the prefix mask, and laying the prompt's and the
+completion's states back out as the batch's rows (a gather)."""
+PREFIX_TRAIN_LAYER = 54
+"""As PREFIX_LOGPROB_LAYER, forward with autograd and its backward (run once, after the last micro-batch)."""
+PREFIX_TRAIN = 72
+"""As PREFIX_LOGPROB, with autograd; plus the leaves cut from the prefix graph and the backward through it."""
+SUFFIX_TRAIN_LAYER = 62
+"""As SUFFIX_LOGPROB_LAYER, forward and backward (the gradient into the prompt's keys/values accumulates)."""
+SUFFIX_TRAIN_MB = 45
+"""As SUFFIX_LOGPROB_MB, forward and backward."""
+
 
 def norms_per_layer(m: ModelConfig) -> int:
     return 4 if m.qk_norm else 2
@@ -150,13 +176,18 @@ def draft_layer_ops(target: ModelConfig, layers: int) -> float:
     return layers * (LAYER + NORM * norms_per_layer(target))
 
 
-def logprob_ops(m: ModelConfig, micro_batches: int = 1, experts_touched: float = 0.0) -> float:
+def logprob_ops(m: ModelConfig, micro_batches: int = 1, experts_touched: float = 0.0,
+                shared: bool = False) -> float:
     """Operators of the trainer's `logprobs` over `micro_batches` micro-batches; `experts_touched` per MoE layer
-    summed over the micro-batches. The stage's batch assembly is `batch_ops`."""
+    summed over the micro-batches; `shared`: through shared prompts. The stage's batch assembly is `batch_ops`."""
     moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
-    per_mb = LOGPROB_MB + m.num_hidden_layers * (LOGPROB_LAYER + LOGPROB_NORM * norms_per_layer(m))
-    return (LOGPROB_STEP + micro_batches * per_mb + (micro_batches - 1) * MB_CROP
-            + moe * LOGPROB_EXPERT * experts_touched)
+    layer = LOGPROB_LAYER + LOGPROB_NORM * norms_per_layer(m)
+    per_mb = LOGPROB_MB + m.num_hidden_layers * layer
+    ops = LOGPROB_STEP + micro_batches * per_mb + (micro_batches - 1) * MB_CROP + moe * LOGPROB_EXPERT * experts_touched
+    if shared:
+        ops += PREFIX_LOGPROB + m.num_hidden_layers * (layer + PREFIX_LOGPROB_LAYER)
+        ops += micro_batches * (SUFFIX_LOGPROB_MB + m.num_hidden_layers * SUFFIX_LOGPROB_LAYER)
+    return ops
 
 
 def batch_ops(rows: float) -> float:
@@ -164,14 +195,19 @@ def batch_ops(rows: float) -> float:
     return BATCH_FIXED + BATCH_ROW * rows
 
 
-def train_ops(m: ModelConfig, micro_batches: int = 1, experts_touched: float = 0.0, fold: bool = False) -> float:
+def train_ops(m: ModelConfig, micro_batches: int = 1, experts_touched: float = 0.0, fold: bool = False,
+              shared: bool = False) -> float:
     """Operators of one `train_step` (forward, backward, clipping and AdamW) over `micro_batches` micro-batches;
     `experts_touched` per MoE layer summed over the micro-batches; `fold`: the behaviour log-probs are taken from
-    this forward (`grpo.fold_logprob`)."""
+    this forward (`grpo.fold_logprob`); `shared`: through shared prompts."""
     moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
-    per_mb = TRAIN_MB + m.num_hidden_layers * (TRAIN_LAYER + TRAIN_NORM * norms_per_layer(m))
+    layer = TRAIN_LAYER + TRAIN_NORM * norms_per_layer(m)
+    per_mb = TRAIN_MB + m.num_hidden_layers * layer
     passes = (TRAIN_STEP + (TRAIN_FOLD if fold else 0) + micro_batches * per_mb + (micro_batches - 1) * MB_CROP
               + moe * TRAIN_EXPERT * experts_touched)
+    if shared:
+        passes += PREFIX_TRAIN + m.num_hidden_layers * (layer + PREFIX_TRAIN_LAYER)
+        passes += micro_batches * (SUFFIX_TRAIN_MB + m.num_hidden_layers * SUFFIX_TRAIN_LAYER)
     return passes + OPT_FIXED + OPT_PER_TENSOR * param_tensors(m)
 
 

@@ -68,6 +68,9 @@ class Hardware:
     attn_score_s: float = 0.0
     """CPU attention's cost per (query, key) score beyond its 4 x head_dim FLOPs (scaling, mask, exponent,
     softmax), seconds; the engine's written-out attention and the trainer's fused kernel both pay it."""
+    train_op_s: float = 0.0
+    """Host cost of one operator of the CPU trainer's step, autograd's recording and backward scheduling and the
+    trainer's Python included (`cpu_eager.train_op_seconds`), seconds; 0 on GPUs."""
 
     def __post_init__(self) -> None:
         for field in ("flops_bf16", "mem_bw", "mem_bytes", "link_bw", "net_bw", "fp8_speedup"):
@@ -75,7 +78,8 @@ class Hardware:
                 raise ValueError(f"Hardware {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
         if self.domain_size < 1:
             raise ValueError(f"Hardware {self.name!r}: domain_size must be >= 1, got {self.domain_size}")
-        for field in ("op_overhead_s", "seq_overhead_s", "seq_layer_s", "dense_flops", "act_bw", "attn_score_s"):
+        for field in ("op_overhead_s", "seq_overhead_s", "seq_layer_s", "dense_flops", "act_bw", "attn_score_s",
+                      "train_op_s"):
             if getattr(self, field) < 0:
                 raise ValueError(f"Hardware {self.name!r}: {field} must be >= 0, got {getattr(self, field)}")
 

@@ -8,15 +8,16 @@ The measurement file (benchmarks/results/bench_step_cpu.json) follows
      "stages": {"data": s, "prepare": s, "gen": s, "logprob": s, "train": s},
      "spec": {"k": int, "acceptance_length": float, "drafter": str, "draft_model": str,
               "online": bool (optional, default false: the drafter trained during the run)} or null,
-     "trainer": {"micro_batch_tokens": int, "fold_logprob": bool} (optional),
+     "trainer": {"micro_batch_tokens": int, "fold_logprob": bool, "share_prompt": bool} (optional),
      "threads": int (optional, default 2)}
 
 and the prediction is `pipeline.simulate` on the CPU profile (one device, colocated, float32) with the same
 workload, speculation and trainer settings: no constant is touched per file. `trainer` is how the embedded trainer
-ran (`grpo.micro_batch_tokens`, `grpo.fold_logprob`); a file without it was measured before the trainer had either,
-so it reads as one padded batch (0) and a separate recompute forward (false). `response.sigma` is fitted by
-`bench step` to the runs' mean and longest response (`LengthDist.fit`, which it records as `measured_mean` and
-`measured_longest`); files written before that carry a fixed 0.3.
+ran (`grpo.micro_batch_tokens`, `grpo.fold_logprob`, `grpo.share_prompt`); a file without it (or without a field)
+was measured before the trainer had that, so it reads as one padded batch (0), a separate recompute forward and
+unshared prompts (false). `response.sigma` is fitted by `bench step` to the runs' mean and longest response
+(`LengthDist.fit`, which it records as `measured_mean` and `measured_longest`); files written before that carry a
+fixed 0.3.
 
 The deterministic form of this check (tests/sim/test_measured.py) predicts the committed measurements
 (benchmarks/results/measured_step_tiny_{plain,spec}.json) with the CPU profile measured on this machine and
@@ -42,9 +43,10 @@ COMMITTED_MEASUREMENTS = (Path("benchmarks/results/measured_step_tiny_plain.json
 COMMITTED_PROFILE = Path("benchmarks/results/sim_cpu_profile.json")
 TOLERANCE = 0.15  # relative, for stages long enough to time (>= MIN_STAGE_S) and for the step total
 MIN_STAGE_S = 0.01  # shorter stages are host bookkeeping the model does not describe; compared in absolute terms
-OLD_TRAINER = {"micro_batch_tokens": 0, "fold_logprob": False}
-"""How a measurement file without a `trainer` block ran: one padded batch and a separate recompute forward (the
-embedded trainer before micro-batching and the fold; the committed measurements are such files)."""
+OLD_TRAINER = {"micro_batch_tokens": 0, "fold_logprob": False, "share_prompt": False}
+"""How a measurement file without a `trainer` block (or a field of it) ran: one padded batch, a separate recompute
+forward and every prompt once per rollout (the embedded trainer before micro-batching, the fold and prompt
+sharing)."""
 
 
 def _workload(raw: dict) -> Workload:
@@ -74,7 +76,8 @@ def config_from_measurement(data: dict, cpu_profile: str | None = None) -> SimCo
     return SimConfig(model=data["model"], hardware="cpu", gpus=1, workload=workload, spec=spec, gen_dtype_bytes=4,
                      max_num_seqs=workload.rollouts, cpu_profile=cpu_profile or "",
                      micro_batch_tokens=int(trainer.get("micro_batch_tokens", OLD_TRAINER["micro_batch_tokens"])),
-                     fold_logprob=bool(trainer.get("fold_logprob", OLD_TRAINER["fold_logprob"])))
+                     fold_logprob=bool(trainer.get("fold_logprob", OLD_TRAINER["fold_logprob"])),
+                     share_prompt=bool(trainer.get("share_prompt", OLD_TRAINER["share_prompt"])))
 
 
 @dataclass(frozen=True)

@@ -126,12 +126,14 @@ class TrainCensus:
 
 
 def trainer_pass(cfg: ModelConfig, batch: int = 4, tokens: int = 16, budget: int = 0,
-                 fold: bool = False) -> TrainCensus:
+                 fold: bool = False, shared: bool = False) -> TrainCensus:
     """Count the embedded trainer's `logprobs` and `train_step` on a random batch of `batch` x `tokens` ids whose
     odd rows end 4 tokens early, cut into micro-batches with the padded-token budget `budget` (0: one micro-batch;
     `2 * tokens` gives two of two rows each, the second cropped), the behaviour log-probs recomputed or, with
-    `fold`, taken from the train forward. The counts depend on the architecture and the number of micro-batches
-    (and on how many are cropped or hold a single row), not on the sizes."""
+    `fold`, taken from the train forward. With `shared`, rows come in pairs that hold the same prompt (the first
+    half of the row), which the trainer computes once (`grpo.share_prompt`: a prefix pass, then suffix passes);
+    without it every prompt differs, so nothing is shared. The counts depend on the architecture and the number of
+    micro-batches (and on how many are cropped or hold a single row), not on the sizes."""
     import torch
 
     from megatron_spec.models import CausalLM
@@ -140,9 +142,11 @@ def trainer_pass(cfg: ModelConfig, batch: int = 4, tokens: int = 16, budget: int
 
     torch.manual_seed(0)
     model = CausalLM(cfg)
-    grpo = GRPOSection(micro_batch_tokens=budget, fold_logprob=fold)
+    grpo = GRPOSection(micro_batch_tokens=budget, fold_logprob=fold, share_prompt=shared)
     policy = EmbeddedPolicy(model, grpo, dict(temperature=1.0, top_k=0, top_p=1.0))
     ids = torch.randint(3, cfg.vocab_size, (batch, tokens))
+    if shared:
+        ids[1::2, : tokens // 2] = ids[0::2, : tokens // 2]
     mask = torch.zeros(batch, tokens, dtype=torch.bool)
     mask[:, tokens // 2:] = True
     mask[1::2, tokens - 4:] = False

@@ -124,3 +124,72 @@ def test_length_fit_recovers_the_distribution():
     assert max(capped.quantiles(64)) == pytest.approx(96)
     assert max(LengthDist(capped.mean, 96, capped.sigma * 0.95).quantiles(64)) < 96
     assert LengthDist.fit(30, 30, 64, 96).sigma == 0.0
+
+
+def trunk_positions(cfg: SimConfig, share: bool) -> int:
+    """Positions the real trainer's trunk computes in one `logprobs` pass over a batch with the workload's row
+    lengths (rounded), each group of 8 rollouts holding one prompt."""
+    from megatron_spec.models import CausalLM
+    from megatron_spec.rl.policy import Batch, EmbeddedPolicy
+
+    w = cfg.workload
+    lengths = [round(n) for n in cpu_train.row_lengths(cfg)]
+    ids = torch.randint(3, cfg.model_config.vocab_size, (len(lengths), max(lengths)),
+                        generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(ids.shape, dtype=torch.bool)
+    for r, n in enumerate(lengths):
+        ids[r, : w.prompt_len] = ids[r - r % w.group_size, : w.prompt_len]
+        mask[r, w.prompt_len : n] = True
+    model = CausalLM(cfg.model_config)
+    seen = []
+    trunk = model.trunk
+    model.trunk = lambda ids, *a, **k: seen.append(ids.numel()) or trunk(ids, *a, **k)
+    grpo = GRPOSection(micro_batch_tokens=cfg.micro_batch_tokens, share_prompt=share)
+    EmbeddedPolicy(model, grpo, dict(temperature=1.0, top_k=0, top_p=1.0)).logprobs(Batch(ids, mask, torch.zeros(64)))
+    return sum(seen)
+
+
+@pytest.mark.parametrize("budget", [0, 1024])
+def test_shared_prompt_positions_are_the_trainers(budget):
+    """With shared prompts the trunk computes each group's prompt once (a prefix pass) and each micro-batch only its
+    rows' completions, padded to its longest: the simulator's position count equals what the real trainer's trunk
+    is handed (counted by wrapping `CausalLM.trunk`), to 2 % (the trainer sees lengths rounded to whole tokens,
+    which moves each micro-batch's longest by up to half a token: ~1 % here); without sharing,
+    the padded rows. On this workload (10-token prompts, responses ~23) sharing removes about a quarter."""
+    dist = LengthDist(mean=22.6, max_tokens=96, sigma=0.3)
+    shared = cpu_config(dist, micro_batch_tokens=budget, share_prompt=True)
+    plain = cpu_config(dist, micro_batch_tokens=budget, share_prompt=False)
+    assert cpu_train.padded_tokens(shared) == pytest.approx(trunk_positions(shared, True), rel=0.02)
+    assert cpu_train.padded_tokens(plain) == pytest.approx(trunk_positions(plain, False), rel=0.02)
+    assert 0.15 < 1 - cpu_train.padded_tokens(shared) / cpu_train.padded_tokens(plain) < 0.35
+
+
+def test_shared_prompt_settings():
+    """On by default where the embedded trainer has it on; never for MoE (the trainer keeps the router's
+    load-balancing statistic per rollout) or without repeated prompts; refused for a GPU trainer, which packs."""
+    dist = LengthDist(mean=20, max_tokens=96)
+    assert cpu_config(dist).share_prompt is GRPOSection().share_prompt is True
+    assert cpu_train.shares_prompt(cpu_config(dist))
+    moe = SimConfig(model="tiny-qwen3-moe", hardware="cpu", gpus=1, gen_dtype_bytes=4, max_num_seqs=64,
+                    workload=cpu_config(dist).workload)
+    assert not cpu_train.shares_prompt(moe)
+    single = cpu_config(dist)
+    single.workload = Workload(prompts_per_step=8, group_size=1, prompt_len=10, response=dist)
+    assert not cpu_train.shares_prompt(single)
+    with pytest.raises(ValueError, match="share_prompt describes the embedded trainer"):
+        SimConfig(model="qwen3-8b", hardware="h100", gpus=8, workload=single.workload, train=TrainParallel(dp=8),
+                  share_prompt=True)
+
+
+def test_trainer_operators_cost_train_op_s():
+    """A profile with the trainer's own per-operator cost charges every operator of the train step at it, and
+    nothing else changes; a profile from before it existed charges `op_overhead_s`."""
+    import dataclasses
+
+    cfg = cpu_config(LengthDist(mean=22.6, max_tokens=96, sigma=0.3))
+    _, _, target, _ = build(cfg, HW)
+    assert HW.train_op_s == HW.op_overhead_s  # the committed profile predates the figure
+    slower = dataclasses.replace(HW, train_op_s=HW.op_overhead_s + 1e-6)
+    extra = cpu_train.train_time(cfg, slower, target, None) - cpu_train.train_time(cfg, HW, target, None)
+    assert extra == pytest.approx(1e-6 * cpu_train.train_step_ops(cfg, target))
+    assert cpu_train.logprob_time(cfg, slower, target) == cpu_train.logprob_time(cfg, HW, target)

@@ -67,6 +67,23 @@ def test_trainer_counts(cfg):
     assert close(one.optimizer, eager.OPT_FIXED + eager.OPT_PER_TENSOR * one.param_tensors), one
 
 
+@pytest.mark.parametrize("cfg", [op_census.with_layers(QWEN3, 2), QWEN3, op_census.with_layers(LLAMA, 3)],
+                         ids=["qwen3-2", "qwen3-4", "llama-3"])
+def test_shared_prompt_trainer_counts(cfg):
+    """The same two passes with the rows' prompts shared in pairs (a prefix pass, then suffix passes): totals to
+    3 %, and the operators sharing adds (shared minus unshared on the same layout) to 3 % as well, so the prefix and
+    suffix terms are pinned on their own and not hidden inside the much larger unshared count."""
+    for budget, fold, n in ((0, False, 1), (32, True, 2)):
+        plain = op_census.trainer_pass(cfg, tokens=16, budget=budget, fold=fold, shared=False)
+        shared = op_census.trainer_pass(cfg, tokens=16, budget=budget, fold=fold, shared=True)
+        assert shared.micro_batches == n
+        assert close(shared.logprob, eager.logprob_ops(cfg, n, shared=True)), shared
+        assert close(shared.train, eager.train_ops(cfg, n, fold=fold, shared=True)), shared
+        assert close(shared.logprob - plain.logprob, eager.logprob_ops(cfg, n, shared=True) - eager.logprob_ops(cfg, n))
+        assert close(shared.train - plain.train,
+                     eager.train_ops(cfg, n, fold=fold, shared=True) - eager.train_ops(cfg, n, fold=fold))
+
+
 def test_logprob_stage_bookkeeping_counts():
     """What the logprob stage does besides the recompute (batch assembly, mismatch metric): per rollout and fixed."""
     eight, sixteen = op_census.batch_assembly(8), op_census.batch_assembly(16)
