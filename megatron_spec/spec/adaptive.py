@@ -69,12 +69,11 @@ class AdaptiveController:
         match, and the verify pass is as wide for that sequence either way (the batch is padded to k + 1). Counting
         only sequences that drafted would price a lookup drafter as if it always had k tokens to offer, and the
         controller would speculate where most rows of the batch pay for a verify pass and get one token."""
-        d, a = np.asarray(drafted)[:, None], np.asarray(accepted)[:, None]
-        pos = np.arange(self.k_max)[None]
-        offered = ((pos < self.asked) & (a >= pos)).sum(0)
-        hits = ((d > pos) & (a > pos)).sum(0)
-        seen = offered > 0
-        self.accept[seen] += self.ema * (hits[seen] / offered[seen] - self.accept[seen])
+        for i in range(min(self.asked, self.k_max)):
+            offered = sum(a >= i for a in accepted)
+            if offered:
+                hits = sum(d > i and a > i for d, a in zip(drafted, accepted))
+                self.accept[i] += self.ema * (hits / offered - self.accept[i])
 
     @property
     def calibrated(self) -> bool:
@@ -104,29 +103,37 @@ class AdaptiveController:
         self.refresh_fits()
         rates = self.rates(batch)
         rates[0] *= self.margin  # speculate only for a clear gain: ties and noise go to plain decoding
-        return int(np.argmax(rates))
+        return max(range(len(rates)), key=rates.__getitem__)
 
-    def rates(self, batch: int) -> np.ndarray:
+    def rates(self, batch: int) -> list[float]:
         """Expected tokens per second for the batch at every draft length k = 0..k_max, from the fitted costs."""
-        ks = np.arange(self.k_max + 1)
-        cost = self.t_step(batch, ks + 1) + np.where(ks > 0, self.t_draft(batch, ks), 0.0)
-        return batch * self.expected_tokens(ks) / cost
+        gains = self.expected_tokens()
+        return [batch * gains[k] / (self.t_step(batch, k + 1) + (self.t_draft(batch, k) if k else 0.0))
+                for k in range(self.k_max + 1)]
 
-    def expected_tokens(self, k):
-        """1 + sum_{j<=k} prod_{i<=j} a_i, for one k or an array of them."""
-        return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(self.accept))])[k]
+    def expected_tokens(self) -> list[float]:
+        """1 + sum_{j<=k} prod_{i<=j} a_i for k = 0..k_max."""
+        out, reach = [1.0], 1.0
+        for a in self.accept.tolist():
+            reach *= a
+            out.append(out[-1] + reach)
+        return out
 
     # -- the fitted costs -------------------------------------------------------------------------------------
-    def t_step(self, batch: int, tokens):
-        """Fitted step time of `batch` sequences feeding `tokens` each (a number or an array)."""
+    # Plain Python on a handful of floats, not numpy: a decision runs between two ~1 ms engine steps, where a
+    # numpy call's fixed cost is not what a micro-benchmark shows (its code and data are out of cache by then):
+    # the numpy version of `best_k` took ~240 us per call inside a tiny-model rollout (30 us in a loop), and the
+    # refit ~490 us, which cost 5 % of every step while speculation was off.
+    def t_step(self, batch: int, tokens: int) -> float:
+        """Fitted step time of `batch` sequences feeding `tokens` each."""
         coef, row = self._step_fit
-        return np.maximum(design(row, batch, tokens) @ coef, 1e-6)
+        return max(dot(coef, row(batch, tokens)), 1e-6)
 
-    def t_draft(self, batch: int, k):
+    def t_draft(self, batch: int, k: int) -> float:
         if self._draft_fit is None:
-            return np.zeros_like(np.asarray(k, dtype=float))
+            return 0.0
         coef, row = self._draft_fit
-        return np.maximum(design(row, batch, k) @ coef, 0.0)
+        return max(dot(coef, row(batch, k)), 0.0)
 
     def refresh_fits(self) -> None:
         if self.steps - self._fit_step < self.refit_every and self._step_fit is not None:
@@ -137,10 +144,10 @@ class AdaptiveController:
     def fit_step(self):
         """t = c0 + c1 * B * T (+ c2 * B once several batch sizes were seen: a run whose batch never shrinks says
         nothing about that term, and an under-determined fit would extrapolate nonsense)."""
-        b, t, y = np.array([(b, t, s) for t, window in self.step_obs.items() for b, s in window]).T
-        with_b = len(set(b)) >= 2 and len(set(zip(b, t))) >= 3
-        row = (lambda b, t: [1.0, b * t, b]) if with_b else (lambda b, t: [1.0, b * t])
-        return np.linalg.lstsq(design(row, b, t), y, rcond=None)[0], row
+        obs = [(b, t, s) for t, window in self.step_obs.items() for b, s in window]
+        with_b = len({b for b, _, _ in obs}) >= 2 and len({(b, t) for b, t, _ in obs}) >= 3
+        row = (lambda b, t: (1.0, b * t, b)) if with_b else (lambda b, t: (1.0, b * t))
+        return least_squares([row(b, t) for b, t, _ in obs], [s for *_, s in obs]), row
 
     def fit_draft(self):
         """t = d * k until three distinct (B, k) were seen, then d0 + d1 * k + d2 * k * B."""
@@ -148,12 +155,33 @@ class AdaptiveController:
             return None
         if len({(b, k) for b, k, _ in self.draft_obs}) < 3:
             per_k = sum(t for *_, t in self.draft_obs) / sum(k for _, k, _ in self.draft_obs)
-            return np.array([per_k]), lambda b, k: [k]
-        row = lambda b, k: [1.0, k, k * b]  # noqa: E731
-        b, k, y = np.array(self.draft_obs).T
-        return np.linalg.lstsq(design(row, b, k), y, rcond=None)[0], row
+            return (per_k,), lambda b, k: (k,)
+        row = lambda b, k: (1.0, k, k * b)  # noqa: E731
+        return least_squares([row(b, k) for b, k, _ in self.draft_obs], [t for *_, t in self.draft_obs]), row
 
 
-def design(row, batch, size) -> np.ndarray:
-    """The design matrix [..., features] of `row` at batch sizes and step sizes (numbers or arrays, broadcast)."""
-    return np.stack(np.broadcast_arrays(*(np.asarray(x, dtype=float) for x in row(batch, size))), -1)
+def dot(a, b) -> float:
+    return sum(x * y for x, y in zip(a, b))
+
+
+def least_squares(rows: list[tuple[float, ...]], y: list[float]) -> tuple[float, ...]:
+    """argmin ||X c - y|| for a few columns, by the normal equations with a relative ridge of 1e-9 (so a rank-
+    deficient design, e.g. every observation at one k, gives a finite near-minimum-norm answer instead of failing),
+    solved by Gaussian elimination with partial pivoting."""
+    n = len(rows[0])
+    a = [[dot([r[i] for r in rows], [r[j] for r in rows]) for j in range(n)] for i in range(n)]
+    rhs = [dot([r[i] for r in rows], y) for i in range(n)]
+    ridge = 1e-9 * max(a[i][i] for i in range(n))
+    for i in range(n):
+        a[i][i] += ridge
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot], rhs[col], rhs[pivot] = a[pivot], a[col], rhs[pivot], rhs[col]
+        for r in range(col + 1, n):
+            f = a[r][col] / a[col][col]
+            a[r] = [x - f * z for x, z in zip(a[r], a[col])]
+            rhs[r] -= f * rhs[col]
+    coef = [0.0] * n
+    for i in reversed(range(n)):
+        coef[i] = (rhs[i] - dot(a[i][i + 1 :], coef[i + 1 :])) / a[i][i]
+    return tuple(coef)
