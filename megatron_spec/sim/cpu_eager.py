@@ -29,6 +29,7 @@ the kind of work but not the case being predicted:
   the same operators run up to twice as fast (inputs left in cache), which a pass does not see. (Derived before as
   a stand-in layer's forward less its products, attention and operators, this difference of timings moved
   40-110 GB/s between calibrations on this shared host.)
+- `train_op_s`, `train_work`: two stand-in trainers' steps against their model (`trainer_figures`).
 - `attn_score_s`: the engine's written-out grouped-query attention (`models.layers.attend`) over 64 sequences x 4
   heads, 4 queries x 64 keys each (a verify step's shape), per score, less the score's 4 x 32 FLOPs at the
   cache-resident matmul rate. Torch's fused kernel, which the trainer uses, costs about the same per score at the
@@ -49,12 +50,18 @@ STAND_IN = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=16, num_hi
 SEQ_BATCHES = (1, 96)
 ACT_SHAPE = (8, 512, 128)  # sequences, tokens, width of one activation tensor (2 MB), tiny-model wide
 ACT_TENSORS = 24  # rotated through: 48 MB, beyond what the cores' caches hold
-TRAIN_STAND_IN = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=64, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=192,
-                             max_position_embeddings=512)
-TRAIN_WORKLOAD = dict(prompts_per_step=4, group_size=8, prompt_len=8,
-                      response=dict(mean=16.0, max_tokens=48, sigma=0.4))  # the stand-in trainer's batch
-TRAIN_BUDGET = 256  # its micro-batch budget: several micro-batches, as the validated runs have
+TRAIN_STAND_INS = (
+    # (model, workload, micro-batch budget): two trainer stand-ins at the two extremes, neither a model or batch the
+    # simulator is validated on. The first is operators (82 % of its modelled step): 64 wide, 2 layers, 4 prompts x 8
+    # short rollouts in 256-token micro-batches. The second is arithmetic and traffic (96 %): 128 wide, 2 layers,
+    # 2 prompts x 8 rollouts of 128 positions in one batch.
+    (ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, intermediate_size=192, max_position_embeddings=512),
+     dict(prompts_per_step=4, group_size=8, prompt_len=8, response=dict(mean=16.0, max_tokens=48, sigma=0.4)), 256),
+    (ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, intermediate_size=384, max_position_embeddings=512),
+     dict(prompts_per_step=2, group_size=8, prompt_len=16, response=dict(mean=112.0, max_tokens=112, sigma=0.0)), 0),
+)
 ATTN_SHAPE = (64, 4, 2, 4, 64, 32)  # sequences, query heads, kv heads, queries, keys, head dim
 DENSE_SHAPE = (8, 128, 128, 384)  # sequences, tokens, width, MLP width: a ~1000-token micro-batch, tiny-model wide
 
@@ -247,18 +254,33 @@ def trainer_step_seconds(model: ModelConfig, workload: dict, budget: int, clock,
         return min_time(step, 10, clock=clock), cfg
 
 
-def train_op_seconds(clock, min_time, hw) -> float:
-    """The cost of one of the trainer's operators: what one `train_step` of the embedded trainer takes on a
-    stand-in beyond its model's arithmetic and memory traffic, per operator it launches. The stand-in is
-    TRAIN_STAND_IN (64 wide, 2 layers) on TRAIN_WORKLOAD (4 prompts x 8 rollouts, shared prompts, micro-batches of
-    TRAIN_BUDGET), modelled by `cpu_train.train_time` on the profile's other figures (`hw`); operators dominate
-    its step, so the difference is what they cost inside a train step: autograd records each and schedules its
-    backward, and the trainer's Python runs between them (~10 % of a tiny-model step under the profiler, outside
-    any operator). ~3.3 us here, against ~2.4 us per operator of an inference forward (`op_overhead_s`)."""
+def trainer_figures(clock, min_time, hw) -> dict[str, float]:
+    """`train_op_s` and `train_work`: one `train_step` of the embedded trainer on each of TRAIN_STAND_INS against
+    its model (`cpu_train.train_time` on the profile's other figures, `hw`), solved for the cost of one trainer
+    operator and a factor on the step's arithmetic and traffic (products, attention, elementwise, optimizer):
+
+        measured_i = train_work x modelled work_i + train_op_s x operators_i,   i = the two stand-ins
+
+    What they carry, the other micro-benchmarks cannot see. Per operator: autograd records each and schedules
+    its backward, and the trainer's Python runs between them (~10 % of a tiny-model step under the profiler,
+    outside any operator): ~3.2 us against 2.4 for an inference forward's operator. Per unit of work: inside a
+    step, products read transposed views of tensors other operators just wrote and elementwise operators meet
+    narrow rows and broadcasts, so the step's arithmetic runs ~15 % slower than the stand-in micro-benchmarks
+    (`dense_flops`, `act_bw`) say. The stand-ins sit at the two extremes (module constants) so that each figure is
+    pinned by the stand-in it dominates. The GPU model's training MFU plays the same part. A busy machine can give
+    a nonsense solution; then the figures fall back to `op_overhead_s` and 1."""
     from . import cpu_train
     from .shapes import shape_of
 
-    measured, cfg = trainer_step_seconds(TRAIN_STAND_IN, TRAIN_WORKLOAD, TRAIN_BUDGET, clock, min_time)
-    shape = shape_of(TRAIN_STAND_IN, kv_dtype_bytes=4)
-    work = cpu_train.train_time(cfg, replace(hw, train_op_s=0.0), shape, None)
-    return max(measured - work, 0.0) / cpu_train.train_step_ops(cfg, shape) or hw.op_overhead_s
+    rows = []
+    for model, workload, budget in TRAIN_STAND_INS:
+        measured, cfg = trainer_step_seconds(model, workload, budget, clock, min_time)
+        shape = shape_of(model, kv_dtype_bytes=4)
+        work = cpu_train.train_time(cfg, replace(hw, train_op_s=0.0, train_work=1.0), shape, None)
+        rows.append((work, cpu_train.train_step_ops(cfg, shape), measured))
+    (w1, n1, t1), (w2, n2, t2) = rows
+    det = w1 * n2 - w2 * n1
+    work, op_s = (t1 * n2 - t2 * n1) / det, (w1 * t2 - w2 * t1) / det
+    if not (0.5 < work < 3 and 0 < op_s < 20 * hw.op_overhead_s):
+        return {"train_op_s": hw.op_overhead_s, "train_work": 1.0}
+    return {"train_op_s": op_s, "train_work": work}

@@ -63,8 +63,11 @@ class CpuProfile:
     attn_score_s: float
     """Torch's CPU attention cost per (query, key) score beyond its FLOPs, seconds."""
     train_op_s: float = 0.0
-    """Cost of one operator of the trainer's step (autograd included), seconds (`cpu_eager.train_op_seconds`);
+    """Cost of one operator of the trainer's step (autograd included), seconds (`cpu_eager.trainer_figures`);
     0 in profiles measured before it existed, which then charge `op_overhead_s`."""
+    train_work: float = 1.0
+    """The trainer step's arithmetic and traffic, measured over modelled (`cpu_eager.trainer_figures`); 1.0 in
+    profiles measured before it existed."""
     machine: str = ""
     """Processor / platform description, to notice a profile copied from another machine."""
     note: str = ""
@@ -72,7 +75,7 @@ class CpuProfile:
 
     def __post_init__(self) -> None:
         for name in ("dram_bw", "cache_bw", "cache_flops", "row_s", "gemm_flops", "mem_bytes", "dense_flops",
-                     "act_bw"):
+                     "act_bw", "train_work"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"CpuProfile.{name} must be > 0, got {getattr(self, name)}")
         # The fixed costs may be 0: `without_overheads` builds the pure roofline to show what they are worth.
@@ -93,7 +96,7 @@ class CpuProfile:
             is_gpu=False, overlap=False,
             cache_bytes=self.cache_bytes, cache_bw=self.cache_bw, cache_flops=self.cache_flops, row_s=self.row_s,
             dense_flops=self.dense_flops, act_bw=self.act_bw, attn_score_s=self.attn_score_s,
-            train_op_s=self.train_op_s or self.op_overhead_s,
+            train_op_s=self.train_op_s or self.op_overhead_s, train_work=self.train_work,
         )
 
     def save(self, path: str | Path) -> Path:
@@ -178,7 +181,7 @@ def measure(threads: int = DEFAULT_THREADS) -> CpuProfile:
     import torch
     import torch.nn.functional as F
 
-    from .cpu_eager import measure_eager, op_seconds, train_op_seconds
+    from .cpu_eager import measure_eager, op_seconds, trainer_figures
 
     load_before = os.getloadavg()[0]
     previous = torch.get_num_threads()
@@ -229,10 +232,10 @@ def measure(threads: int = DEFAULT_THREADS) -> CpuProfile:
                              machine=f"{platform.machine()} {platform.processor()} {os.cpu_count()} cpus".strip(),
                              **eager)
         # Last: the trainer stand-in is modelled with every other figure.
-        train_op_s = train_op_seconds(clock, min_time, profile.to_hardware())
+        trainer = trainer_figures(clock, min_time, profile.to_hardware())
     finally:
         torch.set_num_threads(previous)
-    return replace(profile, train_op_s=train_op_s,
+    return replace(profile, **trainer,
                    note=f"measured {time.strftime('%Y-%m-%d %H:%M')}, load average {load_before:.2f} before, "
                         f"{os.getloadavg()[0]:.2f} after")
 

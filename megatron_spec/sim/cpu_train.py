@@ -14,7 +14,8 @@ embedded trainer (`rl/policy.py`) on a CPU, which differs in ways that each matt
   beyond its FLOPs (`attention_time`), per row of each micro-batch at that micro-batch's length;
 - every operator costs `op_overhead_s` in a forward without autograd, and `train_op_s` (~3-4 us against ~2.4) in
   a train step, where autograd records it and schedules its backward and the trainer's Python runs between them
-  (measured on a stand-in trainer, `cpu_eager.train_op_seconds`); a train step launches ~450 (optimizer
+  (`cpu_eager.trainer_figures`, with `train_work`, the step's arithmetic and traffic measured over modelled on
+  stand-in trainers: ~1.1); a train step launches ~450 (optimizer
   included) + ~1150 per micro-batch on tiny-qwen3, more with shared prompts (`eager.py`);
 - with `fold_logprob` (the embedded trainer's default) the behaviour log-probs come from the train forward, so the
   `logprob` stage runs no forward: only its batch assembly, ~12 operators per rollout (~2 ms for 64 rollouts);
@@ -191,11 +192,12 @@ def train_time(cfg: SimConfig, hw: Hardware, target: CostShape, drafter: CostSha
     products, attention, elementwise, n, experts = _forward_work(cfg, hw, target, backward=True,
                                                                  drafter=drafter if online else None)
     optimizer = ADAMW_ACCESSES * FLOAT * target.total_params / hw.act_bw
-    return products + attention + elementwise + optimizer + train_step_ops(cfg, target) * hw.train_op_s
+    work = products + attention + elementwise + optimizer
+    return hw.train_work * work + train_step_ops(cfg, target, drafter if online else None) * hw.train_op_s
 
 
-def train_step_ops(cfg: SimConfig, target: CostShape) -> float:
-    """Operators one `train_step` launches on this workload (`eager.train_ops`)."""
+def train_step_ops(cfg: SimConfig, target: CostShape, drafter: CostShape | None = None) -> float:
+    """Operators one `train_step` launches on this workload (`eager.train_ops`), with `drafter` training online."""
     prefix, batches = passes(cfg)
     return eager.train_ops(cfg.model_config, len(batches), _experts_touched(target, batches), fold=cfg.fold_logprob,
-                           shared=prefix is not None)
+                           shared=prefix is not None, drafter=cfg.spec.drafter if drafter is not None else None)

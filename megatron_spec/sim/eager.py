@@ -152,6 +152,27 @@ SUFFIX_TRAIN_MB = 45
 """As SUFFIX_LOGPROB_MB, forward and backward."""
 
 
+@dataclass(frozen=True)
+class DrafterTrainOps:
+    per_step: int
+    """Once per `train_step`: zeroing, clipping and AdamW over the drafter's parameter tensors."""
+    per_mb: int
+    """Per micro-batch: the drafter's forward on the detached states, its soft cross-entropy and its backward."""
+    qk_norms: int = 0
+    """With a QK-norm target, the q/k norms its layer applies per micro-batch (2 per pass through the layer)."""
+
+
+DRAFTER_TRAIN = {
+    # The online drafter update (`EmbeddedPolicy.train_drafter`), counted by `op_census.trainer_pass(drafter=...)`
+    # against the same step without it, for a target without QK-norm; with QK-norm an MTP / EAGLE-3 layer adds its
+    # two norms' parameters (OPT_PER_TENSOR each per step) and `qk_norms` norm applications per micro-batch
+    # (TRAIN_NORM each). A draft model has its own config.
+    "mtp": DrafterTrainOps(per_step=131, per_mb=337, qk_norms=2),
+    "eagle3": DrafterTrainOps(per_step=132, per_mb=641, qk_norms=4),  # the head's layer runs twice (unrolled)
+    "model": DrafterTrainOps(per_step=140, per_mb=347),
+}
+
+
 def norms_per_layer(m: ModelConfig) -> int:
     return 4 if m.qk_norm else 2
 
@@ -196,10 +217,11 @@ def batch_ops(rows: float) -> float:
 
 
 def train_ops(m: ModelConfig, micro_batches: int = 1, experts_touched: float = 0.0, fold: bool = False,
-              shared: bool = False) -> float:
+              shared: bool = False, drafter: str | None = None) -> float:
     """Operators of one `train_step` (forward, backward, clipping and AdamW) over `micro_batches` micro-batches;
     `experts_touched` per MoE layer summed over the micro-batches; `fold`: the behaviour log-probs are taken from
-    this forward (`grpo.fold_logprob`); `shared`: through shared prompts."""
+    this forward (`grpo.fold_logprob`); `shared`: through shared prompts; `drafter` (mtp, eagle3, model): the kind
+    of drafter that trains online in the step."""
     moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
     layer = TRAIN_LAYER + TRAIN_NORM * norms_per_layer(m)
     per_mb = TRAIN_MB + m.num_hidden_layers * layer
@@ -208,6 +230,11 @@ def train_ops(m: ModelConfig, micro_batches: int = 1, experts_touched: float = 0
     if shared:
         passes += PREFIX_TRAIN + m.num_hidden_layers * (layer + PREFIX_TRAIN_LAYER)
         passes += micro_batches * (SUFFIX_TRAIN_MB + m.num_hidden_layers * SUFFIX_TRAIN_LAYER)
+    if drafter in DRAFTER_TRAIN:
+        ops = DRAFTER_TRAIN[drafter]
+        qk = m.qk_norm and ops.qk_norms > 0
+        passes += ops.per_step + (2 * OPT_PER_TENSOR if qk else 0)
+        passes += micro_batches * (ops.per_mb + (TRAIN_NORM * ops.qk_norms if qk else 0))
     return passes + OPT_FIXED + OPT_PER_TENSOR * param_tensors(m)
 
 

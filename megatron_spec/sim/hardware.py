@@ -70,7 +70,11 @@ class Hardware:
     softmax), seconds; the engine's written-out attention and the trainer's fused kernel both pay it."""
     train_op_s: float = 0.0
     """Host cost of one operator of the CPU trainer's step, autograd's recording and backward scheduling and the
-    trainer's Python included (`cpu_eager.train_op_seconds`), seconds; 0 on GPUs."""
+    trainer's Python included (`cpu_eager.trainer_figures`), seconds; 0 on GPUs."""
+    train_work: float = 1.0
+    """The CPU trainer step's arithmetic and traffic (products, attention, elementwise, optimizer) over what
+    `dense_flops`, `act_bw` and the attention figures give, measured on stand-in trainers
+    (`cpu_eager.trainer_figures`): the CPU's counterpart of a training MFU. 1 on GPUs."""
 
     def __post_init__(self) -> None:
         for field in ("flops_bf16", "mem_bw", "mem_bytes", "link_bw", "net_bw", "fp8_speedup"):
@@ -79,7 +83,7 @@ class Hardware:
         if self.domain_size < 1:
             raise ValueError(f"Hardware {self.name!r}: domain_size must be >= 1, got {self.domain_size}")
         for field in ("op_overhead_s", "seq_overhead_s", "seq_layer_s", "dense_flops", "act_bw", "attn_score_s",
-                      "train_op_s"):
+                      "train_op_s", "train_work"):
             if getattr(self, field) < 0:
                 raise ValueError(f"Hardware {self.name!r}: {field} must be >= 0, got {getattr(self, field)}")
 

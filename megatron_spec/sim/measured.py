@@ -41,6 +41,10 @@ DEFAULT_MEASUREMENT = Path("benchmarks/results/bench_step_cpu.json")
 COMMITTED_MEASUREMENTS = (Path("benchmarks/results/measured_step_tiny_plain.json"),
                           Path("benchmarks/results/measured_step_tiny_spec.json"))
 COMMITTED_PROFILE = Path("benchmarks/results/sim_cpu_profile.json")
+CURRENT_TRAINER = Path("benchmarks/results/validation_b_2026-11-23")
+"""A later pair: `bench step --steps 6 --drafters mtp` with the trainer's defaults of 2026-11-23 (1024-token
+micro-batches, folded recompute, shared prompts; MTP trained online) in `measured_{plain,spec}.json`, and the CPU
+profile calibrated right after it in `cpu_profile.json` (with `train_op_s` and `train_work`)."""
 TOLERANCE = 0.15  # relative, for stages long enough to time (>= MIN_STAGE_S) and for the step total
 MIN_STAGE_S = 0.01  # shorter stages are host bookkeeping the model does not describe; compared in absolute terms
 OLD_TRAINER = {"micro_batch_tokens": 0, "fold_logprob": False, "share_prompt": False}

@@ -57,24 +57,32 @@ class StepCensus:
         return self.step - self.forward - self.propose
 
 
+def make_drafter(cfg: ModelConfig, method: str | None):
+    """A random-weight drafter for a target of `cfg`: an MTP module, an EAGLE-3 head, the `tiny-draft` preset with
+    `cfg`'s vocabulary for draft_model; None for lookup drafters and plain decoding."""
+    from megatron_spec.models import MTP, CausalLM, Eagle3Config, Eagle3Head, preset
+
+    if method == "mtp":
+        return MTP(cfg)
+    if method == "eagle3":
+        return Eagle3Head(cfg, Eagle3Config(target_num_layers=cfg.num_hidden_layers))
+    if method == "draft_model":
+        return CausalLM(dataclasses.replace(preset("tiny-draft"), vocab_size=cfg.vocab_size))
+    return None
+
+
 def build_engine(cfg: ModelConfig, method: str | None, k: int = 3, max_num_seqs: int = 256):
     """An `LLMEngine` over a random-weight model of `cfg`, speculating with `method` (mtp, eagle3, draft_model,
     ngram) or plain; the draft model for draft_model is the `tiny-draft` preset with `cfg`'s vocabulary."""
     import torch
 
     from megatron_spec.engine import LLMEngine
-    from megatron_spec.models import MTP, CausalLM, Eagle3Config, Eagle3Head, preset
+    from megatron_spec.models import CausalLM
     from megatron_spec.spec.config import SpecConfig
 
     torch.manual_seed(0)
     model = CausalLM(cfg)
-    drafter = None
-    if method == "mtp":
-        drafter = MTP(cfg)
-    elif method == "eagle3":
-        drafter = Eagle3Head(cfg, Eagle3Config(target_num_layers=cfg.num_hidden_layers))
-    elif method == "draft_model":
-        drafter = CausalLM(dataclasses.replace(preset("tiny-draft"), vocab_size=cfg.vocab_size))
+    drafter = make_drafter(cfg, method)
     spec = SpecConfig(method, k) if method else None
     return LLMEngine(model, max_num_seqs=max_num_seqs, spec=spec, drafter=drafter)
 
@@ -126,24 +134,26 @@ class TrainCensus:
 
 
 def trainer_pass(cfg: ModelConfig, batch: int = 4, tokens: int = 16, budget: int = 0,
-                 fold: bool = False, shared: bool = False) -> TrainCensus:
+                 fold: bool = False, shared: bool = False, drafter: str | None = None) -> TrainCensus:
     """Count the embedded trainer's `logprobs` and `train_step` on a random batch of `batch` x `tokens` ids whose
     odd rows end 4 tokens early, cut into micro-batches with the padded-token budget `budget` (0: one micro-batch;
     `2 * tokens` gives two of two rows each, the second cropped), the behaviour log-probs recomputed or, with
     `fold`, taken from the train forward. With `shared`, rows come in pairs that hold the same prompt (the first
     half of the row), which the trainer computes once (`grpo.share_prompt`: a prefix pass, then suffix passes);
-    without it every prompt differs, so nothing is shared. The counts depend on the architecture and the number of
+    without it every prompt differs, so nothing is shared. `drafter` (mtp, eagle3, draft_model) trains online in
+    the step, on the micro-batches' detached states. The counts depend on the architecture and the number of
     micro-batches (and on how many are cropped or hold a single row), not on the sizes."""
     import torch
 
     from megatron_spec.models import CausalLM
-    from megatron_spec.rl.config import GRPOSection
+    from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
     from megatron_spec.rl.policy import Batch, EmbeddedPolicy
 
     torch.manual_seed(0)
     model = CausalLM(cfg)
     grpo = GRPOSection(micro_batch_tokens=budget, fold_logprob=fold, share_prompt=shared)
-    policy = EmbeddedPolicy(model, grpo, dict(temperature=1.0, top_k=0, top_p=1.0))
+    policy = EmbeddedPolicy(model, grpo, dict(temperature=1.0, top_k=0, top_p=1.0), drafter=make_drafter(cfg, drafter),
+                            drafter_method=drafter, drafter_cfg=DrafterTrainSection() if drafter else None)
     ids = torch.randint(3, cfg.vocab_size, (batch, tokens))
     if shared:
         ids[1::2, : tokens // 2] = ids[0::2, : tokens // 2]

@@ -84,6 +84,20 @@ def test_shared_prompt_trainer_counts(cfg):
                      eager.train_ops(cfg, n, fold=fold, shared=True) - eager.train_ops(cfg, n, fold=fold))
 
 
+@pytest.mark.parametrize("cfg", [QWEN3, op_census.with_layers(LLAMA, 3)], ids=["qwen3-4", "llama-3"])
+@pytest.mark.parametrize("drafter", ["mtp", "eagle3", "draft_model"])
+def test_online_drafter_update_counts(cfg, drafter):
+    """The operators an online drafter update adds to a train step (shared prompts, folded recompute), over one
+    micro-batch and two, against the same step without it: per step and per micro-batch, to 3 %."""
+    kind = "model" if drafter == "draft_model" else drafter
+    for budget, n in ((0, 1), (32, 2)):
+        plain = op_census.trainer_pass(cfg, budget=budget, fold=True, shared=True)
+        online = op_census.trainer_pass(cfg, budget=budget, fold=True, shared=True, drafter=drafter)
+        modelled = (eager.train_ops(cfg, n, fold=True, shared=True, drafter=kind)
+                    - eager.train_ops(cfg, n, fold=True, shared=True))
+        assert close(online.train - plain.train, modelled), (budget, online.train - plain.train, modelled)
+
+
 def test_logprob_stage_bookkeeping_counts():
     """What the logprob stage does besides the recompute (batch assembly, mismatch metric): per rollout and fixed."""
     eight, sixteen = op_census.batch_assembly(8), op_census.batch_assembly(16)
