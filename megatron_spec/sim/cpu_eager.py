@@ -24,8 +24,9 @@ the kind of work but not the case being predicted:
   SwiGLU-style product and a residual add (17 float accesses per element forward) over 2 MB activations (8 x 512
   tokens x 128), forward and backward, rotating through 24 of them (48 MB, more than the cores' caches hold, as a
   pass's saved activations are), less the operators' fixed cost (~5 %), per byte of the forward's traffic x 3 (the
-  trainer model's backward = 2 x forward). ~40-50 GB/s here, as the elementwise share of a real train step reads
-  from the profiler (other operators' self time less their fixed cost: ~40). Forward alone, or on one tensor pair,
+  trainer model's backward = 2 x forward). 56-82 GB/s over ten calibrations here; the elementwise share of a real
+  train step, read from the profiler (other operators' self time less their fixed cost), runs nearer 40, a gap
+  `train_work` carries. Forward alone, or on one tensor pair,
   the same operators run up to twice as fast (inputs left in cache), which a pass does not see. (Derived before as
   a stand-in layer's forward less its products, attention and operators, this difference of timings moved
   40-110 GB/s between calibrations on this shared host.)
@@ -52,9 +53,9 @@ ACT_SHAPE = (8, 512, 128)  # sequences, tokens, width of one activation tensor (
 ACT_TENSORS = 24  # rotated through: 48 MB, beyond what the cores' caches hold
 TRAIN_STAND_INS = (
     # (model, workload, micro-batch budget): two trainer stand-ins at the two extremes, neither a model or batch the
-    # simulator is validated on. The first is operators (82 % of its modelled step): 64 wide, 2 layers, 4 prompts x 8
-    # short rollouts in 256-token micro-batches. The second is arithmetic and traffic (96 %): 128 wide, 2 layers,
-    # 2 prompts x 8 rollouts of 128 positions in one batch.
+    # simulator is validated on. The first is mostly operators (~80 % of its modelled step): 64 wide, 2 layers,
+    # 4 prompts x 8 short rollouts in 256-token micro-batches. The second is mostly arithmetic and traffic (~87 %):
+    # 128 wide, 2 layers, 2 prompts x 8 rollouts of 128 positions in one batch.
     (ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, head_dim=32, intermediate_size=192, max_position_embeddings=512),
      dict(prompts_per_step=4, group_size=8, prompt_len=8, response=dict(mean=16.0, max_tokens=48, sigma=0.4)), 256),
