@@ -17,15 +17,17 @@ run() {  # run NAME OVERRIDES...: the recipe, with every rollout's tokens record
   echo "$name $(python -c "import time; print(round(time.time() - $t0, 1))") s" | tee -a $R/logs/walltimes.txt
 }
 
+# Speculative runs pin k=3 (spec.adaptive=false): the recipe's adaptive controller would keep speculation off at
+# the tiny model's batch of 64, where it does not pay, and the comparison would then test nothing.
 # Greedy rollouts, 10 steps: plain and speculative must match exactly.
 run greedy_plain_s0 run.steps=10 run.seed=0 grpo.temperature=0 run.out_dir=$R/greedy/plain_s0 spec=null
-run greedy_spec_s0  run.steps=10 run.seed=0 grpo.temperature=0 run.out_dir=$R/greedy/spec_s0
+run greedy_spec_s0  run.steps=10 run.seed=0 grpo.temperature=0 run.out_dir=$R/greedy/spec_s0 spec.adaptive=false
 python benchmarks/lossless/compare_runs.py $R/greedy/plain_s0 $R/greedy/spec_s0 --json $R/greedy_pair_s0.json
 
 # Sampled rollouts (recipe temperature 1.0), 30 steps, plain and speculative per seed.
 for s in $SEEDS; do
   run sampled_plain_s$s run.steps=30 run.seed=$s run.out_dir=$R/sampled/plain_s$s spec=null
-  run sampled_spec_s$s  run.steps=30 run.seed=$s run.out_dir=$R/sampled/spec_s$s
+  run sampled_spec_s$s  run.steps=30 run.seed=$s run.out_dir=$R/sampled/spec_s$s spec.adaptive=false
 done
 python benchmarks/lossless/summarize.py $R/sampled --seeds "$(echo $SEEDS | tr ' ' ,)" --json $R/sampled_summary.json
 

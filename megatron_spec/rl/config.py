@@ -134,7 +134,7 @@ class RLConfig:
     """Which policy, drafter and prompt format."""
     grpo: GRPOSection = field(default_factory=GRPOSection)
     """The algorithm."""
-    spec: SpecConfig | None = field(default_factory=lambda: SpecConfig("mtp", 3))
+    spec: SpecConfig | None = field(default_factory=lambda: SpecConfig("mtp", 3, adaptive=True))
     """Speculative rollouts (vLLM's speculative_config fields); None means plain decoding."""
     drafter_train: DrafterTrainSection = field(default_factory=DrafterTrainSection)
     """Online drafter training."""

@@ -26,7 +26,7 @@ def test_values_are_coerced_from_the_annotations():
     assert cfg.grpo.normalize_std is False and cfg.drafter_train.online is False
     assert cfg.model.task == "natural" and cfg.model.drafter is None
     assert cfg.run.out_dir == "runs/x y"
-    assert cfg.spec == SpecConfig("mtp", 5)
+    assert cfg.spec == SpecConfig("mtp", 5, adaptive=True)
     assert apply_overrides(RLConfig(), ["grpo.temperature=1"]).grpo.temperature == 1.0  # an int is a valid float
 
 
