@@ -24,7 +24,7 @@ def smollm2_grpo_spec() -> RLConfig:
     return RLConfig(
         model=ModelSection(policy="smollm2-135m", drafter=None, task="natural"),
         grpo=GRPOSection(prompts_per_step=4, group_size=4, max_tokens=64, lr=1e-6),
-        spec=SpecConfig("history", num_speculative_tokens=3),
+        spec=SpecConfig("history", num_speculative_tokens=3, adaptive=True),  # on only where it pays
         drafter_train=DrafterTrainSection(online=False),  # history has no weights to train
         run=RunSection(steps=10, out_dir="runs/smollm2", save_every=5, dataset_size=512, eval_prompts=16,
                        eval_every=5),
