@@ -38,6 +38,9 @@ class LLMEngine:
         self.proposer: Proposer = build_proposer(spec, model, drafter) if spec else Proposer()
         self.k_max = spec.num_speculative_tokens if spec else 0
         self.controller = AdaptiveController(self.k_max) if spec and spec.adaptive else None
+        self.drafted_last = False
+        """The previous step drafted. Only then is the drafter caught up: after a plain or prefill step an MTP /
+        EAGLE-3 head or a draft model first runs over the positions it missed, which is not what drafting costs."""
         self.cache: KVCache | None = None
 
     # -- the loop -------------------------------------------------------------------------------------------
@@ -46,6 +49,7 @@ class LLMEngine:
         starts = [s.num_cached for s in seqs]
         if is_prefill:
             logits, out = self.runner.prefill(seqs)
+            self.drafted_last = False
             emitted = self.accept(seqs, Drafts([[] for _ in seqs]), logits[:, None])
             valid = [len(s.prompt) for s in seqs]
         else:
@@ -71,11 +75,13 @@ class LLMEngine:
     def propose(self, seqs: list[Sequence]) -> Drafts:
         k = self.controller.choose_k(len(seqs)) if self.controller else self.k_max
         if k == 0:
+            self.drafted_last = False
             return Drafts([[] for _ in seqs])
         t0 = time.perf_counter()
         drafts = self.proposer.propose(seqs, k)
-        if self.controller:
+        if self.controller and self.drafted_last:  # steady-state drafting only (see `drafted_last`)
             self.controller.record_draft(len(seqs), k, time.perf_counter() - t0)
+        self.drafted_last = True
         return drafts
 
     def accept(self, seqs: list[Sequence], drafts: Drafts, logits: torch.Tensor):

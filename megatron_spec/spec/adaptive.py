@@ -17,8 +17,11 @@ that is what keeps it from ever being slower than plain decoding. At small B a v
 decode does (weights are read once either way), so the tail of a rollout gets the deepest k.
 
 The controller lives as long as its engine, so in RL it is calibrated after the first rollout. Until it is, it
-alternates plain steps with k=1 probes (cheap even where speculation cannot pay; the fit extrapolates to larger
-k). The first timing of each step size and the first drafting timing are dropped: they carry one-off costs (the
+alternates pairs of plain steps with pairs of k=1 probes (cheap even where speculation cannot pay; the fit
+extrapolates to larger k). The engine reports drafting times only for a step that follows a drafting step: after
+plain steps a hidden-state drafter or a draft model first catches up over the positions it skipped (an MTP head
+on the tiny model at batch 1: ~860 us per draft token so timed, ~490 steady), and a fit from those
+would keep speculation off for good once it had been off for a while. The first timing of each step size and the first drafting timing are dropped: they carry one-off costs (the
 first verify of a shape, the drafter catching up over every prompt) and a fit from one such outlier would rule
 for the rest of the run. The hot path (`choose_k` between decisions) is a dict lookup: decisions are refreshed
 every `decide_every` steps or when a new batch size appears, and the least-squares fits behind them at most every
@@ -94,7 +97,7 @@ class AdaptiveController:
         if cached is not None and self.steps - cached[1] < self.decide_every:
             return cached[0]
         if not self.calibrated:
-            return self.steps % 2  # explore: alternate k=1 probes with plain steps
+            return 1 if self.steps % 4 >= 2 else 0  # explore: pairs of k=1 probes (the engine times the second)
         k = self.best_k(batch)
         self._decisions[batch] = (k, self.steps)
         return k

@@ -338,3 +338,19 @@ def test_adaptive_least_squares_matches_numpy_and_survives_rank_deficiency():
     coef = least_squares(flat, times)
     assert all(np.isfinite(coef))
     assert [sum(c * x for c, x in zip(coef, r)) for r in flat] == pytest.approx(times, rel=1e-6)
+
+
+def test_adaptive_times_only_steady_state_drafting(target):
+    """A draft right after a plain (or prefill) step includes the hidden-state drafter catching up over the positions
+    it skipped, so the engine reports drafting times to the controller only for a drafting step that follows
+    another: with the choices 0, 1, 1, 0, 1, 1, 1 (then 0) exactly three drafting times arrive, each at k=1 or 2.
+    Unpaired probes would never calibrate the controller, so exploration probes come in pairs."""
+    engine = LLMEngine(target, spec=SpecConfig("mtp", 2, adaptive=True), drafter=MTP(target.config))
+    script = iter([0, 1, 1, 0, 1, 2, 1] + [0] * 64)
+    engine.controller.choose_k = lambda batch: next(script)
+    timed = []
+    engine.controller.record_draft = lambda batch, k, seconds: timed.append(k)
+    engine.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert timed == [1, 2, 1]
+    ctl = AdaptiveController(k_max=3)
+    assert [ctl.choose_k(8) for _ in range(8)] == [0, 1, 1, 0, 0, 1, 1, 0]  # uncalibrated: paired probes
