@@ -35,6 +35,10 @@ from collections import deque
 import numpy as np
 
 
+PRIOR_ACCEPT = 0.7  # per-position acceptance assumed before any is measured: optimistic, so speculation gets tried
+PRIOR_SEQS = 4  # how many sequences' worth of evidence that prior counts as
+
+
 class AdaptiveController:
     def __init__(self, k_max: int, margin: float = 1.05, probe_every: int = 64, decide_every: int = 8,
                  refit_every: int = 64, window: int = 32, ema: float = 0.1):
@@ -44,7 +48,9 @@ class AdaptiveController:
         self._seen_draft = False
         self.step_obs: dict[int, deque] = {}  # T -> (B, seconds); a window per T so rare verify sizes stay in the fit
         self.draft_obs: deque = deque(maxlen=4 * window)  # (B, k, seconds)
-        self.accept = np.full(k_max, 0.7)  # optimistic prior so speculation gets measured at all
+        self.accept = np.full(k_max, PRIOR_ACCEPT)  # optimistic prior so speculation gets measured at all
+        self._hits = [PRIOR_ACCEPT * PRIOR_SEQS] * k_max  # decayed counts behind `accept` (`record_acceptance`)
+        self._offered = [float(PRIOR_SEQS)] * k_max
         self.steps = 0
         self.asked = k_max  # the k of the latest choice
         self._decisions: dict[int, tuple[int, int]] = {}  # batch size -> (k, step decided)
@@ -71,12 +77,20 @@ class AdaptiveController:
         for, whether or not its drafter had an i-th token: a lookup drafter (n-gram, history) often finds no
         match, and the verify pass is as wide for that sequence either way (the batch is padded to k + 1). Counting
         only sequences that drafted would price a lookup drafter as if it always had k tokens to offer, and the
-        controller would speculate where most rows of the batch pay for a verify pass and get one token."""
+        controller would speculate where most rows of the batch pay for a verify pass and get one token.
+
+        The estimate is a ratio of exponentially decayed counts (hits / sequences offered, decayed by 1 - ema per
+        step), so each step weighs as much as it has sequences, and the optimistic prior counts as PRIOR_SEQS
+        sequences: one step of 64 sequences replaces it. (A moving average with a weight per step took ~20 steps of
+        a 64-sequence batch to wear the prior off: a third of a rollout spent speculating at a loss.)"""
+        decay = 1.0 - self.ema
         for i in range(min(self.asked, self.k_max)):
             offered = sum(a >= i for a in accepted)
             if offered:
                 hits = sum(d > i and a > i for d, a in zip(drafted, accepted))
-                self.accept[i] += self.ema * (hits / offered - self.accept[i])
+                self._hits[i] = decay * self._hits[i] + hits
+                self._offered[i] = decay * self._offered[i] + offered
+                self.accept[i] = self._hits[i] / self._offered[i]
 
     @property
     def calibrated(self) -> bool:

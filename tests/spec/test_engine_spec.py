@@ -354,3 +354,19 @@ def test_adaptive_times_only_steady_state_drafting(target):
     assert timed == [1, 2, 1]
     ctl = AdaptiveController(k_max=3)
     assert [ctl.choose_k(8) for _ in range(8)] == [0, 1, 1, 0, 0, 1, 1, 0]  # uncalibrated: paired probes
+
+
+def test_adaptive_acceptance_weighs_each_sequence():
+    """The acceptance estimate is decayed hits over decayed sequences offered, the prior (0.7) worth 4 sequences:
+    one verify step of 64 sequences of which 6 accepted their draft brings position 0 to (0.9 x 2.8 + 6) /
+    (0.9 x 4 + 64) = 0.126, where a per-step moving average (weight 0.1) would still say 0.64 and keep
+    speculating; a single sequence's miss moves it only to (0.9 x 2.8) / (0.9 x 4 + 1) = 0.548."""
+    ctl = AdaptiveController(k_max=2)
+    ctl.asked = 1
+    ctl.record_acceptance([1] * 64, [1] * 6 + [0] * 58)
+    assert ctl.accept[0] == pytest.approx((0.9 * 2.8 + 6) / (0.9 * 4 + 64))
+    assert ctl.accept[1] == pytest.approx(0.7)  # not asked for: unchanged
+    one = AdaptiveController(k_max=2)
+    one.asked = 1
+    one.record_acceptance([1], [0])
+    assert one.accept[0] == pytest.approx(0.9 * 2.8 / (0.9 * 4 + 1))
