@@ -15,7 +15,7 @@ index); the trainer with one micro-batch and with two of two rows each.
         = FORWARD + layers x (LAYER + NORM x norms per layer) + MoE layers x (ROUTER + EXPERT x experts touched)
     a target forward that samples adds SAMPLE (verify: rejection sampling, acceptance) or SAMPLE_PLAIN (decode)
     a draft forward = its decoder layers as above + DRAFTER[kind].per_forward; once per verify step
-        + DRAFTER[kind].per_step (hidden-state drafters store the target's features)
+        + DRAFTER[kind].per_step (hidden-state drafters store the target's features, right before they draft)
     the trainer runs its forwards over n length-bucketed micro-batches (`rl/microbatch.py`); per micro-batch
         logprob forward = LOGPROB_MB + layers x (LOGPROB_LAYER + LOGPROB_NORM x norms)
         train pass      = TRAIN_MB + layers x (TRAIN_LAYER + TRAIN_NORM x norms)       forward + backward + loss
@@ -66,17 +66,18 @@ class DrafterOps:
     per_forward: int
     """Operators of one draft forward besides the decoder layers it runs (and, for a draft model, its forward)."""
     per_step: int
-    """Operators once per verify step outside the draft forwards."""
+    """Operators once per verify step besides the draft forwards (counted within `propose`)."""
     per_seq: float = 0.0
     """Operators per sequence per draft forward (Python-side reads of single draft tokens)."""
 
 
 DRAFTER = {
     # MTP: token ids, embedding, two norms, concatenation, eh_proj, final norm, the shared head, draft choice, the
-    # drafter's KV view; per step, the target's hidden states are written into the feature buffer.
+    # drafter's KV view; per step, the target's hidden states held since the last draft are written into the
+    # feature buffer (steps that do not speculate only hold them: `HiddenStateProposer.observe`).
     "mtp": DrafterOps(per_forward=74, per_step=8),
     # EAGLE-3: as MTP with its own head and no eh_proj; per step, the three captured layers are concatenated and
-    # stored (fused by fc only on the rows a round drafts from, counted with its draft forwards).
+    # stored before the next draft (fused by fc only on the rows a round drafts from, counted with its draft forwards).
     "eagle3": DrafterOps(per_forward=64, per_step=12),
     # A draft model: its own full forward (counted like the target's) plus the draft choice; int() per token read.
     "model": DrafterOps(per_forward=9, per_step=0, per_seq=4.0),

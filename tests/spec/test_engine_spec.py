@@ -181,7 +181,7 @@ def test_incremental_eagle3_drafts_equal_drafts_from_scratch(target):
     _check_incremental(target, head, 3)
 
 
-def incremental_drafts(engine: LLMEngine) -> list[tuple[list[int], list[int]]]:
+def incremental_drafts(engine: LLMEngine, prompts=PROMPTS[:3], max_tokens=12) -> list[tuple[list[int], list[int]]]:
     """(sequence tokens before a round, drafts of that round) for every round of a short greedy generation."""
     proposer: HiddenStateProposer = engine.proposer
     seen, original = [], proposer.propose
@@ -193,7 +193,7 @@ def incremental_drafts(engine: LLMEngine) -> list[tuple[list[int], list[int]]]:
         return drafts
 
     proposer.propose = spy
-    engine.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=12))
+    engine.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
     assert len(seen) > 10
     return seen
 
@@ -338,6 +338,50 @@ def test_adaptive_least_squares_matches_numpy_and_survives_rank_deficiency():
     coef = least_squares(flat, times)
     assert all(np.isfinite(coef))
     assert [sum(c * x for c, x in zip(coef, r)) for r in flat] == pytest.approx(times, rel=1e-6)
+
+
+@pytest.mark.parametrize("method,max_pending", [("mtp", 64 << 20), ("mtp", 10_000), ("eagle3", 64 << 20),
+                                                ("eagle3", 10_000)])
+def test_hidden_drafters_after_spans_without_speculation(target, method, max_pending, monkeypatch):
+    """A hidden-state drafter holds the target states of steps that do not speculate and writes them in one batch
+    before its next draft (or once it holds `MAX_PENDING_BYTES`, here also a few steps' worth). Under a schedule of
+    k with spans of plain steps, and sequences joining freed slots (6 prompts, 4 slots), every draft equals the one
+    full forwards over the sequence give, and the greedy tokens equal plain decoding's. A state left unwritten or
+    written to the wrong place changes the drafts, and so does a depth of a 2-layer MTP head left out of a round
+    whose k is 1 (its keys would be missing from then on)."""
+
+    from itertools import cycle
+
+    from megatron_spec.spec.proposers import hidden
+
+    monkeypatch.setattr(hidden, "MAX_PENDING_BYTES", max_pending)
+    torch.manual_seed(7)
+    head = MTP(target.config, MTPConfig(2)) if method == "mtp" else Eagle3Head.from_target(target)
+    head.reset_parameters(std=0.15)
+    engine = LLMEngine(target, max_num_seqs=4, spec=SpecConfig(method, 3, adaptive=True), drafter=head)
+    script = cycle([0, 0, 0, 0, 0, 2, 3, 0, 0, 1])
+    engine.controller.choose_k = lambda batch: next(script)
+    for tokens, drafts in incremental_drafts(engine, PROMPTS, 30):
+        assert drafts == reference_hidden_drafts(target, head, tokens, len(drafts))
+    params = SamplingParams(temperature=0, max_tokens=30)
+    plain = LLMEngine(target, max_num_seqs=4).generate(PROMPTS, params)
+    script = cycle([0, 0, 0, 0, 0, 2, 3, 0, 0, 1])
+    assert [o.token_ids for o in engine.generate(PROMPTS, params)] == [o.token_ids for o in plain]
+
+
+def test_feature_writes_apply_in_order():
+    """`write_rows` applies several forwards' states (each as parts laid side by side, as EAGLE-3's captured layers
+    are) in one copy; where two land on one (slot, position), as when a freed slot takes a new sequence while writes
+    are held, the later one stands; padding positions are dropped."""
+    from megatron_spec.spec.proposers.hidden import write_rows
+
+    buffer = torch.zeros(2, 4, 2)
+    first = torch.arange(12.0).view(2, 3, 2)  # slots 0 and 1 from position 0; slot 1 has 1 valid position of 3
+    second = torch.full((1, 2, 2), -1.0)  # slot 1 again, positions 0-1: overwrites the first write's position 0
+    write_rows(buffer, [([0, 1], [0, 0], [3, 1], (first[..., :1], first[..., 1:])),
+                        ([1], [0], [2], (second[..., :1], second[..., 1:]))])
+    assert buffer[0, :3].tolist() == first[0].tolist() and buffer[0, 3].tolist() == [0, 0]
+    assert buffer[1].tolist() == [[-1, -1], [-1, -1], [0, 0], [0, 0]]
 
 
 def test_adaptive_times_only_steady_state_drafting(target):

@@ -46,18 +46,34 @@ def choose_mapped(logits: Tensor, d2t: Tensor | None, vocab_size: int, params, s
     return d2t[tokens], q
 
 
-def write_rows(buffer: Tensor, rows: list[int], starts: list[int], valid: list[int], feats: Tensor) -> None:
-    """buffer[rows[b], starts[b] + t] = feats[b, t] for the first valid[b] positions t of each sequence b (padding
-    positions past valid[b] are dropped). One `index_copy_` into the flattened buffer with indices built in Python:
-    this runs after every target forward, and on a ~1 ms decode step a tensor-built advanced-index write cost
-    several times as much (100 us against 17 us at batch 64)."""
-    B, T = feats.shape[:2]
+def write_rows(buffer: Tensor, writes: list[tuple[list[int], list[int], list[int], tuple[Tensor, ...]]]) -> None:
+    """Apply `writes` in order, each (rows, starts, valid, parts): buffer[rows[b], starts[b] + t] = cat(parts, -1)[b, t]
+    for the first valid[b] positions t of each sequence b (padding positions past valid[b] are dropped). Where two
+    writes land on one place (a slot reused by a new sequence) the later one stands.
+
+    One `index_copy_` into the flattened buffer with indices built in Python, however many writes: on a ~1 ms decode
+    step a tensor-built advanced-index write cost several times as much (100 us against 17 us at batch 64)."""
     length = buffer.shape[1]
-    dest = [r * length + s + t for r, s, n in zip(rows, starts, valid) for t in range(n)]
-    src = feats.reshape(B * T, -1)
-    if len(dest) < B * T:
-        src = src[torch.tensor([b * T + t for b, n in enumerate(valid) for t in range(n)], device=feats.device)]
-    buffer.view(-1, buffer.shape[-1]).index_copy_(0, torch.tensor(dest, device=feats.device), src)
+    dest: list[int] = []
+    columns: list[list[Tensor]] = [[] for _ in writes[0][3]]
+    for rows, starts, valid, parts in writes:
+        B, T = parts[0].shape[:2]
+        dest += [r * length + s + t for r, s, n in zip(rows, starts, valid) for t in range(n)]
+        keep = None
+        if sum(valid) < B * T:
+            keep = torch.tensor([b * T + t for b, n in enumerate(valid) for t in range(n)], device=buffer.device)
+        for column, part in zip(columns, parts):
+            flat = part.reshape(B * T, -1)
+            column.append(flat if keep is None else flat[keep])
+    src = torch.cat([c[0] if len(c) == 1 else torch.cat(c) for c in columns], -1) if len(columns) > 1 else (
+        columns[0][0] if len(columns[0]) == 1 else torch.cat(columns[0]))
+    if len(set(dest)) < len(dest):  # index_copy_ leaves duplicates unordered: keep each place's last write only
+        last = sorted({d: i for i, d in enumerate(dest)}.values())
+        dest, src = [dest[i] for i in last], src[torch.tensor(last, device=buffer.device)]
+    buffer.view(-1, buffer.shape[-1]).index_copy_(0, torch.tensor(dest, device=buffer.device), src)
+
+
+MAX_PENDING_BYTES = 64 << 20  # target states a hidden-state proposer holds before writing them (`observe`)
 
 
 class HiddenStateProposer(Proposer):
@@ -81,10 +97,25 @@ class HiddenStateProposer(Proposer):
             self.features = torch.zeros(num_slots, max_len, width, dtype=self.target.dtype, device=self.target.device)
         self.params = params
         self.frontier = {s.index: 0 for s in seqs}
+        self.pending: list = []  # target states observed but not yet written into `features` (`observe`)
+        self.pending_bytes = 0
 
     def observe(self, seqs, out: TrunkOutput, starts, valid) -> None:
-        feats = out.hidden if self.is_mtp else self.head.stack(out.layers)
-        write_rows(self.features, [s.slot for s in seqs], starts, valid, feats)
+        """Hold on to this forward's states; they are written into `features` in one batch before the next draft.
+        While the adaptive controller has speculation off nothing reads them, and writing them every step cost
+        2-5 % of a tiny-model decode step at batch 64 (the write ~40 us of ~3.5 ms, EAGLE-3's three layers ~100
+        us); a rollout that never speculates never writes them (`start` drops what the last one held). Past
+        MAX_PENDING_BYTES they are written anyway, which bounds the memory held."""
+        parts = (out.hidden,) if self.is_mtp else tuple(out.layers[i] for i in self.capture_layers)
+        self.pending.append(([s.slot for s in seqs], starts, valid, parts))
+        self.pending_bytes += sum(p.numel() * p.element_size() for p in parts)
+        if self.pending_bytes > MAX_PENDING_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            write_rows(self.features, self.pending)
+        self.pending, self.pending_bytes = [], 0
 
     def step(self, depth: int, hidden: Tensor, ids: Tensor, positions: Tensor, view) -> tuple[Tensor, Tensor]:
         if self.is_mtp:
@@ -92,8 +123,11 @@ class HiddenStateProposer(Proposer):
         return self.head(hidden, ids, positions, self.target.embed, view)
 
     def propose(self, seqs, k: int) -> Drafts:
+        self.flush()
         B, device = len(seqs), self.target.device
         budget = [max(0, min(k, s.remaining - 1)) for s in seqs]
+        if max(budget) == 0:  # every sequence is one token from its end: nothing to draft, the frontier stays
+            return Drafts([[] for _ in seqs])
         ext = [s.tokens for s in seqs]  # grows by each round's drafts
         starts = [self.frontier[s.index] for s in seqs]
         counts = [len(e) - 1 - c for e, c in zip(ext, starts)]  # positions c .. L-2
@@ -107,7 +141,9 @@ class HiddenStateProposer(Proposer):
         last = torch.tensor([n - 1 for n in counts], device=device)
         rows_b = torch.arange(B, device=device)
         drafts, probs = [[] for _ in seqs], []
-        for j in range(max(budget)):
+        # Every depth runs its catch-up even when k is below the number of depths (adaptive k=1 on a 2-layer MTP):
+        # the frontier below moves for all depths, and a depth skipped here would miss its keys from then on.
+        for j in range(max(max(budget), self.depths)):
             depth = min(j, self.depths - 1)
             if j < self.depths:  # catch-up rows c..L-2 for this depth, tokens j+1 ahead
                 ids = torch.tensor([e[c + j + 1 : c + j + 1 + T] + [0] * (T - len(e[c + j + 1 : c + j + 1 + T]))
@@ -123,7 +159,8 @@ class HiddenStateProposer(Proposer):
                 state, logits = state[:, 0], logits[:, 0]
             tokens, q = choose_mapped(logits, self.d2t, self.target.config.vocab_size,
                                       self.params, seqs, self.sample)
-            probs.append(q)
+            if j < max(budget):
+                probs.append(q)
             for b, t in enumerate(tokens.tolist()):
                 ext[b].append(t)
                 if j < budget[b]:
@@ -149,8 +186,8 @@ class FeatureRecorder(Proposer):
         self.feats = torch.zeros(len(seqs), max_len, width, dtype=self.target.dtype, device=self.target.device)
 
     def observe(self, seqs, out, starts, valid) -> None:
-        feats = torch.cat([out.hidden, *(out.layers[i] for i in self.capture_layers)], -1)
-        write_rows(self.feats, [s.index for s in seqs], starts, valid, feats)
+        parts = (out.hidden, *(out.layers[i] for i in self.capture_layers))
+        write_rows(self.feats, [([s.index for s in seqs], starts, valid, parts)])
 
     def features(self, length: int) -> TrunkOutput:
         """The recorded features of the first `length` positions as a right-padded `TrunkOutput` [N, length, H]
