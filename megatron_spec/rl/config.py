@@ -104,6 +104,11 @@ class DrafterTrainSection:
     """Scale of the drafter's soft cross-entropy (its gradient never reaches the policy)."""
     lr: float = 1e-3
     """Drafter learning rate (AdamW)."""
+    agreement: bool = True
+    """Measure every step, per draft depth, the chance that the drafter's greedy draft is accepted at the train
+    batch's positions (`drafter_agreement`), so its freshness shows while the adaptive controller keeps speculation
+    off. Free when online (the drafter's training forward gives it); a frozen drafter runs one extra forward without
+    gradient."""
 
 
 @dataclass

@@ -28,7 +28,7 @@ _TB_GROUP = {
     "gen_tokens": "gen", "tokens_per_s": "gen", "acceptance_length": "gen", "accepted_per_pos": "gen",
     "response_len_mean": "gen", "response_len_max": "gen",
     "loss": "train", "kl": "train", "clip_frac": "train", "grad_norm": "train", "logprob_mismatch": "train",
-    "drafter_loss": "train", "skipped": "train",
+    "drafter_loss": "train", "skipped": "train", "drafter_agreement": "gen",
     "step_time": "time",
 }
 
@@ -129,14 +129,19 @@ def scalars(metrics: dict) -> list[tuple[str, float]]:
 
 def format_line(m: dict, total_steps: int | None = None) -> str:
     """The compact per-step line, e.g.
-    `step 3/30 | data 10ms prep 200ms gen 3.10s logp 520ms train 1.20s | 512 tok/s | tau 2.41 | reward 0.450 acc 0.38 | loss 0.0123`."""
+    `step 3/30 | data 10ms prep 200ms gen 3.10s logp 520ms train 1.20s | 512 tok/s | tau 2.41 agree 0.83 | reward 0.450
+    acc 0.38 | loss 0.0123`."""
     step = f"step {m.get('step', '?')}" + (f"/{total_steps}" if total_steps else "")
     st = m.get("stages") or {}
     short = {"data": "data", "prepare": "prep", "gen": "gen", "logprob": "logp", "train": "train"}
     times = " ".join(f"{short[s]} {_seconds(st[s])}" for s in STAGES if _is_number(st.get(s)))
     parts = [step, times, f"{_fmt(m.get('tokens_per_s'), '.0f')} tok/s"]
-    if m.get("acceptance_length") is not None:
-        parts.append(f"tau {_fmt(m['acceptance_length'], '.2f')}")
+    agree = m.get("drafter_agreement") or [None]
+    if m.get("acceptance_length") is not None or agree[0] is not None:
+        # tau as measured in this step's rollouts ("-" when none speculated), then the drafter's agreement with the
+        # policy on the train batch: the chance its first draft is accepted, measured whether or not it drafted
+        parts.append(f"tau {_fmt(m.get('acceptance_length'), '.2f')}"
+                     + (f" agree {agree[0]:.2f}" if agree[0] is not None else ""))
     parts.append(f"reward {_fmt(m.get('reward_mean'), '.3f')} acc {_fmt(m.get('accuracy'), '.2f')}"
                  + (f" eval {_fmt(m['eval_accuracy'], '.2f')}" if m.get("eval_accuracy") is not None else ""))
     parts.append(f"loss {_fmt(m.get('loss'), '.4f')}" + (" SKIPPED" if m.get("skipped") else ""))

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..models.decoder import CausalLM, TrunkOutput
 from ..models.eagle3 import captured_layers
-from ..spec.drafter_loss import drafter_loss
+from ..spec.drafter_loss import agreement, depth_pairs, pairs_loss
 from ..spec.sampling import processed_logprobs
 from .grpo import LossNorm, aggregate, kl_k3, policy_loss
 from .microbatch import micro_batches, sequence_lengths
@@ -87,6 +87,9 @@ class EmbeddedPolicy:
         self.drafter_opt = None
         if drafter is not None and drafter_cfg is not None and drafter_cfg.online:
             self.drafter_opt = torch.optim.AdamW(drafter.parameters(), lr=drafter_cfg.lr, weight_decay=0.0)
+        # The drafter reads this step's forwards to train (online) and/or to measure its agreement.
+        self.drafter_reads = self.drafter_opt is not None or (
+            drafter is not None and drafter_cfg is not None and drafter_cfg.agreement)
 
     def split(self, batch: Batch) -> list[tuple[list[int], Batch]]:
         """The batch's length-bucketed micro-batches (`grpo.micro_batch_tokens`), each with its row indices.
@@ -178,8 +181,8 @@ class EmbeddedPolicy:
         else:
             self.opt.zero_grad(set_to_none=True)  # a NaN/inf loss never reaches the weights
             metrics["skipped"] = True
-        if self.drafter_opt is not None:
-            metrics["drafter_loss"] = self.train_drafter(forwards, float(batch.mask.sum()))
+        if self.drafter_reads:
+            metrics.update(self.train_drafter(forwards, float(batch.mask.sum())))
         return metrics
 
     def micro_loss(self, mb: Batch, out: TrunkOutput, norm: LossNorm,
@@ -209,14 +212,16 @@ class EmbeddedPolicy:
             loss = loss + self.model.config.router_aux_loss_coef * aux_share * aux
         metrics["loss"] = float(loss.detach())
         drafter_inputs = None
-        if self.drafter_opt is not None:
+        if self.drafter_reads:
             detached = TrunkOutput(out.hidden.detach(), {i: h.detach() for i, h in out.layers.items()})
             drafter_inputs = DrafterInputs(mb.input_ids, mb.mask, detached, logits.detach())
         return loss, metrics, logprobs.detach(), drafter_inputs
 
-    def train_drafter(self, forwards: list[DrafterInputs], tokens: float) -> float:
+    def train_drafter(self, forwards: list[DrafterInputs], tokens: float) -> dict:
         """One drafter update accumulated over the micro-batches' detached states, after the policy's update (the
-        MTP / EAGLE-3 heads read the trunk's embedding and output head as they are now, as before bucketing).
+        MTP / EAGLE-3 heads read the trunk's embedding and output head as they are now, as before bucketing), and
+        the drafter's agreement with the policy on the same positions (`drafter_loss.agreement`); a frozen drafter
+        only measures, without gradient.
 
         A micro-batch's drafter loss is a mean over its generated tokens (per depth, or per unrolled step); weighted
         by its share of the batch's generated tokens, the shares add up to the one-big-batch loss exactly when every
@@ -224,20 +229,36 @@ class EmbeddedPolicy:
         must be at least as long as the drafter trains deep (MTP layers + 1, EAGLE-3's unroll 2 + 1). Every task prompt
         is (BOS + a problem); a shorter one only shifts the weights of its first few tokens' predictions.
         """
-        self.drafter.train()
-        self.drafter_opt.zero_grad(set_to_none=True)
+        online = self.drafter_opt is not None
         params = [p for p in self.drafter.parameters() if p.requires_grad]
-        total = 0.0
+        if online:
+            self.drafter.train()
+            self.drafter_opt.zero_grad(set_to_none=True)
+        total, sums, counts = 0.0, [], []
         for f in forwards:
-            share = float(f.mask.sum()) / max(tokens, 1.0)
-            loss = self.drafter_cfg.loss_weight * share * drafter_loss(
-                self.drafter_method, self.model, self.drafter, f.input_ids, f.mask, f.out, f.logits)
-            loss.backward(inputs=params)
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
-        self.drafter_opt.step()
-        self.drafter.eval()
-        return total
+            with torch.set_grad_enabled(online):
+                pairs = depth_pairs(self.drafter_method, self.model, self.drafter, f.input_ids, f.mask, f.out, f.logits)
+            if self.drafter_cfg.agreement:  # summed per depth over micro-batches (a short one may have fewer)
+                for i, (s, c) in enumerate(zip(*agreement(self.drafter, pairs, self.sampling))):
+                    if i == len(sums):
+                        sums.append(0.0)
+                        counts.append(0.0)
+                    sums[i] += s
+                    counts[i] += c
+            if online:
+                share = float(f.mask.sum()) / max(tokens, 1.0)
+                loss = self.drafter_cfg.loss_weight * share * pairs_loss(self.drafter, pairs)
+                loss.backward(inputs=params)
+                total += float(loss.detach())
+        metrics = {}
+        if online:
+            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
+            self.drafter_opt.step()
+            self.drafter.eval()
+            metrics["drafter_loss"] = total
+        if counts:
+            metrics["drafter_agreement"] = [s / c if c else None for s, c in zip(sums, counts)]
+        return metrics
 
     def export_weights(self):
         return named_weights(self.model, self.drafter)

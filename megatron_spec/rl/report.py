@@ -5,7 +5,8 @@ Reads `metrics.jsonl` and `config.yaml` of each run and writes one HTML page wit
 
   - reward and accuracy over steps, all runs overlaid;
   - stage-time stacks per step (data / prepare / gen / logprob / train), one panel per run;
-  - acceptance length per step of the speculative runs (online and frozen drafters together);
+  - acceptance length per step of the speculative runs (online and frozen drafters together), and the first
+    draft's acceptance beside the drafter's agreement with the policy (measured even on steps that did not draft);
   - generation speedup per step: gen-stage tokens/s of a spec run over that of a plain run at the same step;
   - losslessness: the min-max band over seeds of the plain runs' reward with the spec runs overlaid, a table of
     last-10-step mean rewards against the plain seed-to-seed spread, and same-seed plain/spec pairs compared
@@ -233,11 +234,20 @@ def plot_stage_times(runs, path: Path) -> None:
 
 
 def plot_acceptance(spec_runs, colors, path: Path) -> None:
-    fig, ax = _figure(8, 4)
+    """Left: acceptance length measured in the rollouts (gaps where the adaptive controller kept speculation off).
+    Right: the first draft's acceptance rate, measured (dots) and as the drafter's agreement with the policy on
+    the train batch predicts it (line, every step whether or not it drafted): a drafter going stale shows there."""
+    fig, ax = _figure(14, 4, 1, 2)
     for r in spec_runs:
-        ax[0, 0].plot(r.steps, r.values("acceptance_length"), color=colors[r.name],
-                      ls="--" if r.online is False else "-", label=r.label)
+        ls = "--" if r.online is False else "-"
+        ax[0, 0].plot(r.steps, r.values("acceptance_length"), color=colors[r.name], ls=ls, label=r.label)
+        first = [_num((m.get("accepted_per_pos") or [None])[0]) for m in r.metrics]
+        agree = [_num((m.get("drafter_agreement") or [None])[0]) for m in r.metrics]
+        ax[0, 1].plot(r.steps, first, color=colors[r.name], ls="none", marker=".", label=f"{r.name} measured")
+        if not all(math.isnan(a) for a in agree):
+            ax[0, 1].plot(r.steps, agree, color=colors[r.name], ls=ls, label=f"{r.name} agreement")
     _style(ax[0, 0], "acceptance length (tokens per target forward): online solid, frozen dashed", "tokens")
+    _style(ax[0, 1], "first draft accepted: measured (dots), drafter agreement on the train batch (lines)", "rate")
     fig.savefig(path, dpi=100)
 
 

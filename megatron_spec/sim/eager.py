@@ -167,10 +167,12 @@ DRAFTER_TRAIN = {
     # The online drafter update (`EmbeddedPolicy.train_drafter`), counted by `op_census.trainer_pass(drafter=...)`
     # against the same step without it, for a target without QK-norm; with QK-norm an MTP / EAGLE-3 layer adds its
     # two norms' parameters (OPT_PER_TENSOR each per step) and `qk_norms` norm applications per micro-batch
-    # (TRAIN_NORM each). A draft model has its own config.
-    "mtp": DrafterTrainOps(per_step=131, per_mb=337, qk_norms=2),
-    "eagle3": DrafterTrainOps(per_step=132, per_mb=641, qk_norms=4),  # the head's layer runs twice (unrolled)
-    "model": DrafterTrainOps(per_step=140, per_mb=347),
+    # (TRAIN_NORM each). A draft model has its own config. Per micro-batch this includes measuring the drafter's
+    # agreement (`drafter_train.agreement`, 13 operators per depth). A frozen drafter's agreement (one forward
+    # without gradient per micro-batch) is not modelled: the simulator's frozen drafter costs the trainer nothing.
+    "mtp": DrafterTrainOps(per_step=131, per_mb=350, qk_norms=2),
+    "eagle3": DrafterTrainOps(per_step=132, per_mb=667, qk_norms=4),  # the head's layer runs twice (unrolled)
+    "model": DrafterTrainOps(per_step=140, per_mb=365),
 }
 
 

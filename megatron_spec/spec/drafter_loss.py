@@ -16,6 +16,8 @@ where the draft vocabulary covers the target worst.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -23,6 +25,7 @@ from torch import Tensor
 from ..models.decoder import CausalLM, TrunkOutput
 from ..models.eagle3 import Eagle3Head, captured_layers
 from ..models.mtp import MTP
+from .sampling import processed_logprobs
 
 
 def soft_cross_entropy(student_logits: Tensor, teacher_logits: Tensor, mask: Tensor) -> Tensor:
@@ -33,15 +36,27 @@ def soft_cross_entropy(student_logits: Tensor, teacher_logits: Tensor, mask: Ten
     return (per_pos * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-def mtp_loss(target: CausalLM, mtp: MTP, input_ids: Tensor, out: TrunkOutput, logits: Tensor, mask: Tensor) -> Tensor:
+class DepthPair(NamedTuple):
+    """One draft depth's predictions on a batch, aligned position by position with what they are judged against."""
+
+    student: Tensor
+    """The drafter's logits [B, n, N] (N: its output ids, the draft vocabulary of an EAGLE-3 head that has one)."""
+    teacher: Tensor
+    """The target's logits for the same tokens [B, n, V] (or already restricted to the draft vocabulary)."""
+    mask: Tensor
+    """[B, n] True where the predicted token is a generated one."""
+
+
+def mtp_pairs(target: CausalLM, mtp: MTP, input_ids: Tensor, out: TrunkOutput, logits: Tensor,
+              mask: Tensor) -> list[DepthPair]:
     """Depth i at position t predicts token t+i+2, whose target distribution is the trunk's logits at t+i+1."""
     depth_logits = mtp.forward_all(out.hidden.detach(), input_ids, None, target.embed, target.lm_head)
-    losses = []
+    pairs = []
     for i, lg in enumerate(depth_logits):
         n = lg.shape[1] - 1  # the last row's label lies past the end
         if n > 0:
-            losses.append(soft_cross_entropy(lg[:, :n], logits[:, i + 1 : i + 1 + n], mask[:, i + 2 : i + 2 + n]))
-    return torch.stack(losses).mean()
+            pairs.append(DepthPair(lg[:, :n], logits[:, i + 1 : i + 1 + n], mask[:, i + 2 : i + 2 + n]))
+    return pairs
 
 
 def teacher_logits(target: CausalLM, drafter, hidden: Tensor) -> Tensor:
@@ -60,34 +75,34 @@ def restrict_to_draft_vocab(head: Eagle3Head, logits: Tensor) -> Tensor:
     return logits.index_select(-1, head.d2t)
 
 
-def eagle3_loss(target: CausalLM, head: Eagle3Head, input_ids: Tensor, out: TrunkOutput, logits: Tensor,
-                mask: Tensor, unroll: int = 2) -> Tensor:
+def eagle3_pairs(target: CausalLM, head: Eagle3Head, input_ids: Tensor, out: TrunkOutput, logits: Tensor,
+                 mask: Tensor, unroll: int = 2) -> list[DepthPair]:
     """Step s (0-based) at position t reads the fused target state (s=0) or its own previous state, and the token
     t+s+1, and predicts token t+s+2 against the trunk's logits at t+s+1. Unrolling trains the head on its own
-    states, as it is used when drafting more than one token (EAGLE-3's training-time test). With a draft
-    vocabulary the teacher is the target's distribution restricted to it and renormalised (module docstring)."""
-    logits = restrict_to_draft_vocab(head, logits)
+    states, as it is used when drafting more than one token (EAGLE-3's training-time test). The teacher stays as
+    given (full vocabulary or restricted); `drafter_loss` restricts it to a draft vocabulary (module docstring)."""
     hidden = head.fuse(out.layers)
     T = input_ids.shape[1]
-    losses = []
+    pairs = []
     for s in range(unroll):
         n = T - s - 1
         if n < 2:
             break
         hidden, lg = head(hidden[:, :n], input_ids[:, s + 1 : s + 1 + n], None, target.embed)
         m = n - 1  # row t predicts token t+s+2; the last row's label lies past the end
-        losses.append(soft_cross_entropy(lg[:, :m], logits[:, s + 1 : s + 1 + m], mask[:, s + 2 : s + 2 + m]))
-    return torch.stack(losses).mean()
+        pairs.append(DepthPair(lg[:, :m], logits[:, s + 1 : s + 1 + m], mask[:, s + 2 : s + 2 + m]))
+    return pairs
 
 
-def draft_model_loss(draft: CausalLM, input_ids: Tensor, logits: Tensor, mask: Tensor) -> Tensor:
+def draft_model_pairs(draft: CausalLM, input_ids: Tensor, logits: Tensor, mask: Tensor) -> list[DepthPair]:
     """Distillation: the draft model's next-token distribution against the target's at every position."""
-    return soft_cross_entropy(draft(input_ids)[:, :-1], logits[:, :-1], mask[:, 1:])
+    return [DepthPair(draft(input_ids)[:, :-1], logits[:, :-1], mask[:, 1:])]
 
 
-def drafter_loss(method: str, target: CausalLM, drafter, input_ids: Tensor, mask: Tensor,
-                 out: TrunkOutput | None = None, logits: Tensor | None = None) -> Tensor:
-    """Loss of `drafter` on `input_ids` [B, T]; `mask` [B, T] marks the tokens worth predicting (generated ones).
+def depth_pairs(method: str, target: CausalLM, drafter, input_ids: Tensor, mask: Tensor,
+                out: TrunkOutput | None = None, logits: Tensor | None = None) -> list[DepthPair]:
+    """The drafter's predictions on `input_ids` [B, T] per draft depth, beside the target's; `mask` [B, T] marks
+    the tokens worth predicting (generated ones).
 
     `out`/`logits` are the target's trunk output and logits for `input_ids` when the caller already has them (the
     RL step does); a missing `out` runs the target here without gradient, and missing `logits` are computed from
@@ -101,9 +116,45 @@ def drafter_loss(method: str, target: CausalLM, drafter, input_ids: Tensor, mask
             logits = teacher_logits(target, drafter, out.hidden)
     logits = logits.detach()
     if method == "mtp":
-        return mtp_loss(target, drafter, input_ids, out, logits, mask)
+        return mtp_pairs(target, drafter, input_ids, out, logits, mask)
     if method == "eagle3":
-        return eagle3_loss(target, drafter, input_ids, out, logits, mask)
+        return eagle3_pairs(target, drafter, input_ids, out, logits, mask)
     if method == "draft_model":
-        return draft_model_loss(drafter, input_ids, logits, mask)
+        return draft_model_pairs(drafter, input_ids, logits, mask)
     raise ValueError(f"method {method!r} has no trainable drafter (mtp, eagle3 and draft_model do)")
+
+
+def pairs_loss(drafter, pairs: list[DepthPair]) -> Tensor:
+    """Soft cross-entropy against the target, averaged over depths (an EAGLE-3 head with a draft vocabulary learns
+    the target restricted to it, renormalised)."""
+    losses = []
+    for p in pairs:
+        teacher = restrict_to_draft_vocab(drafter, p.teacher) if isinstance(drafter, Eagle3Head) else p.teacher
+        losses.append(soft_cross_entropy(p.student, teacher, p.mask))
+    return torch.stack(losses).mean()
+
+
+def drafter_loss(method: str, target: CausalLM, drafter, input_ids: Tensor, mask: Tensor,
+                 out: TrunkOutput | None = None, logits: Tensor | None = None) -> Tensor:
+    """Loss of `drafter` on `input_ids` [B, T] (`depth_pairs` for the arguments)."""
+    return pairs_loss(drafter, depth_pairs(method, target, drafter, input_ids, mask, out, logits))
+
+
+def agreement(drafter, pairs: list[DepthPair], sampling: dict) -> tuple[list[float], list[float]]:
+    """Per depth: the summed probability, under the target's processed distribution (`sampling`: temperature,
+    top-k, top-p, as the engine verifies), of the token the drafter would propose greedily, and the number of
+    positions summed over. Their ratio is the chance that depth's draft is accepted at a position the batch
+    visits: a greedy draft x is accepted with probability min(1, p(x) / 1) = p(x). Needs full-vocabulary teacher
+    logits (an EAGLE-3 choice is mapped through its d2t, so the mass outside its draft vocabulary counts as lost)."""
+    d2t = drafter.d2t if isinstance(drafter, Eagle3Head) else None
+    sums, counts = [], []
+    for p in pairs:
+        choice = p.student.detach().argmax(-1)
+        if d2t is not None:
+            if p.teacher.shape[-1] == drafter.lm_head.out_features:
+                raise ValueError("agreement needs the target's full-vocabulary logits, not the draft-vocabulary ones")
+            choice = d2t[choice]
+        prob = processed_logprobs(p.teacher.detach(), **sampling).exp().gather(-1, choice[..., None]).squeeze(-1)
+        sums.append(float(prob[p.mask].sum()))
+        counts.append(float(p.mask.sum()))
+    return sums, counts
