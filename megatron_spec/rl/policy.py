@@ -226,7 +226,7 @@ class EmbeddedPolicy:
         A micro-batch's drafter loss is a mean over its generated tokens (per depth, or per unrolled step); weighted
         by its share of the batch's generated tokens, the shares add up to the one-big-batch loss exactly when every
         depth's mean counts all generated tokens: a depth-d prediction has no label before position d + 1, so prompts
-        must be at least as long as the drafter trains deep (MTP layers + 1, EAGLE-3's unroll 2 + 1). Every task prompt
+        must be at least as long as the drafter trains deep (MTP layers + 1, EAGLE-3's unrolled steps + 1). Every task prompt
         is (BOS + a problem); a shorter one only shifts the weights of its first few tokens' predictions.
         """
         online = self.drafter_opt is not None

@@ -171,7 +171,7 @@ DRAFTER_TRAIN = {
     # agreement (`drafter_train.agreement`, 13 operators per depth). A frozen drafter's agreement (one forward
     # without gradient per micro-batch) is not modelled: the simulator's frozen drafter costs the trainer nothing.
     "mtp": DrafterTrainOps(per_step=131, per_mb=350, qk_norms=2),
-    "eagle3": DrafterTrainOps(per_step=132, per_mb=667, qk_norms=4),  # the head's layer runs twice (unrolled)
+    "eagle3": DrafterTrainOps(per_step=132, per_mb=1191, qk_norms=6),  # the head runs 3 times (EAGLE3_UNROLL)
     "model": DrafterTrainOps(per_step=140, per_mb=365),
 }
 

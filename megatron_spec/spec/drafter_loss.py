@@ -75,20 +75,57 @@ def restrict_to_draft_vocab(head: Eagle3Head, logits: Tensor) -> Tensor:
     return logits.index_select(-1, head.d2t)
 
 
+class UnrolledAttention:
+    """The `AttentionCache` of EAGLE-3's unrolled training steps: what each step's attention sees when it drafts.
+
+    Drafting token t+s+2 from row t (s = 0 for the first draft, s > 0 for the ones chained after it), the head's
+    query sits at position t+s and attends to the keys the pass over the target's features (step 0) left at
+    positions 0..t, and to its own keys of steps 1..s at row t (the drafts it chained through, positions t+1..t+s):
+    nothing else. So step s attends to step 0's keys causally and to each later step's keys on the diagonal only.
+    Attending causally to step s's own keys instead, as one would by running the head over its own states, trains a
+    context drafting never has: on the tiny model the second draft then matched the target 91 % of the time on the
+    train batch but was accepted 49 % of the time in rollouts."""
+
+    def __init__(self):
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        self.keys.append(k)
+        self.values.append(v)
+        n, device = k.shape[2], k.device
+        later = len(self.keys) - 1
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        diagonal = torch.eye(n, dtype=torch.bool, device=device)
+        mask = torch.cat([causal] + [diagonal] * later, 1)[None, None]  # row t of every step is row t of step 0
+        return (torch.cat([x[:, :, :n] for x in self.keys], 2), torch.cat([x[:, :, :n] for x in self.values], 2),
+                mask)
+
+
+EAGLE3_UNROLL = 3
+"""Unrolled steps EAGLE-3 trains: drafts 1..3 are trained as drafted, those past them chain untrained. Measured on
+the tiny model (offline head, 400 steps; acceptance of drafts 1/2/3 at k=3 in 64 sampled rollouts): 2 steps gave
+0.82 / 0.72 / 0.44, acceptance length 2.98, 3 steps 0.80 / 0.72 / 0.66, 3.18 (at k=5: 3.26 -> 3.99), for 1.6x the
+training time. k=3 is the reference system's setting."""
+
+
 def eagle3_pairs(target: CausalLM, head: Eagle3Head, input_ids: Tensor, out: TrunkOutput, logits: Tensor,
-                 mask: Tensor, unroll: int = 2) -> list[DepthPair]:
-    """Step s (0-based) at position t reads the fused target state (s=0) or its own previous state, and the token
-    t+s+1, and predicts token t+s+2 against the trunk's logits at t+s+1. Unrolling trains the head on its own
-    states, as it is used when drafting more than one token (EAGLE-3's training-time test). The teacher stays as
-    given (full vocabulary or restricted); `drafter_loss` restricts it to a draft vocabulary (module docstring)."""
+                 mask: Tensor, unroll: int = EAGLE3_UNROLL) -> list[DepthPair]:
+    """Step s (0-based) at row t reads the fused target state (s=0) or its own previous state, and the token t+s+1,
+    and predicts token t+s+2 against the trunk's logits at t+s+1, at position t+s and with the attention drafting
+    gives it (`UnrolledAttention`). Unrolling trains the head on its own states, as it is used when drafting more
+    than one token (EAGLE-3's training-time test). The teacher stays as given (full vocabulary or restricted);
+    `drafter_loss` restricts it to a draft vocabulary (module docstring)."""
     hidden = head.fuse(out.layers)
-    T = input_ids.shape[1]
+    B, T = input_ids.shape
+    attention = UnrolledAttention()
     pairs = []
     for s in range(unroll):
         n = T - s - 1
         if n < 2:
             break
-        hidden, lg = head(hidden[:, :n], input_ids[:, s + 1 : s + 1 + n], None, target.embed)
+        positions = (torch.arange(n, device=input_ids.device) + s).expand(B, n)
+        hidden, lg = head(hidden[:, :n], input_ids[:, s + 1 : s + 1 + n], positions, target.embed, attention)
         m = n - 1  # row t predicts token t+s+2; the last row's label lies past the end
         pairs.append(DepthPair(lg[:, :m], logits[:, s + 1 : s + 1 + m], mask[:, s + 2 : s + 2 + m]))
     return pairs
