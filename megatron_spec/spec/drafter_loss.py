@@ -47,15 +47,61 @@ class DepthPair(NamedTuple):
     """[B, n] True where the predicted token is a generated one."""
 
 
+TRAINED_DRAFTS = 3
+"""Drafts trained per position as they are drafted: EAGLE-3's layer unrolled to 3 steps; an MTP head's depths, its
+last depth chained up to 3 drafts in all. Drafts past them chain untrained. EAGLE-3 on the tiny model (offline,
+400 steps; acceptance of drafts 1/2/3 at k=3 in 64 sampled rollouts): 2 steps 0.82 / 0.72 / 0.44, acceptance length
+2.98; 3 steps 0.80 / 0.72 / 0.66, 3.18 (k=5: 3.26 -> 3.99), for 1.6x the training time. k=3 is the reference
+system's setting."""
+
+
+class UnrolledAttention:
+    """The `AttentionCache` of a drafter layer trained on its own chained steps: what each step's attention sees
+    when it drafts (EAGLE-3's one layer; an MTP head's last depth, which drafting re-applies past the depths).
+
+    Step 0 is the teacher-forced pass (over the target's features, or the previous depth's states). Step s > 0 at
+    row t is the s-th draft chained after the one row t's step 0 made: its query sits at position t+s and attends
+    to step 0's keys at positions 0..t and to its own keys of steps 1..s at row t (the drafts it chained through,
+    positions t+1..t+s): nothing else. So step s attends to step 0's keys causally and to each later step's keys on
+    the diagonal only. Attending causally to step s's own keys instead, as running the layer over its own states
+    does, trains a context drafting never has: on the tiny model EAGLE-3's second draft then matched the target
+    91 % of the time on the train batch but was accepted 49 % of the time in rollouts."""
+
+    def __init__(self):
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        self.keys.append(k)
+        self.values.append(v)
+        n, device = k.shape[2], k.device
+        later = len(self.keys) - 1
+        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        diagonal = torch.eye(n, dtype=torch.bool, device=device)
+        mask = torch.cat([causal] + [diagonal] * later, 1)[None, None]  # row t of every step is row t of step 0
+        return (torch.cat([x[:, :, :n] for x in self.keys], 2), torch.cat([x[:, :, :n] for x in self.values], 2),
+                mask)
+
+
 def mtp_pairs(target: CausalLM, mtp: MTP, input_ids: Tensor, out: TrunkOutput, logits: Tensor,
-              mask: Tensor) -> list[DepthPair]:
-    """Depth i at position t predicts token t+i+2, whose target distribution is the trunk's logits at t+i+1."""
-    depth_logits = mtp.forward_all(out.hidden.detach(), input_ids, None, target.embed, target.lm_head)
-    pairs = []
-    for i, lg in enumerate(depth_logits):
-        n = lg.shape[1] - 1  # the last row's label lies past the end
-        if n > 0:
-            pairs.append(DepthPair(lg[:, :n], logits[:, i + 1 : i + 1 + n], mask[:, i + 2 : i + 2 + n]))
+              mask: Tensor, drafts: int = TRAINED_DRAFTS) -> list[DepthPair]:
+    """Draft j (0-based) from row t predicts token t+j+2 against the trunk's logits at t+j+1. Depth i < D makes
+    draft i from the previous depth's state (the trunk's for depth 0) and token t+i+1, at position t (Megatron-Core
+    rotates by the hidden state's position). Past the D depths the last one is chained, as drafting chains it: its
+    own previous state, token t+j+1, position t+j-D+1, and the attention `UnrolledAttention` gives it."""
+    B, T = input_ids.shape
+    D = len(mtp.layers)
+    hidden, attention, pairs = out.hidden.detach(), UnrolledAttention(), []
+    for j in range(max(D, drafts)):
+        depth = min(j, D - 1)
+        n = T - j - 1
+        if n < 2:
+            break
+        positions = (torch.arange(n, device=input_ids.device) + j - depth).expand(B, n)
+        hidden, lg = mtp(hidden[:, :n], input_ids[:, j + 1 : j + 1 + n], positions, target.embed, target.lm_head,
+                         attention if depth == D - 1 else None, layer=depth)
+        m = n - 1  # row t predicts token t+j+2; the last row's label lies past the end
+        pairs.append(DepthPair(lg[:, :m], logits[:, j + 1 : j + 1 + m], mask[:, j + 2 : j + 2 + m]))
     return pairs
 
 
@@ -75,42 +121,8 @@ def restrict_to_draft_vocab(head: Eagle3Head, logits: Tensor) -> Tensor:
     return logits.index_select(-1, head.d2t)
 
 
-class UnrolledAttention:
-    """The `AttentionCache` of EAGLE-3's unrolled training steps: what each step's attention sees when it drafts.
-
-    Drafting token t+s+2 from row t (s = 0 for the first draft, s > 0 for the ones chained after it), the head's
-    query sits at position t+s and attends to the keys the pass over the target's features (step 0) left at
-    positions 0..t, and to its own keys of steps 1..s at row t (the drafts it chained through, positions t+1..t+s):
-    nothing else. So step s attends to step 0's keys causally and to each later step's keys on the diagonal only.
-    Attending causally to step s's own keys instead, as one would by running the head over its own states, trains a
-    context drafting never has: on the tiny model the second draft then matched the target 91 % of the time on the
-    train batch but was accepted 49 % of the time in rollouts."""
-
-    def __init__(self):
-        self.keys: list[Tensor] = []
-        self.values: list[Tensor] = []
-
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        self.keys.append(k)
-        self.values.append(v)
-        n, device = k.shape[2], k.device
-        later = len(self.keys) - 1
-        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        diagonal = torch.eye(n, dtype=torch.bool, device=device)
-        mask = torch.cat([causal] + [diagonal] * later, 1)[None, None]  # row t of every step is row t of step 0
-        return (torch.cat([x[:, :, :n] for x in self.keys], 2), torch.cat([x[:, :, :n] for x in self.values], 2),
-                mask)
-
-
-EAGLE3_UNROLL = 3
-"""Unrolled steps EAGLE-3 trains: drafts 1..3 are trained as drafted, those past them chain untrained. Measured on
-the tiny model (offline head, 400 steps; acceptance of drafts 1/2/3 at k=3 in 64 sampled rollouts): 2 steps gave
-0.82 / 0.72 / 0.44, acceptance length 2.98, 3 steps 0.80 / 0.72 / 0.66, 3.18 (at k=5: 3.26 -> 3.99), for 1.6x the
-training time. k=3 is the reference system's setting."""
-
-
 def eagle3_pairs(target: CausalLM, head: Eagle3Head, input_ids: Tensor, out: TrunkOutput, logits: Tensor,
-                 mask: Tensor, unroll: int = EAGLE3_UNROLL) -> list[DepthPair]:
+                 mask: Tensor, unroll: int = TRAINED_DRAFTS) -> list[DepthPair]:
     """Step s (0-based) at row t reads the fused target state (s=0) or its own previous state, and the token t+s+1,
     and predicts token t+s+2 against the trunk's logits at t+s+1, at position t+s and with the attention drafting
     gives it (`UnrolledAttention`). Unrolling trains the head on its own states, as it is used when drafting more
