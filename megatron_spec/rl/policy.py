@@ -225,9 +225,9 @@ class EmbeddedPolicy:
 
         A micro-batch's drafter loss is a mean over its generated tokens (per depth, or per unrolled step); weighted
         by its share of the batch's generated tokens, the shares add up to the one-big-batch loss exactly when every
-        depth's mean counts all generated tokens: a depth-d prediction has no label before position d + 1, so prompts
-        must be at least as long as the drafter trains deep (MTP layers + 1, EAGLE-3's unrolled steps + 1). Every task prompt
-        is (BOS + a problem); a shorter one only shifts the weights of its first few tokens' predictions.
+        depth's mean counts all generated tokens: draft d's prediction has no label before position d + 1, so
+        prompts must be at least as long as the drafts trained per position (`drafter_train.drafts`) + 1. Every task
+        prompt is (BOS + a problem); a shorter one only shifts the weights of its first few tokens' predictions.
         """
         online = self.drafter_opt is not None
         params = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -237,7 +237,8 @@ class EmbeddedPolicy:
         total, sums, counts = 0.0, [], []
         for f in forwards:
             with torch.set_grad_enabled(online):
-                pairs = depth_pairs(self.drafter_method, self.model, self.drafter, f.input_ids, f.mask, f.out, f.logits)
+                pairs = depth_pairs(self.drafter_method, self.model, self.drafter, f.input_ids, f.mask, f.out, f.logits,
+                                    self.drafter_cfg.drafts)
             if self.drafter_cfg.agreement:  # summed per depth over micro-batches (a short one may have fewer)
                 for i, (s, c) in enumerate(zip(*agreement(self.drafter, pairs, self.sampling))):
                     if i == len(sums):

@@ -87,3 +87,20 @@ def test_frozen_agreement_changes_no_weight():
     assert len(with_m["drafter_agreement"]) == TRAINED_DRAFTS and "drafter_agreement" not in without
     for (n, x), y in zip(a.policy.model.named_parameters(), b.policy.model.parameters()):
         assert torch.equal(x, y), n
+
+
+def test_online_update_trains_as_many_drafts_as_configured():
+    """`drafter_train.drafts`: the agreement (and the loss) covers the first `drafts` drafts per position, 1 for
+    the first draft only; the first draft's agreement is the same number either way (same weights, same batch)."""
+    found = {}
+    for drafts in (1, 3):
+        cfg = RLConfig()
+        cfg.model.policy, cfg.model.drafter = "checkpoints/tiny-qwen3", "checkpoints/tiny-qwen3-mtp"
+        cfg.spec = SpecConfig("mtp", 3)
+        cfg.grpo.prompts_per_step, cfg.grpo.group_size, cfg.grpo.max_tokens = 2, 4, 24
+        cfg.drafter_train.drafts = drafts
+        cfg.run.threads, cfg.run.eval_every = 1, 0
+        torch.manual_seed(0)
+        found[drafts] = loop.Trainer(cfg).step(0)["drafter_agreement"]
+    assert len(found[1]) == 1 and len(found[3]) == 3
+    assert found[1][0] == pytest.approx(found[3][0], abs=1e-9)

@@ -10,7 +10,7 @@ import torch
 
 from megatron_spec.models import MTP, CausalLM, preset, save_drafter, save_pretrained
 from megatron_spec.rl import loop
-from megatron_spec.rl.config import GRPOSection, RLConfig
+from megatron_spec.rl.config import DrafterTrainSection, GRPOSection, RLConfig
 from megatron_spec.rl.logging import read_metrics
 from megatron_spec.rl.refit import buckets
 from megatron_spec.rl.task import PromptTask
@@ -150,6 +150,8 @@ def test_folded_logprob_stage_gives_the_recompute_step(ckpts, tmp_path, shaped_r
 def test_bad_input(ckpts, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="group_size must be >= 2"):
         GRPOSection(group_size=1)
+    with pytest.raises(ValueError, match="drafter_train.drafts must be >= 1"):
+        DrafterTrainSection(drafts=0)
     cfg = small_cfg(ckpts, tmp_path / "a")
     cfg.run.dataset_size = 0
     with pytest.raises(ValueError, match="dataset is empty"):
