@@ -212,7 +212,8 @@ class Eagle3Head(nn.Module):
         return self.fc(self.stack(captured))
 
     def stack(self, captured: dict[int, Tensor]) -> Tensor:
-        """The unfused input of `fuse`, [B, T, 3H] (the engine stores this and fuses only the rows it drafts from).
+        """The unfused input of `fuse`, [B, T, 3H] (the engine stores the captured layers side by side like this and
+        fuses only the rows it drafts from).
 
         Detached: the target's states are inputs to the drafter, never trained through.
         """

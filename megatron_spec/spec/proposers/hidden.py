@@ -65,12 +65,16 @@ def write_rows(buffer: Tensor, writes: list[tuple[list[int], list[int], list[int
         for column, part in zip(columns, parts):
             flat = part.reshape(B * T, -1)
             column.append(flat if keep is None else flat[keep])
-    src = torch.cat([c[0] if len(c) == 1 else torch.cat(c) for c in columns], -1) if len(columns) > 1 else (
-        columns[0][0] if len(columns[0]) == 1 else torch.cat(columns[0]))
+    src = joined([joined(column) for column in columns], -1)
     if len(set(dest)) < len(dest):  # index_copy_ leaves duplicates unordered: keep each place's last write only
         last = sorted({d: i for i, d in enumerate(dest)}.values())
         dest, src = [dest[i] for i in last], src[torch.tensor(last, device=buffer.device)]
     buffer.view(-1, buffer.shape[-1]).index_copy_(0, torch.tensor(dest, device=buffer.device), src)
+
+
+def joined(tensors: list[Tensor], dim: int = 0) -> Tensor:
+    """torch.cat without the copy when there is only one."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
 
 
 MAX_PENDING_BYTES = 64 << 20  # target states a hidden-state proposer holds before writing them (`observe`)
