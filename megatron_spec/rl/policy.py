@@ -182,7 +182,7 @@ class EmbeddedPolicy:
             self.opt.zero_grad(set_to_none=True)  # a NaN/inf loss never reaches the weights
             metrics["skipped"] = True
         if self.drafter_reads:
-            metrics.update(self.train_drafter(forwards, float(batch.mask.sum())))
+            metrics.update(self.drafter_step(forwards, float(batch.mask.sum())))
         return metrics
 
     def micro_loss(self, mb: Batch, out: TrunkOutput, norm: LossNorm,
@@ -217,7 +217,7 @@ class EmbeddedPolicy:
             drafter_inputs = DrafterInputs(mb.input_ids, mb.mask, detached, logits.detach())
         return loss, metrics, logprobs.detach(), drafter_inputs
 
-    def train_drafter(self, forwards: list[DrafterInputs], tokens: float) -> dict:
+    def drafter_step(self, forwards: list[DrafterInputs], tokens: float) -> dict:
         """One drafter update accumulated over the micro-batches' detached states, after the policy's update (the
         MTP / EAGLE-3 heads read the trunk's embedding and output head as they are now, as before bucketing), and
         the drafter's agreement with the policy on the same positions (`drafter_loss.agreement`); a frozen drafter

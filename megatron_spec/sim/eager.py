@@ -164,7 +164,7 @@ class DrafterTrainOps:
 
 
 DRAFTER_TRAIN = {
-    # The online drafter update (`EmbeddedPolicy.train_drafter`), counted by `op_census.trainer_pass(drafter=...)`
+    # The online drafter update (`EmbeddedPolicy.drafter_step`), counted by `op_census.trainer_pass(drafter=...)`
     # against the same step without it, for a target without QK-norm; with QK-norm an MTP / EAGLE-3 layer adds its
     # two norms' parameters (OPT_PER_TENSOR each per step) and `qk_norms` norm applications per micro-batch
     # (TRAIN_NORM each). A draft model has its own config. Per micro-batch this includes measuring the drafter's
