@@ -170,8 +170,8 @@ DRAFTER_TRAIN = {
     # (TRAIN_NORM each). A draft model has its own config. Per micro-batch this includes measuring the drafter's
     # agreement (`drafter_train.agreement`, 13 operators per depth). A frozen drafter's agreement (one forward
     # without gradient per micro-batch) is not modelled: the simulator's frozen drafter costs the trainer nothing.
-    "mtp": DrafterTrainOps(per_step=131, per_mb=1261, qk_norms=6),  # one depth, chained to 3 (TRAINED_DRAFTS)
-    "eagle3": DrafterTrainOps(per_step=132, per_mb=1191, qk_norms=6),  # the head runs 3 times (TRAINED_DRAFTS)
+    "mtp": DrafterTrainOps(per_step=131, per_mb=411, qk_norms=2),  # one draft per position (drafter_train.drafts)
+    "eagle3": DrafterTrainOps(per_step=132, per_mb=411, qk_norms=2),
     "model": DrafterTrainOps(per_step=140, per_mb=365),
 }
 
