@@ -15,6 +15,7 @@ from megatron_spec.spec.config import SpecConfig
 from megatron_spec.spec.proposers import HiddenStateProposer
 from megatron_spec.spec.sampling import processed_logprobs
 
+from .hidden_reference import reference_hidden_drafts
 from .stats import chi2_quantile_999, homogeneity
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [8, 9, 10, 11, 12], [3], [20, 21, 20, 21, 20], [40] * 6, [33, 34]]
@@ -133,37 +134,6 @@ def test_kv_cache_after_partial_acceptance_equals_fresh_forward(target):
         assert torch.allclose(engine.cache.v[:, s.slot, :, :n], fresh.cache.v[:, 0, :, :n], atol=1e-5)
 
 
-def reference_hidden_drafts(target, head, tokens, k):
-    """Drafts from scratch with no cache: every depth over the full sequence, then the chain, as full forwards."""
-    is_mtp = isinstance(head, MTP)
-    depths = len(head.layers) if is_mtp else 1
-    with torch.no_grad():
-        out = target.trunk(torch.tensor([tokens[:-1]]), capture=() if is_mtp else head.capture_layers)
-        hidden = out.hidden if is_mtp else head.fuse(out.layers)
-        ext, L = list(tokens), len(tokens)
-
-        def run(depth, h, ids):
-            if is_mtp:
-                return head(h, torch.tensor([ids]), None, target.embed, target.lm_head, layer=depth)
-            return head(h, torch.tensor([ids]), None, target.embed)
-
-        drafts = []
-        for j in range(k):
-            depth = min(j, depths - 1)
-            if j < depths:
-                inputs = hidden  # what the last depth read at positions 0..L-2 (its keys there come from these)
-                hidden, logits = run(depth, hidden, ext[j + 1 : j + L])
-                state = hidden[:, -1:]
-            else:
-                inputs = torch.cat([inputs, state], 1)  # the chain reads its own previous state one position on
-                n = inputs.shape[1]
-                out, logits = run(depth, inputs, ext[depth + 1 : depth + 1 + n])
-                state = out[:, -1:]
-            drafts.append(int(logits[0, -1].argmax()))
-            ext.append(drafts[-1])
-    return drafts
-
-
 @pytest.mark.parametrize("layers,k", [(1, 3), (2, 2), (2, 4)])
 def test_incremental_mtp_drafts_equal_drafts_from_scratch(target, layers, k):
     """The proposer's cached catch-up (frontier, provisional rows, chaining) drafts exactly what full forwards
@@ -201,7 +171,7 @@ def incremental_drafts(engine: LLMEngine, prompts=PROMPTS[:3], max_tokens=12) ->
 def _check_incremental(target, head, k):
     engine = LLMEngine(target, spec=SpecConfig("mtp" if isinstance(head, MTP) else "eagle3", k), drafter=head)
     for tokens, drafts in incremental_drafts(engine):
-        assert drafts == reference_hidden_drafts(target, head, tokens, len(drafts))
+        assert drafts == reference_hidden_drafts(target, head, tokens, len(drafts))[0]
 
 
 def test_adaptive_turns_speculation_off_when_it_cannot_pay():
@@ -349,7 +319,6 @@ def test_hidden_drafters_after_spans_without_speculation(target, method, max_pen
     full forwards over the sequence give, and the greedy tokens equal plain decoding's. A state left unwritten or
     written to the wrong place changes the drafts, and so does a depth of a 2-layer MTP head left out of a round
     whose k is 1 (its keys would be missing from then on)."""
-
     from itertools import cycle
 
     from megatron_spec.spec.proposers import hidden
@@ -362,7 +331,7 @@ def test_hidden_drafters_after_spans_without_speculation(target, method, max_pen
     script = cycle([0, 0, 0, 0, 0, 2, 3, 0, 0, 1])
     engine.controller.choose_k = lambda batch: next(script)
     for tokens, drafts in incremental_drafts(engine, PROMPTS, 30):
-        assert drafts == reference_hidden_drafts(target, head, tokens, len(drafts))
+        assert drafts == reference_hidden_drafts(target, head, tokens, len(drafts))[0]
     params = SamplingParams(temperature=0, max_tokens=30)
     plain = LLMEngine(target, max_num_seqs=4).generate(PROMPTS, params)
     script = cycle([0, 0, 0, 0, 0, 2, 3, 0, 0, 1])
