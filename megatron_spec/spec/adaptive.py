@@ -20,10 +20,10 @@ The controller lives as long as its engine, so in RL it is calibrated after the 
 alternates pairs of plain steps with pairs of k=1 probes (cheap even where speculation cannot pay; the fit
 extrapolates to larger k). The engine reports drafting times only for a step that follows a drafting step: after
 plain steps a hidden-state drafter or a draft model first catches up over the positions it skipped (an MTP head
-on the tiny model at batch 1: ~860 us per draft token so timed, ~490 steady), and a fit from those
-would keep speculation off for good once it had been off for a while. The first timing of each step size and the first drafting timing are dropped: they carry one-off costs (the
-first verify of a shape, the drafter catching up over every prompt) and a fit from one such outlier would rule
-for the rest of the run. The hot path (`choose_k` between decisions) is a dict lookup: decisions are refreshed
+on the tiny model at batch 1: ~860 us per draft token so timed, ~490 steady), and a fit from those would keep
+speculation off for good once it had been off for a while. The first timing of each step size and the first
+drafting timing are dropped: they carry one-off costs (the first verify of a shape, the drafter catching up over
+every prompt) and a fit from one such outlier would rule for the rest of the run. The hot path (`choose_k` between decisions) is a dict lookup: decisions are refreshed
 every `decide_every` steps or when a new batch size appears, and the least-squares fits behind them at most every
 `refit_every` steps, because on a ~1 ms step a fit (~0.2 ms) every few steps would itself cost percents.
 """
