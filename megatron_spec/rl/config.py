@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..spec.config import SpecConfig
+from .backend_config import BackendSection
 
 
 @dataclass
@@ -159,3 +160,5 @@ class RLConfig:
     """Online drafter training."""
     run: RunSection = field(default_factory=RunSection)
     """Steps, seeds, output."""
+    backend: BackendSection = field(default_factory=BackendSection)
+    """Which trainer and generator the loop drives, and where they run (default: both embedded, in-process)."""

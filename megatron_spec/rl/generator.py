@@ -19,6 +19,10 @@ class EmbeddedGenerator:
         self.drafter = copy.deepcopy(drafter).eval().requires_grad_(False) if drafter is not None else None
         self.engine = LLMEngine(self.model, max_num_seqs=max_num_seqs, spec=spec, drafter=self.drafter)
 
+    @classmethod
+    def from_rl(cls, cfg, model, drafter=None) -> "EmbeddedGenerator":
+        return cls(model, drafter, cfg.spec, max_num_seqs=cfg.grpo.prompts_per_step * cfg.grpo.group_size)
+
     def update_weights(self, stream) -> int:
         """Load a bucketed `(hf_name, tensor)` stream (policy and `drafter.` tensors); returns bytes loaded."""
         return load_buckets(self.model, self.drafter, stream)

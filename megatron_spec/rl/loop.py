@@ -25,7 +25,7 @@ from ..spec.stats import speculation_summary
 from . import checkpoint
 from .config import RLConfig
 from .grpo import group_advantages
-from .policy import Batch, EmbeddedPolicy
+from .policy import Batch
 from .refit import buckets
 
 REFIT_BUCKET_BYTES = 16 << 20
@@ -97,7 +97,7 @@ class Trainer:
 
     def __init__(self, cfg: RLConfig):
         from ..models import from_pretrained
-        from .generator import EmbeddedGenerator
+        from .backends import build_generator, build_policy
         from .task import PromptTask
 
         self.cfg = cfg
@@ -107,9 +107,8 @@ class Trainer:
         drafter = load_drafter_for(cfg, model)
         self.task = PromptTask.build(cfg.model.task, cfg.model.policy, cfg.run.dataset_size, cfg.run.seed)
         self.eval_task = PromptTask.build(cfg.model.task, cfg.model.policy, max(cfg.run.eval_prompts, 1), cfg.run.seed, "eval")
-        self.policy = EmbeddedPolicy(model, g, self.sampling, drafter, cfg.spec.method if cfg.spec else None,
-                                     cfg.drafter_train)
-        self.generator = EmbeddedGenerator(model, drafter, cfg.spec, max_num_seqs=g.prompts_per_step * g.group_size)
+        self.policy = build_policy(cfg, model, drafter)
+        self.generator = build_generator(cfg, model, drafter)
 
     def step(self, step: int) -> dict:
         cfg, g = self.cfg, self.cfg.grpo

@@ -91,6 +91,12 @@ class EmbeddedPolicy:
         self.drafter_reads = self.drafter_opt is not None or (
             drafter is not None and drafter_cfg is not None and drafter_cfg.agreement)
 
+    @classmethod
+    def from_rl(cls, cfg, model: CausalLM, drafter=None) -> "EmbeddedPolicy":
+        g = cfg.grpo
+        sampling = dict(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
+        return cls(model, g, sampling, drafter, cfg.spec.method if cfg.spec else None, cfg.drafter_train)
+
     def split(self, batch: Batch) -> list[tuple[list[int], Batch]]:
         """The batch's length-bucketed micro-batches (`grpo.micro_batch_tokens`), each with its row indices.
 

@@ -1,0 +1,111 @@
+"""`RLConfig.backend`: which trainer and generator the one RL loop drives, and where they run.
+
+The loop's stages are the same whatever is picked here; `rl/backends.py` resolves the names to classes lazily, so
+choosing `embedded` never imports Megatron, vLLM or Ray. Each backend owns its own sub-section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TRAINERS = ("embedded", "megatron")
+GENERATORS = ("embedded", "vllm")
+PLACEMENTS = ("inline", "colocated", "disaggregated")
+
+
+@dataclass
+class MegatronSection:
+    """Megatron-Core parallelism and MTP training (used when `backend.trainer=megatron`)."""
+
+    tp: int = 1
+    """Tensor parallel size [tensor_model_parallel_size]."""
+    pp: int = 1
+    """Pipeline parallel size [pipeline_model_parallel_size]."""
+    ep: int = 1
+    """Expert parallel size of MoE layers [expert_model_parallel_size]."""
+    etp: int | None = None
+    """Expert tensor parallel size [expert_tensor_parallel_size]; None: Megatron's default (= tp)."""
+    cp: int = 1
+    """Context parallel size [context_parallel_size]."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tp > 1)."""
+    mtp_num_layers: int = 0
+    """Megatron-Core MTP layers trained jointly with the policy (0: none; the drafter trains as on the embedded
+    trainer). Loaded from `model.drafter` when it holds an MTP head, else initialised from the trunk's last layer."""
+    mtp_coupling: str = "detached"
+    """`detached`: MTP layers read detached trunk states, so the policy update equals the one without MTP;
+    `coupled`: Megatron's native behaviour, the MTP loss also trains the trunk."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP auxiliary loss [mtp_loss_scaling_factor]."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "ep", "cp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"backend.megatron.{name} must be >= 1, got {getattr(self, name)}")
+        if self.etp is not None and self.etp < 1:
+            raise ValueError(f"backend.megatron.etp must be >= 1 or null, got {self.etp}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("backend.megatron.sequence_parallel needs tp > 1")
+        if self.mtp_coupling not in ("detached", "coupled"):
+            raise ValueError(f"backend.megatron.mtp_coupling must be 'detached' or 'coupled', got {self.mtp_coupling!r}")
+        if self.mtp_num_layers < 0:
+            raise ValueError(f"backend.megatron.mtp_num_layers must be >= 0, got {self.mtp_num_layers}")
+
+
+@dataclass
+class VLLMSection:
+    """vLLM engine settings (used when `backend.generator=vllm`)."""
+
+    enforce_eager: bool = True
+    """Skip vLLM's graph compilation (start-up in seconds instead of minutes on CPU; compiled mode is faster per
+    step on long runs)."""
+    max_model_len: int = 4096
+    """Longest prompt + completion an engine serves."""
+    threads: int = 0
+    """CPU threads per engine (0: the run's `run.threads`); engines on one machine must not share cores."""
+    gpu_memory_utilization: float = 0.5
+    """Share of a GPU an engine may take (colocated engines leave the rest to the trainer); ignored on CPU."""
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 16:
+            raise ValueError(f"backend.vllm.max_model_len must be >= 16, got {self.max_model_len}")
+        if self.threads < 0:
+            raise ValueError(f"backend.vllm.threads must be >= 0, got {self.threads}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"backend.vllm.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class BackendSection:
+    trainer: str = "embedded"
+    """`embedded` (our model code and a torch optimizer, one process) or `megatron` (Megatron-Core, TP/PP/EP)."""
+    generator: str = "embedded"
+    """`embedded` (our engine) or `vllm`."""
+    placement: str = "inline"
+    """`inline`: trainer and generator in this process; `colocated`: Ray worker groups sharing devices, taking
+    turns; `disaggregated`: Ray worker groups on separate devices, weights broadcast after each update."""
+    generators: int = 1
+    """Generation engines; a step's prompts are split across them with GRPO groups kept whole."""
+    async_lag: int = 0
+    """Policy versions the generators may run ahead of the trainer (0: synchronous GRPO). Off-policy rollouts are
+    corrected by truncated importance sampling (`is_clip`)."""
+    is_clip: float = 2.0
+    """Truncation of the importance ratio old-policy / behaviour policy used with `async_lag > 0`."""
+    megatron: MegatronSection = field(default_factory=MegatronSection)
+    """Megatron-Core settings."""
+    vllm: VLLMSection = field(default_factory=VLLMSection)
+    """vLLM settings."""
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("trainer", TRAINERS), ("generator", GENERATORS), ("placement", PLACEMENTS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"backend.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.generators < 1:
+            raise ValueError(f"backend.generators must be >= 1, got {self.generators}")
+        if self.async_lag < 0:
+            raise ValueError(f"backend.async_lag must be >= 0, got {self.async_lag}")
+        if self.async_lag and self.placement == "inline":
+            raise ValueError("backend.async_lag > 0 needs backend.placement colocated or disaggregated "
+                             "(generators run ahead of the trainer in their own workers)")
+        if self.is_clip < 1:
+            raise ValueError(f"backend.is_clip must be >= 1, got {self.is_clip}")

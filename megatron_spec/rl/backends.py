@@ -1,0 +1,42 @@
+"""Backend names of `RLConfig.backend` -> the classes the loop drives, imported only when chosen.
+
+Every trainer implements the Policy interface (`logprobs`, `train_step`, `export_weights`, `state_dict` /
+`load_state_dict`) and every generator the Generator interface (`generate`, `update_weights`, `sleep`, `wake`);
+both are built by `cls.from_rl(cfg, model, drafter)` from the run's config and the loaded policy model and drafter.
+The at-scale classes live under `megatron_spec.backends`, which this module names as strings so that the core
+never imports Megatron, vLLM or Ray: a missing extra is reported when that backend is chosen, before any compute.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+POLICIES = {
+    "embedded": ("megatron_spec.rl.policy:EmbeddedPolicy", None),
+    "megatron": ("megatron_spec.backends.megatron.policy:MegatronPolicy", "megatron"),
+}
+GENERATORS = {
+    "embedded": ("megatron_spec.rl.generator:EmbeddedGenerator", None),
+    "vllm": ("megatron_spec.backends.vllm:VLLMGenerator", "vllm"),
+}
+
+
+def resolve(table: dict, name: str, what: str):
+    """The class registered under `name`; an ImportError names the extra to install."""
+    if name not in table:
+        raise ValueError(f"unknown {what} backend {name!r}; known: {', '.join(table)}")
+    target, extra = table[name]
+    module, attr = target.split(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ImportError as err:
+        hint = f" (`pip install 'megatron-spec[{extra}]'`)" if extra else ""
+        raise ImportError(f"{what} backend {name!r} needs {err.name or 'a missing package'}{hint}: {err}") from err
+
+
+def build_policy(cfg, model, drafter):
+    return resolve(POLICIES, cfg.backend.trainer, "trainer").from_rl(cfg, model, drafter)
+
+
+def build_generator(cfg, model, drafter):
+    return resolve(GENERATORS, cfg.backend.generator, "generator").from_rl(cfg, model, drafter)
