@@ -67,17 +67,39 @@ def run_step(policy: EmbeddedPolicy, batch: Batch, old: torch.Tensor | None) -> 
     return policy.train_step(batch)
 
 
-def assert_same_update(a: torch.nn.Module, b: torch.nn.Module, lr: float = 1e-3) -> None:
-    """Same (clipped) gradients to 1e-5 of each tensor's largest entry, which fp32 summation order stays far
-    inside, and the same weights after the AdamW step to 5 % of one step (lr): Adam moves a coordinate by about
-    lr * g / (|g| + 1e-8), so where |g| is ~1e-8 the last bits of g still show in the step."""
+ADAM_EPS = 1e-8
+"""torch.optim.AdamW's default eps, which the policy's optimizer keeps."""
+
+
+def assert_same_update(a: torch.nn.Module, b: torch.nn.Module, lr: float = 1e-3, rel: float = 1e-5) -> None:
+    """Same (clipped) gradients to `rel` (1e-5) of each tensor's largest entry: the two paths add the same terms in
+    a different order (attention over [prompt | completion] blocks instead of one row, the prompt's gradient summed
+    over its rollouts before its backward). Measured on these batches the largest difference is 4-5e-6 of a
+    tensor's largest entry (in the embedding's gradient, a sum over every position of a token), the same order as
+    cutting the unshared batch into other micro-batches (2-4e-6); the negative controls differ by far more.
+
+    The gradients are the property the two paths share; the weights after AdamW's first step follow from them, but
+    not uniformly. That step is lr * g / (|g| + eps) per coordinate, whose sensitivity to g is lr * eps / (|g| +
+    eps)^2: where |g| is near eps a last-bit difference in g (which bits differ depends on the CPU's instruction set
+    and thread count) moves the weight by a visible part of lr, and where g ~ 0 its sign, and so a 2 lr swing, is
+    arbitrary. So the weights are compared tightly only where the step is determined by the gradient: |g| >= 1e3 eps
+    and |g| >= 100 x the gradient tolerance d. There the step differs by at most lr * eps * d / |g|^2 <=
+    lr * eps / (100 |g|) <= 1e-5 lr, checked at 1e-3 lr (loose against rounding of the weights themselves, ~1e-7
+    lr, and tight against any wrong update, which moves a weight by a sizeable part of lr). Everywhere else AdamW's
+    first step is at most lr in size, so the weights differ by at most 2 lr: checked too, as a bound that still
+    catches an update applied twice or to the wrong tensor."""
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert (pa.grad is None) == (pb.grad is None), name
-        if pa.grad is not None:
-            scale = float(pa.grad.abs().max())
-            torch.testing.assert_close(pa.grad, pb.grad, rtol=0, atol=1e-5 * scale,
-                                       msg=lambda m: f"grad of {name}: {m}")
-        torch.testing.assert_close(pa, pb, rtol=0, atol=0.05 * lr, msg=lambda m: f"{name} after the update: {m}")
+        if pa.grad is None:
+            torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=lambda m: f"{name} (no gradient) changed: {m}")
+            continue
+        tol = rel * float(pa.grad.abs().max())
+        torch.testing.assert_close(pa.grad, pb.grad, rtol=0, atol=tol, msg=lambda m: f"grad of {name}: {m}")
+        determined = pa.grad.abs() >= max(1e3 * ADAM_EPS, 100 * tol)
+        torch.testing.assert_close(pa[determined], pb[determined], rtol=0, atol=1e-3 * lr,
+                                   msg=lambda m: f"{name} after the update, where |g| >> eps: {m}")
+        torch.testing.assert_close(pa, pb, rtol=0, atol=2 * lr * (1 + 1e-3),
+                                   msg=lambda m: f"{name} after the update: {m}")
 
 
 @pytest.mark.parametrize("loss_agg", ["token", "sequence"])

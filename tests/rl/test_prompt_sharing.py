@@ -11,7 +11,7 @@ import torch
 import megatron_spec.rl.prefix as prefix_mod
 from megatron_spec.rl.policy import Batch, EmbeddedPolicy
 from megatron_spec.rl.prefix import prompt_groups
-from tests.rl.test_policy import make_policy, off_policy, rollout_batch, run_step
+from tests.rl.test_policy import assert_same_update, make_policy, off_policy, rollout_batch, run_step
 
 PROMPT_LENS = (5, 8, 11)
 GROUP = 4
@@ -35,23 +35,6 @@ def group_batch(seed: int = 0, max_completion: int = 30) -> Batch:
         ids[i, : len(p)], ids[i, len(p) : len(p) + len(c)] = p, c
         mask[i, len(p) : len(p) + len(c)] = True
     return Batch(ids, mask, advantages=torch.randn(len(rows), generator=g))
-
-
-def assert_same_update(a: torch.nn.Module, b: torch.nn.Module, lr: float = 1e-3, rel: float = 1e-5) -> None:
-    """Same (clipped) gradients to `rel` (1e-5) of each tensor's largest entry: the two paths add the same terms in
-    a different order (attention over [prompt | completion] blocks instead of one row, the prompt's gradient summed
-    over its rollouts before its backward). Measured on these batches the largest difference is 4-5e-6 of a
-    tensor's largest entry (in the embedding's gradient, a sum over every position of a token), the same order as
-    cutting the unshared batch into other micro-batches (2-4e-6); the negative controls differ by far more. Same
-    weights after the AdamW step to 5 % of one step (lr): Adam's first step is about lr * g / (|g| + 1e-8), so where
-    |g| is ~1e-8 the last bits of g still show in the step."""
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
-        assert (pa.grad is None) == (pb.grad is None), name
-        if pa.grad is not None:
-            scale = float(pa.grad.abs().max())
-            torch.testing.assert_close(pa.grad, pb.grad, rtol=0, atol=rel * scale,
-                                       msg=lambda m: f"grad of {name}: {m}")
-        torch.testing.assert_close(pa, pb, rtol=0, atol=0.05 * lr, msg=lambda m: f"{name} after the update: {m}")
 
 
 def pair(budget: int, drafter: str | None = None, **grpo) -> tuple[EmbeddedPolicy, EmbeddedPolicy]:
