@@ -14,7 +14,7 @@ import torch
 
 from ..models.hf_io import write_atomically
 
-IGNORED_ON_RESUME = {"run.steps", "run.resume", "run.save_every", "run.eval_every", "run.out_dir",
+IGNORED_ON_RESUME = {"run.steps", "run.resume", "run.save_every", "run.eval_every", "run.out_dir", "run.report",
                      "grpo.micro_batch_tokens", "grpo.fold_logprob", "grpo.share_prompt"}
 """Fields a resumed run may change (how long, how often, and how a step computes the same update), all others must
 match. The last three also let a run saved before they existed resume."""

@@ -146,6 +146,8 @@ class RunSection:
     """Evaluate greedy accuracy every N steps (0: never)."""
     threads: int = 2
     """torch CPU threads."""
+    report: bool = True
+    """Write `report.html` (plots of reward, accuracy, stage times, acceptance) into out_dir when the run ends."""
 
 
 @dataclass

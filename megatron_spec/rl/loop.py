@@ -6,7 +6,12 @@ With `grpo.fold_logprob` (the default) the recompute is folded into the train fo
 step, and the `logprob` stage only assembles the batch and the mismatch metric.
 
 `train(cfg)` validates everything it will need before computing anything, resumes from the run directory's last
-checkpoint when it holds one for the same config, and logs one metrics line per step.
+checkpoint when it holds one for the same config, and logs one metrics line per step. `Trainer.step` is written as
+stage methods (`draw`, `refit`, `rollouts`, `score`, `learn`, `metrics`) so that the Ray driver
+(`megatron_spec.backends.ray.driver`, `backend.placement` colocated / disaggregated) runs this very loop with the
+trainer and the generators in worker groups: it overrides where the pieces live (`build_backends`), how weights
+reach the engines (`refit`) and how rollouts are produced (`rollouts`, which may run ahead with `async_lag`), and
+`run(cfg, make_trainer)` is the one outer loop (resume, logging, NaN stop, checkpoints) for both.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ from .config import RLConfig
 from .grpo import group_advantages
 from .policy import Batch
 from .refit import buckets
+
+DRIVERS = {"colocated": "megatron_spec.backends.ray.driver", "disaggregated": "megatron_spec.backends.ray.driver"}
+"""Module whose `train(cfg)` runs a placement other than `inline` (imported by name: the core never imports Ray)."""
 
 REFIT_BUCKET_BYTES = 16 << 20
 """Refit bucket size: large enough to amortise per-bucket overhead, small enough to bound the staging memory."""
@@ -92,47 +100,98 @@ def spec_metrics(outs) -> dict:
     return {"acceptance_length": summary["acceptance_length"], "accepted_per_pos": summary["per_position"] or None}
 
 
+@dataclasses.dataclass
+class Rollouts:
+    """One step's completions (in prompt order) and the policy version that generated them."""
+
+    outs: list
+    """The generator's outputs, one per prompt (token ids, behaviour log-probs, speculation stats)."""
+    lag: int = 0
+    """Policy versions between the weights that generated them and the weights being trained (0: on-policy)."""
+    metrics: dict = dataclasses.field(default_factory=dict)
+    """What the producer adds to the step's metrics (weight sync bytes / seconds, policy version, restarts)."""
+
+
 class Trainer:
-    """Holds the run's pieces; `step()` is one RL step."""
+    """Holds the run's pieces; `step()` is one RL step, its stages are the methods below it."""
 
     def __init__(self, cfg: RLConfig):
-        from ..models import from_pretrained
-        from .backends import build_generator, build_policy
         from .task import PromptTask
 
         self.cfg = cfg
         g = cfg.grpo
         self.sampling = dict(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
-        model = from_pretrained(cfg.model.policy)
-        drafter = load_drafter_for(cfg, model)
         self.task = PromptTask.build(cfg.model.task, cfg.model.policy, cfg.run.dataset_size, cfg.run.seed)
         self.eval_task = PromptTask.build(cfg.model.task, cfg.model.policy, max(cfg.run.eval_prompts, 1), cfg.run.seed, "eval")
-        self.policy = build_policy(cfg, model, drafter)
-        self.generator = build_generator(cfg, model, drafter)
+        self.policy, self.generator = self.build_backends()
+
+    def build_backends(self):
+        """The trainer and the generator, in this process."""
+        from ..models import from_pretrained
+        from .backends import build_generator, build_policy
+
+        model = from_pretrained(self.cfg.model.policy)
+        drafter = load_drafter_for(self.cfg, model)
+        return build_policy(self.cfg, model, drafter), build_generator(self.cfg, model, drafter)
 
     def step(self, step: int) -> dict:
-        cfg, g = self.cfg, self.cfg.grpo
         timer = StageTimer()
         with timer("data"):
-            problems = self.task.problems(step * g.prompts_per_step, g.prompts_per_step)
-            prompts = [self.task.encode(p) for p in problems for _ in range(g.group_size)]
+            problems, prompts = self.draw(step)
         with timer("prepare"):
-            self.generator.update_weights(buckets(self.policy.export_weights(), REFIT_BUCKET_BYTES))
-            self.generator.wake()
+            self.refit()
         with timer("gen"):
-            params = SamplingParams(max_tokens=g.max_tokens, seed=cfg.run.seed * 100_003 + step, **self.sampling)
-            outs = self.generator.generate(prompts, params)
-            self.generator.sleep()
-        rewards = torch.tensor([self.task.reward(o.token_ids, problems[i // g.group_size]) for i, o in enumerate(outs)])
+            rollouts = self.rollouts(step, prompts)
+        rewards = self.score(problems, rollouts.outs)
+        train, mismatch = self.learn(prompts, rollouts, rewards, timer)
+        return {**self.metrics(step, timer, rollouts.outs, rewards, mismatch, train), **rollouts.metrics}
+
+    def draw(self, step: int) -> tuple[list, list[list[int]]]:
+        """This step's problems and prompts, each prompt repeated `group_size` times (its GRPO group)."""
+        g = self.cfg.grpo
+        problems = self.task.problems(step * g.prompts_per_step, g.prompts_per_step)
+        return problems, [self.task.encode(p) for p in problems for _ in range(g.group_size)]
+
+    def sampling_params(self, step: int) -> SamplingParams:
+        """The rollouts' sampling of `step` (seeded by the run's seed and the step, so a re-run draws the same)."""
+        return SamplingParams(max_tokens=self.cfg.grpo.max_tokens, seed=self.cfg.run.seed * 100_003 + step,
+                              **self.sampling)
+
+    def refit(self) -> None:
+        """The trainer's weights (policy and drafter) into the generator, which wakes for the rollouts."""
+        self.generator.update_weights(buckets(self.policy.export_weights(), REFIT_BUCKET_BYTES))
+        self.generator.wake()
+
+    def rollouts(self, step: int, prompts: list[list[int]]) -> Rollouts:
+        outs = self.generator.generate(prompts, self.sampling_params(step))
+        self.generator.sleep()
+        return Rollouts(outs)
+
+    def score(self, problems: list, outs) -> torch.Tensor:
+        g = self.cfg.grpo
+        return torch.tensor([self.task.reward(o.token_ids, problems[i // g.group_size]) for i, o in enumerate(outs)])
+
+    def learn(self, prompts: list[list[int]], rollouts: Rollouts, rewards: torch.Tensor,
+              timer: StageTimer) -> tuple[dict, float | None]:
+        """The logprob and train stages: one policy (and drafter) update on the rollouts. Rollouts of an older policy
+        version carry their behaviour log-probs into the loss's importance correction; their engine-vs-trainer
+        mismatch is then the policy's drift, not a processing error, and is not reported (None)."""
+        g = self.cfg.grpo
         with timer("logprob"):
-            batch, behaviour = make_batch(prompts, outs)
+            batch, behaviour = make_batch(prompts, rollouts.outs)
+            if rollouts.lag:
+                batch.behaviour_logprobs, batch.is_clip = behaviour, self.cfg.backend.is_clip
             if not g.fold_logprob:  # folded: train_step takes them from its own forward and fills them in
                 batch.old_logprobs = self.policy.logprobs(batch)
         with timer("train"):
             batch.advantages = group_advantages(rewards.view(g.prompts_per_step, g.group_size), g.normalize_std).flatten()
             train = self.policy.train_step(batch)
         with timer("logprob"):
-            mismatch = logprob_mismatch(batch.old_logprobs, behaviour, batch.mask[:, 1:])
+            mismatch = None if rollouts.lag else logprob_mismatch(batch.old_logprobs, behaviour, batch.mask[:, 1:])
+        return train, mismatch
+
+    @staticmethod
+    def metrics(step: int, timer: StageTimer, outs, rewards: torch.Tensor, mismatch: float | None, train: dict) -> dict:
         gen_tokens = sum(len(o.token_ids) for o in outs)
         lengths = [len(o.token_ids) for o in outs]
         return {"step": step, "stages": timer.times, "step_time": sum(timer.times.values()), "gen_tokens": gen_tokens,
@@ -144,25 +203,44 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Greedy accuracy on the held-out prompts (outside the stage timings)."""
-        self.generator.update_weights(buckets(self.policy.export_weights(), REFIT_BUCKET_BYTES))
+        self.refit()
         problems = self.eval_task.problems(0, self.cfg.run.eval_prompts)
         outs = self.generator.generate([self.eval_task.encode(p) for p in problems],
                                        SamplingParams(temperature=0, max_tokens=self.cfg.grpo.max_tokens))
         return sum(self.eval_task.reward(o.token_ids, p) for o, p in zip(outs, problems)) / len(problems)
 
+    def close(self) -> None:
+        """Release what the trainer holds beyond this process (nothing here; the Ray trainer's worker groups)."""
+
 
 def train(cfg: RLConfig) -> dict:
-    """Run (or resume) the RL job described by `cfg`; returns a summary of the last step."""
+    """Run (or resume) the RL job described by `cfg`; returns a summary of the last step. Placements other than
+    `inline` run the same loop through the Ray driver."""
+    check_inputs(cfg)
+    if cfg.backend.placement != "inline":
+        import importlib
+
+        try:
+            driver = importlib.import_module(DRIVERS[cfg.backend.placement])
+        except ImportError as err:
+            raise ImportError(f"backend.placement={cfg.backend.placement} runs on Ray, which needs "
+                              f"{err.name or 'a missing package'} (`pip install 'megatron-spec[ray]'`): {err}") from err
+        return driver.train(cfg)
+    return run(cfg, Trainer)
+
+
+def run(cfg: RLConfig, make_trainer) -> dict:
+    """The outer loop of every placement: resume, then per step `trainer.step` (+ evaluation), log, stop after
+    `grpo.max_nan_steps` non-finite losses, checkpoint. `make_trainer(cfg)` builds the `Trainer` (or subclass)."""
     from .logging import StepLogger
 
-    check_inputs(cfg)
     torch.set_num_threads(cfg.run.threads)
     run_dir = Path(cfg.run.out_dir)
     saved = checkpoint.load_latest(run_dir) if cfg.run.resume else None
     if saved is not None:
         checkpoint.check_same_config(saved["config"], cfg, run_dir)
     torch.manual_seed(cfg.run.seed)
-    trainer = Trainer(cfg)
+    trainer = make_trainer(cfg)
     start = 0
     if saved is not None:
         trainer.policy.load_state_dict(saved["state"])
@@ -188,4 +266,20 @@ def train(cfg: RLConfig) -> dict:
                 checkpoint.save(run_dir, step, trainer.policy.state_dict(), cfg)
     finally:
         logger.close()
+        trainer.close()
+        if cfg.run.report:
+            write_run_report(run_dir)
     return metrics
+
+
+def write_run_report(run_dir: Path) -> None:
+    """Every run leaves `report.html` (with its plots) behind, also one that stopped early; a report that cannot be
+    written is a warning, never the error that ends the run (a failing run's own error must stay visible)."""
+    from .report import write_report
+
+    if not (run_dir / "metrics.jsonl").is_file():
+        return
+    try:
+        print(f"report: {write_report([run_dir], run_dir / 'report.html')}")
+    except Exception as err:  # noqa: BLE001  (reporting must not mask the run's outcome)
+        print(f"report: not written ({type(err).__name__}: {err}); `megatron-spec report {run_dir}` retries")

@@ -298,9 +298,23 @@ def _step_axis(a) -> None:
 
 # -- HTML ---------------------------------------------------------------------------------------------------------
 
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401  (a base dependency; a trimmed install may still lack it)
+    except ImportError:
+        return False
+    return True
+
+
 def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
+    """The HTML report of `run_dirs` (the first is the main run) at `out`; without matplotlib, the summary table and
+    a one-line hint instead of the plots (a report is never a traceback)."""
     runs = load_runs(run_dirs)
     out = Path(out)
+    if not have_matplotlib():
+        body = ["<p>Plots need matplotlib (<code>pip install matplotlib</code>, part of the base install); "
+                "the summary follows.</p>", "<h2>Summary</h2>", _summary_html(runs)]
+        return _write_html(out, runs, body)
     plots = out.parent / f"{out.stem}_plots"
     plots.mkdir(parents=True, exist_ok=True)
     colors, sp = _colors(runs), speedups(runs)
@@ -329,6 +343,10 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
         body.append("<p>Needs a plain run and a speculative run (<code>--compare</code>).</p>")
     body += _lossless_html(runs, colors, plots, img)
     body += ["<h2>Summary</h2>", _summary_html(runs)]
+    return _write_html(out, runs, body)
+
+
+def _write_html(out: Path, runs: list[Run], body: list[str]) -> Path:
     title = f"megatron-spec report: {html.escape(runs[0].name)}"
     out.write_text(f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{title}</title>\n<style>{_CSS}</style>"
                    f"</head><body><h1>{title}</h1>\n<p>Runs: {', '.join(html.escape(r.label) for r in runs)}</p>\n"

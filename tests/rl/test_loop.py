@@ -37,7 +37,7 @@ def small_cfg(ckpts, out, spec="mtp", **grpo) -> RLConfig:
     cfg.spec = SpecConfig(spec, 3) if spec else None
     cfg.grpo = GRPOSection(**{"prompts_per_step": 3, "group_size": 3, "max_tokens": 14, "lr": 3e-3, **grpo})
     cfg.run.out_dir, cfg.run.steps, cfg.run.threads, cfg.run.eval_every = str(out), 3, 1, 0
-    cfg.run.save_every = 2
+    cfg.run.save_every, cfg.run.report = 2, False
     return cfg
 
 
@@ -212,3 +212,46 @@ def test_grpo_learns_the_rewarded_behaviour(ckpts, tmp_path, monkeypatch):
     loop.train(cfg)
     rewards = [m["reward_mean"] for m in read_metrics(tmp_path)]
     assert sum(rewards[-2:]) > 3 * sum(rewards[:2]) + 0.02
+
+
+def test_every_run_leaves_its_report(ckpts, tmp_path, shaped_reward, monkeypatch):
+    """The run writes report.html with its plots when it ends, also when it stops on an error (whose own exception
+    still reaches the caller); the report names each step's figures (it is built from metrics.jsonl)."""
+    cfg = small_cfg(ckpts, tmp_path / "ok")
+    cfg.run.report, cfg.run.steps = True, 2
+    loop.train(cfg)
+    page = (tmp_path / "ok" / "report.html").read_text()
+    assert 'src="report_plots/reward_accuracy.png"' in page and 'src="report_plots/acceptance.png"' in page
+    assert {p.name for p in (tmp_path / "ok" / "report_plots").iterdir()} >= {"reward_accuracy.png", "stage_times.png",
+                                                                              "acceptance.png"}
+    import megatron_spec.rl.policy as policy_mod
+
+    def boom(*a, **k):
+        raise RuntimeError("trainer died")
+
+    bad = small_cfg(ckpts, tmp_path / "bad")
+    bad.run.report, bad.run.steps = True, 3
+    calls = {"n": 0}
+    real = policy_mod.EmbeddedPolicy.train_step
+
+    def second_fails(self, batch):
+        calls["n"] += 1
+        return boom() if calls["n"] == 2 else real(self, batch)
+
+    monkeypatch.setattr(policy_mod.EmbeddedPolicy, "train_step", second_fails)
+    with pytest.raises(RuntimeError, match="trainer died"):
+        loop.train(bad)
+    assert "report_plots/reward_accuracy.png" in (tmp_path / "bad" / "report.html").read_text()
+
+
+def test_report_without_matplotlib_is_a_table_and_a_hint(ckpts, tmp_path, shaped_reward, monkeypatch):
+    """A trimmed install without matplotlib still gets a report: the summary table and a one-line hint."""
+    cfg = small_cfg(ckpts, tmp_path)
+    cfg.run.steps = 1
+    loop.train(cfg)
+    import megatron_spec.rl.report as report_mod
+
+    monkeypatch.setattr(report_mod, "have_matplotlib", lambda: False)
+    page = report_mod.write_report([tmp_path], tmp_path / "r.html").read_text()
+    assert "Plots need matplotlib" in page and "<table" in page and "<img" not in page
+    assert not (tmp_path / "r_plots").exists()
