@@ -1,6 +1,6 @@
 """Named architectures: the project's tiny reference models and the public models we plan for.
 
-Values for public models come from their HF `config.json` (see ../shared/ANCHORS.md). The tiny models are sized
+Values for public models come from their HF `config.json` (docs/references.md lists them). The tiny models are sized
 so that pretraining on the synthetic task takes minutes on two CPU cores.
 """
 
