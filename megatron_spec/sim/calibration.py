@@ -1,8 +1,7 @@
 """Every calibration constant of the simulator, in one place.
 
-A hardware profile is a spec sheet (or, for the CPU, a micro-benchmark); these factors say how much of it real
-software reaches. There is one set for GPUs, shared by H100, H200, B200 and GB200 and by every validation and
-projection, and one set for the CPU profile. Nothing is fitted per case: changing a number here moves every
+A hardware profile is a spec sheet; these factors say how much of it real software reaches. There is one set,
+shared by H100, H200, B200 and GB200 and by every validation and projection. Nothing is fitted per case: changing a number here moves every
 prediction, which is what the tests in `tests/sim` guard.
 
 Where each GPU value comes from:
@@ -43,7 +42,7 @@ class Calibration:
     collective_latency_s: float
     """Fixed cost of one collective call, seconds."""
     forward_overhead_s: float
-    """Fixed cost of one engine forward beyond its kernels, seconds (GPU only; the CPU pays per operator)."""
+    """Fixed cost of one engine forward beyond its kernels, seconds."""
     refit_eff: float
     """Fraction of the link bandwidth a bucketed weight refit reaches."""
     engine_wake_s: float
@@ -65,17 +64,3 @@ GPU = Calibration(
     mem_eff=0.80, gemm_eff=0.60, train_mfu=0.40, link_eff=0.70, collective_latency_s=10e-6,
     forward_overhead_s=1.5e-3, refit_eff=0.25, engine_wake_s=1.0,
 )
-
-# The CPU profile is measured with the operators the embedded engine runs (see cpu_profile.py), so its rates are
-# used as measured (efficiency 1) and its fixed costs are counted per operator and per sequence, not per forward:
-# the operator counts are facts of our code (eager.py), the per-operator and per-sequence costs are measured
-# (CpuProfile.op_overhead_s, seq_overhead_s). Nothing in this set is fitted.
-CPU = Calibration(
-    mem_eff=1.0, gemm_eff=1.0, train_mfu=1.0, link_eff=1.0, collective_latency_s=0.0,
-    forward_overhead_s=0.0, refit_eff=1.0, engine_wake_s=0.0,
-)
-
-
-def for_hardware(is_gpu: bool) -> Calibration:
-    """The constant set that goes with a profile."""
-    return GPU if is_gpu else CPU

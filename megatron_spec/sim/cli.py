@@ -3,11 +3,10 @@
     megatron-spec simulate --model qwen3-8b --hardware gb200 --gpus 32 --k 3 --acceptance 2.8
     megatron-spec simulate --validate            # the reference paper's 8B runs, predicted from its AR columns
     megatron-spec simulate --project             # Qwen3-235B-A22B on GB200 / H100, sync and async, +- speculation
-    megatron-spec simulate --measured [PATH]     # vs `megatron-spec bench step` on this CPU
-    megatron-spec simulate --calibrate-cpu       # (re)measure this CPU's profile
     megatron-spec tune --model qwen3-8b --hardware h100 --gpus 64 --k 3 --acceptance 2.8 --lags 0 1 2 --plot top.png
 
-Only argparse is imported at parser-build time; the simulator loads when a command runs.
+Only argparse is imported at parser-build time; the simulator loads when a command runs. The CPU model of our
+embedded engine (validation (b)) has its own command: `python -m benchmarks.sim_cpu --help`.
 """
 
 from __future__ import annotations
@@ -19,9 +18,8 @@ import json
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and cluster")
     g.add_argument("--model", default="qwen3-8b", help="preset name or path to an HF config.json")
-    g.add_argument("--hardware", default="h100", help="h100, h200, b200, gb200 or cpu")
+    g.add_argument("--hardware", "--gpu", dest="hardware", default="h100", help="h100, h200, b200 or gb200")
     g.add_argument("--gpus", type=int, default=8, help="devices in the job")
-    g.add_argument("--cpu-profile", default="", help="CPU profile JSON (default ~/.cache/megatron_spec)")
     g = p.add_argument_group("workload")
     g.add_argument("--prompts", type=int, default=256, help="prompts per step")
     g.add_argument("--group", type=int, default=16, help="responses per prompt")
@@ -44,11 +42,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=1024)
     g = p.add_argument_group("trainer")
     g.add_argument("--micro-batch-tokens", type=int, default=None,
-                   help="tokens per training micro-batch (0: the whole batch; default 16384 packed on a GPU, 1024 "
-                        "padded on the CPU as the embedded trainer)")
+                   help="tokens packed per training micro-batch (0: the whole batch; default 16384)")
     g.add_argument("--fold-logprob", action=argparse.BooleanOptionalAction, default=None,
-                   help="behaviour logprobs from the train forward, no recompute pass (default: on for the CPU's "
-                        "embedded trainer, off on a GPU)")
+                   help="behaviour logprobs from the train forward, no recompute pass (default: off)")
 
 
 def _layout(p: argparse.ArgumentParser) -> None:
@@ -70,10 +66,6 @@ def register(subparsers) -> None:
     mode = sim.add_mutually_exclusive_group()
     mode.add_argument("--validate", action="store_true", help="reference paper case (8B on 32 GB200)")
     mode.add_argument("--project", action="store_true", help="Qwen3-235B-A22B projection and sensitivity")
-    mode.add_argument("--measured", nargs="?", const="benchmarks/results/bench_step_cpu.json", default=None,
-                      help="compare with a bench-step measurement JSON")
-    mode.add_argument("--calibrate-cpu", action="store_true", help="measure and cache this CPU's profile")
-    sim.add_argument("--threads", type=int, default=2, help="torch threads for --calibrate-cpu")
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
     sim.set_defaults(func=simulate_command)
 
@@ -111,13 +103,11 @@ def _config(args, layout: bool = True):
         gen = GenParallel(tp=args.gen_tp, ep=args.gen_ep)
     else:
         train, gen = TrainParallel(dp=train_gpus), GenParallel()
-    cpu = args.hardware.lower() == "cpu"
     return SimConfig(model=args.model, hardware=args.hardware, gpus=args.gpus, workload=workload, train=train,
                      gen=gen, colocated=colocated, gen_gpus=0 if colocated else args.gen_gpus, spec=_spec(args),
-                     policy_lag=getattr(args, "lag", 0), gen_dtype_bytes=4 if cpu else (1 if args.fp8 else 2),
+                     policy_lag=getattr(args, "lag", 0), gen_dtype_bytes=1 if args.fp8 else 2,
                      gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                     micro_batch_tokens=args.micro_batch_tokens, fold_logprob=args.fold_logprob,
-                     cpu_profile=args.cpu_profile)
+                     micro_batch_tokens=args.micro_batch_tokens, fold_logprob=args.fold_logprob)
 
 
 def simulate_command(args) -> int:
@@ -130,18 +120,6 @@ def simulate_command(args) -> int:
         from .report import projection_report
 
         print(projection_report())
-        return 0
-    if args.measured is not None:
-        from .measured import compare, format_comparison
-
-        rows = compare(args.measured, args.cpu_profile or None)
-        print(format_comparison(rows))
-        return 0 if all(r.ok for r in rows) else 1
-    if args.calibrate_cpu:
-        from .cpu_profile import load_or_measure
-
-        profile = load_or_measure(args.cpu_profile or None, threads=args.threads, remeasure=True)
-        print(json.dumps(profile.__dict__, indent=2))
         return 0
     from .pipeline import simulate
     from .report import step_report

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import NormalDist
 
+from megatron_spec.layout import Layout, check_layout, suggest_split
 from megatron_spec.models.config import ModelConfig
 from megatron_spec.models.presets import PRESETS, preset
 
 from .acceptance import check_tau, rate_from_tau, tau_from_positions, tau_from_rate
-from .hardware import GPU_PROFILES
+from .hardware import GPU_PROFILES, Hardware
 from .shapes import DRAFTER_KINDS
 
 
@@ -215,17 +216,14 @@ class TrainParallel:
         return self.tp * self.pp * self.cp * self.dp
 
     def check(self, m: ModelConfig) -> None:
-        """The layout must divide the model: heads and FFN over TP, experts over EP, at least one layer per
-        pipeline stage (uneven stages are allowed, as Megatron's first/last-stage layer counts allow; the slowest
-        stage sets the pace, see `stages.stage_imbalance`)."""
-        _check_tp(m, self.tp, "train")
-        if self.pp > m.num_hidden_layers:
-            raise ValueError(f"train pp={self.pp} exceeds num_hidden_layers={m.num_hidden_layers}: a pipeline stage "
-                             "needs at least one layer")
-        _check_ep(m, self.ep, "train")
-        if (self.dp * self.cp * self.tp) % self.ep:
-            raise ValueError(f"train ep={self.ep} must divide dp*cp*tp={self.dp * self.cp * self.tp} "
-                             "(experts are spread over the data, context and tensor ranks of a stage)")
+        """The layout must fit the model as Megatron-Core splits it (`megatron_spec.layout`, the one validator the
+        backend and the recipes use too): heads, query groups and FFN over TP, experts over EP (ETP 1), the expert
+        grid inside the devices, at least one layer per pipeline stage. Uneven stages are allowed as Megatron's
+        first/last-stage layer counts express them (`layout.suggest_split`); the slowest stage sets the pace, see
+        `stages.stage_imbalance`."""
+        first, last = suggest_split(m.num_hidden_layers, self.pp) if self.pp <= m.num_hidden_layers else (None, None)
+        check_layout(m, Layout(tp=self.tp, pp=self.pp, ep=self.ep, etp=1, cp=self.cp, first_stage_layers=first,
+                               last_stage_layers=last), world=self.gpus, who="train")
 
 
 @dataclass
@@ -242,40 +240,21 @@ class GenParallel:
             raise ValueError(f"generation ep={self.ep} must divide tp={self.tp} (experts live inside one engine)")
 
     def check(self, m: ModelConfig) -> None:
-        _check_tp(m, self.tp, "generation")
-        _check_ep(m, self.ep, "generation")
-
-
-def _check_tp(m: ModelConfig, tp: int, who: str) -> None:
-    if m.num_attention_heads % tp:
-        raise ValueError(f"{who} tp={tp} does not divide num_attention_heads={m.num_attention_heads}")
-    if m.num_key_value_heads % tp and tp % m.num_key_value_heads:
-        raise ValueError(f"{who} tp={tp} and num_key_value_heads={m.num_key_value_heads}: one must divide the "
-                         "other (KV heads are split or replicated across tensor-parallel ranks)")
-    if not m.is_moe and m.intermediate_size % tp:
-        raise ValueError(f"{who} tp={tp} does not divide intermediate_size={m.intermediate_size}")
-
-
-def _check_ep(m: ModelConfig, ep: int, who: str) -> None:
-    if ep > 1 and not m.is_moe:
-        raise ValueError(f"{who} ep={ep} needs an MoE model ({m.model_type} is dense)")
-    if m.is_moe and m.num_experts % ep:
-        raise ValueError(f"{who} ep={ep} does not divide num_experts={m.num_experts}")
+        """`megatron_spec.layout` with vLLM's rule for KV heads (split, or replicated when TP exceeds them)."""
+        check_layout(m, Layout(tp=self.tp, ep=self.ep, etp=1), kv_replication=True, who="generation")
 
 
 GPU_MICRO_BATCH_TOKENS = 16384
 """Default micro-batch of a GPU trainer: tokens packed per micro-batch per data-parallel rank."""
-CPU_MICRO_BATCH_TOKENS = 1024
-"""Default micro-batch of the embedded trainer the CPU profile stands for: `GRPOSection.micro_batch_tokens`
-(a test holds them equal)."""
 
 
 @dataclass
 class SimConfig:
     model: str | dict | ModelConfig
     """Policy architecture: preset name, HF config.json path or dict, or a ModelConfig."""
-    hardware: str
-    """Hardware profile name (h100, h200, b200, gb200, cpu)."""
+    hardware: str | Hardware
+    """GPU profile name (h100, h200, b200, gb200), or a `Hardware` built elsewhere (a what-if copy, or the CPU
+    validation harness's measured profile in `benchmarks/sim_cpu`)."""
     gpus: int
     """Devices in the job."""
     workload: Workload
@@ -300,46 +279,41 @@ class SimConfig:
     """Most sequences one engine runs at once (vLLM's max_num_seqs)."""
     micro_batch_tokens: int | None = None
     """Token budget of one training micro-batch per data-parallel rank; 0: the whole batch at once. A GPU trainer
-    (Megatron) packs sequences up to it, which sets the pipeline bubble and the activation memory. The CPU stands for
-    the embedded trainer (`grpo.micro_batch_tokens`): rollouts sorted longest first are cut greedily so that rows x
-    the micro-batch's longest stays within it, each micro-batch padded to its own longest (`cpu_train.py`).
-    None: that trainer's default, 16384 packed tokens on a GPU, 1024 padded tokens on the CPU."""
+    (Megatron) packs sequences up to it, which sets the pipeline bubble and the activation memory. (The CPU harness,
+    `benchmarks/sim_cpu`, reads it as the embedded trainer's `grpo.micro_batch_tokens` padded budget.) None: 16384."""
     fold_logprob: bool | None = None
     """The behaviour log-probs come from the train forward itself (`grpo.fold_logprob`: exact with one update per
-    step), so the `logprob` stage runs no forward; on the CPU it keeps its batch assembly (~12 operators per
-    rollout), on a GPU it is 0. False: a separate recompute forward, the norm of Megatron-based RL frameworks and
-    what several updates per batch need. None: the trainer's default, folded on the CPU (the embedded trainer),
-    a separate recompute on a GPU."""
+    step), so the `logprob` stage runs no forward and costs 0. False: a separate recompute forward, the norm of
+    Megatron-based RL frameworks and what several updates per batch need. None: False."""
     share_prompt: bool | None = None
     """Each distinct prompt runs through the trainer's forwards once per step instead of once per rollout
     (`grpo.share_prompt`): a prefix pass over the prompts, then the completions attending to their prompt's keys
-    and values (`rl/prefix.py`). Dense models only (a MoE model never shares, whatever this says). None: the
-    trainer's default, on for the embedded trainer (CPU), off on a GPU (Megatron packs whole sequences)."""
-    cpu_profile: str = ""
-    """Path of the CPU micro-benchmark JSON when hardware == 'cpu' (default: ~/.cache/megatron_spec)."""
+    and values (`rl/prefix.py`). Only the CPU harness's model of the embedded trainer describes it; a GPU trainer
+    packs whole sequences, so with a GPU profile name it must stay off. None: False."""
 
     def __post_init__(self) -> None:
         if isinstance(self.workload, dict):
             self.workload = Workload(**self.workload)
         self.model_config = resolve_model(self.model)
-        if str(self.hardware).lower() not in (*GPU_PROFILES, "cpu"):
-            raise ValueError(f"unknown hardware {self.hardware!r}: known are {', '.join([*GPU_PROFILES, 'cpu'])}")
+        named = not isinstance(self.hardware, Hardware)
+        if named and str(self.hardware).lower() not in GPU_PROFILES:
+            raise ValueError(f"unknown hardware {self.hardware!r}: known are {', '.join(GPU_PROFILES)} (the CPU "
+                             "model of the embedded engine is the validation harness in benchmarks/sim_cpu)")
         if self.gpus < 1:
             raise ValueError(f"gpus must be >= 1, got {self.gpus}")
         if self.gen_dtype_bytes not in (1, 2, 4):
             raise ValueError(f"gen_dtype_bytes must be 1 (FP8), 2 (BF16) or 4 (FP32), got {self.gen_dtype_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        cpu = str(self.hardware).lower() == "cpu"
         if self.micro_batch_tokens is None:
-            self.micro_batch_tokens = CPU_MICRO_BATCH_TOKENS if cpu else GPU_MICRO_BATCH_TOKENS
+            self.micro_batch_tokens = GPU_MICRO_BATCH_TOKENS
         if self.fold_logprob is None:
-            self.fold_logprob = cpu
+            self.fold_logprob = False
         if self.share_prompt is None:
-            self.share_prompt = cpu
-        if self.share_prompt and not cpu:
-            raise ValueError("share_prompt describes the embedded trainer (hardware='cpu'); a GPU trainer packs "
-                             "whole sequences, so set share_prompt=False (or leave it None) there")
+            self.share_prompt = False
+        if self.share_prompt and named:
+            raise ValueError("share_prompt describes the embedded trainer (modelled by benchmarks/sim_cpu); a GPU "
+                             "trainer packs whole sequences, so set share_prompt=False (or leave it None) there")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.micro_batch_tokens < 0:

@@ -34,7 +34,8 @@ WATERMARK = 0.05
 
 @dataclass(frozen=True)
 class Engine:
-    """One generation engine (tp GPUs) and what its steps cost."""
+    """One generation engine (tp GPUs) and what its steps cost. A platform with another cost model of a forward
+    (the CPU validation harness, `benchmarks/sim_cpu`) subclasses it and overrides `_fwd` / `step_time`."""
 
     target: CostShape
     """Cost shape of the policy."""
@@ -63,18 +64,15 @@ class Engine:
 
         k = 0 is one decode forward. With k > 0: k draft forwards (the first re-reads the ~tau tokens accepted last
         step, as EAGLE-3 and MTP do) then one verify forward over k+1 tokens per sequence. Every forward pays the
-        fixed per-forward overhead (`Calibration.forward_overhead_s`; on the CPU, its operators and its Python
-        work per sequence), which is what makes k cheap-looking draft forwards expensive at small batch."""
+        fixed per-forward overhead (`Calibration.forward_overhead_s`), which is what makes k cheap-looking draft
+        forwards expensive at small batch."""
         if k == 0:
             return self._fwd(self.target, n_seqs, 1, ctx_tokens)
         t = self._fwd(self.target, n_seqs, k + 1, ctx_tokens)
         if self.drafter is not None:
-            # vLLM drops rejected positions before the drafter's catch-up (~tau per sequence); our embedded engine
-            # (the CPU profile) right-pads it to the batch's longest, k+1 once any sequence accepted every draft.
-            catch_up = tau if self.hw.is_gpu or n_seqs <= 1 else k + 1
-            t += self._fwd(self.drafter, n_seqs, catch_up, ctx_tokens)
+            # vLLM drops rejected positions before the drafter's catch-up: ~tau tokens per sequence.
+            t += self._fwd(self.drafter, n_seqs, tau, ctx_tokens)
             t += (k - 1) * self._fwd(self.drafter, n_seqs, 1, ctx_tokens)
-            t += self.drafter.step_ops * self.hw.op_overhead_s  # the eager CPU engine only (0 on GPU profiles)
         return t
 
     def prefill_time(self, n_seqs: float, tokens_per_seq: float) -> float:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .calibration import Calibration, for_hardware
+from .calibration import GPU, Calibration
 from .config import SimConfig
 from .generation import Engine, GenResult, simulate_generation
 from .hardware import Hardware, hardware
@@ -62,8 +62,8 @@ class StepResult:
 
 def build(cfg: SimConfig, hw: Hardware | None = None) -> tuple[Hardware, Calibration, CostShape, CostShape | None]:
     """Resolve hardware, calibration and cost shapes of a configuration."""
-    hw = hw or hardware(cfg.hardware, cfg.cpu_profile or None)
-    cal = for_hardware(hw.is_gpu)
+    hw = hw or hardware(cfg.hardware)
+    cal = GPU
     kv_bytes = 4 if cfg.gen_dtype_bytes == 4 else 2
     target = shape_of(cfg.model_config, name=str(cfg.model), kv_dtype_bytes=kv_bytes)
     drafter = None

@@ -4,21 +4,18 @@
     attention max(KV bytes / BW,     attention FLOPs / FLOPs)                 KV read once per sequence, shared by
                                                                               its k+1 verify queries
     sampler   tokens * vocab * 4 bytes * 2 / BW                               write + read the float32 logits
-    activations (CPU only) norms, RoPE, SwiGLU, residual adds over every token, at the elementwise bandwidth
     comm      2 all-reduces per layer over TP, 2 all-to-alls per MoE layer over EP
-    overhead  a fixed cost per forward (GPU), or per operator and per sequence (CPU, eager: `eager.py`)
+    overhead  a fixed cost per forward (`Calibration.forward_overhead_s`)
 
 Each family is its own roofline (they run as separate kernels, one after the other), so the sum of maxima is used
-rather than one max over the whole pass. On a profile without overlap (the CPU) "max" becomes "sum", and weights
-that fit in the last-level cache stream at the cache's bandwidth (`Hardware.roof`, `Hardware.linear_rates`).
-All figures are per GPU of a `tp`-wide engine: weights, KV heads and FLOPs split `tp` ways. MoE expert bytes count only the experts the batch touches (`CostShape.experts_touched`).
+rather than one max over the whole pass. All figures are per GPU of a `tp`-wide engine: weights, KV heads and
+FLOPs split `tp` ways. MoE expert bytes count only the experts the batch touches (`CostShape.experts_touched`).
 """
 
 from __future__ import annotations
 
 import math
 
-from . import eager
 from .calibration import Calibration
 from .hardware import Hardware
 from .shapes import CostShape
@@ -31,11 +28,8 @@ def linear_time(shape: CostShape, hw: Hardware, cal: Calibration, tokens: float,
     """Dense + expert GEMMs of one forward over `tokens` tokens."""
     expert_bytes = shape.moe_layers * shape.experts_touched(tokens) * shape.expert_params
     weight_bytes = (shape.dense_params + expert_bytes) * dtype_bytes / tp
-    stored = shape.total_params * dtype_bytes / tp  # what must stay cache-resident for weights to hit the cache
-    bw, peak, row_s = hw.linear_rates(stored, dtype_bytes)
     flops = 2.0 * shape.active_params * tokens / tp
-    rows = (shape.out_rows + shape.moe_layers * shape.experts_touched(tokens) * shape.expert_out_rows) / tp
-    return hw.roof(weight_bytes / (bw * cal.mem_eff), flops / (peak * cal.gemm_eff)) + rows * row_s
+    return max(weight_bytes / (hw.mem_bw * cal.mem_eff), flops / (hw.flops(dtype_bytes) * cal.gemm_eff))
 
 
 def attention_time(shape: CostShape, hw: Hardware, cal: Calibration, q_tokens: float, ctx_tokens: float,
@@ -47,10 +41,12 @@ def attention_time(shape: CostShape, hw: Hardware, cal: Calibration, q_tokens: f
     kv_bytes = ctx_tokens * shape.kv_bytes_per_token * kv_share
     flops = shape.attn_flops_per_token_ctx * q_tokens * ctx_tokens / tp
     attn_flops = hw.flops(max(dtype_bytes, 2))  # attention stays in BF16 even with FP8 weights
-    # The CPU also pays per score (scale, mask, softmax of a written-out attention); 0 on GPU profiles.
-    scores = shape.score_heads * q_tokens * ctx_tokens / tp
-    roof = hw.roof(kv_bytes / (hw.mem_bw * cal.mem_eff), flops / (attn_flops * cal.gemm_eff))
-    return roof + scores * hw.attn_score_s
+    return max(kv_bytes / (hw.mem_bw * cal.mem_eff), flops / (attn_flops * cal.gemm_eff))
+
+
+def sampler_time(shape: CostShape, hw: Hardware, cal: Calibration, tokens: float) -> float:
+    """The sampler writes and reads the float32 logits of every new token."""
+    return tokens * shape.vocab * LOGIT_BYTES * 2 / (hw.mem_bw * cal.mem_eff)
 
 
 def collective_time(hw: Hardware, cal: Calibration, shape: CostShape, tokens: float, tp: int, ep: int) -> float:
@@ -67,32 +63,18 @@ def collective_time(hw: Hardware, cal: Calibration, shape: CostShape, tokens: fl
     return total
 
 
-def overhead_time(shape: CostShape, hw: Hardware, cal: Calibration, n_seqs: float, tokens: float,
-                  sample: bool) -> float:
-    """Fixed cost of one forward. A GPU engine replays CUDA graphs and pays `forward_overhead_s` per forward (a
-    per-kernel launch term would double count it). Our eager CPU engine pays every operator it launches (`eager.py`
-    counts them: hundreds per forward) and its Python work per sequence."""
-    if hw.is_gpu:
-        return cal.forward_overhead_s
-    ops = shape.ops + shape.moe_layers * shape.experts_touched(tokens) * eager.EXPERT + n_seqs * shape.seq_ops
-    if sample:  # a verify step (drafts: more than one token per sequence) or a plain decode step
-        ops += shape.sample_ops if tokens > n_seqs else shape.plain_sample_ops
-    return ops * hw.op_overhead_s + n_seqs * (hw.seq_overhead_s + shape.layers * hw.seq_layer_s)
-
-
 def forward_time(shape: CostShape, hw: Hardware, cal: Calibration, n_seqs: float, q_tokens: float,
                  ctx_tokens: float, tp: int = 1, ep: int = 1, dtype_bytes: float = 2,
                  sample: bool = True) -> float:
     """Seconds for one forward of `n_seqs` sequences with `q_tokens` new tokens each over `ctx_tokens` total
-    context; `sample` adds the sampler's pass over the logits of every new token."""
+    context; `sample` adds the sampler's pass over the logits of every new token. A GPU engine replays CUDA graphs
+    and pays `forward_overhead_s` per forward (a per-kernel launch term would double count it)."""
     if n_seqs <= 0:
         return 0.0
     tokens = n_seqs * q_tokens
     t = linear_time(shape, hw, cal, tokens, tp, dtype_bytes)
     t += attention_time(shape, hw, cal, q_tokens, ctx_tokens, tp, dtype_bytes)
     if sample:
-        t += tokens * shape.vocab * LOGIT_BYTES * 2 / (hw.mem_bw * cal.mem_eff)
-    if hw.act_bw:  # the CPU: elementwise passes over activations are not hidden behind anything
-        t += tokens * shape.act_elements * dtype_bytes / hw.act_bw / tp
+        t += sampler_time(shape, hw, cal, tokens)
     t += collective_time(hw, cal, shape, tokens, tp, ep)
-    return t + overhead_time(shape, hw, cal, n_seqs, tokens, sample)
+    return t + cal.forward_overhead_s

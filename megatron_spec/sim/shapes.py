@@ -7,18 +7,14 @@
 - KV-cache bytes per token of context, and attention FLOPs per (query token x context token).
 
 Norms, biases and RoPE are left out: they are well under 0.1 % of the bytes and FLOPs of every preset.
-It also carries how many operators a forward launches in our eager engine (`eager.py`): on a GPU that cost hides
-in the per-forward overhead, on the CPU it is most of a small model's step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from megatron_spec.models.config import ModelConfig
 from megatron_spec.models.presets import preset
-
-from . import eager
 
 # Public EAGLE-3 heads (e.g. for Llama-3.1-8B, Qwen3-8B) predict over a reduced 32k-token draft vocabulary.
 EAGLE3_DRAFT_VOCAB = 32000
@@ -55,25 +51,6 @@ class CostShape:
     """Output rows of the LM head (the sampler reads one float per row per query token)."""
     embed_params: float
     """Embedding-table parameters: stored (and refit) but only a few rows read per forward."""
-    out_rows: float = 0.0
-    """Output features summed over the always-read matrices (a CPU pays a reduction per row, `Hardware.row_s`)."""
-    expert_out_rows: float = 0.0
-    """Output features of one expert's matrices."""
-    ops: float = 0.0
-    """Operators one forward launches in our eager engine, embedding to logits, MoE experts aside (`eager.py`);
-    the CPU profile pays `op_overhead_s` for each."""
-    sample_ops: float = 0.0
-    """Operators of sampling and verification after a target forward that verifies drafts (0 for drafters: their
-    draft choice is in `ops`)."""
-    plain_sample_ops: float = 0.0
-    """Operators of sampling after a plain decode forward (no drafts to verify)."""
-    step_ops: float = 0.0
-    """Operators a drafter launches once per verify step outside its forwards (storing the target's features)."""
-    seq_ops: float = 0.0
-    """Operators per sequence per forward (a draft model reads each draft token back into Python)."""
-    act_elements: float = 0.0
-    """Floats elementwise operators (norms, RoPE, SwiGLU, residual adds) read plus write per token, all layers: the
-    CPU pays them at `Hardware.act_bw`; on GPUs they hide under the weight stream."""
 
     @property
     def total_params(self) -> float:
@@ -90,7 +67,7 @@ class CostShape:
 
         With uniform routing each expert is missed by one token with probability 1 - top_k/E, so by all tokens
         with (1 - top_k/E)^tokens: E (1 - (1 - top_k/E)^tokens). Verifying k+1 tokens per sequence therefore
-        reads more expert weights than decoding one (ANCHORS.md, Theory).
+        reads more expert weights than decoding one.
         """
         if not self.experts:
             return 0.0
@@ -101,10 +78,6 @@ def _attention_params(m: ModelConfig, in_width: int) -> float:
     q = m.num_attention_heads * m.head_dim
     kv = m.num_key_value_heads * m.head_dim
     return in_width * (q + 2 * kv) + q * m.hidden_size
-
-
-def _attention_rows(m: ModelConfig) -> float:
-    return (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim + m.hidden_size
 
 
 def shape_of(m: ModelConfig, name: str = "model", kv_dtype_bytes: float = 2) -> CostShape:
@@ -124,11 +97,6 @@ def shape_of(m: ModelConfig, name: str = "model", kv_dtype_bytes: float = 2) -> 
         attn_flops_per_token_ctx=4 * m.num_hidden_layers * m.num_attention_heads * m.head_dim,
         score_heads=m.num_hidden_layers * m.num_attention_heads, vocab=m.vocab_size,
         embed_params=0 if m.tie_word_embeddings else m.vocab_size * h,
-        out_rows=_attention_rows(m) * m.num_hidden_layers + (2 * m.intermediate_size + h) * dense_layers
-        + m.num_experts * moe_layers + m.vocab_size,
-        expert_out_rows=2 * m.moe_intermediate_size + h, ops=eager.forward_ops(m), sample_ops=eager.SAMPLE,
-        plain_sample_ops=eager.SAMPLE_PLAIN,
-        act_elements=m.num_hidden_layers * eager.activation_elements(m),
     )
 
 
@@ -150,9 +118,7 @@ def drafter_shape(target: ModelConfig, kind: str, draft_model: str = "", layers:
     if kind == "model":
         if not draft_model:
             raise ValueError("drafter kind 'model' needs a draft model preset name (e.g. tiny-draft)")
-        ops = eager.DRAFTER["model"]
-        draft = shape_of(preset(draft_model), name=draft_model, kv_dtype_bytes=kv_dtype_bytes)
-        return replace(draft, ops=draft.ops + ops.per_forward, sample_ops=0.0, plain_sample_ops=0.0, seq_ops=ops.per_seq)
+        return shape_of(preset(draft_model), name=draft_model, kv_dtype_bytes=kv_dtype_bytes)
     if layers < 1:
         raise ValueError(f"drafter layers must be >= 1, got {layers}")
     t = shape_of(target, kv_dtype_bytes=kv_dtype_bytes)
@@ -160,8 +126,6 @@ def drafter_shape(target: ModelConfig, kind: str, draft_model: str = "", layers:
     per_layer_kv = t.kv_bytes_per_token / t.layers
     per_layer_attn = t.attn_flops_per_token_ctx / t.layers
     ffn = target.intermediate_size or 4 * h
-    # A head's decoder layer plus its input norms, concatenation and final norm (~25 floats per hidden unit).
-    head_elements = eager.activation_elements(target) + 25 * h
     if kind == "eagle3":
         vocab = draft_vocab or min(EAGLE3_DRAFT_VOCAB, target.vocab_size)
         dense = layers * (_attention_params(target, 2 * h) + 3 * h * ffn) + 3 * h * h + vocab * h
@@ -170,9 +134,6 @@ def drafter_shape(target: ModelConfig, kind: str, draft_model: str = "", layers:
             expert_params=0, kv_heads=t.kv_heads, kv_bytes_per_token=layers * per_layer_kv,
             attn_flops_per_token_ctx=layers * per_layer_attn, score_heads=layers * target.num_attention_heads,
             vocab=vocab, embed_params=0,
-            out_rows=layers * (_attention_rows(target) + 2 * ffn + h) + h + vocab,
-            ops=eager.draft_layer_ops(target, layers) + eager.DRAFTER["eagle3"].per_forward,
-            step_ops=eager.DRAFTER["eagle3"].per_step, act_elements=layers * head_elements,
         )
     # mtp: one target-like layer per module; experts only if the target's layers are MoE.
     moe = target.is_moe
@@ -183,8 +144,4 @@ def drafter_shape(target: ModelConfig, kind: str, draft_model: str = "", layers:
         experts=t.experts, top_k=t.top_k, expert_params=t.expert_params, kv_heads=t.kv_heads,
         kv_bytes_per_token=layers * per_layer_kv, attn_flops_per_token_ctx=layers * per_layer_attn,
         score_heads=layers * target.num_attention_heads, vocab=target.vocab_size, embed_params=0,
-        out_rows=layers * (_attention_rows(target) + h + (t.experts if moe else 2 * ffn + h)) + target.vocab_size,
-        expert_out_rows=t.expert_out_rows,
-        ops=eager.draft_layer_ops(target, layers) + layers * moe * eager.ROUTER + eager.DRAFTER["mtp"].per_forward,
-        step_ops=eager.DRAFTER["mtp"].per_step, act_elements=layers * head_elements,
     )

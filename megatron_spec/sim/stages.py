@@ -9,16 +9,12 @@
     train    3x the logprob FLOPs (forward + backward), the drafter's own 6 x params x tokens when it trains online,
              the same bubble and traffic (3 passes), and the gradient reduce-scatter + all-gather over data
              parallel
-
-On the CPU profile `logprob` and `train` are the embedded trainer's eager passes over length-bucketed micro-batches
-instead (`cpu_train.py`).
 """
 
 from __future__ import annotations
 
 import math
 
-from . import cpu_train
 from .calibration import Calibration
 from .config import SimConfig
 from .hardware import Hardware
@@ -41,8 +37,6 @@ def prepare_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostSha
     and hands them to the engine on the same GPUs (scale-up link, or the NIC if that group spans domains).
     Disaggregated: weights cross the network to engines on other GPUs; the engine never sleeps."""
     nbytes = refit_bytes(cfg, target, drafter)
-    if not hw.is_gpu:
-        return nbytes / (hw.mem_bw * cal.refit_eff)  # one process: a copy through memory
     if cfg.colocated:
         group = cfg.train.tp * cfg.train.pp * cfg.train.ep
         return nbytes / (hw.collective_bw(max(group, cfg.gen.tp)) * cal.refit_eff) + cal.engine_wake_s
@@ -95,8 +89,6 @@ def model_parallel_comm_time(cfg: SimConfig, hw: Hardware, cal: Calibration, tar
 def logprob_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape) -> float:
     """The recompute forward; 0 when it is folded into the train forward (`cfg.fold_logprob`: only host
     bookkeeping is left, which the GPU model does not describe)."""
-    if not hw.is_gpu:
-        return cpu_train.logprob_time(cfg, hw, target)
     if cfg.fold_logprob:
         return 0.0
     flops = _forward_flops(cfg, target, cfg.workload.response.quantiles())
@@ -118,8 +110,6 @@ def grad_sync_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostS
 
 def train_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape,
                drafter: CostShape | None) -> float:
-    if not hw.is_gpu:
-        return cpu_train.train_time(cfg, hw, target, drafter)
     lengths = cfg.workload.response.quantiles()
     flops = 3 * _forward_flops(cfg, target, lengths)
     if cfg.spec is not None and cfg.spec.online_drafter_training and drafter is not None:

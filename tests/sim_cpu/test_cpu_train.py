@@ -1,4 +1,4 @@
-"""The CPU model of the embedded trainer's micro-batching and folded recompute (`megatron_spec/sim/cpu_train.py`).
+"""The CPU model of the embedded trainer's micro-batching and folded recompute (`benchmarks/sim_cpu/cpu_train.py`).
 
 The simulator restates the trainer's micro-batch rule so that it stays free of torch; these tests hold the two
 equal on the lengths the trainer itself would read off a batch, check that the folded recompute leaves the
@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.sim_cpu import cpu_train, eager, model
+from benchmarks.sim_cpu.cpu_profile import CpuProfile
+from benchmarks.sim_cpu.measured import COMMITTED_PROFILE
 from megatron_spec.rl.config import GRPOSection
 from megatron_spec.rl.microbatch import micro_batches as trainer_micro_batches
 from megatron_spec.rl.microbatch import sequence_lengths
-from megatron_spec.sim import cpu_train, eager
 from megatron_spec.sim.config import LengthDist, SimConfig, TrainParallel, Workload
-from megatron_spec.sim.cpu_profile import CpuProfile
-from megatron_spec.sim.measured import COMMITTED_PROFILE
-from megatron_spec.sim.pipeline import build
 
 REPO = Path(__file__).resolve().parents[2]
 HW = CpuProfile.load(REPO / COMMITTED_PROFILE).to_hardware()
@@ -27,8 +26,11 @@ HW = CpuProfile.load(REPO / COMMITTED_PROFILE).to_hardware()
 
 def cpu_config(response: LengthDist, prompt_len: int = 10, **kwargs) -> SimConfig:
     workload = Workload(prompts_per_step=8, group_size=8, prompt_len=prompt_len, response=response)
-    return SimConfig(model="tiny-qwen3", hardware="cpu", gpus=1, workload=workload, gen_dtype_bytes=4,
-                     max_num_seqs=64, **kwargs)
+    return model.cpu_config("tiny-qwen3", HW, workload, max_num_seqs=64, **kwargs)
+
+
+def build(cfg: SimConfig, hw=None):
+    return (hw, None, *model.shapes(cfg))
 
 
 def trainer_lengths(prompt: int, responses: list[int]) -> list[int]:
@@ -63,10 +65,11 @@ def test_workload_micro_batches_are_the_trainers(budget):
 
 
 def test_defaults_follow_the_trainer():
-    """The CPU profile stands for the embedded trainer (its defaults); a GPU keeps packing and a recompute pass."""
+    """The CPU model stands for the embedded trainer (its defaults); a GPU keeps packing and a recompute pass."""
     cpu = cpu_config(LengthDist(mean=20, max_tokens=96))
     grpo = GRPOSection()
     assert (cpu.micro_batch_tokens, cpu.fold_logprob) == (grpo.micro_batch_tokens, grpo.fold_logprob)
+    assert model.CPU_MICRO_BATCH_TOKENS == grpo.micro_batch_tokens
     gpu = SimConfig(model="qwen3-8b", hardware="h100", gpus=8, workload=cpu.workload, train=TrainParallel(dp=8))
     assert (gpu.micro_batch_tokens, gpu.fold_logprob) == (16384, False)
     with pytest.raises(ValueError, match="micro_batch_tokens must be >= 0"):
@@ -170,8 +173,7 @@ def test_shared_prompt_settings():
     dist = LengthDist(mean=20, max_tokens=96)
     assert cpu_config(dist).share_prompt is GRPOSection().share_prompt is True
     assert cpu_train.shares_prompt(cpu_config(dist))
-    moe = SimConfig(model="tiny-qwen3-moe", hardware="cpu", gpus=1, gen_dtype_bytes=4, max_num_seqs=64,
-                    workload=cpu_config(dist).workload)
+    moe = model.cpu_config("tiny-qwen3-moe", HW, cpu_config(dist).workload, max_num_seqs=64)
     assert not cpu_train.shares_prompt(moe)
     single = cpu_config(dist)
     single.workload = Workload(prompts_per_step=8, group_size=1, prompt_len=10, response=dist)

@@ -1,4 +1,4 @@
-"""The operator counts of `megatron_spec/sim/eager.py` against a recount on the real engine and trainer.
+"""The operator counts of `benchmarks/sim_cpu/eager.py` against a recount on the real engine and trainer.
 
 `eager.py` states how many operators a forward, a verify step, a draft step, a training pass and an optimizer step
 of our code launch; the CPU profile pays a measured cost for each. Those counts are facts of the code, so this test
@@ -13,8 +13,9 @@ import dataclasses
 import pytest
 
 from megatron_spec.models import preset
-from megatron_spec.sim import eager, op_census
-from megatron_spec.sim.shapes import drafter_shape, shape_of
+from benchmarks.sim_cpu import eager, op_census
+from benchmarks.sim_cpu.model import draft_shape as drafter_shape
+from benchmarks.sim_cpu.model import target_shape as shape_of
 
 TOL = 0.03
 BATCH = 8

@@ -24,13 +24,14 @@ from pathlib import Path
 
 import pytest
 
-from megatron_spec.sim.measured import (COMMITTED_MEASUREMENTS, COMMITTED_PROFILE, CURRENT_TRAINER, DEFAULT_MEASUREMENT,
+from benchmarks.sim_cpu.measured import (COMMITTED_MEASUREMENTS, COMMITTED_PROFILE, CURRENT_TRAINER, DEFAULT_MEASUREMENT,
                                         compare, config_from_measurement, format_comparison)
-from megatron_spec.sim.cpu_profile import CpuProfile
-from megatron_spec.sim.pipeline import simulate
+from benchmarks.sim_cpu.cpu_profile import CpuProfile
+from benchmarks.sim_cpu.model import simulate
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILE = REPO / COMMITTED_PROFILE
+HW = CpuProfile.load(PROFILE).to_hardware()
 RAW = {
     "machine": "test", "model": "tiny-qwen3",
     "workload": {"prompts_per_step": 8, "group_size": 4, "prompt_len": 16,
@@ -67,7 +68,8 @@ def test_current_trainer_runs_within_15_percent(name):
     rows = compare(REPO / CURRENT_TRAINER / f"measured_{name}.json", REPO / CURRENT_TRAINER / "cpu_profile.json")
     print(format_comparison(rows))
     assert all(r.ok for r in rows), format_comparison(rows)
-    config = config_from_measurement(json.loads((REPO / CURRENT_TRAINER / f"measured_{name}.json").read_text()))
+    config = config_from_measurement(json.loads((REPO / CURRENT_TRAINER / f"measured_{name}.json").read_text()),
+                                     CpuProfile.load(REPO / CURRENT_TRAINER / "cpu_profile.json").to_hardware())
     assert (config.micro_batch_tokens, config.fold_logprob, config.share_prompt) == (1024, True, True)
 
 
@@ -80,7 +82,7 @@ def test_current_trainer_needs_the_trainer_figures(name):
     path = REPO / CURRENT_TRAINER / f"measured_{name}.json"
     profile = CpuProfile.load(REPO / CURRENT_TRAINER / "cpu_profile.json")
     bare = dataclasses.replace(profile, train_op_s=0.0, train_work=1.0).to_hardware()
-    predicted = simulate(config_from_measurement(json.loads(path.read_text())), hw=bare).stages["train"]
+    predicted = simulate(config_from_measurement(json.loads(path.read_text()), bare)).stages["train"]
     assert predicted / json.loads(path.read_text())["stages"]["train"] - 1 < -0.15
 
 
@@ -112,7 +114,7 @@ def test_bench_step_measurement():
 
 def test_comparison_plumbing(tmp_path):
     """A file whose stages are the model's own prediction compares as exact; one with gen 30 % slower fails."""
-    predicted = simulate(config_from_measurement(RAW), hw=CpuProfile.load(PROFILE).to_hardware()).stages
+    predicted = simulate(config_from_measurement(RAW, HW)).stages
     good = dict(RAW, stages=predicted)
     (tmp_path / "good.json").write_text(json.dumps(good))
     rows = compare(tmp_path / "good.json", PROFILE)
@@ -126,19 +128,18 @@ def test_comparison_plumbing(tmp_path):
 def test_trainer_settings_default_to_the_old_trainer():
     """A file without a `trainer` block (the committed ones) was measured with one padded batch and a separate
     recompute; one with it is predicted with its micro-batch budget and folded recompute."""
-    old = config_from_measurement(RAW)
+    old = config_from_measurement(RAW, HW)
     assert (old.micro_batch_tokens, old.fold_logprob) == (0, False)
-    new = config_from_measurement(dict(RAW, trainer={"micro_batch_tokens": 512, "fold_logprob": True}))
+    new = config_from_measurement(dict(RAW, trainer={"micro_batch_tokens": 512, "fold_logprob": True}), HW)
     assert (new.micro_batch_tokens, new.fold_logprob) == (512, True)
-    hw = CpuProfile.load(PROFILE).to_hardware()
-    assert simulate(new, hw=hw).stages["logprob"] < 0.01 < simulate(old, hw=hw).stages["logprob"]
-    online = config_from_measurement(dict(RAW, spec=dict(RAW["spec"], online=True)))
+    assert simulate(new).stages["logprob"] < 0.01 < simulate(old).stages["logprob"]
+    online = config_from_measurement(dict(RAW, spec=dict(RAW["spec"], online=True)), HW)
     assert online.spec.online_drafter_training and not old.spec.online_drafter_training
 
 
 def test_schema_errors(tmp_path):
     with pytest.raises(ValueError, match="lacks 'stages'"):
-        config_from_measurement({"model": "tiny-qwen3", "workload": RAW["workload"]})
+        config_from_measurement({"model": "tiny-qwen3", "workload": RAW["workload"]}, HW)
     with pytest.raises(FileNotFoundError, match="bench step"):
         compare(tmp_path / "missing.json")
     one_thread = dict(json.loads(PROFILE.read_text()), threads=1)  # a stored profile is never re-measured

@@ -6,7 +6,7 @@ pass and an optimizer step launch. `eager.py` holds those counts as a small expl
 them on the real code (`LLMEngine`, the proposers, `EmbeddedPolicy`) by counting every ATen operator that reaches
 the dispatcher (`TorchDispatchMode`), views and in-place updates included, backward included. Models are built
 with random weights from a `ModelConfig`, so any shape can be counted without a checkpoint. Counting never times
-anything: the counts are deterministic, which is what lets `tests/sim/test_eager.py` hold `eager.py` to them.
+anything: the counts are deterministic, which is what lets `tests/sim_cpu/test_eager.py` hold `eager.py` to them.
 
 Like `cpu_profile.measure`, everything here imports torch inside the functions.
 """

@@ -19,10 +19,9 @@ from dataclasses import replace
 from megatron_spec.models.config import ModelConfig
 from megatron_spec.models.presets import preset
 
-from .calibration import CPU
 from .cpu_profile import CpuProfile, clock_for, min_time
-from .roofline import forward_time
-from .shapes import shape_of
+from .model import forward_time
+from .model import target_shape as shape_of
 
 STACK_OPS_PER_LAYER = 13
 
@@ -33,7 +32,7 @@ def predicted_step_seconds(model: str | ModelConfig, batch: int, profile: CpuPro
     shape = replace(shape_of(cfg, kv_dtype_bytes=4), ops=STACK_OPS_PER_LAYER * cfg.num_hidden_layers + 4,
                     sample_ops=0.0, seq_ops=0.0)
     hw = replace(profile.to_hardware(), seq_overhead_s=0.0)
-    return forward_time(shape, hw, CPU, batch, 1, 0.0, dtype_bytes=4)
+    return forward_time(shape, hw, batch, 1, 0.0, dtype_bytes=4)
 
 
 def measured_step_seconds(model: str | ModelConfig, batches: tuple[int, ...], threads: int, steps: int = 4,

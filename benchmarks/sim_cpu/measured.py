@@ -19,7 +19,7 @@ unshared prompts (false). `response.sigma` is fitted by `bench step` to the runs
 (`LengthDist.fit`, which it records as `measured_mean` and `measured_longest`); files written before that carry a
 fixed 0.3.
 
-The deterministic form of this check (tests/sim/test_measured.py) predicts the committed measurements
+The deterministic form of this check (tests/sim_cpu/test_measured.py) predicts the committed measurements
 (benchmarks/results/measured_step_tiny_{plain,spec}.json) with the CPU profile measured on this machine and
 committed beside them (benchmarks/results/sim_cpu_profile.json), so it needs no timing at test time. Stages shorter
 than `MIN_STAGE_S` (`data`, a quarter of a millisecond of prompt encoding, and `prepare`, a millisecond of refit
@@ -33,9 +33,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import LengthDist, SimConfig, Speculation, Workload
+from megatron_spec.sim.config import LengthDist, SimConfig, Speculation, Workload  # noqa: F401 (SimConfig: hints)
+from megatron_spec.sim.pipeline import STAGES
+
 from .cpu_profile import DEFAULT_THREADS, CpuProfile, load_or_measure
-from .pipeline import STAGES, simulate
+from .hardware import CpuHardware
+from .model import cpu_config, simulate
 
 DEFAULT_MEASUREMENT = Path("benchmarks/results/bench_step_cpu.json")
 COMMITTED_MEASUREMENTS = (Path("benchmarks/results/measured_step_tiny_plain.json"),
@@ -64,11 +67,11 @@ def _workload(raw: dict) -> Workload:
                     prompt_len=int(raw["prompt_len"]), response=response)
 
 
-def config_from_measurement(data: dict, cpu_profile: str | None = None) -> SimConfig:
-    """The SimConfig a measurement file describes (CPU, one device, FP32)."""
+def config_from_measurement(data: dict, hw: CpuHardware) -> SimConfig:
+    """The SimConfig a measurement file describes (this CPU as `hw`, one device, FP32)."""
     for key in ("model", "workload", "stages"):
         if key not in data:
-            raise ValueError(f"measurement file lacks {key!r} (see megatron_spec/sim/measured.py for the schema)")
+            raise ValueError(f"measurement file lacks {key!r} (see benchmarks/sim_cpu/measured.py for the schema)")
     spec_raw = data.get("spec") or None
     spec = None
     if spec_raw and int(spec_raw.get("k", 0)) > 0:
@@ -77,11 +80,10 @@ def config_from_measurement(data: dict, cpu_profile: str | None = None) -> SimCo
                            online_drafter_training=bool(spec_raw.get("online", False)))
     workload = _workload(data["workload"])
     trainer = data.get("trainer") or OLD_TRAINER
-    return SimConfig(model=data["model"], hardware="cpu", gpus=1, workload=workload, spec=spec, gen_dtype_bytes=4,
-                     max_num_seqs=workload.rollouts, cpu_profile=cpu_profile or "",
-                     micro_batch_tokens=int(trainer.get("micro_batch_tokens", OLD_TRAINER["micro_batch_tokens"])),
-                     fold_logprob=bool(trainer.get("fold_logprob", OLD_TRAINER["fold_logprob"])),
-                     share_prompt=bool(trainer.get("share_prompt", OLD_TRAINER["share_prompt"])))
+    return cpu_config(data["model"], hw, workload, spec, max_num_seqs=workload.rollouts,
+                      micro_batch_tokens=int(trainer.get("micro_batch_tokens", OLD_TRAINER["micro_batch_tokens"])),
+                      fold_logprob=bool(trainer.get("fold_logprob", OLD_TRAINER["fold_logprob"])),
+                      share_prompt=bool(trainer.get("share_prompt", OLD_TRAINER["share_prompt"])))
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,7 @@ def compare(path: str | Path = DEFAULT_MEASUREMENT, cpu_profile: str | Path | No
     profile = profile_for(data, cpu_profile)
     if roofline_only:
         profile = profile.without_overheads()
-    result = simulate(config_from_measurement(data), hw=profile.to_hardware())
+    result = simulate(config_from_measurement(data, profile.to_hardware()))
     measured = data["stages"]
     rows = [StageComparison(s, float(measured[s]), result.stages[s]) for s in STAGES if s in measured]
     rows.append(StageComparison("total", sum(r.measured_s for r in rows), sum(r.predicted_s for r in rows)))

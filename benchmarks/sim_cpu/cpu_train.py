@@ -1,6 +1,6 @@
 """The embedded trainer's `logprob` and `train` stages on the CPU: eager passes over length-bucketed micro-batches.
 
-The GPU model of these stages (`stages.py`: FLOPs at a training MFU over packed sequences) does not describe our
+The GPU model of these stages (`megatron_spec/sim/stages.py`: FLOPs at a training MFU over packed sequences) does not describe our
 embedded trainer (`rl/policy.py`) on a CPU, which differs in ways that each matter for a small model:
 
 - it sorts the rollouts longest first and cuts them greedily into micro-batches whose padded size (rows x the
@@ -43,11 +43,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..rl.microbatch import micro_batches  # the trainer's own grouping rule (torch-free)
+from megatron_spec.rl.microbatch import micro_batches  # the trainer's own grouping rule (torch-free)
+from megatron_spec.sim.config import SimConfig
+from megatron_spec.sim.shapes import CostShape
+
 from . import eager
-from .config import SimConfig
-from .hardware import Hardware
-from .shapes import CostShape
+from .hardware import CpuHardware as Hardware
 
 FLOAT = 4  # the embedded trainer runs in float32
 LOGIT_PASSES = 3  # the head writes the logits, log-softmax reads them and writes log-probs

@@ -12,9 +12,9 @@ far beyond the cache) whose rows per byte vary 16x, at M = 1 and M = 8.
 It also measures a cache-resident 256 x 256 product at M = 1 and M = 8 for `cache_bw` and `cache_flops` (hot
 weights need no per-row term: the reduction hides under the arithmetic), and the eager-execution figures of
 `cpu_eager.py`: per-operator and per-sequence costs, the rate of training-sized products, elementwise bandwidth on
-activations and the attention kernel's cost per score. Every timing is the fastest of a few repeats, on the thread's CPU clock
-when single-threaded, which filters out the preemptions of a shared machine. This is the only module of `megatron_spec.sim` that imports torch, and only
-inside `measure`.
+activations and the attention kernel's cost per score. Every timing is the fastest of a few repeats, on the
+thread's CPU clock when single-threaded, which filters out the preemptions of a shared machine. torch is imported
+inside `measure` only.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
-from .hardware import Hardware
+from .hardware import CpuHardware
 
 DEFAULT_PATH = Path.home() / ".cache" / "megatron_spec" / "cpu_profile.json"
 DEFAULT_THREADS = 2
@@ -87,13 +87,12 @@ class CpuProfile:
         """The same machine with no per-operator or per-sequence cost: the roofline alone."""
         return replace(self, op_overhead_s=0.0, seq_overhead_s=0.0, seq_layer_s=0.0, train_op_s=0.0)
 
-    def to_hardware(self) -> Hardware:
-        """The profile as a `Hardware` for the roofline: no overlap, per-operator overhead, one device."""
-        return Hardware(
+    def to_hardware(self) -> CpuHardware:
+        """The profile as a `CpuHardware` for the CPU roofline: no overlap, per-operator overhead, one device."""
+        return CpuHardware(
             name="cpu", flops_bf16=self.gemm_flops, mem_bw=self.dram_bw, mem_bytes=self.mem_bytes,
             link_bw=2 * self.dram_bw, domain_size=1, net_bw=self.dram_bw, fp8_speedup=1.0,
             op_overhead_s=self.op_overhead_s, seq_overhead_s=self.seq_overhead_s, seq_layer_s=self.seq_layer_s,
-            is_gpu=False, overlap=False,
             cache_bytes=self.cache_bytes, cache_bw=self.cache_bw, cache_flops=self.cache_flops, row_s=self.row_s,
             dense_flops=self.dense_flops, act_bw=self.act_bw, attn_score_s=self.attn_score_s,
             train_op_s=self.train_op_s or self.op_overhead_s, train_work=self.train_work,
@@ -111,7 +110,7 @@ class CpuProfile:
         missing = [f.name for f in fields(cls) if f.name not in data and f.default is MISSING]
         if missing:
             raise ValueError(f"CPU profile {path} lacks {', '.join(missing)} (written by an older version): "
-                             "re-measure with `megatron-spec simulate --calibrate-cpu`")
+                             "re-measure with `python -m benchmarks.sim_cpu calibrate`")
         return cls(**data)
 
 
@@ -215,7 +214,7 @@ def measure(threads: int = DEFAULT_THREADS) -> CpuProfile:
             if inv_bw <= 0 or inv_flops <= 0 or worst > MAX_FIT_ERROR:
                 raise ValueError(f"CPU micro-benchmark with {threads} threads does not fit the linear cost model "
                                  f"(worst timing off by {100 * worst:.0f} %): the machine is probably busy; "
-                                 "re-run `megatron-spec simulate --calibrate-cpu --threads 1` or on an idle machine")
+                                 "re-run `python -m benchmarks.sim_cpu calibrate --threads 1` or on an idle machine")
             dram_bw, gemm_flops = 1 / inv_bw, 1 / inv_flops
 
             # Cache resident: t = bytes / cache_bw + FLOPs / cache_flops, from M = 1 and M = 8 (two unknowns).

@@ -219,7 +219,7 @@ def measure_eager(clock, min_time, cache_flops: float) -> dict[str, float]:
     return out
 
 
-def trainer_step_seconds(model: ModelConfig, workload: dict, budget: int, clock, min_time):
+def trainer_step_seconds(model: ModelConfig, workload: dict, budget: int, clock, min_time, hw):
     """One `train_step` of the embedded trainer (`rl/policy.py`: shared prompts, folded recompute, micro-batches
     of `budget`) on random ids shaped like `workload`'s rollouts (`cpu_train.row_lengths`), timed; with the
     SimConfig that describes it."""
@@ -230,10 +230,9 @@ def trainer_step_seconds(model: ModelConfig, workload: dict, budget: int, clock,
     from megatron_spec.rl.policy import Batch, EmbeddedPolicy
 
     from . import cpu_train
-    from .config import SimConfig
+    from .model import cpu_config
 
-    cfg = SimConfig(model=model, hardware="cpu", gpus=1, workload=workload, micro_batch_tokens=budget,
-                    max_num_seqs=64)
+    cfg = cpu_config(model, hw, workload, micro_batch_tokens=budget, max_num_seqs=64)
     w = cfg.workload
     lengths = [round(n) for n in cpu_train.row_lengths(cfg)]
     gen = torch.Generator().manual_seed(0)
@@ -271,11 +270,11 @@ def trainer_figures(clock, min_time, hw) -> dict[str, float]:
     pinned by the stand-in it dominates. The GPU model's training MFU plays the same part. A busy machine can give
     a nonsense solution; then the figures fall back to `op_overhead_s` and 1."""
     from . import cpu_train
-    from .shapes import shape_of
+    from .model import target_shape as shape_of
 
     rows = []
     for model, workload, budget in TRAIN_STAND_INS:
-        measured, cfg = trainer_step_seconds(model, workload, budget, clock, min_time)
+        measured, cfg = trainer_step_seconds(model, workload, budget, clock, min_time, hw)
         shape = shape_of(model, kv_dtype_bytes=4)
         work = cpu_train.train_time(cfg, replace(hw, train_op_s=0.0, train_work=1.0), shape, None)
         rows.append((work, cpu_train.train_step_ops(cfg, shape), measured))

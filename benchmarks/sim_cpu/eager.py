@@ -6,7 +6,7 @@ work per sequence. The roofline alone predicted half of the measured `gen` time 
 
 The counts below are ATen operators as the dispatcher sees them (views and in-place updates included, backward
 included), taken from our own code (`megatron_spec/models`, `engine`, `spec/proposers`, `rl/policy.py`,
-`rl/loop.py`) with `op_census.py`. They are facts of that code, not fitted constants: `tests/sim/test_eager.py`
+`rl/loop.py`) with `op_census.py`. They are facts of that code, not fitted constants: `tests/sim_cpu/test_eager.py`
 recounts them on the real engine and trainer and fails when the code drifts from this table. The engine is counted
 at batch 8 (a batch of 1 launches two operators fewer per layer, because its KV rows are one slice rather than an
 index); the trainer with one micro-batch and with two of two rows each.
