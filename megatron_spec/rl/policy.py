@@ -23,7 +23,7 @@ from ..models.decoder import CausalLM, TrunkOutput
 from ..models.eagle3 import captured_layers
 from ..spec.drafter_loss import agreement, depth_pairs, pairs_loss
 from ..spec.sampling import processed_logprobs
-from .grpo import LossNorm, aggregate, kl_k3, policy_loss
+from .grpo import LossNorm, aggregate, kl_k3, policy_loss, truncated_is_weights
 from .microbatch import micro_batches, sequence_lengths
 from .prefix import SharedPrompts, prompt_groups
 from .refit import named_weights
@@ -40,13 +40,20 @@ class Batch:
     old_logprobs: Tensor | None = None
     """[B, T-1] log-probs of token t+1 under the policy before this update (from the logprob stage). None:
     `train_step` takes them from its own forward, detached, and fills them in (`grpo.fold_logprob`)."""
+    behaviour_logprobs: Tensor | None = None
+    """[B, T-1] the engine's log-probs of the sampled tokens when the rollouts came from an older policy version
+    than the one being trained (async GRPO): the loss then weighs each token by the truncated importance ratio
+    old / behaviour (`grpo.truncated_is_weights`). None: the rollouts are on-policy, no correction."""
+    is_clip: float = 2.0
+    """Truncation of that importance ratio (`backend.is_clip`)."""
 
     def select(self, rows: list[int], length: int) -> "Batch":
         """The micro-batch of `rows`, cropped to its first `length` positions."""
         idx = torch.tensor(rows)
+        per_token = lambda t: None if t is None else t[idx, : length - 1]  # noqa: E731  ([B, T-1] fields)
         return Batch(self.input_ids[idx, :length], self.mask[idx, :length],
                      None if self.advantages is None else self.advantages[idx],
-                     None if self.old_logprobs is None else self.old_logprobs[idx, : length - 1])
+                     per_token(self.old_logprobs), per_token(self.behaviour_logprobs), self.is_clip)
 
 
 class DrafterInputs(NamedTuple):
@@ -205,8 +212,13 @@ class EmbeddedPolicy:
         mask = mb.mask[:, 1:]
         logprobs = masked(token_logprobs(logits, mb.input_ids, self.sampling), mask)
         old = logprobs.detach() if mb.old_logprobs is None else masked(mb.old_logprobs, mask)
+        weights = None
+        if mb.behaviour_logprobs is not None:  # off-policy rollouts (async GRPO): truncated importance sampling
+            weights, truncated = truncated_is_weights(old, masked(mb.behaviour_logprobs, mask), mb.is_clip)
         loss, metrics = policy_loss(logprobs, old, mb.advantages, mask, self.grpo.clip_low, self.grpo.clip_high,
-                                    self.grpo.loss_agg, norm)
+                                    self.grpo.loss_agg, norm, weights)
+        if weights is not None:
+            metrics["is_clip_frac"] = float(aggregate(truncated.float(), mask, "token", norm))
         if self.ref is not None:
             with torch.no_grad():
                 ref_lp = masked(token_logprobs(self.ref(mb.input_ids), mb.input_ids, self.sampling), mask)

@@ -1,0 +1,26 @@
+"""Ray backend: the one RL loop (`megatron_spec.rl.loop`) over two worker groups placed with Ray placement groups.
+
+Files, in reading order:
+    placement.py  who runs in which bundle, colocated or disaggregated, and the resource checks     pure
+    workers.py    the Ray actors: a trainer rank (a torch.distributed group of them) and an engine
+    groups.py     the groups as the loop sees them: a Policy proxy and a Generator that splits prompts
+                  over N engines (GRPO groups whole), syncs weights through the object store, restarts
+                  dead engines and re-issues their prompts
+    driver.py     `train(cfg, layout=None)`: the loop's Trainer with its stages on the groups, async GRPO
+
+`placement` never imports Ray; everything else needs `pip install 'megatron-spec[ray]'`.
+"""
+
+from __future__ import annotations
+
+INSTALL_HINT = "pip install 'megatron-spec[ray]'"
+
+
+def require_ray():
+    """The `ray` module, or an ImportError that names the extra to install."""
+    try:
+        import ray
+    except ImportError as err:
+        raise ImportError(f"the Ray backend (backend.placement colocated / disaggregated) needs ray, which is not "
+                          f"installed: {INSTALL_HINT}") from err
+    return ray

@@ -1,0 +1,147 @@
+"""The at-scale driver: `train(cfg, layout=None)` runs the RL loop of `megatron_spec.rl.loop` (its stages,
+metrics, logging, checkpoints and report; no second copy) with the trainer and the generators in Ray worker groups.
+
+    for step:  data -> prepare (weight sync) -> gen (rollouts, possibly run ahead) -> logprob -> train
+
+What differs from one process is only where the pieces live (`build_backends`), how weights reach the engines
+(`refit`: the trainer publishes size-bounded buckets of HF-named tensors, policy and drafter, to Ray's object store
+once; every engine fetches them; bytes and seconds are logged as `weight_sync_bytes` / `weight_sync_s`) and how
+rollouts are made (`rollouts`).
+
+Async GRPO (`backend.async_lag = L > 0`): before waiting for step s's rollouts the driver has submitted generation
+for every step up to s + L, each with the newest weights it had; engines run those while the trainer updates. Every
+engine answers with the policy version its weights were at; step s's `policy_lag` is the trainer's version minus the
+oldest of them, never above L (at step s the trainer is at version s, and step s's generation was submitted at
+step s - L or later, after that step's sync). The loss then corrects with truncated importance sampling
+(`backend.is_clip`, `is_clip_frac` logged). The drafter is synced in the same stream with the same version, so it
+always drafts for the policy whose rollouts it speeds up. With L = 0 the step is exactly the in-process step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from ...rl import loop
+from ...rl.loop import REFIT_BUCKET_BYTES, Rollouts
+from . import require_ray
+from .groups import GeneratorGroup, TrainerDied, TrainerGroup
+from .placement import plan
+
+
+class RayTrainer(loop.Trainer):
+    """The loop's Trainer with its policy and generator in Ray worker groups."""
+
+    def __init__(self, cfg, layout: dict | None = None):
+        self.layout = layout
+        self.version = 0  # updates applied by the trainer: the policy version
+        self.synced = -1  # the version last sent to the engines
+        self.pending: dict[int, object] = {}  # step -> rollouts in flight
+        self.sync_futures: list = []
+        self.sync_info = {"weight_sync_bytes": 0, "weight_sync_s": 0.0}
+        super().__init__(cfg)
+
+    def build_backends(self):
+        ray = require_ray()
+        from ray.util.placement_group import placement_group
+
+        self.placement = plan(self.cfg, ray.cluster_resources(), self.layout)
+        self.pg = placement_group(self.placement.bundles, strategy="PACK")
+        ray.get(self.pg.ready())
+        return TrainerGroup(self.cfg, self.placement, self.pg), GeneratorGroup(self.cfg, self.placement, self.pg)
+
+    def step(self, step: int) -> dict:
+        metrics = super().step(step)
+        self.version += 1
+        return metrics
+
+    def refit(self) -> None:
+        """Publish the trainer's weights when they are newer than the engines'; wait for the engines to load them
+        when synchronous (with a lag they load after the generation already queued)."""
+        ray = require_ray()
+        if self.synced == self.version:
+            return
+        t0 = time.perf_counter()
+        refs, nbytes, _ = self.policy.export(REFIT_BUCKET_BYTES)
+        futures = self.generator.sync(self.version, refs)
+        self.synced = self.version
+        if self.cfg.backend.async_lag == 0:
+            ray.get(futures)
+            self.sync_info = {"weight_sync_bytes": nbytes, "weight_sync_s": time.perf_counter() - t0}
+        else:  # how long the engines took to load them is known once they have
+            self.sync_futures.append((nbytes, time.perf_counter() - t0, futures))
+
+    def rollouts(self, step: int, prompts: list[list[int]]) -> Rollouts:
+        last = self.cfg.run.steps - 1
+        ahead = step + self.cfg.backend.async_lag
+        if step not in self.pending:
+            self.pending[step] = self.submit(step, prompts)
+        for s in range(step + 1, min(ahead, last) + 1):
+            if s not in self.pending:
+                self.pending[s] = self.submit(s, self.draw(s)[1])
+        outs, versions = self.generator.collect(self.pending.pop(step))
+        lag = self.version - min(versions)
+        metrics = {"policy_lag": lag, "generator_restarts": self.generator.restarts, **self.sync_metrics()}
+        return Rollouts(outs, lag, metrics)
+
+    def submit(self, step: int, prompts: list[list[int]]):
+        return self.generator.submit(prompts, self.sampling_params(step), self.cfg.grpo.group_size)
+
+    def sync_metrics(self) -> dict:
+        """The last completed sync's bytes and seconds (asynchronously: export time + the slowest engine's load)."""
+        ray = require_ray()
+        while self.sync_futures and all(_done(f) for f in self.sync_futures[0][2]):
+            nbytes, export_s, futures = self.sync_futures.pop(0)
+            loads = []
+            for f in futures:
+                try:
+                    loads.append(ray.get(f)[1])
+                except ray.exceptions.RayActorError:  # a dead engine: its replacement was loaded on restart
+                    pass
+            self.sync_info = {"weight_sync_bytes": nbytes, "weight_sync_s": export_s + max(loads, default=0.0)}
+        return dict(self.sync_info)
+
+    def evaluate(self) -> float:
+        """Greedy accuracy of the current policy: waits for the generation in flight, then syncs."""
+        ray = require_ray()
+        accuracy = super().evaluate()
+        ray.get([f for _, _, futures in self.sync_futures for f in futures])
+        return accuracy
+
+    def close(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for group in ("policy", "generator"):
+            if hasattr(self, group):
+                getattr(self, group).close()
+        if hasattr(self, "pg"):
+            remove_placement_group(self.pg)
+
+
+def _done(ref) -> bool:
+    ray = require_ray()
+    return bool(ray.wait([ref], timeout=0)[0])
+
+
+def train(cfg, layout: dict | None = None) -> dict:
+    """Run (or resume) `cfg` on the Ray cluster at `RAY_ADDRESS`, or on a local one started here (and stopped at
+    the end). `layout`: the recipe's cluster layout (`recipes/_common.py::Scale.layout`), or None to derive it from
+    `cfg.backend`. Returns the last step's metrics, as `megatron_spec.rl.loop.train`."""
+    from ...rl.backends import GENERATORS, POLICIES, resolve
+
+    loop.check_inputs(cfg)
+    ray = require_ray()
+    resolve(POLICIES, cfg.backend.trainer, "trainer")  # a missing extra fails here, before Ray starts
+    resolve(GENERATORS, cfg.backend.generator, "generator")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
+    try:
+        return loop.run(cfg, lambda c: RayTrainer(c, layout))
+    except TrainerDied as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise
+    finally:
+        if started:
+            ray.shutdown()

@@ -1,0 +1,178 @@
+"""The two worker groups as the RL loop sees them: `TrainerGroup` is a Policy, `GeneratorGroup` a Generator.
+
+The generator group splits a step's prompts over its engines with every GRPO group whole (one engine sees all of
+a prompt's rollouts), gives engine j the seed offset j * SEED_STRIDE (engine 0 draws exactly what a single engine
+draws), and, when an engine dies, starts a new one in the same bundle, loads it with the last synced weights and
+re-issues the dead engine's prompts with the same seeds: the step completes with the same rollouts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import require_ray
+from .placement import Placement, Slot
+from .workers import Engine, TrainerRank
+
+SEED_STRIDE = 1_000_000_007
+"""Seed offset between engines: far above any step's seed, so no two engines or steps share a random stream."""
+
+
+def split_groups(n_prompts: int, group_size: int, engines: int) -> list[tuple[int, int]]:
+    """[lo, hi) prompt ranges, one per engine (engines without a group get none), GRPO groups never cut: the
+    groups are dealt out in contiguous runs whose sizes differ by at most one."""
+    groups = n_prompts // group_size
+    if groups * group_size != n_prompts:
+        raise ValueError(f"{n_prompts} prompts are not whole groups of {group_size}")
+    base, extra = divmod(groups, engines)
+    ranges, lo = [], 0
+    for j in range(engines):
+        hi = lo + (base + (j < extra)) * group_size
+        if hi > lo:
+            ranges.append((lo, hi))
+        lo = hi
+    return ranges
+
+
+def _actor(cls, slot: Slot, pg, **options):
+    ray = require_ray()
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=slot.bundle)
+    return ray.remote(cls).options(num_cpus=slot.cpus, num_gpus=slot.gpus, scheduling_strategy=strategy,
+                                   **options)
+
+
+class TrainerDied(RuntimeError):
+    """A trainer rank died: the run stops (its checkpoints stay as they were)."""
+
+
+def resume_hint(cfg) -> str:
+    """Where the last good checkpoint is and the command that resumes from it (`run.resume` is on by default)."""
+    run_dir = cfg.run.out_dir
+    return (f"The last good checkpoint is in {run_dir}/checkpoints (untouched); resume with:\n"
+            f"  megatron-spec train --config {run_dir}/config.yaml")
+
+
+class TrainerGroup:
+    """The trainer ranks behind the Policy interface; every call goes to every rank (a sharded trainer computes
+    collectively), rank 0 answers."""
+
+    def __init__(self, cfg, placement: Placement, pg):
+        ray = require_ray()
+        self.cfg = cfg
+        self.ranks = [_actor(TrainerRank, placement.trainer(r), pg).remote(cfg, r, placement.trainer_world,
+                                                                           placement.trainer(r).threads)
+                      for r in range(placement.trainer_world)]
+        master = ray.get(self.ranks[0].address.remote()) if len(self.ranks) > 1 else None
+        joined = self.call("setup", master)
+        if joined != len(self.ranks):
+            raise RuntimeError(f"trainer group formed with {joined} of {len(self.ranks)} ranks")
+
+    def call(self, method: str, *args):
+        """`method(*args)` on every rank; rank 0's answer. A dead rank raises TrainerDied."""
+        ray = require_ray()
+        try:
+            return ray.get([getattr(r, method).remote(*args) for r in self.ranks])[0]
+        except ray.exceptions.RayActorError as err:
+            raise TrainerDied(f"a trainer rank died during {method} ({type(err).__name__}); the run stops.\n"
+                              f"{resume_hint(self.cfg)}") from err
+
+    def train_step(self, batch) -> dict:
+        metrics, old = self.call("train_step", batch)
+        batch.old_logprobs = old  # the loop's mismatch metric reads them, as in one process
+        return metrics
+
+    def logprobs(self, batch):
+        return self.call("logprobs", batch)
+
+    def export(self, bucket_bytes: int) -> tuple[list, int, float]:
+        return self.call("export", bucket_bytes)
+
+    def state_dict(self) -> dict:
+        return self.call("state_dict")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.call("load_state_dict", state)
+
+    def close(self) -> None:
+        ray = require_ray()
+        for r in self.ranks:
+            ray.kill(r)
+
+
+@dataclasses.dataclass
+class Pending:
+    """Rollouts in flight: each engine's share of one `generate` call."""
+
+    prompts: list
+    params: object
+    parts: list
+    """(engine index, lo, hi, engine handle, object reference)."""
+
+
+class GeneratorGroup:
+    def __init__(self, cfg, placement: Placement, pg):
+        self.cfg, self.placement, self.pg = cfg, placement, pg
+        self.colocated = placement.kind == "colocated"
+        self.engines = [self._start(j) for j in range(placement.generators)]
+        require_ray().get([e.ready.remote() for e in self.engines])  # built, so the first sync times only the sync
+        self.weights: tuple[int, list] | None = None  # the last synced (version, bucket references)
+        self.restarts = 0
+
+    def _start(self, j: int):
+        slot = self.placement.generator(j)
+        threads = self.cfg.backend.vllm.threads or slot.threads
+        return _actor(Engine, slot, self.pg).remote(self.cfg, threads)
+
+    def sync(self, version: int, refs: list) -> list:
+        """Send the buckets to every engine (queued behind whatever each is generating); the load futures."""
+        self.weights = (version, refs)
+        return [e.update_weights.remote(version, refs) for e in self.engines]
+
+    def submit(self, prompts: list, params, group_size: int) -> Pending:
+        parts = []
+        for j, (lo, hi) in enumerate(split_groups(len(prompts), group_size, len(self.engines))):
+            parts.append((j, lo, hi, self.engines[j], self._generate(j, prompts[lo:hi], params)))
+        return Pending(prompts, params, parts)
+
+    def _generate(self, j: int, prompts: list, params):
+        seeded = dataclasses.replace(params, seed=params.seed + j * SEED_STRIDE)
+        return self.engines[j].generate.remote(prompts, seeded, self.colocated)
+
+    def collect(self, pending: Pending) -> tuple[list, list[int]]:
+        """The rollouts in prompt order and the policy version of each engine's share; an engine that died is
+        replaced and its share re-issued."""
+        ray = require_ray()
+        outs, versions = [None] * len(pending.prompts), []
+        for j, lo, hi, handle, ref in pending.parts:
+            while True:
+                try:
+                    version, part = ray.get(ref)
+                    break
+                except ray.exceptions.RayActorError:
+                    if self.engines[j] is handle:  # not replaced yet by an earlier share's failure
+                        self._restart(j)
+                    handle = self.engines[j]
+                    ref = self._generate(j, pending.prompts[lo:hi], pending.params)
+            outs[lo:hi] = part
+            versions.append(version)
+        return outs, versions
+
+    def _restart(self, j: int) -> None:
+        ray = require_ray()
+        ray.kill(self.engines[j])
+        self.engines[j] = self._start(j)
+        ray.get(self.engines[j].ready.remote())
+        self.restarts += 1
+        if self.weights is not None:
+            ray.get(self.engines[j].update_weights.remote(*self.weights))
+
+    def generate(self, prompts: list, params) -> list:
+        """The Generator interface (greedy evaluation): one call over all engines, prompts split evenly."""
+        return self.collect(self.submit(prompts, params, 1))[0]
+
+    def close(self) -> None:
+        ray = require_ray()
+        for e in self.engines:
+            ray.kill(e)

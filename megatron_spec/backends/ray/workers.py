@@ -1,0 +1,158 @@
+"""The Ray actors: a trainer rank and a generation engine. Plain classes, made remote by `groups.py`.
+
+Each actor builds its own piece from the run's config (`rl.backends.build_policy` / `build_generator`, so the
+embedded, Megatron and vLLM classes all fit), pins its torch threads, and speaks in plain Python values and
+tensors. Weights travel as lists of object-store references to size-bounded buckets of `(hf_name, tensor)`; the
+engine fetches them itself, so the driver never holds a copy.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+
+def _build(cfg, which: str):
+    from ...models import from_pretrained
+    from ...rl.backends import build_generator, build_policy
+    from ...rl.loop import load_drafter_for
+
+    model = from_pretrained(cfg.model.policy)
+    drafter = load_drafter_for(cfg, model)
+    return (build_policy if which == "policy" else build_generator)(cfg, model, drafter)
+
+
+class CrashHook:
+    """A fault drill: `arm(method)` makes the actor's next call of `method` end its process (`os._exit`) after the
+    work is done and before the answer leaves, which is how a worker lost mid-step looks to the driver."""
+
+    def __init__(self):
+        self.armed: str | None = None
+
+    def arm(self, method: str) -> None:
+        self.armed = method
+
+    def check(self, method: str) -> None:
+        if self.armed == method:
+            os._exit(1)
+
+
+class TrainerRank:
+    """Rank `rank` of the trainer group. With more than one rank the group is one torch.distributed process group
+    (gloo on CPU, NCCL on GPUs), set up before the policy is built, so a Megatron policy finds it initialised."""
+
+    def __init__(self, cfg, rank: int, world: int, threads: int):
+        import torch
+
+        torch.set_num_threads(threads)
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.policy = None
+        self.crash = CrashHook()
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port for the group's rendezvous (asked of rank 0)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return socket.gethostbyname(socket.gethostname()), port
+
+    def setup(self, master: tuple[str, int] | None) -> int:
+        """Join the process group (when world > 1), build the policy; returns the group's sum of ones (== world
+        when every rank joined the same group)."""
+        import torch
+
+        if self.world > 1:
+            import torch.distributed as dist
+
+            os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+                              WORLD_SIZE=str(self.world), LOCAL_RANK=str(self.rank))
+            if not dist.is_initialized():
+                dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=self.rank,
+                                        world_size=self.world)
+            ones = torch.ones(1)
+            dist.all_reduce(ones)
+            joined = int(ones.item())
+        else:
+            joined = 1
+        self.policy = _build(self.cfg, "policy")
+        return joined
+
+    def train_step(self, batch):
+        """One update; returns the metrics and the old log-probs the step used (filled in when folded)."""
+        metrics = self.policy.train_step(batch)
+        self.crash.check("train_step")
+        return metrics, batch.old_logprobs
+
+    def logprobs(self, batch):
+        return self.policy.logprobs(batch)
+
+    def export(self, bucket_bytes: int) -> tuple[list, int, float]:
+        """The policy and drafter weights as object-store buckets: (references, bytes, seconds). Every rank runs the
+        export (a sharded trainer gathers collectively); rank 0's buckets are the ones published."""
+        import ray
+
+        from ...rl.refit import buckets
+
+        t0 = time.perf_counter()
+        refs, nbytes = [], 0
+        for bucket in buckets(self.policy.export_weights(), bucket_bytes):
+            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            if self.rank == 0:
+                refs.append(ray.put([(name, t.detach().cpu().contiguous()) for name, t in bucket]))
+        return refs, nbytes, time.perf_counter() - t0
+
+    def state_dict(self) -> dict:
+        return self.policy.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_state_dict(state)
+
+    def arm_crash(self, method: str) -> None:
+        self.crash.arm(method)
+
+
+class Engine:
+    """One generation engine (our engine or vLLM on its default executor, in this actor's process) and the policy
+    version its weights are at."""
+
+    def __init__(self, cfg, threads: int):
+        import torch
+
+        torch.set_num_threads(threads)
+        self.generator = _build(cfg, "generator")
+        self.version = -1
+        self.crash = CrashHook()
+
+    def ready(self) -> int:
+        """Answers once the engine is built (its version: -1 until the first sync)."""
+        return self.version
+
+    def update_weights(self, version: int, refs: list) -> tuple[int, float]:
+        """Load the buckets behind `refs` (policy and drafter: one version for both); returns (bytes, seconds)."""
+        import ray
+
+        t0 = time.perf_counter()
+        nbytes = self.generator.update_weights(ray.get(ref) for ref in refs)
+        self.version = version
+        return nbytes, time.perf_counter() - t0
+
+    def wake(self) -> None:
+        self.generator.wake()
+
+    def sleep(self) -> None:
+        self.generator.sleep()
+
+    def generate(self, prompts, params, colocated: bool) -> tuple[int, list]:
+        """Rollouts of `prompts` and the policy version that generated them. A colocated engine wakes for them and
+        sleeps again after, leaving its devices to the trainer."""
+        if colocated:
+            self.generator.wake()
+        outs = self.generator.generate(prompts, params)
+        if colocated:
+            self.generator.sleep()
+        self.crash.check("generate")
+        return self.version, outs
+
+    def arm_crash(self, method: str) -> None:
+        self.crash.arm(method)
