@@ -26,6 +26,7 @@ import yaml
 
 from launchers import MissingExtra, local_plan, ray_slurm_plan, require_extras, slurm_plan
 from launchers.plans import ray_sbatch_command
+from megatron_spec.layout import Layout, check_layout
 from megatron_spec.rl.config import RLConfig
 from megatron_spec.rl.overrides import apply_overrides, dump_yaml, load_yaml
 
@@ -62,11 +63,10 @@ class Scale:
     """SLURM time limit of one job; runs longer than that resume from their last checkpoint."""
 
     def __post_init__(self) -> None:
-        world, model = self.nodes * self.gpus_per_node, self.tp * self.pp * self.cp
-        if world % model:
-            raise ValueError(f"TP*PP*CP = {model} does not divide the {world} GPUs")
-        if world % (self.ep * self.pp):
-            raise ValueError(f"EP*PP = {self.ep * self.pp} does not divide the {world} GPUs (expert layers, ETP=1)")
+        # The device grid, by the one layout validator the backend and the simulator use; the recipe checks its
+        # model against the same validator (the layer split of its pipeline stages is the model's business).
+        world = self.nodes * self.gpus_per_node
+        check_layout(None, Layout(tp=self.tp, pp=self.pp, ep=self.ep, etp=1, cp=self.cp), world)
         if world % self.vllm_tp:
             raise ValueError(f"vLLM TP={self.vllm_tp} does not divide the {world} GPUs")
 

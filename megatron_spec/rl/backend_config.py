@@ -29,6 +29,10 @@ class MegatronSection:
     """Context parallel size [context_parallel_size]."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1)."""
+    first_stage_layers: int | None = None
+    """Decoder layers of the first pipeline stage; None: an even share [num_layers_in_first_pipeline_stage]."""
+    last_stage_layers: int | None = None
+    """Decoder layers of the last pipeline stage; None: an even share [num_layers_in_last_pipeline_stage]."""
     mtp_num_layers: int = 0
     """Megatron-Core MTP layers trained jointly with the policy (0: none; the drafter trains as on the embedded
     trainer). Loaded from `model.drafter` when it holds an MTP head, else initialised from the trunk's last layer."""
@@ -42,8 +46,9 @@ class MegatronSection:
         for name in ("tp", "pp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"backend.megatron.{name} must be >= 1, got {getattr(self, name)}")
-        if self.etp is not None and self.etp < 1:
-            raise ValueError(f"backend.megatron.etp must be >= 1 or null, got {self.etp}")
+        for name in ("etp", "first_stage_layers", "last_stage_layers"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"backend.megatron.{name} must be >= 1 or null, got {getattr(self, name)}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("backend.megatron.sequence_parallel needs tp > 1")
         if self.mtp_coupling not in ("detached", "coupled"):

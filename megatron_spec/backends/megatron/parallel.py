@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import require_megatron
+from megatron_spec.layout import check_layout
+
 from .checks import Parallelism, check_parallelism
 
 require_megatron()
@@ -63,13 +65,14 @@ def init_model_parallel(par: Parallelism, cfg=None) -> Ranks:
     world = dist.get_world_size()
     if cfg is not None:
         check_parallelism(cfg, par, world)
-    elif world % (par.tp * par.pp) or world % (par.expert_tp * par.ep * par.pp):
-        raise ValueError(f"world size {world} cannot hold {par.describe()}")
+    else:
+        check_layout(None, par, world)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
+        context_parallel_size=par.cp,
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.expert_tp,
     )

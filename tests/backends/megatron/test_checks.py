@@ -1,5 +1,5 @@
 """Bad input: parallel sizes that do not divide the model and mismatched configs fail with messages that name the
-mismatch. Pure (no megatron-core)."""
+mismatch. Pure (no megatron-core). The layout rules themselves are `megatron_spec.layout`'s (tests/test_layout.py)."""
 
 from __future__ import annotations
 
@@ -19,15 +19,17 @@ def test_valid_splits_pass():
     "cfg, par, world, message",
     [
         (tiny("dense", num_attention_heads=6, num_key_value_heads=3, head_dim=16), Parallelism(tp=4), None,
-         "TP=4 does not divide num_attention_heads=6"),
+         "tp=4 does not divide num_attention_heads=6"),
         (tiny("dense", num_key_value_heads=1), Parallelism(tp=2), None,
-         r"TP=2 does not divide the query groups \(num_key_value_heads=1\)"),
-        (tiny("moe"), Parallelism(ep=3), None, "EP=3 does not divide num_experts=4"),
-        (tiny("moe", moe_intermediate_size=30), Parallelism(tp=4, etp=4), None, "ETP=4 does not divide moe_intermediate_size=30"),
-        (tiny("dense"), Parallelism(ep=2), None, "EP=2 needs an MoE model"),
-        (tiny("dense"), Parallelism(pp=3), None, "PP=3 does not divide num_hidden_layers=2"),
-        (tiny("dense"), Parallelism(tp=2), 3, "world size 3 is not a multiple of TP x PP = 2"),
-        (tiny("moe"), Parallelism(tp=2, ep=2), 2, r"world size 2 is not a multiple of ETP x EP x PP = 4.*etp=1"),
+         r"tp=2 does not divide the query groups \(num_key_value_heads=1\)"),
+        (tiny("moe"), Parallelism(ep=3), None, "ep=3 does not divide num_experts=4"),
+        (tiny("moe", moe_intermediate_size=30), Parallelism(tp=4, etp=4), None, "etp=4 does not divide moe_intermediate_size=30"),
+        (tiny("dense"), Parallelism(ep=2), None, "ep=2 needs an MoE model"),
+        (tiny("dense"), Parallelism(pp=3), None, "pp=3 exceeds num_hidden_layers=2"),
+        (tiny("dense", num_hidden_layers=5), Parallelism(pp=2), None,
+         "pp=2 does not divide the 5 layer.*accepts first/last stage layers \\(3, 2\\)"),
+        (tiny("dense"), Parallelism(tp=2), 3, r"TP\*PP\*CP = 2 does not divide the 3 devices"),
+        (tiny("moe"), Parallelism(tp=2, ep=2), 2, r"EP\*PP = 2 \(x ETP 2\) does not divide the 2 devices.*etp=1"),
         (tiny("dense", attention_bias=True), Parallelism(), None, "attention_bias=True is not supported"),
     ],
 )

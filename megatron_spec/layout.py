@@ -1,0 +1,156 @@
+"""One validator for parallel layouts: does a (TP, PP, EP, ETP, CP) split fit a model and a number of devices?
+
+The Megatron backend (`backends/megatron/checks.py`), the simulator (`sim/config.py`) and the recipes
+(`recipes/_common.py::Scale`) all ask this module, so a layout one of them accepts the others accept too. Pure:
+no torch.distributed, no Megatron import; the rules are Megatron-Core's (and vLLM's for a generation engine):
+
+- TP splits the attention heads and the query groups (KV heads); Megatron keeps each query group on one rank, so
+  TP must divide both. A vLLM engine may instead replicate KV heads (`kv_replication`): TP a multiple of them.
+- TP splits the FFN columns of dense layers; ETP (expert TP, default TP) splits each expert's FFN; EP spreads the
+  experts, so EP must divide the expert count (and needs an MoE model).
+- PP gives each stage consecutive layers. Megatron-Core splits them evenly, or, with
+  `num_layers_in_first_pipeline_stage` / `..._last_...` set, gives those counts to the first / last stage and
+  splits the rest evenly over the stages between (`stage_layers`). Every stage needs at least one layer.
+- Devices: the dense grid is TP x CP x PP x DP and the expert grid ETP x EP x PP x expert-DP over the same devices,
+  so the world must be a multiple of TP x CP x PP and of ETP x EP x PP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .models import ModelConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a model is split over devices (Megatron-Core's names in brackets)."""
+
+    tp: int = 1
+    """Tensor parallel size [tensor_model_parallel_size]."""
+    pp: int = 1
+    """Pipeline parallel stages [pipeline_model_parallel_size]."""
+    ep: int = 1
+    """Expert parallel size [expert_model_parallel_size]."""
+    etp: int | None = None
+    """Expert tensor parallel size; None: tp [expert_tensor_parallel_size]."""
+    cp: int = 1
+    """Context parallel size [context_parallel_size]."""
+    first_stage_layers: int | None = None
+    """Decoder layers of the first stage; None: an even share [num_layers_in_first_pipeline_stage]."""
+    last_stage_layers: int | None = None
+    """Decoder layers of the last stage; None: an even share [num_layers_in_last_pipeline_stage]."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "ep", "cp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("etp", "first_stage_layers", "last_stage_layers"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    def describe(self) -> str:
+        text = f"TP={self.tp} PP={self.pp} EP={self.ep} ETP={self.expert_tp} CP={self.cp}"
+        if self.first_stage_layers or self.last_stage_layers:
+            text += f" (first stage {self.first_stage_layers}, last stage {self.last_stage_layers} layers)"
+        return text
+
+
+def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
+    """Decoder layers per pipeline stage as Megatron-Core assigns them; ValueError when it cannot."""
+    if pp == 1:
+        if (first or num_layers) != num_layers or (last or num_layers) != num_layers:
+            raise ValueError(f"pp=1 has one stage of all {num_layers} layers: first/last stage layers must be unset")
+        return [num_layers]
+    if pp > num_layers:
+        raise ValueError(f"pp={pp} exceeds num_hidden_layers={num_layers}: a pipeline stage needs at least one layer")
+    fixed = [x for x in (first, last) if x is not None]
+    middle_stages, rest = pp - len(fixed), num_layers - sum(fixed)
+    if rest < middle_stages or (middle_stages == 0 and rest != 0):
+        raise ValueError(f"pp={pp} with first/last stage layers {first}/{last} leaves {rest} of num_hidden_layers="
+                         f"{num_layers} for the other {middle_stages} stage(s), which need at least one each"
+                         + (" and exactly none left over" if middle_stages == 0 else ""))
+    if middle_stages and rest % middle_stages:
+        hint = "" if fixed else f"; Megatron-Core accepts first/last stage layers {suggest_split(num_layers, pp)}"
+        raise ValueError(f"pp={pp} does not divide the {rest} layer(s) left for {middle_stages} evenly split stage(s) "
+                         f"(num_hidden_layers={num_layers}){hint}")
+    even = rest // middle_stages if middle_stages else 0
+    return [first if first is not None else even, *[even] * (pp - 2), last if last is not None else even]
+
+
+def suggest_split(num_layers: int, pp: int) -> tuple[int | None, int | None]:
+    """(first, last) stage layers that Megatron-Core accepts for `num_layers` over `pp` stages with the smallest
+    largest stage (the one that paces the pipeline): (None, None) when pp divides the layers; 94 layers over 8
+    stages: 11 and 11, with six stages of 12 between. Some counts cannot reach ceil(L / pp) under Megatron's rule
+    (equal middle stages): 9 layers over 6 stages give 3, 1, 1, 1, 1, 2. ValueError when pp > num_layers."""
+    if pp > num_layers:
+        raise ValueError(f"pp={pp} exceeds num_hidden_layers={num_layers}: a pipeline stage needs at least one layer")
+    if num_layers % pp == 0:
+        return None, None
+    if pp == 2:
+        return num_layers - num_layers // 2, num_layers // 2
+    best = None
+    for per in range(1, num_layers // (pp - 2) + 1):  # layers of each middle stage
+        ends = num_layers - per * (pp - 2)
+        if ends >= 2 and (best is None or max(per, ends - ends // 2) < best[0]):
+            best = (max(per, ends - ends // 2), ends - ends // 2, ends // 2)
+    return best[1], best[2]
+
+
+def layout_problems(m: ModelConfig, lay: Layout, *, kv_replication: bool = False, who: str = "") -> list[str]:
+    """Every way `lay` cannot split `m` (empty when it fits); `who` prefixes each size ("train tp=3 ...")."""
+    p = f"{who} " if who else ""
+    problems = []
+    if m.num_attention_heads % lay.tp:
+        problems.append(f"{p}tp={lay.tp} does not divide num_attention_heads={m.num_attention_heads}")
+    kv = m.num_key_value_heads
+    if kv_replication:
+        if kv % lay.tp and lay.tp % kv:
+            problems.append(f"{p}tp={lay.tp} and num_key_value_heads={kv}: one must divide the other (KV heads are "
+                            "split or replicated across tensor-parallel ranks)")
+    elif kv % lay.tp:
+        problems.append(f"{p}tp={lay.tp} does not divide the query groups (num_key_value_heads={kv}); "
+                        "Megatron-Core keeps each query group on one rank")
+    has_dense = not m.is_moe or any(not m.is_moe_layer(i) for i in range(m.num_hidden_layers))
+    if has_dense and m.intermediate_size % lay.tp:
+        problems.append(f"{p}tp={lay.tp} does not divide intermediate_size={m.intermediate_size}")
+    if m.is_moe:
+        if m.num_experts % lay.ep:
+            problems.append(f"{p}ep={lay.ep} does not divide num_experts={m.num_experts}")
+        if m.moe_intermediate_size % lay.expert_tp:
+            problems.append(f"{p}etp={lay.expert_tp} does not divide moe_intermediate_size={m.moe_intermediate_size}")
+    elif lay.ep > 1:
+        problems.append(f"{p}ep={lay.ep} needs an MoE model ({m.model_type} is dense)")
+    try:
+        stage_layers(m.num_hidden_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
+    except ValueError as e:
+        problems.append(f"{p}{e}")
+    return problems
+
+
+def world_problems(world: int, lay: Layout, who: str = "") -> list[str]:
+    """Every way `world` devices cannot hold the dense and the expert grid of `lay`."""
+    p = f"{who} " if who else ""
+    problems = []
+    dense, expert = lay.tp * lay.cp * lay.pp, lay.expert_tp * lay.ep * lay.pp
+    if world % dense:
+        problems.append(f"{p}TP*PP*CP = {dense} does not divide the {world} devices")
+    if world % expert:
+        problems.append(f"{p}EP*PP = {lay.ep * lay.pp} (x ETP {lay.expert_tp}) does not divide the {world} devices "
+                        "(the expert grid; set etp=1 to use EP without splitting each expert)")
+    return problems
+
+
+def check_layout(m: ModelConfig | None, lay: Layout, world: int | None = None, *, kv_replication: bool = False,
+                 who: str = "") -> None:
+    """Raise one ValueError listing every problem of `lay` for model `m` (None: devices only) on `world` devices."""
+    problems = layout_problems(m, lay, kv_replication=kv_replication, who=who) if m is not None else []
+    if world is not None:
+        problems += world_problems(world, lay, who)
+    if problems:
+        what = f"{m.model_type} with {m.num_hidden_layers} layers" if m is not None else f"{world} devices"
+        raise ValueError(f"cannot split {what} as {lay.describe()}: " + "; ".join(problems))

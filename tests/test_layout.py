@@ -1,0 +1,130 @@
+"""The one layout validator (`megatron_spec.layout`): Megatron-Core's rules, uneven first/last pipeline stages, and
+the three callers (Megatron backend checks, simulator layouts, recipe Scale) giving the same verdicts."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_spec.layout import Layout, check_layout, layout_problems, stage_layers, suggest_split, world_problems
+from megatron_spec.models import ModelConfig
+from megatron_spec.models.presets import preset
+
+
+def moe(**kw) -> ModelConfig:
+    d = dict(model_type="qwen3_moe", vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, intermediate_size=0, num_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=32)
+    d.update(kw)
+    return ModelConfig(**d)
+
+
+def test_even_and_uneven_stage_splits_are_megatrons():
+    assert stage_layers(8, 4) == [2, 2, 2, 2]
+    assert stage_layers(94, 8, 11, 11) == [11, 12, 12, 12, 12, 12, 12, 11]
+    assert stage_layers(10, 3, first=2) == [2, 4, 4]  # only the first set: the rest split evenly
+    assert stage_layers(10, 3, last=4) == [3, 3, 4]
+    assert stage_layers(5, 2, 3, 2) == [3, 2]
+    assert stage_layers(7, 1) == [7]
+
+
+@pytest.mark.parametrize("layers, pp, first, last, message", [
+    (94, 8, None, None, r"pp=8 does not divide the 94 layer\(s\).*accepts first/last stage layers \(11, 11\)"),
+    (94, 8, 10, 10, "pp=8 does not divide the 74 layer"),
+    (4, 5, None, None, "pp=5 exceeds num_hidden_layers=4"),
+    (5, 2, 3, 3, "leaves -1 of num_hidden_layers=5"),
+    (5, 2, 3, 1, "exactly none left over"),
+    (4, 1, 2, None, "pp=1 has one stage"),
+])
+def test_bad_stage_splits_say_why(layers, pp, first, last, message):
+    with pytest.raises(ValueError, match=message):
+        stage_layers(layers, pp, first, last)
+
+
+@pytest.mark.parametrize("layers", range(1, 40))
+def test_suggested_split_is_accepted_for_every_pp_up_to_the_layers(layers):
+    """The simulator allows any pp <= layers by asking for this split: Megatron must accept each, and its largest
+    stage must be the smallest any Megatron split (first f, last l, equal middle stages m) can have, found here by
+    enumerating every (f, m)."""
+    for pp in range(1, layers + 1):
+        first, last = suggest_split(layers, pp)
+        split = stage_layers(layers, pp, first, last)
+        assert sum(split) == layers and min(split) >= 1 and len(split) == pp
+        if pp <= 2:
+            best = -(-layers // pp)
+        else:
+            best = min(max(f, m, layers - f - m * (pp - 2)) for m in range(1, layers) for f in range(1, layers)
+                       if layers - f - m * (pp - 2) >= 1)
+        assert max(split) == best, (layers, pp, split)
+
+
+def test_model_rules_list_every_problem():
+    problems = layout_problems(moe(), Layout(tp=3, ep=3, etp=3, pp=3))
+    assert problems == [
+        "tp=3 does not divide num_attention_heads=4",
+        "tp=3 does not divide the query groups (num_key_value_heads=2); Megatron-Core keeps each query group on one rank",
+        "ep=3 does not divide num_experts=8",
+        "etp=3 does not divide moe_intermediate_size=32",
+        "pp=3 does not divide the 4 layer(s) left for 3 evenly split stage(s) (num_hidden_layers=4); Megatron-Core "
+        "accepts first/last stage layers (2, 1)",
+    ]
+    assert layout_problems(moe(), Layout(tp=2, ep=8, etp=1, pp=3, first_stage_layers=1, last_stage_layers=1)) == []
+
+
+def test_kv_heads_split_for_training_may_replicate_for_generation():
+    m = moe(num_key_value_heads=2)
+    assert layout_problems(m, Layout(tp=4)) != []  # Megatron: 2 query groups over 4 ranks is refused
+    assert layout_problems(m, Layout(tp=4), kv_replication=True) == []  # vLLM replicates KV heads
+    assert "one must divide the other" in layout_problems(moe(num_attention_heads=12, num_key_value_heads=4),
+                                                          Layout(tp=6, etp=1), kv_replication=True)[0]
+
+
+def test_dense_models_refuse_ep_and_check_their_ffn():
+    dense = moe(model_type="qwen3", num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, intermediate_size=90,
+                num_key_value_heads=4)
+    assert layout_problems(dense, Layout(ep=2)) == ["ep=2 needs an MoE model (qwen3 is dense)"]
+    assert layout_problems(dense, Layout(tp=4), who="train") == [
+        "train tp=4 does not divide intermediate_size=90"]
+
+
+def test_world_grids():
+    assert world_problems(128, Layout(tp=2, pp=8, cp=2, ep=16, etp=1)) == []
+    assert world_problems(8, Layout(tp=3, etp=1)) == ["TP*PP*CP = 3 does not divide the 8 devices"]
+    assert len(world_problems(8, Layout(tp=3))) == 2  # ETP defaults to TP: the expert grid fails as well
+    assert "EP*PP = 16 (x ETP 1)" in world_problems(8, Layout(pp=2, ep=8, etp=1))[0]
+
+
+def test_the_235b_recipe_layout_is_one_megatron_accepts():
+    """TP2 PP8 CP2 EP16 on 128 GPUs with 11 layers on the first and last stage, 12 on the six others."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "recipes" / "qwen3_235b_grpo_spec.py"
+    spec = importlib.util.spec_from_file_location("qwen3_235b_recipe", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    section = mod.qwen3_235b_grpo_spec().backend.megatron
+    lay = Layout(tp=section.tp, pp=section.pp, ep=section.ep, etp=section.etp, cp=section.cp,
+                 first_stage_layers=section.first_stage_layers, last_stage_layers=section.last_stage_layers)
+    s = mod.SCALE
+    assert (lay.tp, lay.pp, lay.cp, lay.ep) == (s.tp, s.pp, s.cp, s.ep)
+    check_layout(preset("qwen3-235b-a22b"), lay, s.nodes * s.gpus_per_node)
+    assert stage_layers(94, 8, lay.first_stage_layers, lay.last_stage_layers) == [11, *[12] * 6, 11]
+    with pytest.raises(ValueError, match="pp=8 does not divide the 94"):  # without the uneven split
+        check_layout(preset("qwen3-235b-a22b"), Layout(tp=2, pp=8, cp=2, ep=16, etp=1), 128)
+
+
+def test_the_three_callers_agree():
+    """Backend checks, simulator and recipe Scale reject the same bad layout with the same sentence."""
+    from megatron_spec.backends.megatron.checks import Parallelism, check_parallelism
+    from megatron_spec.sim.config import TrainParallel
+    from recipes._common import Scale
+
+    m = preset("qwen3-30b-a3b")
+    with pytest.raises(ValueError, match="ep=3 does not divide num_experts=128"):
+        check_parallelism(m, Parallelism(ep=3, etp=1))
+    with pytest.raises(ValueError, match="train ep=3 does not divide num_experts=128"):
+        TrainParallel(ep=3, dp=3).check(m)
+    with pytest.raises(ValueError, match=r"EP\*PP = 3 \(x ETP 1\) does not divide the 8 devices"):
+        Scale(nodes=1, gpus_per_node=8, ep=3)
+    with pytest.raises(ValueError, match=r"EP\*PP = 3 \(x ETP 1\) does not divide the 8 devices"):
+        check_parallelism(m, Parallelism(ep=3, etp=1, cp=1), world_size=8)
