@@ -91,19 +91,23 @@ class LLMEngine:
         logprobs = processed_logprobs(logits, p.temperature, p.top_k, p.top_p)
         k = logits.shape[1] - 1
         if k == 0:  # plain decoding (or prefill): sampling from p is all there is to it
-            u = torch.tensor([s.uniforms(1)[0] for s in seqs])
+            u = torch.tensor([s.uniforms(1)[0] for s in seqs], device=logits.device)
             tokens, lps = sample_tokens(logprobs[:, 0], u, p.greedy)
             return [([t], [lp]) for t, lp in zip(tokens.tolist(), lps.tolist())]
-        draft_len = torch.tensor([len(d) for d in drafts.tokens])
-        padded = torch.tensor([d + [0] * (k - len(d)) for d in drafts.tokens], dtype=torch.long).view(len(seqs), k)
+        # Everything the verifier reads lives where the logits do (the model's device); only the per-sequence
+        # Python lists below come back to the host, once per step.
+        dev = logits.device
+        draft_len = torch.tensor([len(d) for d in drafts.tokens], device=dev)
+        padded = torch.tensor([d + [0] * (k - len(d)) for d in drafts.tokens], dtype=torch.long,
+                              device=dev).view(len(seqs), k)
         if p.greedy:
             verdict = verify_greedy(logprobs, padded, draft_len)
         else:
-            u = torch.tensor([s.uniforms(k + 1) for s in seqs])
+            u = torch.tensor([s.uniforms(k + 1) for s in seqs], device=dev)
             verdict = verify_sampled(logprobs.exp(), padded, draft_len, u[:, :k], u[:, k], drafts.probs)
         # Emitted token j of sequence b is draft j for j < n and the verdict's next token at j = n; one gather
         # then yields every log-prob (per-sequence tensor ops would cost more than the forward at small sizes).
-        emitted_ids = torch.cat([padded, torch.zeros(len(seqs), 1, dtype=torch.long)], 1)
+        emitted_ids = torch.cat([padded, padded.new_zeros(len(seqs), 1)], 1)
         emitted_ids.scatter_(1, verdict.num_accepted[:, None], verdict.next_token[:, None])
         all_lps = logprobs.gather(-1, emitted_ids[..., None]).squeeze(-1).tolist()
         accepted, nxt = verdict.num_accepted.tolist(), verdict.next_token.tolist()

@@ -44,5 +44,5 @@ def choose_drafts(logits: Tensor, params, seqs, sample: bool) -> tuple[Tensor, T
     if not sample or params.greedy:
         return logits.argmax(-1), None
     q = processed_logprobs(logits, params.temperature, params.top_k, params.top_p).exp()
-    u = torch.tensor([s.uniforms(1)[0] for s in seqs])
+    u = torch.tensor([s.uniforms(1)[0] for s in seqs], device=q.device)
     return sample_inverse_cdf(q, u), q

@@ -59,4 +59,4 @@ class DraftModelProposer(Proposer):
         view = self.cache.view([s.slot for s in seqs], starts, T)
         hidden = self.model.trunk(ids, view.positions, view).hidden
         last = torch.tensor([len(f) - 1 for f in feeds], device=ids.device)
-        return self.model.lm_head(hidden[torch.arange(len(seqs)), last])
+        return self.model.lm_head(hidden[torch.arange(len(seqs), device=ids.device), last])

@@ -1,34 +1,49 @@
 """Lookup drafters: prompt lookup over a sequence's own tokens (`ngram`), and `history` over the other rollouts of
 the same prompt (its GRPO group, in flight) and that prompt's rollouts from earlier RL steps.
 
-Both use `SuffixIndex`: a dict from each n-gram (n in [n_min, n_max]) to where it last occurred, updated as tokens
-arrive (O(n_max) per token), so a lookup is n_max dict probes instead of a scan.
+Both use `SuffixIndex`: a dict from each n-gram (n in [n_min, n_max]) to its latest few occurrences, updated as
+tokens arrive (O(n_max) per token), so a lookup is n_max dict probes instead of a scan.
 """
 
 from __future__ import annotations
 
 from .base import Drafts, Proposer
 
+RECENT = 8
+"""Occurrences kept per n-gram. In a pattern that repeats every P tokens the latest occurrence of the suffix is P
+tokens from the end, so its continuation is cut to P < k tokens; the occurrence ceil(k / P) periods back has all k.
+Keeping 8 serves every k <= 8 in full at a bounded memory cost."""
+
 
 class SuffixIndex:
     def __init__(self, n_min: int, n_max: int):
         self.n_min, self.n_max = n_min, n_max
-        self.where: dict[tuple[int, ...], tuple[list[int], int]] = {}
-        """n-gram -> (document, position right after its most recent occurrence)."""
+        self.where: dict[tuple[int, ...], list[tuple[list[int], int]]] = {}
+        """n-gram -> its latest occurrences, oldest first, as (document, position right after the occurrence)."""
 
     def add(self, doc: list[int], start: int, end: int) -> None:
         """Index the n-grams of `doc` that end at positions start..end-1 (exclusive end)."""
         for p in range(max(start, 1), end):
             for n in range(self.n_min, min(self.n_max, p) + 1):
-                self.where[tuple(doc[p - n : p])] = (doc, p)
+                seen = self.where.setdefault(tuple(doc[p - n : p]), [])
+                seen.append((doc, p))
+                if len(seen) > RECENT:
+                    del seen[0]
 
     def continuation(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest indexed n-gram equal to a suffix of `tokens`."""
+        """Up to k tokens that followed the longest indexed n-gram equal to a suffix of `tokens`: from its latest
+        occurrence that is followed by k tokens, else from the one followed by the most."""
         for n in range(min(self.n_max, len(tokens)), self.n_min - 1, -1):
-            hit = self.where.get(tuple(tokens[-n:]))
-            if hit is not None:
-                doc, p = hit
-                return doc[p : p + k]
+            seen = self.where.get(tuple(tokens[-n:]))
+            if seen:
+                best: list[int] = []
+                for doc, p in reversed(seen):
+                    follow = doc[p : p + k]
+                    if len(follow) == k:
+                        return follow
+                    if len(follow) > len(best):
+                        best = follow
+                return best
         return []
 
 
