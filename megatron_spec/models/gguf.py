@@ -28,38 +28,33 @@ def gguf_package_dir() -> Path:
     return Path(spec.submodule_search_locations[0])
 
 
-def smollm2_dir() -> Path:
-    """HF-layout directory of SmolLM2-135M-Instruct, converted from the GGUF on first use."""
-    out = cache_root() / "smollm2-135m"
-    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
-        return out
+def smollm2_cache_dir() -> Path:
+    """Where the converted HF-layout checkpoint lives (written by `hf_io.smollm2_dir`)."""
+    return cache_root() / "smollm2-135m"
+
+
+def dequantise():
+    """(HF config dict, fp32 state dict, tokenizer) of SmolLM2-135M-Instruct, read from the GGUF by transformers.
+    This module only reads the GGUF; writing the HF-layout copy is `hf_io`'s job (`hf_io.smollm2_dir`), so the
+    dependency runs one way: hf_io -> gguf."""
     src = gguf_package_dir()
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as err:
         raise ImportError("loading SmolLM2 from GGUF needs the `smollm2` extra: pip install -e .[smollm2]") from err
-    from .config import ModelConfig
-    from .decoder import CausalLM
-    from .hf_io import save_pretrained
-
     hf = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
-    cfg = ModelConfig.from_hf(hf.config.to_dict())
-    import torch
-
-    with torch.device("meta"):
-        model = CausalLM(cfg)
-    model.load_state_dict(hf.state_dict(), assign=True)
-    model.lm_head.weight = model.model.embed_tokens.weight
-    save_pretrained(model, out)
-    tok.save_pretrained(out)
-    return out
+    return hf.config.to_dict(), hf.state_dict(), tok
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """HF tokenizer saved beside a checkpoint (SmolLM2's comes from its GGUF)."""
+    """HF tokenizer saved beside a checkpoint; for `smollm2-135m` the converted copy's, or the GGUF's own before
+    the checkpoint was first converted."""
     from transformers import AutoTokenizer
 
     if str(path) == "smollm2-135m":
-        path = smollm2_dir()
+        converted = smollm2_cache_dir()
+        if (converted / "tokenizer_config.json").is_file():
+            return AutoTokenizer.from_pretrained(str(converted))
+        return AutoTokenizer.from_pretrained(gguf_package_dir(), gguf_file=GGUF_FILE)
     return AutoTokenizer.from_pretrained(str(path))

