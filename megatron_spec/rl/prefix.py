@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..models.decoder import CausalLM, TrunkOutput
+from ..models.masks import causal_mask
 from .microbatch import sequence_lengths
 
 
@@ -59,17 +60,12 @@ def prompt_groups(input_ids: Tensor, mask: Tensor) -> PromptGroups:
     return PromptGroups(starts, group, first_row)
 
 
-def causal_mask(n: int, device: torch.device) -> Tensor:
-    """[1, 1, n, n] boolean lower triangle: query t sees keys 0..t."""
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril()[None, None]
-
-
 def prefix_mask(prompt_len: Tensor, width: int, suffix: int) -> Tensor:
     """[b, 1, S, width + S]: suffix query s of row r sees prefix key j iff j < prompt_len[r] (the rest of the padded
     prefix block is padding of a shorter prompt) and suffix key u iff u <= s."""
     b, device = prompt_len.shape[0], prompt_len.device
     own_prompt = torch.arange(width, device=device) < prompt_len[:, None]
-    causal = torch.ones(suffix, suffix, dtype=torch.bool, device=device).tril()
+    causal = causal_mask(suffix, device)[0, 0]
     return torch.cat([own_prompt[:, None].expand(b, suffix, width), causal.expand(b, suffix, suffix)], -1)[:, None]
 
 

@@ -4,6 +4,8 @@
     megatron-spec simulate --validate            # the reference paper's 8B runs, predicted from its AR columns
     megatron-spec simulate --project             # Qwen3-235B-A22B on GB200 / H100, sync and async, +- speculation
     megatron-spec tune --model qwen3-8b --hardware h100 --gpus 64 --k 3 --acceptance 2.8 --lags 0 1 2 --plot top.png
+    megatron-spec tune --model qwen3-235b-a22b --gpus 128 --gpu h100 --fp8 --k 3 --acceptance 2.8 --methods mtp eagle3 \
+        --lags 0 2 --ks 0 3 5
 
 Only argparse is imported at parser-build time; the simulator loads when a command runs. The CPU model of our
 embedded engine (validation (b)) has its own command: `python -m benchmarks.sim_cpu --help`.
@@ -73,6 +75,8 @@ def register(subparsers) -> None:
     _common(tune)
     tune.add_argument("--lags", type=int, nargs="+", default=[0], help="policy lags allowed (0 = sync)")
     tune.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5, 7], help="k values to try")
+    tune.add_argument("--methods", nargs="+", default=[], help="drafter kinds to try at the given acceptance "
+                      "(eagle3, mtp, model, ngram; default: --drafter only)")
     tune.add_argument("--top", type=int, default=10)
     tune.add_argument("--plot", default="", help="write a PNG of the top configurations here")
     tune.add_argument("--json", action="store_true", help="print the top settings as JSON")
@@ -135,14 +139,21 @@ def simulate_command(args) -> int:
 
 
 def tune_command(args) -> int:
-    from .tune import TuneSpace, format_table, plot, tune
+    from .tune import TuneSpace, format_rejections, format_table, plot, search
 
-    space = TuneSpace(lags=tuple(args.lags), ks=tuple(args.ks))
-    cands = tune(_config(args, layout=False), space, top=args.top)
+    space = TuneSpace(lags=tuple(args.lags), ks=tuple(args.ks), methods=tuple(args.methods))
+    result = search(_config(args, layout=False), space)
+    if not result.ranked:
+        raise ValueError("no configuration fits: " + format_rejections(result.rejected).replace("\n", "; "))
+    cands = result.ranked[: args.top]
     if args.json:
-        print(json.dumps([c.settings() for c in cands], indent=2))
+        print(json.dumps({"top": [c.settings() for c in cands],
+                          "rejected": {result.rejected.example[k]: n for k, n in result.rejected.most_common()},
+                          "ranked_below_top": len(result.ranked) - len(cands)}, indent=2))
     else:
         print(format_table(cands))
+        print(f"\n{len(result.ranked) - len(cands)} configurations that fit ranked below these; left out:")
+        print(format_rejections(result.rejected))
     if args.plot:
         print(f"plot written to {plot(cands, args.plot)}")
     return 0

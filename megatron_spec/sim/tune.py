@@ -1,5 +1,7 @@
-"""Tuner: search parallelism, generation/training split, k and adaptive thresholds for the most tokens trained
-per second per GPU, keeping only configurations that fit in memory.
+"""Tuner: search parallelism (trainer TP/PP/EP/CP, engine TP/EP and count), colocated vs disaggregated placement,
+sync vs async lag, drafter method, k and the adaptive controller for the most tokens trained per second per GPU
+(the shortest step on the given GPUs), keeping only configurations that fit in memory. Every configuration left out
+is counted under the reason it was left out (`TuneResult.rejected`), so the table says why the rest lost.
 
 The search factorises the way the step does: the training side (data + logprob + train) depends only on the
 trainer layout and its GPU count, generation only on the engine layout, the engine count, k and the controller.
@@ -13,14 +15,19 @@ is solved from the given acceptance length and re-expanded as (1 - a^(k+1)) / (1
 from __future__ import annotations
 
 import itertools
+import re
+from collections import Counter
 from dataclasses import dataclass, field, replace
+
+from megatron_spec.layout import Layout, check_layout, suggest_split
+from megatron_spec.models.config import ModelConfig
 
 from .acceptance import tau_from_rate
 from .config import GenParallel, SimConfig, Speculation, TrainParallel, Workload
 from .hardware import Hardware
-from .memory import fits, memory_report
+from .memory import check_fit, memory_report
 from .pipeline import StepResult, build, compose, generation
-from .shapes import CostShape
+from .shapes import DRAFTER_KINDS, CostShape
 from .stages import data_time, logprob_time, prepare_time, train_time
 
 
@@ -44,6 +51,8 @@ class TuneSpace:
     """Speculative tokens to try (0 = autoregressive)."""
     adaptive: tuple[int | str, ...] = ("off", "auto", 64)
     """Controllers: 'off' (fixed k), 'auto' (best k' <= k at each point), or a sequences-in-flight threshold."""
+    methods: tuple[str, ...] = ()
+    """Drafter kinds to try (eagle3, mtp, model, ngram) at the base's acceptance; empty: the base's drafter only."""
 
 
 @dataclass(frozen=True)
@@ -64,22 +73,47 @@ class Candidate:
             "train_tp": c.train.tp, "train_pp": c.train.pp, "train_cp": c.train.cp, "train_ep": c.train.ep,
             "train_dp": c.train.dp, "gen_tp": c.gen.tp, "gen_ep": c.gen.ep, "engines": c.engines,
             "colocated": c.colocated, "gen_gpus": c.gen_gpus, "policy_lag": c.policy_lag,
-            "k": s.k if s else 0, "adaptive": bool(s and s.adaptive),
+            "method": s.drafter if s else "none", "k": s.k if s else 0, "adaptive": bool(s and s.adaptive),
             "adaptive_threshold": s.adaptive_threshold if s else 0,
             "tokens_per_s_per_gpu": self.throughput, "step_s": self.result.step_s,
         }
 
 
-def _train_layouts(base: SimConfig, space: TuneSpace, train_gpus: int):
+class Rejections(Counter):
+    """Configurations left out, counted per reason (numbers in the reason replaced by #, one example kept)."""
+
+    def __init__(self):
+        super().__init__()
+        self.example: dict[str, str] = {}
+
+    def add(self, reason: str, n: int = 1) -> None:
+        if n <= 0:
+            return
+        key = re.sub(r"\d+(\.\d+)?", "#", reason)
+        self[key] += n
+        self.example.setdefault(key, reason)
+
+
+@dataclass
+class TuneResult:
+    ranked: list[Candidate]
+    """Every configuration that fits, best first (`tune` returns the top of it)."""
+    rejected: Rejections
+    """Configurations left out, per reason."""
+
+
+def _train_layouts(base: SimConfig, space: TuneSpace, train_gpus: int, rejected: Rejections):
     m = base.model_config
     eps = space.train_ep if m.is_moe else (1,)
     for tp, pp, cp, ep in itertools.product(space.train_tp, space.train_pp, space.train_cp, eps):
         if train_gpus % (tp * pp * cp):
+            rejected.add(f"train tp*pp*cp={tp * pp * cp} does not divide the {train_gpus} training GPUs")
             continue
         layout = TrainParallel(tp=tp, pp=pp, cp=cp, ep=ep, dp=train_gpus // (tp * pp * cp))
         try:
             layout.check(m)
-        except ValueError:
+        except ValueError as err:  # "cannot split <model> as <layout>: <first problem>; <more>": grouped by problem
+            rejected.add(str(err).split("): ", 1)[-1].split(": ", 1)[-1].split(";")[0])
             continue
         yield layout
 
@@ -89,13 +123,13 @@ def _spec_variants(space: TuneSpace, spec: Speculation | None):
     if spec is None:
         return
     rate = spec.rate
-    for k in space.ks:
+    for method, k in itertools.product(space.methods or (spec.drafter,), space.ks):
         if k == 0:
             continue
         tau = tau_from_rate(rate, k)
         for mode in space.adaptive:
-            yield replace(spec, k=k, acceptance_length=tau, per_position=(), adaptive=mode != "off",
-                          adaptive_threshold=mode if isinstance(mode, int) else 0)
+            yield replace(spec, drafter=method, k=k, acceptance_length=tau, per_position=(),
+                          adaptive=mode != "off", adaptive_threshold=mode if isinstance(mode, int) else 0)
 
 
 def _placements(base: SimConfig, space: TuneSpace):
@@ -108,34 +142,54 @@ def _placements(base: SimConfig, space: TuneSpace):
                 yield lag, gen_gpus, False
 
 
-def tune(base: SimConfig, space: TuneSpace = TuneSpace(), top: int = 10) -> list[Candidate]:
-    """Best configurations around `base` (its model, hardware, GPU count, workload and drafter/acceptance),
-    highest tokens trained per second per GPU first."""
+def search(base: SimConfig, space: TuneSpace = TuneSpace()) -> TuneResult:
+    """Every configuration around `base` (its model, hardware, GPU count, workload and acceptance) that fits,
+    highest tokens trained per second per GPU first, and the reasons the others were left out. For each placement
+    only the fastest training layout of its GPU share is kept (the training side does not depend on the engines);
+    the others are counted as slower."""
+    for method in space.methods:
+        if method not in DRAFTER_KINDS:
+            raise ValueError(f"unknown drafter method {method!r}: known are {', '.join(DRAFTER_KINDS)}")
+    if space.methods and base.spec is None:
+        raise ValueError("trying drafter methods needs an acceptance to assume: give the base a Speculation")
     hw, cal, target, _ = build(base)
     best: list[Candidate] = []
+    rejected = Rejections()
     for lag, gen_gpus, colocated in _placements(base, space):
         train_gpus = base.gpus if colocated else base.gpus - gen_gpus
-        train_side = None
-        for layout in _train_layouts(base, space, train_gpus):
+        sides = []
+        for layout in _train_layouts(base, space, train_gpus, rejected):
             cfg = replace(base, train=layout, gen=GenParallel(), colocated=colocated, policy_lag=lag,
                           gen_gpus=0 if colocated else gen_gpus, spec=None)
             if not fits_train(cfg, hw, target):
+                rejected.add("trainer does not fit in memory")
                 continue
-            t = data_time(cfg, cal) + logprob_time(cfg, hw, cal, target) + train_time(cfg, hw, cal, target, None)
-            if train_side is None or t < train_side[0]:
-                train_side = (t, layout)
-        if train_side is None:
+            sides.append((data_time(cfg, cal) + logprob_time(cfg, hw, cal, target)
+                          + train_time(cfg, hw, cal, target, None), layout))
+        if not sides:
             continue
+        sides.sort(key=lambda s: s[0])
+        rejected.add("a slower training layout for the same GPU share", len(sides) - 1)
         for gtp, spec in itertools.product(space.gen_tp, _spec_variants(space, base.spec)):
             for gep in ({1, gtp} if base.model_config.is_moe else {1}):
-                cand = _evaluate(base, train_side[1], GenParallel(tp=gtp, ep=gep), colocated, gen_gpus, lag, spec)
+                cand = _evaluate(base, sides[0][1], GenParallel(tp=gtp, ep=gep), colocated, gen_gpus, lag, spec,
+                                 rejected)
                 if cand is not None:
                     best.append(cand)
-    if not best:
-        raise ValueError(f"no configuration of {base.model} on {base.gpus} {base.hardware} fits in memory")
     # Ties (a training-bound step) go to the shorter generation, then to the simpler controller and smaller k.
     best.sort(key=lambda c: (-round(c.throughput, 6), c.result.stages['gen'], c.settings()['k']))
-    return _distinct(best)[:top]
+    ranked = _distinct(best)
+    rejected.add("a larger k the controller never uses (same step as a smaller one)", len(best) - len(ranked))
+    return TuneResult(ranked, rejected)
+
+
+def tune(base: SimConfig, space: TuneSpace = TuneSpace(), top: int = 10) -> list[Candidate]:
+    """Best configurations around `base`, highest tokens trained per second per GPU first."""
+    result = search(base, space)
+    if not result.ranked:
+        raise ValueError(f"no configuration of {base.model} on {base.gpus} {base.hardware} fits in memory: "
+                         + format_rejections(result.rejected))
+    return result.ranked[:top]
 
 
 def _distinct(cands: list[Candidate]) -> list[Candidate]:
@@ -157,19 +211,20 @@ def fits_train(cfg: SimConfig, hw: Hardware, target: CostShape) -> bool:
 
 
 def _evaluate(base: SimConfig, layout: TrainParallel, gen: GenParallel, colocated: bool, gen_gpus: int, lag: int,
-              spec: Speculation | None) -> Candidate | None:
+              spec: Speculation | None, rejected: Rejections) -> Candidate | None:
     try:
         cfg = replace(base, train=layout, gen=gen, colocated=colocated, gen_gpus=0 if colocated else gen_gpus,
                       policy_lag=lag, spec=spec)
-    except ValueError:
-        return None  # this engine layout does not divide the model or the GPU share
+    except ValueError as err:  # this engine layout does not divide the model or the GPU share
+        rejected.add(str(err).split(";")[0])
+        return None
     hw, cal, target, drafter = build(cfg)
     mem = memory_report(cfg, hw, target, drafter)
-    if not fits(cfg, mem):
-        return None
     try:
+        check_fit(cfg, mem)
         gen_res = generation(cfg, hw, cal, target, drafter, mem, steps_in_flight=max(lag, 1))
-    except ValueError:
+    except ValueError as err:
+        rejected.add(str(err).split(":")[0])
         return None
     gen_side = gen_res.time_s / max(lag, 1)
     stages = {"data": data_time(cfg, cal), "prepare": prepare_time(cfg, hw, cal, target, drafter), "gen": gen_side,
@@ -187,17 +242,89 @@ def recipe_defaults(base: SimConfig, space: TuneSpace = TuneSpace()) -> dict:
     return tune(base, space, top=1)[0].settings()
 
 
+@dataclass(frozen=True)
+class TunedLayout:
+    """The tuner's best layout in the terms a recipe sets (`RLConfig.backend`)."""
+
+    train: Layout
+    """The trainer's split (Megatron-Core's TP/PP/EP/ETP/CP and uneven first/last stages), `megatron_spec.layout`."""
+    train_dp: int
+    """Data-parallel replicas of the trainer."""
+    gen_tp: int
+    """GPUs per generation engine (vLLM tensor_parallel_size)."""
+    gen_ep: int
+    """Of those, the expert-parallel ranks (MoE only)."""
+    engines: int
+    """Generation engines (`backend.generators`)."""
+    placement: str
+    """colocated (time-share every GPU) or disaggregated (`gen_gpus` generate, the rest train)."""
+    gen_gpus: int
+    """GPUs that generate."""
+    async_lag: int
+    """Policy lag (`backend.async_lag`; 0 = synchronous)."""
+    method: str
+    """Drafter kind (eagle3, mtp, model, ngram) or none."""
+    k: int
+    """Speculative tokens (0 = plain decoding)."""
+    adaptive: bool
+    """Whether the adaptive controller may lower k."""
+
+    def backend_overrides(self) -> dict[str, object]:
+        """Dotted `RLConfig` overrides of the backend section this layout sets."""
+        t = self.train
+        return {"backend.megatron.tp": t.tp, "backend.megatron.pp": t.pp, "backend.megatron.ep": t.ep,
+                "backend.megatron.cp": t.cp, "backend.megatron.first_stage_layers": t.first_stage_layers,
+                "backend.megatron.last_stage_layers": t.last_stage_layers, "backend.generators": self.engines,
+                "backend.placement": self.placement, "backend.async_lag": self.async_lag}
+
+
+def best_layout(model: str | ModelConfig, gpus: int, gpu: str = "h100", workload: Workload | None = None,
+                spec: Speculation | None = None, space: TuneSpace = TuneSpace(),
+                **config) -> tuple[TunedLayout, dict[str, float]]:
+    """The best layout for `model` on `gpus` GPUs of kind `gpu` and its predicted stage times (seconds, under the
+    RL loop's stage names, plus `step`). `workload` defaults to the projection's (4096 rollouts, a 16k cap);
+    `spec` is the speculation to assume (method and acceptance; None: plain decoding only); `config` passes other
+    `SimConfig` fields (gen_dtype_bytes, gpu_memory_utilization, ...). The trainer layout is the one
+    `megatron_spec.layout.check_layout` accepts for this model on the training GPUs (checked again here)."""
+    if workload is None:
+        from .projection import projection_workload
+
+        workload = projection_workload()
+    base = SimConfig(model=model, hardware=gpu, gpus=gpus, workload=workload, train=TrainParallel(dp=gpus),
+                     spec=spec, **config)
+    best = tune(base, space, top=1)[0]
+    c, s = best.cfg, best.cfg.spec
+    m = c.model_config
+    first, last = suggest_split(m.num_hidden_layers, c.train.pp)
+    train = Layout(tp=c.train.tp, pp=c.train.pp, ep=c.train.ep, etp=1, cp=c.train.cp, first_stage_layers=first,
+                   last_stage_layers=last)
+    check_layout(m, train, world=c.train_gpus, who="tuned train")
+    tuned = TunedLayout(train=train, train_dp=c.train.dp, gen_tp=c.gen.tp, gen_ep=c.gen.ep, engines=c.engines,
+                        placement="colocated" if c.colocated else "disaggregated", gen_gpus=c.gen_gpus,
+                        async_lag=c.policy_lag, method=s.drafter if s else "none", k=s.k if s else 0,
+                        adaptive=bool(s and s.adaptive))
+    return tuned, {**best.result.stages, "step": best.result.step_s}
+
+
+def format_rejections(rejected: Rejections) -> str:
+    """One line per reason, most frequent first: count, then an example."""
+    if not rejected:
+        return "nothing was left out"
+    return "\n".join(f"{n:6d} x {rejected.example[key]}" for key, n in rejected.most_common())
+
+
 def format_table(cands: list[Candidate]) -> str:
-    cols = ("rank", "tok/s/gpu", "step_s", "gen_s", "train", "gen", "place", "lag", "k", "ctrl")
-    lines = [f"{cols[0]:>4} {cols[1]:>10} {cols[2]:>7} {cols[3]:>7} {cols[4]:>16} {cols[5]:>9} "
-             f"{cols[6]:>10} {cols[7]:>3} {cols[8]:>2} {cols[9]:>6}"]
+    cols = ("rank", "tok/s/gpu", "step_s", "gen_s", "train", "gen", "place", "lag", "method", "k", "ctrl")
+    lines = [f"{cols[0]:>4} {cols[1]:>10} {cols[2]:>7} {cols[3]:>7} {cols[4]:>16} {cols[5]:>12} "
+             f"{cols[6]:>10} {cols[7]:>3} {cols[8]:>6} {cols[9]:>2} {cols[10]:>6}"]
     for i, c in enumerate(cands, 1):
         s = c.settings()
         train = f"tp{s['train_tp']}pp{s['train_pp']}cp{s['train_cp']}ep{s['train_ep']}dp{s['train_dp']}"
         place = "coloc" if s["colocated"] else f"{s['gen_gpus']}gen"
+        gen = f"{s['engines']}x tp{s['gen_tp']}ep{s['gen_ep']}"
         ctrl = "off" if not s["adaptive"] else (str(s["adaptive_threshold"]) if s["adaptive_threshold"] else "auto")
         lines.append(f"{i:4d} {c.throughput:10.1f} {c.result.step_s:7.1f} {c.result.stages['gen']:7.1f} "
-                     f"{train:>16} {'tp%dep%d' % (s['gen_tp'], s['gen_ep']):>9} {place:>10} {s['policy_lag']:3d} "
+                     f"{train:>16} {gen:>12} {place:>10} {s['policy_lag']:3d} {s['method']:>6} "
                      f"{s['k']:2d} {ctrl:>6}")
     return "\n".join(lines)
 

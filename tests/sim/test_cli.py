@@ -34,5 +34,17 @@ def test_tune_json(capsys):
     rc = main(["tune", "--model", "qwen3-8b", "--hardware", "h100", "--gpus", "8", "--prompts", "64",
                "--mean-len", "1500", "--max-tokens", "8192", "--k", "3", "--acceptance", "2.8", "--ks", "0", "3",
                "--top", "3", "--json"])
-    rows = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)
+    rows = out["top"]
     assert rc == 0 and len(rows) == 3 and rows[0]["tokens_per_s_per_gpu"] >= rows[-1]["tokens_per_s_per_gpu"]
+    assert out["ranked_below_top"] >= 0 and all(n > 0 for n in out["rejected"].values())
+
+
+def test_tune_prints_rejections(capsys):
+    """The table is followed by every reason a configuration was left out, with its count (TP 8 on Qwen3-8B's
+    8 KV heads is valid, TP 3 never divides 8 GPUs: searched through --gpu, the issue's spelling)."""
+    rc = main(["tune", "--model", "qwen3-8b", "--gpu", "h100", "--gpus", "8", "--prompts", "64", "--mean-len",
+               "1500", "--max-tokens", "8192", "--ks", "0", "--top", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "left out:" in out and "x trainer does not fit in memory" not in out.split("left out:")[0]
+    assert "a slower training layout for the same GPU share" in out.split("left out:")[1]

@@ -5,7 +5,8 @@ import pytest
 from megatron_spec.sim import LengthDist, SimConfig, Speculation, TrainParallel, Workload
 from megatron_spec.sim.memory import fits, memory_report
 from megatron_spec.sim.pipeline import build, simulate
-from megatron_spec.sim.tune import TuneSpace, format_table, plot, recipe_defaults, tune
+from megatron_spec.sim.tune import (TuneSpace, best_layout, format_rejections, format_table, plot, recipe_defaults,
+                                    search, tune)
 
 W = Workload(prompts_per_step=64, group_size=8, prompt_len=200, response=LengthDist(mean=1500, max_tokens=8192))
 SPACE = TuneSpace(gen_tp=(1, 2, 4), train_tp=(1, 2, 4), train_pp=(1, 2), train_cp=(1,), ks=(0, 2, 3, 5),
@@ -56,3 +57,72 @@ def test_nothing_fits():
     big = SimConfig(model="qwen3-235b-a22b", hardware="h100", gpus=8, workload=W, train=TrainParallel(dp=8))
     with pytest.raises(ValueError, match="fits in memory"):
         tune(big, TuneSpace(gen_tp=(8,), train_tp=(8,), train_pp=(1,), train_cp=(1,), train_ep=(8,), ks=(0,)))
+
+
+def test_rejections_are_counted_by_reason(base):
+    """Every configuration left out is counted under its reason, exactly: with TP 3 allowed on 8 GPUs, one
+    colocated placement and trainer layouts TP 1/2/3 x PP 1, TP 3 is refused once (8 % 3), and one of the two
+    valid training layouts is dropped as the slower one for the same GPU share. The 21 configurations that fit
+    (engine TP 1/2/4 x 7 speculation variants: none, and k 2/3/5 each with the controller off or on) are all
+    ranked or counted as a k the controller never uses."""
+    space = TuneSpace(gen_tp=(1, 2, 4), train_tp=(1, 2, 3), train_pp=(1,), train_cp=(1,), ks=(0, 2, 3, 5),
+                      adaptive=("off", "auto"), lags=(0,))
+    result = search(base, space)
+    assert result.rejected.example == {
+        "train tp*pp*cp=# does not divide the # training GPUs": "train tp*pp*cp=3 does not divide the 8 training GPUs",
+        "a slower training layout for the same GPU share": "a slower training layout for the same GPU share",
+        **({"a larger k the controller never uses (same step as a smaller one)":
+            "a larger k the controller never uses (same step as a smaller one)"}
+           if len(result.ranked) < 21 else {}),
+    }
+    assert result.rejected["train tp*pp*cp=# does not divide the # training GPUs"] == 1
+    assert result.rejected["a slower training layout for the same GPU share"] == 1
+    assert len(result.ranked) + result.rejected.get(
+        "a larger k the controller never uses (same step as a smaller one)", 0) == 21
+    lines = format_rejections(result.rejected).splitlines()
+    counts = [int(line.split(" x ")[0]) for line in lines]
+    assert counts == sorted(counts, reverse=True) and sum(counts) == sum(result.rejected.values())
+
+
+def test_methods_are_searched_and_checked(base):
+    """Each drafter method is tried at the same acceptance: an MTP module (a full target layer) costs more per
+    draft than an EAGLE-3 head (one layer over a 32k vocabulary), so at equal acceptance EAGLE-3 ranks first; an
+    unknown method is refused before any simulation."""
+    space = TuneSpace(gen_tp=(1,), train_tp=(1,), train_pp=(1,), train_cp=(1,), ks=(3,), adaptive=("off",),
+                      lags=(0,), methods=("mtp", "eagle3"))
+    ranked = search(base, space).ranked
+    methods = [c.settings()["method"] for c in ranked]
+    assert sorted(methods) == ["eagle3", "mtp", "none"]
+    assert methods.index("eagle3") < methods.index("mtp")
+    with pytest.raises(ValueError, match="unknown drafter method 'medusa'"):
+        search(base, TuneSpace(methods=("medusa",)))
+
+
+def test_best_layout_235b_passes_the_shared_validator():
+    """`best_layout` for Qwen3-235B-A22B on 128 H100 (a narrowed space, so the suite stays fast): its trainer
+    layout passes `megatron_spec.layout.check_layout` on the training GPUs with Megatron's uneven stages (94 layers),
+    the backend overrides spell that layout, and the predicted stage times are `simulate`'s for the chosen
+    configuration (same numbers, not a second model)."""
+    from megatron_spec.layout import check_layout, stage_layers
+    from megatron_spec.models.presets import preset
+
+    space = TuneSpace(gen_tp=(8,), train_tp=(1, 2), train_pp=(8, 16), train_cp=(1, 2), train_ep=(8, 16),
+                      ks=(3,), adaptive=("off",), lags=(0,))
+    spec = Speculation(k=3, acceptance_length=2.8, drafter="mtp")
+    layout, stages = best_layout("qwen3-235b-a22b", 128, "h100", spec=spec, space=space, gen_dtype_bytes=1)
+    m = preset("qwen3-235b-a22b")
+    train_gpus = 128 if layout.placement == "colocated" else 128 - layout.gen_gpus
+    check_layout(m, layout.train, world=train_gpus)
+    assert sum(stage_layers(94, layout.train.pp, layout.train.first_stage_layers,
+                            layout.train.last_stage_layers)) == 94
+    t = layout.train
+    assert layout.train_dp * t.tp * t.pp * t.cp == train_gpus and layout.engines * layout.gen_tp == layout.gen_gpus
+    o = layout.backend_overrides()
+    assert (o["backend.megatron.tp"], o["backend.megatron.pp"], o["backend.megatron.ep"]) == (t.tp, t.pp, t.ep)
+    cfg = SimConfig(model="qwen3-235b-a22b", hardware="h100", gpus=128, gen_dtype_bytes=1,
+                    workload=__import__("megatron_spec.sim.projection", fromlist=["x"]).projection_workload(),
+                    train=TrainParallel(tp=t.tp, pp=t.pp, ep=t.ep, cp=t.cp, dp=layout.train_dp),
+                    gen=__import__("megatron_spec.sim", fromlist=["x"]).GenParallel(tp=layout.gen_tp, ep=layout.gen_ep),
+                    spec=Speculation(k=layout.k, acceptance_length=2.8, drafter=layout.method))
+    again = simulate(cfg)
+    assert stages == pytest.approx({**again.stages, "step": again.step_s}, rel=1e-12)

@@ -14,14 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from megatron_spec.models.masks import causal_mask
+
 from . import require_megatron
 
 require_megatron()
-
-
-def causal_mask(seq_len: int, device=None) -> Tensor:
-    """Megatron's boolean attention mask [1, 1, T, T]: True where attention is *not* allowed."""
-    return torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device).triu(1)
 
 
 def _positions(input_ids: Tensor) -> Tensor:
@@ -35,7 +32,8 @@ def trunk_hidden(model, input_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         raise ValueError("trunk_hidden needs the whole model on one stage (PP=1)")
     T = input_ids.shape[1]
     # On CUDA Megatron-Core makes the causal mask itself (and TE's fused attention wants none); on CPU pass one.
-    mask = None if input_ids.is_cuda else causal_mask(T, input_ids.device)
+    # Megatron reads a boolean mask as True = masked out: the inverse of our convention (models/masks.py).
+    mask = None if input_ids.is_cuda else ~causal_mask(T, input_ids.device)
     rotary = model.rotary_pos_emb(T)
     x = model.embedding(input_ids=input_ids, position_ids=_positions(input_ids))
     return model.decoder(hidden_states=x, attention_mask=mask, rotary_pos_emb=rotary), rotary, mask
