@@ -1,15 +1,21 @@
-"""Megatron-Core on a machine without CUDA: lets a model build and run forward / backward on CPU.
+"""Megatron-Core on a machine without CUDA: lets a model build, run forward / backward and go through Megatron's
+pipeline schedules on CPU.
 
 megatron-core 0.16 reaches for CUDA in places that do not change the math:
 - building with PP > 1 and MTP layers or tied embeddings: the last stage's copy of the embedding is synced with
   `weight.data.cuda()` before an all-reduce;
 - forward: the rotary embedding and the MoE router move tensors to `torch.cuda.current_device()`, and core
   attention forks the CUDA RNG tracker (for dropout, which is 0 here). Callers also pass an explicit attention
-  mask (`forward.causal_mask`), since the default one is made on "cuda".
-Inside `on_cpu()` those point at the CPU. Where CUDA exists it does nothing.
+  mask (`forward.causal_mask`), since the default one is made on "cuda";
+- the schedules (`get_forward_backward_func`) count tokens in `torch.zeros(..., device="cuda")` and the
+  pipeline's point-to-point exchange allocates its receive buffers on `torch.cuda.current_device()` and may call
+  `torch.cuda.synchronize()`.
+Inside `on_cpu()` those point at the CPU: `current_device` is "cpu", `Tensor.cuda` and `synchronize` do nothing,
+and a torch function mode rewrites an explicit `device="cuda"` of a tensor factory to the CPU. Where CUDA exists it
+does nothing.
 
 It patches process-global state while active: `build_model` uses it only while constructing a model on a machine
-without CUDA; forward passes on CPU (CI tests) wrap themselves in it. Numbers on a GPU come from the GPU tests.
+without CUDA; forward passes and train steps on CPU wrap themselves in it. Numbers on a GPU come from the GPU tests.
 """
 
 from __future__ import annotations
@@ -17,11 +23,26 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from . import require_megatron
 
 require_megatron()
 from megatron.core import tensor_parallel  # noqa: E402
+
+
+def _is_cuda(device) -> bool:
+    return device is not None and torch.device(device).type == "cuda" if isinstance(device, (str, torch.device)) else False
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Any torch call given `device="cuda..."` gets the CPU instead (tensor factories inside Megatron-Core)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -30,11 +51,13 @@ def on_cpu():
         yield
         return
     tracker = tensor_parallel.get_cuda_rng_tracker()
-    saved = torch.cuda.current_device, torch.Tensor.cuda, tracker.fork
+    saved = torch.cuda.current_device, torch.Tensor.cuda, tracker.fork, torch.cuda.synchronize
     torch.cuda.current_device = lambda: "cpu"
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *args, **kwargs: None
     try:
-        yield
+        with _CudaToCpu():
+            yield
     finally:
-        torch.cuda.current_device, torch.Tensor.cuda, tracker.fork = saved
+        torch.cuda.current_device, torch.Tensor.cuda, tracker.fork, torch.cuda.synchronize = saved

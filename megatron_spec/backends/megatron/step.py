@@ -1,0 +1,301 @@
+"""One GRPO step on a Megatron-Core `GPTModel`, run collectively by every rank through Megatron's own schedule
+(`get_forward_backward_func`: no pipelining, or 1F1B over the pipeline stages with micro-batches).
+
+    plan       the batch's micro-batches, and which data-parallel rank runs which
+    forward    this stage's part of the model; on the last stage the policy logits and, with MTP, the MTP layers'
+    loss       the GRPO loss of one micro-batch (`rl/grpo.py`, the whole batch's denominators) + the MTP loss
+    grads      data-parallel / embedding / sequence-parallel reductions, then the policy's and the MTP layers'
+               gradients clipped separately (so a detached MTP head cannot change the policy update)
+
+The MoE load-balancing loss is Megatron's: each router adds `moe_aux_loss_coeff` x its micro-batch's
+Switch loss, weighted 1 / (micro-batches in the step), through `MoEAuxLossAutoScaler`.
+
+Scaling through the schedule: it divides each micro-batch's loss by the number of micro-batches on this rank, and
+data-parallel gradients are averaged (as Megatron's DDP does), so each micro-batch's GRPO share is fed in
+multiplied by (local micro-batches x data-parallel size): the sum of the gradients is then the one-big-batch
+gradient, while the router losses keep their 1 / (all micro-batches) weight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_spec.rl.grpo import LossNorm, aggregate, policy_loss, truncated_is_weights
+from megatron_spec.rl.microbatch import micro_batches, sequence_lengths
+from megatron_spec.rl.policy import Batch, masked, token_logprobs
+from megatron_spec.spec.drafter_loss import soft_cross_entropy
+
+from . import require_megatron
+from .cpu import on_cpu
+from .forward import head
+
+require_megatron()
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate  # noqa: E402
+from megatron.core.transformer.module import param_is_not_shared  # noqa: E402
+from megatron.core.transformer.moe import moe_utils  # noqa: E402
+
+
+@dataclass
+class Micro:
+    """One micro-batch: the batch's `rows`, cropped to `length` positions."""
+
+    rows: list[int]
+    batch: Batch
+
+
+def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int) -> list[Micro]:
+    """This data-parallel rank's micro-batches.
+
+    One data-parallel rank (TP / PP only): the embedded trainer's length buckets (`microbatch.micro_batches`), so
+    both trainers cut the same batch the same way. Several (EP spreads the experts over the data-parallel ranks of
+    the dense layers): the MoE dispatcher exchanges tokens between them in every layer, so every rank must run the
+    same number of micro-batches of the same shape: consecutive rows in chunks of m (the largest divisor of B / dp
+    with m x T within the budget) at the batch's full length, chunk j on rank j mod dp.
+    """
+    B, T = batch.input_ids.shape
+    if dp == 1:
+        lengths = sequence_lengths(batch.mask)
+        return [Micro(rows, batch.select(rows, max(lengths[r] for r in rows)))
+                for rows in micro_batches(lengths, token_budget)]
+    if B % dp:
+        raise ValueError(f"a batch of {B} rollouts cannot be split evenly over {dp} data-parallel ranks")
+    per_rank = B // dp
+    m = max([d for d in range(1, per_rank + 1) if per_rank % d == 0 and (token_budget <= 0 or d * T <= token_budget)],
+            default=1)
+    chunks = [list(range(s, s + m)) for s in range(0, B, m)]
+    return [Micro(rows, batch.select(rows, T)) for j, rows in enumerate(chunks) if j % dp == dp_rank]
+
+
+def attention_mask(seq_len: int, device=None) -> Tensor:
+    """Megatron's boolean attention mask [1, 1, T, T], True where attention is *not* allowed (on CUDA Megatron makes
+    its own; its default is made on "cuda", hence this one on CPU)."""
+    return torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device).triu(1)
+
+
+def stage_forward(model, input_ids: Tensor, mtp: str | None) -> tuple[Tensor, list[Tensor]]:
+    """This stage's output: hidden states [T, B, H] to send on, or on the last stage the policy logits [B, T, V]
+    (gathered over TP) and, when `mtp` is `detached` or `coupled`, each MTP depth's logits [B, T, V].
+
+    `detached`: the MTP layers read the trunk's final states, the token embeddings and the output head all
+    detached, so their loss reaches the MTP layers only. `coupled`: Megatron's native MTP, whose loss flows into the
+    trunk, the embedding and the head too.
+    """
+    B, T = input_ids.shape
+    positions = torch.arange(T, device=input_ids.device).expand(B, T)
+    mask = None if input_ids.is_cuda else attention_mask(T, input_ids.device)
+    rotary = model.rotary_pos_emb(T)
+    x = model.embedding(input_ids=input_ids, position_ids=positions) if model.pre_process else None
+    hidden = model.decoder(hidden_states=x, attention_mask=mask, rotary_pos_emb=rotary)
+    if not model.post_process:
+        return hidden, []
+    logits = head(model, hidden)
+    if mtp is None:
+        return logits, []
+    detached = mtp == "detached"
+
+    def embed(input_ids, position_ids, **_):
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not detached):
+            return model.embedding(input_ids=input_ids, position_ids=position_ids)
+
+    stacked = model.mtp(input_ids=input_ids, position_ids=positions,
+                        hidden_states=hidden.detach() if detached else hidden, attention_mask=mask,
+                        rotary_pos_emb=rotary, embedding=embed)
+    depths = stacked.chunk(1 + model.config.mtp_num_layers, dim=0)[1:]
+    return logits, [head(model, h, detach_weight=detached) for h in depths]
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """What the loss needs besides the micro-batch (the same on every rank)."""
+
+    grpo: object
+    """`GRPOSection`: clip range, aggregation."""
+    sampling: dict
+    """Temperature / top-k / top-p: the engine's processing of the logits."""
+    norm: LossNorm
+    """The whole batch's denominators."""
+    mtp_counts: tuple[float, ...]
+    """Per MTP depth k, the batch's positions whose predicted token (k + 2 ahead) is generated."""
+    mtp_weight: float
+    """`mtp_loss_scaling_factor`."""
+    scale: float
+    """local micro-batches x data-parallel size: undoes the schedule's averaging (module docstring)."""
+    fold: bool
+    """The old log-probs are this forward's own (`grpo.fold_logprob`)."""
+
+
+def mtp_terms(logits: Tensor, mtp_logits: list[Tensor], mask: Tensor, counts: tuple[float, ...]) -> list[Tensor]:
+    """Per depth, this micro-batch's share of the batch's soft cross-entropy of the MTP layer against the policy's
+    detached distribution for the same token, over positions whose predicted token is generated: depth k at i
+    predicts token i + k + 2, which the policy predicts at i + k + 1 (`spec.drafter_loss` for the embedded one)."""
+    terms = []
+    for k, (student, count) in enumerate(zip(mtp_logits, counts)):
+        n = mask.shape[1] - k - 2
+        if n <= 0 or count == 0:
+            continue
+        m = mask[:, k + 2 :]
+        local = float(m.sum())
+        terms.append(soft_cross_entropy(student[:, :n], logits[:, k + 1 : k + 1 + n], m) * (local / count))
+    return terms
+
+
+def loss_func(spec: StepSpec, micro: Micro, mtp_logits: list[Tensor], logits: Tensor):
+    """The schedule's loss function on the last stage: (loss fed to backward, this micro-batch's metrics)."""
+    mb = micro.batch
+    mask = mb.mask[:, 1:]
+    logprobs = masked(token_logprobs(logits, mb.input_ids, spec.sampling), mask)
+    old = logprobs.detach() if spec.fold else masked(mb.old_logprobs, mask)
+    weights = None
+    if mb.behaviour_logprobs is not None:  # off-policy rollouts: truncated importance sampling, as the embedded one
+        weights, truncated = truncated_is_weights(old, masked(mb.behaviour_logprobs, mask), mb.is_clip)
+    g = spec.grpo
+    loss, metrics = policy_loss(logprobs, old, mb.advantages, mask, g.clip_low, g.clip_high, g.loss_agg, spec.norm,
+                                weights)
+    if weights is not None:
+        metrics["is_clip_frac"] = float(aggregate(truncated.float(), mask, "token", spec.norm))
+    metrics["policy_loss"] = float(loss.detach())
+    total = loss
+    terms = mtp_terms(logits, mtp_logits, mb.mask, spec.mtp_counts)
+    if terms:
+        mtp = torch.stack(terms).sum() / len(spec.mtp_counts)
+        metrics["drafter_loss"] = float(mtp.detach())
+        total = total + spec.mtp_weight * mtp
+    metrics["logprobs"], metrics["rows"] = logprobs.detach(), micro.rows
+    return total * spec.scale, metrics
+
+
+def forward_logprobs(spec: StepSpec, micro: Micro, logits: Tensor):
+    mb = micro.batch
+    lp = masked(token_logprobs(logits, mb.input_ids, spec.sampling), mb.mask[:, 1:])
+    return logits.sum() * 0, {"logprobs": lp, "rows": micro.rows}
+
+
+def run_schedule(model, micros: list[Micro], spec: StepSpec, mtp: str | None, forward_only: bool) -> list[dict]:
+    """Megatron's forward(-backward) over this rank's micro-batches; the last stage's per-micro-batch outputs."""
+    it = iter(micros)
+
+    def forward_step(data_iterator, model):
+        micro = next(data_iterator)
+        out, mtp_logits = stage_forward(model, micro.batch.input_ids, None if forward_only else mtp)
+        if forward_only:
+            return out, partial(forward_logprobs, spec, micro)
+        return out, partial(loss_func, spec, micro, mtp_logits)
+
+    B, T = micros[0].batch.input_ids.shape
+    with on_cpu():
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(micros),
+            seq_length=T, micro_batch_size=B, forward_only=forward_only,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gradients
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def is_expert(p) -> bool:
+    """Megatron marks expert parameters `allreduce=False`: they are reduced over the expert data-parallel group."""
+    return not getattr(p, "allreduce", True)
+
+
+@torch.no_grad()
+def reduce_grads(model) -> None:
+    """What Megatron's `finalize_model_grads` does, on plain `.grad`: average over data-parallel ranks (expert
+    parameters over their expert data-parallel group, with the same 1 / dp), sum the first and last stages'
+    embedding copies (PP with MTP or tied heads), and sum sequence-parallel parameters over TP."""
+    dp = ps.get_data_parallel_world_size()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if dp > 1:
+        for p in params:
+            group = ps.get_expert_data_parallel_group() if is_expert(p) else ps.get_data_parallel_group()
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(p.grad, group=group)
+            p.grad.div_(dp)
+    shared = model.share_embeddings_and_output_weights or model.config.mtp_num_layers
+    if shared and ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
+        # The first stage's embedding and the last stage's copy (for the MTP layers or a tied head) are one weight.
+        dist.all_reduce(model.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        for p in params:
+            if getattr(p, "sequence_parallel", False):
+                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+
+
+@torch.no_grad()
+def clip(params: list, max_norm: float) -> float:
+    """Global L2 norm of `params`' gradients across every model-parallel rank (each shard counted once: TP
+    duplicates and the last stage's embedding copy skipped), then torch's `clip_grad_norm_` rule."""
+    dense = [p.grad for p in params if not is_expert(p) and param_is_not_shared(p)
+             and param_is_not_tensor_parallel_duplicate(p)]
+    experts = [p.grad for p in params if is_expert(p)]
+    sq = [torch.stack([torch.linalg.vector_norm(g) for g in gs]).square().sum() if gs else torch.zeros(())
+          for gs in (dense, experts)]
+    if dist.get_world_size(ps.get_model_parallel_group()) > 1:
+        dist.all_reduce(sq[0], group=ps.get_model_parallel_group())
+    expert_group = ps.get_expert_tensor_model_pipeline_parallel_group()
+    if dist.get_world_size(expert_group) > 1:
+        dist.all_reduce(sq[1], group=expert_group)
+    total = float((sq[0] + sq[1]).sqrt())
+    coef = min(max_norm / (total + 1e-6), 1.0)
+    for p in params:
+        p.grad.mul_(coef)
+    return total
+
+
+def is_mtp(name: str) -> bool:
+    return name.startswith("mtp.")
+
+
+def gather_rows(values: list[tuple[list[int], Tensor]], shape: tuple[int, int], contributes: bool) -> Tensor:
+    """[B, T-1] assembled from per-micro-batch rows, summed over every rank (only `contributes` ranks add theirs:
+    the last stage's first tensor-parallel rank), so every rank gets the whole batch's values."""
+    out = torch.zeros(shape)
+    if contributes:
+        for rows, lp in values:
+            out[rows, : lp.shape[1]] = lp.float()
+    if dist.get_world_size() > 1:
+        dist.all_reduce(out)
+    return out
+
+
+def sum_metrics(outputs: list[dict], contributes: bool, keys: tuple[str, ...]) -> dict:
+    """Per-step metrics: each key summed over micro-batches and ranks (the per-micro-batch values are shares)."""
+    vals = torch.tensor([sum(float(o[k]) for o in outputs if k in o) if contributes else 0.0 for k in keys],
+                        dtype=torch.float64)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(vals)
+    return dict(zip(keys, vals.tolist()))
+
+
+def aux_loss_sum(model, micro_total: int) -> float:
+    """The trunk's MoE load-balancing losses of this step as Megatron applied them (coefficient x mean over
+    micro-batches of each layer's Switch loss, summed over layers), from Megatron's tracker; 0 for dense models."""
+    cfg = model.config
+    if not cfg.num_moe_experts:
+        return 0.0
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+    value = torch.zeros((), dtype=torch.float64)
+    if tracker is not None and ps.get_tensor_model_parallel_rank() == 0:
+        value = tracker["values"][: cfg.num_layers].double().sum()
+    value = value.clone()
+    if dist.get_world_size() > 1:  # layers live on different stages; micro-batches on different DP ranks
+        dist.all_reduce(value)
+    moe_utils.clear_aux_losses_tracker()
+    coeff = cfg.moe_aux_loss_coeff[0] if isinstance(cfg.moe_aux_loss_coeff, list) else cfg.moe_aux_loss_coeff
+    return float(value) * coeff / micro_total
+
+
+def finite(x: float) -> bool:
+    return math.isfinite(x)
