@@ -1,0 +1,97 @@
+"""`megatron-spec report RUN --compare-sim h100:32`: a run's measured stage times beside the simulator's prediction
+for the same configuration, so a cluster user sees where the model and the machine disagree.
+
+The run directory gives the configuration (`config.yaml`: model, GRPO batch, speculation, backend layout) and the
+measurements (`metrics.jsonl`: stage times, response lengths, acceptance length per step, averaged over the steps
+after the first, which pays one-off warm-up). The workload's response lengths are the log-normal whose quantiles
+have the run's mean and longest response (`LengthDist.fit`); the acceptance length is the run's measured mean.
+The hardware and GPU count are not in a run's config, so the caller names them. The simulator describes GPU
+clusters only: an embedded CPU run is predicted by the validation harness in `benchmarks/sim_cpu` instead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .config import GenParallel, LengthDist, SimConfig, Speculation, TrainParallel, Workload, resolve_model
+from .pipeline import STAGES, simulate
+
+DRAFTER_KIND = {"eagle3": "eagle3", "mtp": "mtp", "draft_model": "model", "ngram": "ngram", "history": "ngram"}
+
+
+def parse_target(text: str) -> tuple[str, int]:
+    """'h100:32' -> ('h100', 32)."""
+    name, _, gpus = text.partition(":")
+    if not gpus.isdigit() or int(gpus) < 1:
+        raise ValueError(f"--compare-sim wants HARDWARE:GPUS (e.g. h100:32), got {text!r}")
+    return name, int(gpus)
+
+
+def _model(policy: str):
+    try:
+        return resolve_model(policy)
+    except ValueError:
+        return resolve_model(Path(policy).name.lower())  # "Qwen/Qwen3-8B" -> the qwen3-8b preset
+
+
+def measured(run_dir: str | Path) -> tuple[dict, dict[str, float], dict[str, float]]:
+    """(config, mean stage seconds, mean per-step figures) of a run, steps after the first."""
+    run = Path(run_dir)
+    import yaml
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if isinstance(r.get("stages"), dict)]
+    if not rows:
+        raise ValueError(f"{run}: metrics.jsonl has no steps")
+    steady = rows[1:] or rows
+    stages = {s: sum(r["stages"].get(s, 0.0) for r in steady) / len(steady) for s in STAGES}
+    taus = [r["acceptance_length"] for r in steady if r.get("acceptance_length")]
+    figures = {"mean": sum(r["response_len_mean"] for r in steady) / len(steady),
+               "longest": sum(r["response_len_max"] for r in steady) / len(steady),
+               "tau": sum(taus) / len(taus) if taus else 0.0}
+    return cfg, stages, figures
+
+
+def config_for_run(cfg: dict, figures: dict[str, float], hardware: str, gpus: int, prompt_len: int) -> SimConfig:
+    """The SimConfig of a run's configuration on `gpus` GPUs of `hardware`."""
+    g, b, spec = cfg["grpo"], cfg["backend"], cfg.get("spec")
+    m = b["megatron"]
+    n = g["prompts_per_step"] * g["group_size"]
+    response = LengthDist.fit(max(figures["mean"], 1.0), figures["longest"], n, g["max_tokens"])
+    colocated = b["placement"] != "disaggregated"
+    gen_gpus = gpus if colocated else gpus // 2
+    train_gpus = gpus if colocated else gpus - gen_gpus
+    per = m["tp"] * m["pp"] * m["cp"]
+    if train_gpus % per:
+        raise ValueError(f"the run's trainer layout tp*pp*cp={per} does not divide {train_gpus} training GPUs")
+    gen_tp = max(gen_gpus // max(b.get("generators", 1), 1), 1)
+    sim_spec = None
+    if spec and spec.get("num_speculative_tokens", 0) > 0 and figures["tau"] > 0:
+        sim_spec = Speculation(k=spec["num_speculative_tokens"], acceptance_length=figures["tau"],
+                               drafter=DRAFTER_KIND.get(spec["method"], "ngram"),
+                               adaptive=bool(spec.get("adaptive")),
+                               online_drafter_training=bool(cfg.get("drafter_train", {}).get("online")))
+    return SimConfig(model=_model(cfg["model"]["policy"]), hardware=hardware, gpus=gpus,
+                     workload=Workload(g["prompts_per_step"], g["group_size"], prompt_len, response),
+                     train=TrainParallel(tp=m["tp"], pp=m["pp"], ep=m["ep"], cp=m["cp"], dp=train_gpus // per),
+                     gen=GenParallel(tp=gen_tp), colocated=colocated, gen_gpus=0 if colocated else gen_gpus,
+                     spec=sim_spec, policy_lag=b.get("async_lag", 0), fold_logprob=bool(g.get("fold_logprob")))
+
+
+def compare_run(run_dir: str | Path, target: str, prompt_len: int = 200) -> str:
+    """A table: stage, measured seconds, predicted seconds, predicted / measured."""
+    hardware, gpus = parse_target(target)
+    cfg, stages, figures = measured(run_dir)
+    if cfg["backend"]["trainer"] == "embedded" and cfg["backend"]["generator"] == "embedded":
+        raise ValueError("this run used the embedded CPU stack, which the GPU simulator does not describe; its "
+                         "model is the validation harness: python -m benchmarks.sim_cpu measured --help")
+    result = simulate(config_for_run(cfg, figures, hardware, gpus, prompt_len))
+    lines = [f"{'stage':8} {'measured_s':>10} {'predicted_s':>11} {'ratio':>6}   ({hardware} x {gpus})"]
+    for s in (*STAGES, "step"):
+        got = sum(stages.values()) if s == "step" else stages[s]
+        want = result.step_s if s == "step" else result.stages[s]
+        ratio = f"{want / got:6.2f}" if got else "     -"
+        lines.append(f"{s:8} {got:10.3f} {want:11.3f} {ratio}")
+    return "\n".join(lines)

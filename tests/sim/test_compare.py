@@ -1,0 +1,48 @@
+"""`report --compare-sim`: a run's measured stage times beside the simulator's prediction for its own config.
+
+A synthetic run directory (the 8B recipe's config on the Megatron + vLLM backend, three steps of metrics whose
+stage times are the simulator's own prediction with `gen` doubled) must read back as ratio 1.00 on every stage but
+gen, 0.50 on gen: the table is the prediction for the run's config, not for some default. An embedded CPU run is
+refused with the pointer to the CPU harness, and a malformed target before anything is read."""
+
+import json
+
+import pytest
+import yaml
+
+from megatron_spec.sim.compare import compare_run, config_for_run, measured
+from megatron_spec.sim.pipeline import simulate
+
+
+def write_run(tmp_path, trainer="megatron", generator="vllm"):
+    cfg = yaml.safe_load(open("configs/qwen3_8b_grpo_spec.yaml"))
+    cfg["backend"].update(trainer=trainer, generator=generator, placement="colocated", generators=8, async_lag=0)
+    cfg["backend"]["megatron"].update(tp=2, pp=1, ep=1, cp=1)
+    cfg["model"]["policy"] = "Qwen/Qwen3-8B"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    figures = {"mean": 1500.0, "longest": 6000.0, "tau": 2.6}
+    stages = simulate(config_for_run(cfg, figures, "h100", 32, 200)).stages
+    rows = [{"step": i, "stages": dict(stages, gen=2 * stages["gen"]), "response_len_mean": 1500.0,
+             "response_len_max": 6000.0, "acceptance_length": 2.6} for i in range(3)]
+    rows[0]["stages"] = {s: 10 * t for s, t in rows[0]["stages"].items()}  # warm-up step: left out of the means
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return stages
+
+
+def test_prediction_is_for_the_runs_config(tmp_path):
+    stages = write_run(tmp_path)
+    _, got, figures = measured(tmp_path)
+    assert got["gen"] == pytest.approx(2 * stages["gen"]) and figures["tau"] == 2.6
+    table = compare_run(tmp_path, "h100:32").splitlines()
+    ratios = {line.split()[0]: line.split()[-1] for line in table[1:]}
+    assert ratios["gen"] == "0.50"
+    assert all(ratios[s] == "1.00" for s in ("data", "prepare", "train")), table
+    assert ratios["logprob"] == "-"  # the recipe folds the recompute into train: 0 measured, 0 predicted
+
+
+def test_refusals(tmp_path):
+    write_run(tmp_path, trainer="embedded", generator="embedded")
+    with pytest.raises(ValueError, match="benchmarks.sim_cpu"):
+        compare_run(tmp_path, "h100:32")
+    with pytest.raises(ValueError, match="HARDWARE:GPUS"):
+        compare_run(tmp_path, "h100")
