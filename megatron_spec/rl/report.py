@@ -451,6 +451,10 @@ def register(subparsers) -> None:
     p.add_argument("--compare", nargs="+", action="extend", default=[], metavar="OTHER_RUN_DIR",
                    help="more runs on the same plots (plain and spec, several seeds for the losslessness band)")
     p.add_argument("--out", default="", help="HTML file to write (default RUN_DIR/report.html)")
+    p.add_argument("--compare-sim", default="", metavar="HARDWARE:GPUS",
+                   help="also print measured stage times beside the simulator's prediction for the same config on "
+                        "GPUS GPUs of HARDWARE (h100, h200, b200, gb200), e.g. h100:32 (megatron_spec/sim/compare.py)")
+    p.add_argument("--sim-prompt-len", type=int, default=200, help="mean prompt tokens for --compare-sim")
     p.set_defaults(func=report_command)
 
 
@@ -458,4 +462,8 @@ def report_command(args) -> int:
     out = Path(args.out) if args.out else Path(args.run_dir) / "report.html"
     path = write_report([args.run_dir, *args.compare], out)
     print(f"wrote {path} (plots in {path.parent / (path.stem + '_plots')})")
+    if args.compare_sim:
+        from megatron_spec.sim.compare import compare_run
+
+        print(compare_run(args.run_dir, args.compare_sim, args.sim_prompt_len))
     return 0
