@@ -6,17 +6,20 @@ Pure functions, no global state; `nemo_run` is imported only when an executor is
 
     plans.py      local_plan, slurm_plan, ray_slurm_plan (validated dicts, no dependencies)
     executors.py  local_executor, slurm_executor, ray_slurm_executor, build_executor (NeMo-Run objects)
-    submit.py     submit(plan, name, command): one task on a SLURM allocation, or one Ray job on a Ray cluster
+    render.py     render_sbatch, sbatch_command: slurm/job.sub and slurm/ray.sub filled in for a plan
+    submit.py     submit(plan, name, command): a NeMo-Run SlurmExecutor task, or the rendered ray.sub through sbatch
     extras.py     MissingExtra and require_extras: the error that names the pip extra to install
+    checks.py     check_launch: the checks before launch (imported by the recipes; reads model configs)
 """
 
 from .executors import build_executor, local_executor, ray_slurm_executor, slurm_executor
 from .extras import MissingExtra, missing_extras, require_extras
 from .plans import local_plan, ray_slurm_plan, slurm_plan
+from .render import render_sbatch, sbatch_command
 from .submit import submit
 
 __all__ = [
     "build_executor", "local_executor", "slurm_executor", "ray_slurm_executor",
-    "local_plan", "slurm_plan", "ray_slurm_plan",
+    "local_plan", "slurm_plan", "ray_slurm_plan", "render_sbatch", "sbatch_command",
     "submit", "MissingExtra", "missing_extras", "require_extras",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from .extras import require_extras
 from .plans import local_plan, ray_slurm_plan, slurm_plan
 
@@ -24,8 +26,8 @@ def build_executor(plan: dict):
     tunnel = plan["tunnel"]
     if tunnel["kind"] == "ssh":
         tunnel = run.SSHTunnel(host=tunnel["host"], user=tunnel["user"], job_dir=tunnel["job_dir"])
-    else:
-        tunnel = run.LocalTunnel(job_dir=tunnel["job_dir"])
+    else:  # NeMo-Run writes a local experiment under <job_dir>/experiments, where Experiment(base_dir=job_dir) puts it
+        tunnel = run.LocalTunnel(job_dir=os.path.join(tunnel["job_dir"], "experiments") if tunnel["job_dir"] else "")
     return run.SlurmExecutor(
         account=plan["account"],
         partition=plan["partition"],
@@ -55,8 +57,8 @@ def slurm_executor(account: str, partition: str | None, nodes: int, gpus_per_nod
 
 def ray_slurm_executor(account: str, partition: str | None, nodes: int, gpus_per_node: int, time: str,
                        container_image: str | None, **kwargs):
-    """`run.SlurmExecutor` shaped for a Ray cluster (one task per node, exclusive nodes); submit with `submit`,
-    which starts the cluster through NeMo-Run's Ray support and runs the driver on the head."""
+    """`run.SlurmExecutor` shaped for a Ray cluster (one task per node, exclusive nodes), for NeMo-Run experiments
+    composed by hand; `submit` runs a ray-slurm plan through `slurm/ray.sub` instead."""
     return build_executor(
         ray_slurm_plan(account, partition, nodes, gpus_per_node, time=time, container_image=container_image, **kwargs)
     )

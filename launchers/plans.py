@@ -4,12 +4,11 @@ them anywhere; `executors.build_executor(plan)` turns one into the matching NeMo
 from __future__ import annotations
 
 import re
-import shlex
 
 _TIME = re.compile(r"^(\d+-)?\d{1,2}:\d{2}:\d{2}$")
 
 RAY_TEMPLATE = "slurm/ray.sub"
-"""The sbatch template that starts Ray on an allocation without NeMo-Run (see slurm/README.md)."""
+"""The sbatch template that starts Ray on an allocation and runs the driver on its head (see slurm/README.md)."""
 
 
 def local_plan(ntasks_per_node: int = 1, env_vars: dict[str, str] | None = None) -> dict:
@@ -32,7 +31,7 @@ def slurm_plan(
     ssh_user: str | None = None,
     job_dir: str | None = None,
 ) -> dict:
-    """A SLURM batch job in a pyxis container.
+    """A SLURM batch job, in a pyxis container where `container_image` is given (on the nodes themselves where not).
 
     `ntasks_per_node` defaults to one task per GPU (the torchrun / Megatron convention), or 1 without GPUs.
     With `ssh_host` NeMo-Run submits over SSH from this machine; without it, it calls sbatch here (a login node).
@@ -81,24 +80,8 @@ def ray_slurm_plan(account: str, partition: str | None = None, nodes: int = 1, g
     plan = slurm_plan(account, partition, nodes, gpus_per_node, **slurm_kwargs)
     plan["executor"] = "ray-slurm"
     plan["ray"] = {"head": "first node of the allocation", "workers": nodes - 1, "gpus": nodes * gpus_per_node,
-                   "template_without_nemo_run": RAY_TEMPLATE}
+                   "template": RAY_TEMPLATE}
     return plan
-
-
-def ray_sbatch_command(plan: dict, command: str) -> str:
-    """The shell line that submits `command` on the plan's allocation through `slurm/ray.sub`, without NeMo-Run."""
-    env = {"COMMAND": command, "GPUS_PER_NODE": str(plan["gpus_per_node"])}
-    if plan.get("container_image"):
-        env["CONTAINER"] = plan["container_image"]
-    if plan.get("container_mounts"):
-        env["MOUNTS"] = ",".join(plan["container_mounts"])
-    flags = [f"--account={plan['account']}", f"--nodes={plan['nodes']}", f"--time={plan['time']}"]
-    if plan.get("partition"):
-        flags.append(f"--partition={plan['partition']}")
-    if plan["gpus_per_node"]:
-        flags.append(f"--gres=gpu:{plan['gpus_per_node']}")
-    assignments = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
-    return " ".join([*assignments, "sbatch", *flags, RAY_TEMPLATE])
 
 
 def _positive(name: str, value: int) -> None:

@@ -1,18 +1,25 @@
-"""What every recipe file shares: the command line, config resolution, executor plans and the local run.
+"""What every recipe file shares: the command line, config resolution, checks before launch, executor plans and the
+local run.
 
 A recipe file is one function returning its `RLConfig` plus, for the at-scale models, a `Scale` (cluster shape and
 parallelism); its `main(argv)` hands both to `recipe_main`:
 
-    python recipes/<name>.py [key=value ...] [--config YAML] [--dryrun] [--executor local|slurm|ray-slurm] [...]
+    python recipes/<name>.py [key=value ...] [--config YAML] [--dryrun] [--executor local|slurm|ray-slurm]
+                             [--tune [--gpu h100]] [...]
 
-The config is the recipe's function, then the YAML laid over it, then the overrides in order. `--dryrun` prints the
-resolved config and the executor plan and runs nothing (no optional dependency needed). `local` runs in this
-process; `slurm` / `ray-slurm` submit, through NeMo-Run, this same command with `--executor local` on the cluster.
+The config is the recipe's function, then (with --tune, at-scale recipes) the tuner's best layout for the
+allocation, then the YAML laid over it, then the overrides in order: what the user writes always wins. `--dryrun`
+prints the resolved config, the executor plan and the sbatch script that would be submitted, and runs nothing (no
+optional dependency needed). `local` runs in this process (a Ray placement: on the Ray cluster at RAY_ADDRESS or a
+local one); `slurm` submits this same command with `--executor local` through NeMo-Run's SlurmExecutor;
+`ray-slurm` renders `slurm/ray.sub` (a Ray cluster on the allocation, this command on its head) and submits it.
+Whatever would fail on the cluster for a reason visible here fails here first (`launchers/checks.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -25,18 +32,20 @@ from typing import Callable
 import yaml
 
 from launchers import MissingExtra, local_plan, ray_slurm_plan, require_extras, slurm_plan
-from launchers.plans import ray_sbatch_command
+from launchers.checks import SCALE_EXTRAS, check_launch
+from launchers.render import TEMPLATES, render_sbatch, sbatch_command
 from megatron_spec.layout import Layout, check_layout
 from megatron_spec.rl.config import RLConfig
 from megatron_spec.rl.overrides import apply_overrides, dump_yaml, load_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
-SCALE_EXTRAS = ("megatron", "vllm", "ray")
-"""What an at-scale recipe needs to run: Megatron-Core trains, vLLM generates, Ray places both."""
-
 SCALE_DRIVER = "megatron_spec.backends.ray.driver"
-"""Module whose `train(cfg, layout)` runs an at-scale recipe on the Ray cluster this process is attached to."""
+"""Module whose `train(cfg, layout)` runs a Ray placement (every at-scale recipe) on the Ray cluster it joins."""
+
+TUNE_ACCEPTANCE = 2.8
+"""Acceptance length at k=3 the tuner assumes for a recipe's drafter (the figure the `megatron-spec tune` examples
+and the reference projection use); the tuner re-expands it for other k."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +57,8 @@ class Scale:
     gpus_per_node: int
     """GPUs per node; the policy trains on all of them and, colocated, vLLM generates on all of them in turn."""
     tp: int = 1
-    """Megatron tensor parallel size [tensor_model_parallel_size]."""
+    """Megatron tensor parallel size [tensor_model_parallel_size] (`backend.megatron.tp` wins when the recipe's
+    trainer is Megatron)."""
     pp: int = 1
     """Megatron pipeline parallel size [pipeline_model_parallel_size]."""
     cp: int = 1
@@ -70,37 +80,58 @@ class Scale:
         if world % self.vllm_tp:
             raise ValueError(f"vLLM TP={self.vllm_tp} does not divide the {world} GPUs")
 
-    def layout(self, cfg: RLConfig) -> dict:
-        """Plain data for --dryrun and for the at-scale driver: who runs where, and vLLM's speculative_config."""
-        world = self.nodes * self.gpus_per_node
+    def layout(self, cfg: RLConfig, nodes: int | None = None, gpus_per_node: int | None = None) -> dict:
+        """Plain data for --dryrun and for the at-scale driver: who runs where on `nodes` x `gpus_per_node` (the
+        allocation; default the recommended one), and vLLM's speculative_config. The trainer split is
+        `cfg.backend.megatron` when the trainer is Megatron (so overrides and --tune reach it), else this Scale's."""
+        world = (nodes or self.nodes) * (gpus_per_node or self.gpus_per_node)
+        meg = cfg.backend.megatron
+        if cfg.backend.trainer == "megatron":
+            split = {"tp": meg.tp, "pp": meg.pp, "cp": meg.cp, "ep": meg.ep, "etp": meg.etp or meg.tp,
+                     "first_stage_layers": meg.first_stage_layers, "last_stage_layers": meg.last_stage_layers}
+        else:
+            split = {"tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep, "etp": 1}
+        colocated = cfg.backend.placement != "disaggregated" if cfg.backend.placement != "inline" else self.colocated
+        engines = world // self.vllm_tp if colocated else cfg.backend.generators
         return {
             "gpus": world,
-            "megatron": {"tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep, "etp": 1,
-                         "dp": world // (self.tp * self.pp * self.cp)},
-            "vllm": {"tensor_parallel_size": self.vllm_tp, "engines": world // self.vllm_tp,
+            "megatron": {**split, "dp": world // (split["tp"] * split["pp"] * split["cp"])},
+            "vllm": {"tensor_parallel_size": self.vllm_tp, "engines": engines,
                      "speculative_config": cfg.spec.vllm() if cfg.spec else None},
-            "ray": {"placement": "colocated" if self.colocated else "disaggregated",
+            "ray": {"placement": "colocated" if colocated else "disaggregated", "async_lag": cfg.backend.async_lag,
                     "bundles": world, "bundle": {"GPU": 1}},
         }
 
 
 def recipe_main(build: Callable[[], RLConfig], argv: list[str] | None = None, scale: Scale | None = None) -> int:
-    """Parse `argv`, resolve the config, then print (--dryrun), run locally or submit. Returns the exit code;
-    bad input is one line on stderr (exit 2), not a traceback."""
+    """Parse `argv`, resolve the config, check it, then print (--dryrun), run locally or submit. Returns the exit
+    code; bad input is one line on stderr (exit 2), not a traceback, and nothing has been submitted then."""
     name = build.__name__
     doc = getattr(sys.modules.get(build.__module__), "__doc__", None) or build.__doc__ or ""
     args = _parser(name, doc, scale).parse_intermixed_args(argv)
     try:
         cfg = build()
+        tuned = None
+        if args.tune:
+            cfg, scale, tuned = tune_recipe(name, cfg, scale, args)
         if args.config:
             cfg = load_yaml(args.config, base=cfg)
         cfg = apply_overrides(cfg, args.overrides)
         plan = executor_plan(name, args, cfg, scale)
+        if tuned is not None:
+            plan["tuned"] = tuned
+        check_before_launch(name, args, cfg, scale, plan)
         if args.dryrun:
             print(f"# {name}: resolved config\n{dump_yaml(cfg)}")
             plan_text = yaml.safe_dump(plan, sort_keys=False, width=200)
             print(f"# executor plan (--dryrun: nothing runs)\n{plan_text}", end="")
+            if args.executor != "local":
+                what = "submitted with sbatch" if args.executor == "ray-slurm" else "the same job without NeMo-Run"
+                print(f"# sbatch script ({TEMPLATES[plan['executor']]} rendered; {what})\n"
+                      f"{render_sbatch(plan, plan['command'], name)}", end="")
             return 0
+        if tuned is not None:
+            print(f"{name}: tuned layout {json.dumps(tuned, sort_keys=True)}", file=sys.stderr)
         if args.executor == "local":
             summary = run_local(name, cfg, scale)
             print(json.dumps(summary, default=str, sort_keys=True))
@@ -114,26 +145,74 @@ def recipe_main(build: Callable[[], RLConfig], argv: list[str] | None = None, sc
         return 2
 
 
+def needs_ray(cfg: RLConfig, scale: Scale | None) -> bool:
+    """At-scale recipes and every placement other than `inline` run on a Ray cluster."""
+    return scale is not None or cfg.backend.placement != "inline"
+
+
+def check_before_launch(name: str, args: argparse.Namespace, cfg: RLConfig, scale: Scale | None, plan: dict) -> None:
+    """`launchers.checks.check_launch` for what this command would run: the driver and, where the job runs in
+    this environment (local, or submitted without a container; not for --dryrun, which needs nothing installed),
+    the extras; the layout on the allocation asked for; the drafter's vocabulary."""
+    ray = needs_ray(cfg, scale)
+    installs_here = not args.dryrun and (args.executor == "local" or not args.container_image)
+    extras = ((*SCALE_EXTRAS,) if scale else ("ray",)) if ray and installs_here else ()
+    if args.executor != "local" and not args.dryrun:
+        extras = (*extras, "nemo")
+    check_launch(name, cfg, plan.get("recommended") if scale else None, driver=SCALE_DRIVER if ray else None,
+                 extras=extras, container_image=args.container_image)
+
+
+def tune_recipe(name: str, cfg: RLConfig, scale: Scale | None, args: argparse.Namespace):
+    """The tuner's best layout for the allocation (`megatron_spec.sim.tune.best_layout`) as the recipe's parallel
+    settings: returns the config with it as backend overrides (the user's own overrides are applied after, so
+    they win), the Scale with its engine TP and placement, and what was chosen with the predicted stage times."""
+    if scale is None:
+        raise ValueError(f"--tune chooses the cluster layout of an at-scale recipe; {name} runs in one process")
+    from launchers.checks import policy_config
+    from megatron_spec.sim.config import Speculation
+    from megatron_spec.sim.tune import best_layout
+
+    model = policy_config(cfg.model.policy)
+    if model is None:
+        raise ValueError(f"--tune needs the architecture of {cfg.model.policy} (a local config.json or a preset)")
+    spec = None
+    if cfg.spec is not None:
+        spec = Speculation(k=cfg.spec.num_speculative_tokens, acceptance_length=min(TUNE_ACCEPTANCE,
+                           cfg.spec.num_speculative_tokens + 1), drafter=cfg.spec.method)
+    gpus = args.nodes * args.gpus_per_node
+    layout, stages = best_layout(model, gpus, args.gpu, spec=spec)
+    overrides = {**layout.backend_overrides(), "backend.trainer": "megatron"}
+    cfg = apply_overrides(cfg, [f"{k}={'null' if v is None else v}" for k, v in overrides.items()])
+    scale = dataclasses.replace(scale, nodes=args.nodes, gpus_per_node=args.gpus_per_node, tp=layout.train.tp,
+                                pp=layout.train.pp, cp=layout.train.cp, ep=layout.train.ep, vllm_tp=layout.gen_tp,
+                                colocated=layout.placement == "colocated")
+    chosen = {"gpus": gpus, "gpu": args.gpu, "train": layout.train.describe(), "train_dp": layout.train_dp,
+              "gen_tp": layout.gen_tp, "engines": layout.engines, "placement": layout.placement,
+              "async_lag": layout.async_lag, "spec": f"{layout.method} k={layout.k}" + (" adaptive" if
+                                                                                       layout.adaptive else ""),
+              "predicted_stage_s": {k: round(v, 2) for k, v in stages.items()}}
+    return cfg, scale, chosen
+
+
 def run_local(name: str, cfg: RLConfig, scale: Scale | None) -> dict:
-    """Run in this process: the embedded GRPO loop, or (at-scale recipes) the Ray driver on an existing cluster."""
+    """Run in this process: the embedded GRPO loop (`rl.loop.train`, which hands Ray placements to the driver), or
+    an at-scale recipe's layout on the Ray driver."""
     if scale is None:
         from megatron_spec.rl import loop
 
         return loop.train(cfg)
     require_extras(SCALE_EXTRAS, f"{name} (Megatron-Core training, vLLM generation, Ray placement)")
-    try:
-        driver = importlib.import_module(SCALE_DRIVER)
-    except ModuleNotFoundError as err:
-        raise NotImplementedError(f"the at-scale driver {SCALE_DRIVER} is not in this version ({err}); "
-                                  "the tiny and smollm2 recipes run on the embedded engine") from err
+    driver = importlib.import_module(SCALE_DRIVER)
     return driver.train(cfg, scale.layout(cfg))
 
 
 def executor_plan(name: str, args: argparse.Namespace, cfg: RLConfig, scale: Scale | None) -> dict:
     """The plan `--dryrun` prints: the executor's settings, what runs, and the at-scale layout."""
-    allowed = ("local", "ray-slurm") if scale else ("local", "slurm")
+    ray = needs_ray(cfg, scale)
+    allowed = ("local", "ray-slurm") if ray else ("local", "slurm")
     if args.executor not in allowed:
-        why = "runs on Ray" if scale else "runs in one process, without Ray"
+        why = "runs on Ray" if ray else "runs in one process, without Ray"
         raise ValueError(f"{name} {why}: use --executor {' or '.join(allowed)}")
     if args.executor == "local":
         plan = local_plan()
@@ -143,18 +222,20 @@ def executor_plan(name: str, args: argparse.Namespace, cfg: RLConfig, scale: Sca
         common = dict(time=args.time, container_image=args.container_image, ssh_host=args.ssh_host,
                       ssh_user=args.ssh_user, job_dir=args.job_dir,
                       container_mounts=[m for m in (args.container_mounts or "").split(",") if m])
-        if scale:
+        if ray:
+            if args.ssh_host:
+                raise ValueError("--executor ray-slurm submits slurm/ray.sub with sbatch from the checkout on the "
+                                 "cluster: run it on a login node there (without --ssh-host)")
             plan = ray_slurm_plan(account, args.partition, args.nodes, args.gpus_per_node, **common)
         elif args.nodes != 1:
             raise ValueError(f"{name} runs in one process: --nodes must be 1, got {args.nodes}")
         else:  # one task, not one per GPU: the embedded loop is a single process
             plan = slurm_plan(account, args.partition, 1, args.gpus_per_node, ntasks_per_node=1, **common)
         plan["command"] = shlex.join(_remote_argv(name, args))
-        if scale:
-            plan["sbatch_without_nemo_run"] = ray_sbatch_command(plan, plan["command"])
+        plan["sbatch_without_nemo_run"] = sbatch_command(plan, plan["command"])
     if scale:
-        plan["recommended"] = {"nodes": scale.nodes, "gpus_per_node": scale.gpus_per_node, "time": scale.time,
-                               **scale.layout(cfg)}
+        plan["recommended"] = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "time": scale.time,
+                               **scale.layout(cfg, args.nodes, args.gpus_per_node)}
     return plan
 
 
@@ -166,6 +247,8 @@ def _remote_argv(name: str, args: argparse.Namespace) -> list[str]:
         if path.startswith(".."):
             raise ValueError(f"--config {args.config} is outside the checkout {REPO}, which is what the job gets")
         argv += ["--config", path]
+    if args.tune:  # the job tunes for the same allocation, so it runs the layout printed here
+        argv += ["--tune", "--gpu", args.gpu, "--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node)]
     return [*argv, "--executor", "local"]
 
 
@@ -175,9 +258,14 @@ def _parser(name: str, doc: str, scale: Scale | None) -> argparse.ArgumentParser
                                 "spec.method=ngram run.steps=5")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, applied in order")
     p.add_argument("--config", help="YAML laid over the recipe's config, before the overrides")
-    p.add_argument("--dryrun", action="store_true", help="print the resolved config and executor plan; run nothing")
+    p.add_argument("--dryrun", action="store_true",
+                   help="print the resolved config, executor plan and sbatch script; run nothing")
     p.add_argument("--executor", default="local", choices=("local", "slurm", "ray-slurm"),
-                   help="local: this process (default); slurm / ray-slurm: submit through NeMo-Run")
+                   help="local: this process (default); slurm: NeMo-Run's SlurmExecutor; ray-slurm: slurm/ray.sub")
+    p.add_argument("--tune", action="store_true",
+                   help="at-scale recipes: take the parallel layout from `megatron-spec tune` for --nodes x "
+                   "--gpus-per-node GPUs of kind --gpu (overrides still win)")
+    p.add_argument("--gpu", default="h100", help="GPU kind the tuner simulates (h100, h200, b200, gb200)")
     s = p.add_argument_group("slurm and ray-slurm")
     s.add_argument("--account", default=os.environ.get("SBATCH_ACCOUNT"), help="(env SBATCH_ACCOUNT)")
     s.add_argument("--partition", default=os.environ.get("SBATCH_PARTITION"), help="(env SBATCH_PARTITION)")

@@ -1,0 +1,81 @@
+"""sbatch scripts rendered from the templates in `slurm/`: the plan's resources on the `#SBATCH` lines and the job's
+inputs assigned at the top, so that `sbatch SCRIPT` runs it as it is and `--dryrun` prints exactly what is
+submitted. Plain text in, plain text out (no dependencies)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TEMPLATES = {"slurm": "slurm/job.sub", "ray-slurm": "slurm/ray.sub"}
+"""Executor -> the template it renders: one task on one node, or a Ray cluster with the command on its head."""
+
+_SBATCH = re.compile(r"^#SBATCH --([a-z-]+)(?:=(.*))?$")
+_INPUTS = "# ---- inputs, from the environment"
+
+
+def sbatch_values(plan: dict, name: str) -> dict[str, str | None]:
+    """The `#SBATCH` options a plan sets (None: leave the option out, e.g. no partition, no GPUs)."""
+    gpus = plan["gpus_per_node"]
+    return {"account": plan["account"], "partition": plan["partition"], "job-name": name,
+            "nodes": str(plan["nodes"]), "gres": f"gpu:{gpus}" if gpus else None, "time": plan["time"],
+            "output": f"{log_dir(plan)}/%x-%j.out"}
+
+
+def log_dir(plan: dict) -> str:
+    """Where a rendered job writes its output, relative to the directory sbatch runs in (the checkout): the plan's
+    job directory, else `runs/slurm` (git-ignored). sbatch does not create it; `submit` does."""
+    return plan["tunnel"]["job_dir"] or "runs/slurm"
+
+
+def job_inputs(plan: dict, command: str) -> dict[str, str]:
+    """The template's inputs a plan sets: the command, the container and its mounts where given, GPUs per node."""
+    env = {"COMMAND": command}
+    if plan.get("container_image"):
+        env["CONTAINER"] = plan["container_image"]
+    if plan.get("container_mounts"):
+        env["MOUNTS"] = ",".join(plan["container_mounts"])
+    if plan["executor"] == "ray-slurm":
+        env["GPUS_PER_NODE"] = str(plan["gpus_per_node"])
+    return env
+
+
+def render_sbatch(plan: dict, command: str, name: str) -> str:
+    """The plan's template with its `#SBATCH` lines set (options the plan leaves out removed, template defaults such
+    as `--output` kept where the plan has none) and the inputs assigned just before the template reads them."""
+    template = TEMPLATES[plan["executor"]]
+    values = sbatch_values(plan, name)
+    seen, out = set(), []
+    lines = (ROOT / template).read_text().splitlines()
+    last = max(i for i, line in enumerate(lines) if _SBATCH.match(line))
+    for i, line in enumerate(lines):
+        m = _SBATCH.match(line)
+        if m and m.group(1) in values:
+            seen.add(m.group(1))
+            if values[m.group(1)] is not None:
+                out.append(f"#SBATCH --{m.group(1)}={values[m.group(1)]}")
+        elif line.startswith(_INPUTS):
+            out.append(f"# ---- rendered by launchers.render_sbatch from {template} for {name} ----")
+            out += [f"{k}={shlex.quote(v)}" for k, v in job_inputs(plan, command).items()]
+            out += [f"export {k}={shlex.quote(v)}" for k, v in plan.get("env_vars", {}).items()]
+            out += ["", line]
+        else:
+            out.append(line)
+        if i == last:  # options the template has no line for (e.g. GPUs on job.sub) go after its last one
+            out += [f"#SBATCH --{k}={v}" for k, v in values.items() if v is not None and k not in seen]
+    return "\n".join(out) + "\n"
+
+
+def sbatch_command(plan: dict, command: str) -> str:
+    """The shell line that submits `command` through the plan's template by hand (inputs from the environment,
+    resources on the sbatch line), for users without NeMo-Run."""
+    env = job_inputs(plan, command)
+    flags = [f"--account={plan['account']}", f"--nodes={plan['nodes']}", f"--time={plan['time']}"]
+    if plan.get("partition"):
+        flags.append(f"--partition={plan['partition']}")
+    flags.append(f"--gres=gpu:{plan['gpus_per_node']}" if plan["gpus_per_node"] else "--gres=none")
+    assignments = [f"{k}={shlex.quote(v)}" for k, v in env.items()]
+    return " ".join([*assignments, "sbatch", *flags, TEMPLATES[plan["executor"]]])
