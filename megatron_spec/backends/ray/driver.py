@@ -30,6 +30,10 @@ from .groups import GeneratorGroup, TrainerDied, TrainerGroup
 from .placement import plan
 
 
+PLACEMENT_TIMEOUT_S = 120
+"""How long the driver waits for Ray to reserve the bundles before it says which resources are missing."""
+
+
 class RayTrainer(loop.Trainer):
     """The loop's Trainer with its policy and generator in Ray worker groups."""
 
@@ -44,11 +48,17 @@ class RayTrainer(loop.Trainer):
 
     def build_backends(self):
         ray = require_ray()
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
 
         self.placement = plan(self.cfg, ray.cluster_resources(), self.layout)
-        self.pg = placement_group(self.placement.bundles, strategy="PACK")
-        ray.get(self.pg.ready())
+        pg = placement_group(self.placement.bundles, strategy="PACK")
+        try:
+            ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError as err:
+            remove_placement_group(pg)
+            raise RuntimeError(f"Ray could not place {self.placement.bundles} within {PLACEMENT_TIMEOUT_S} s on a "
+                               f"cluster with {ray.available_resources()} free") from err
+        self.pg = pg
         return TrainerGroup(self.cfg, self.placement, self.pg), GeneratorGroup(self.cfg, self.placement, self.pg)
 
     def step(self, step: int) -> dict:
@@ -136,7 +146,8 @@ def train(cfg, layout: dict | None = None) -> dict:
     resolve(GENERATORS, cfg.backend.generator, "generator")
     started = not ray.is_initialized()
     if started:
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True)
+        # "local": a new cluster for this run, never one that another process on this machine happens to run
+        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", include_dashboard=False, log_to_driver=True)
     try:
         return loop.run(cfg, lambda c: RayTrainer(c, layout))
     except TrainerDied as err:

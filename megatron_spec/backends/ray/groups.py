@@ -9,6 +9,7 @@ re-issues the dead engine's prompts with the same seeds: the step completes with
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from . import require_ray
 from .placement import Placement, Slot
@@ -49,14 +50,16 @@ class TrainerDied(RuntimeError):
 
 def resume_hint(cfg) -> str:
     """Where the last good checkpoint is and the command that resumes from it (`run.resume` is on by default)."""
-    run_dir = cfg.run.out_dir
-    return (f"The last good checkpoint is in {run_dir}/checkpoints (untouched); resume with:\n"
-            f"  megatron-spec train --config {run_dir}/config.yaml")
+    run_dir = Path(cfg.run.out_dir)
+    latest = run_dir / "checkpoints" / "latest"
+    where = run_dir / "checkpoints" / latest.read_text().strip() if latest.is_file() else None
+    saved = f"The last good checkpoint is {where} (untouched)" if where else "No checkpoint was saved yet"
+    return f"{saved}; resume with:\n  megatron-spec train --config {run_dir}/config.yaml"
 
 
 class TrainerGroup:
-    """The trainer ranks behind the Policy interface; every call goes to every rank (a sharded trainer computes
-    collectively), rank 0 answers."""
+    """The trainer ranks behind the Policy interface. The driver calls rank 0; a sharded (Megatron) trainer's
+    rank 0 announces each call to the other ranks, which follow it (`TrainerRank.follow`)."""
 
     def __init__(self, cfg, placement: Placement, pg):
         ray = require_ray()
@@ -65,15 +68,29 @@ class TrainerGroup:
                                                                            placement.trainer(r).threads)
                       for r in range(placement.trainer_world)]
         master = ray.get(self.ranks[0].address.remote()) if len(self.ranks) > 1 else None
-        joined = self.call("setup", master)
-        if joined != len(self.ranks):
-            raise RuntimeError(f"trainer group formed with {joined} of {len(self.ranks)} ranks")
+        self.followers = cfg.backend.trainer == "megatron" and len(self.ranks) > 1
+        setups = [r.setup.remote(master, self.followers and i > 0) for i, r in enumerate(self.ranks)]
+        self.follows = [r.follow.remote() for r in self.ranks[1:]] if self.followers else []
+        self.joined = ray.get(setups)[0]
+        if self.joined != len(self.ranks):
+            raise RuntimeError(f"trainer group formed with {self.joined} of {len(self.ranks)} ranks")
 
     def call(self, method: str, *args):
-        """`method(*args)` on every rank; rank 0's answer. A dead rank raises TrainerDied."""
+        """`method(*args)` on rank 0. A dead rank raises TrainerDied: rank 0's own death directly; a follower's
+        when rank 0's next collective fails, or its `follow` call reports it."""
         ray = require_ray()
         try:
-            return ray.get([getattr(r, method).remote(*args) for r in self.ranks])[0]
+            ref = getattr(self.ranks[0], method).remote(*args)
+            ready, _ = ray.wait([ref, *self.follows], num_returns=1)
+            if ready[0] != ref:  # a follower ended (died, or its follow() failed) while rank 0 was being called
+                try:
+                    ray.get(ready[0])
+                    why = "returned"
+                except ray.exceptions.RayError as err:
+                    why = f"failed: {err}"
+                raise TrainerDied(f"a trainer follower {why} during {method}; the run stops.\n"
+                                  f"{resume_hint(self.cfg)}")
+            return ray.get(ref)
         except ray.exceptions.RayActorError as err:
             raise TrainerDied(f"a trainer rank died during {method} ({type(err).__name__}); the run stops.\n"
                               f"{resume_hint(self.cfg)}") from err
@@ -97,6 +114,11 @@ class TrainerGroup:
 
     def close(self) -> None:
         ray = require_ray()
+        if self.followers:
+            try:
+                ray.get(self.ranks[0].stop.remote(), timeout=60)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass  # a dead rank 0: the followers are killed below
         for r in self.ranks:
             ray.kill(r)
 

@@ -93,5 +93,5 @@ def plan(cfg, cluster: dict, layout: dict | None = None) -> Placement:
         cpus = float(cluster.get("CPU", 0))
         if cpus <= 0:
             raise ValueError("the Ray cluster reports no CPUs")
-        bundle = {"CPU": round(cpus / n, 4)}
+        bundle = {"CPU": math.floor(cpus / n * 1e4) / 1e4}  # rounded down: n bundles must fit the cluster
     return Placement(kind, world, engines, bundle)

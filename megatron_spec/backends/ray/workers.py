@@ -40,7 +40,11 @@ class CrashHook:
 
 class TrainerRank:
     """Rank `rank` of the trainer group. With more than one rank the group is one torch.distributed process group
-    (gloo on CPU, NCCL on GPUs), set up before the policy is built, so a Megatron policy finds it initialised."""
+    (gloo on CPU, NCCL on GPUs), set up before the policy is built, so a Megatron policy finds it initialised.
+
+    A sharded trainer follows `MegatronPolicy`'s protocol: the driver calls rank 0 only, which announces each call
+    to the other ranks; those wait in `follow` (which builds their policy from rank 0's announced config) and make
+    the same calls. A one-rank trainer (the embedded one) is simply called."""
 
     def __init__(self, cfg, rank: int, world: int, threads: int):
         import torch
@@ -57,9 +61,9 @@ class TrainerRank:
             port = s.getsockname()[1]
         return socket.gethostbyname(socket.gethostname()), port
 
-    def setup(self, master: tuple[str, int] | None) -> int:
-        """Join the process group (when world > 1), build the policy; returns the group's sum of ones (== world
-        when every rank joined the same group)."""
+    def setup(self, master: tuple[str, int] | None, follower: bool) -> int:
+        """Join the process group (when world > 1) and, unless this rank is a `follower`, build the policy; returns
+        the group's sum of ones (== world when every rank joined the same group)."""
         import torch
 
         if self.world > 1:
@@ -75,8 +79,20 @@ class TrainerRank:
             joined = int(ones.item())
         else:
             joined = 1
-        self.policy = _build(self.cfg, "policy")
+        if not follower:
+            self.policy = _build(self.cfg, "policy")
         return joined
+
+    def follow(self) -> None:
+        """Ranks > 0 of a sharded trainer: build the policy rank 0 announces and make its calls until it stops."""
+        from ..megatron.launch import follow_run
+
+        follow_run()
+
+    def stop(self) -> None:
+        """Rank 0: release the followers (a policy without followers has nothing to release)."""
+        if hasattr(self.policy, "stop"):
+            self.policy.stop()
 
     def train_step(self, batch):
         """One update; returns the metrics and the old log-probs the step used (filled in when folded)."""

@@ -1,0 +1,151 @@
+"""The RL loop on Ray worker groups, at toy size on a local 2-CPU cluster, with the embedded trainer and engines in
+actors: the synchronous Ray run is the in-process run exactly, async GRPO keeps its lag bound and corrects for it,
+a killed engine is replaced with its prompts re-issued, and a dead trainer stops the run with its checkpoint
+intact and a resume command that works."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from megatron_spec.backends.ray.driver import RayTrainer
+from megatron_spec.backends.ray.groups import TrainerDied
+from megatron_spec.rl import loop
+from megatron_spec.rl.logging import read_metrics
+from tests.rl.test_loop import ckpts, shaped_reward, small_cfg  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.ray
+
+SAME = ["reward_mean", "loss", "gen_tokens", "drafter_loss", "acceptance_length", "grad_norm", "clip_frac",
+        "logprob_mismatch", "response_len_mean", "response_len_max", "drafter_agreement"]
+"""The metrics a run computes (not its timings); equal means the same rollouts, losses and updates."""
+
+
+def ray_cfg(ckpts, out, placement="colocated", generators=1, lag=0, steps=3):
+    cfg = small_cfg(ckpts, out)
+    cfg.backend.placement, cfg.backend.generators, cfg.backend.async_lag = placement, generators, lag
+    cfg.run.steps, cfg.run.report = steps, False
+    return cfg
+
+
+def final_weights(run_dir):
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return torch.load(run_dir / "checkpoints" / latest / "state.pt", weights_only=False)["state"]
+
+
+def test_sync_ray_run_is_the_inline_run_exactly(ray_cluster, ckpts, tmp_path, shaped_reward):
+    """async_lag=0, one engine, same seed: colocated and disaggregated Ray runs log the inline run's metrics (rewards,
+    losses, tokens, acceptance, the engine-vs-trainer log-prob mismatch) exactly and end with the same weights,
+    policy and drafter: the stages are the loop's own, the weights cross the object store unchanged, and each actor
+    computes with one thread as the inline run does. Each step also logs the sync's bytes (the policy and drafter
+    in fp32, counted once per step) and seconds, and lag 0."""
+    runs = {}
+    for placement in ("inline", "colocated", "disaggregated"):
+        loop.train(ray_cfg(ckpts, tmp_path / placement, placement))
+        runs[placement] = read_metrics(tmp_path / placement)
+    inline = [[m[k] for k in SAME] for m in runs["inline"]]
+    assert all(m["logprob_mismatch"] < 1e-4 for m in runs["inline"])
+    for placement in ("colocated", "disaggregated"):
+        assert [[m[k] for k in SAME] for m in runs[placement]] == inline, placement
+        a, b = final_weights(tmp_path / "inline"), final_weights(tmp_path / placement)
+        for part in ("model", "drafter"):
+            assert all(torch.equal(a[part][k], b[part][k]) for k in a[part]), (placement, part)
+        tensors = {t.untyped_storage().data_ptr(): t for part in ("model", "drafter") for t in a[part].values()}
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())  # a tied head counted once
+        for m in runs[placement]:
+            assert m["policy_lag"] == 0 and m["generator_restarts"] == 0 and m["weight_sync_s"] > 0
+            assert m["weight_sync_bytes"] == nbytes
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_async_lag_is_bounded_and_corrected(ray_cluster, ckpts, tmp_path, shaped_reward, lag):
+    """Generators run ahead by at most `lag` versions. The schedule is deterministic: step s trains on rollouts of
+    version max(0, s - lag), so policy_lag is exactly min(s, lag) per step, never above the bound; off-policy steps
+    carry the behaviour log-probs into the loss (is_clip_frac is logged, which only the importance-weighted loss
+    computes) and do not report a mismatch, on-policy ones report it ~0. Two engines, so each step's rollouts come
+    from both (their versions agree, since they are synced together)."""
+    cfg = ray_cfg(ckpts, tmp_path, "disaggregated", generators=2, lag=lag, steps=4)
+    loop.train(cfg)
+    metrics = read_metrics(tmp_path)
+    assert [m["policy_lag"] for m in metrics] == [min(s, lag) for s in range(4)]
+    for m in metrics:
+        if m["policy_lag"]:
+            assert m["logprob_mismatch"] is None and 0.0 <= m["is_clip_frac"] <= 1.0
+        else:
+            assert m["logprob_mismatch"] < 1e-4 and "is_clip_frac" not in m
+        assert not m["skipped"] and m["gen_tokens"] > 0
+
+
+def test_killed_engine_is_replaced_and_its_prompts_reissued(ray_cluster, ckpts, tmp_path, shaped_reward):
+    """Two engines; engine 1 ends its process inside `generate` of step 1 (after computing, before answering). The
+    step completes with all 9 rollouts, one restart logged, and with exactly the metrics of the same run without
+    the fault: the replacement gets the step's weights and the dead engine's prompts with the same seeds."""
+    runs = []
+    for crash in (False, True):
+        trainer = RayTrainer(ray_cfg(ckpts, tmp_path / str(crash), generators=2))
+        try:
+            metrics = [trainer.step(0)]
+            if crash:
+                trainer.generator.engines[1].arm_crash.remote("generate")
+            metrics.append(trainer.step(1))
+        finally:
+            trainer.close()
+        runs.append(metrics)
+    clean, faulty = runs
+    assert [m["generator_restarts"] for m in faulty] == [0, 1]
+    assert [[m[k] for k in SAME] for m in faulty] == [[m[k] for k in SAME] for m in clean]
+    assert faulty[1]["response_len_mean"] * 9 == faulty[1]["gen_tokens"]  # 9 = 3 prompts x 3 rollouts
+
+
+def test_dead_trainer_stops_with_checkpoint_intact_and_resume_works(ray_cluster, ckpts, tmp_path, shaped_reward,
+                                                                    capsys):
+    """Checkpoint after step 1, then the trainer rank dies inside step 2's update: the run stops with TrainerDied,
+    prints the resume command, and leaves the step-1 checkpoint byte for byte as it was (still `latest`). The
+    printed command, run as is, resumes at step 2 and finishes step 3."""
+    from megatron_spec.cli import main
+
+    cfg = ray_cfg(ckpts, tmp_path, steps=2)
+    cfg.run.save_every = 1
+    loop.train(cfg)
+    ckpt = tmp_path / "checkpoints" / "step_000001" / "state.pt"
+    digest = hashlib.sha256(ckpt.read_bytes()).hexdigest()
+
+    def doomed(c):
+        trainer = RayTrainer(c)
+        trainer.policy.ranks[0].arm_crash.remote("train_step")
+        return trainer
+
+    cfg.run.steps = 4
+    with pytest.raises(TrainerDied) as err:
+        loop.run(cfg, doomed)
+    command = f"megatron-spec train --config {tmp_path}/config.yaml"
+    assert command in str(err.value) and f"{tmp_path}/checkpoints/step_000001" in str(err.value)
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    assert hashlib.sha256(ckpt.read_bytes()).hexdigest() == digest
+    capsys.readouterr()
+    assert main(command.split()[1:]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert [m["step"] for m in read_metrics(tmp_path)] == [0, 1, 2, 3]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000003"
+
+
+def test_trainer_ranks_form_one_process_group(ray_cluster, ckpts):
+    """Two trainer ranks join one gloo group (their all-reduce of ones gives 2) before building the policy, which
+    is how a Megatron policy finds torch.distributed initialised; both export the same initial weights."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from megatron_spec.backends.ray.groups import TrainerGroup
+    from megatron_spec.backends.ray.placement import Placement
+
+    placement = Placement("disaggregated", 2, 0, {"CPU": 1.0})
+    pg = placement_group(placement.bundles)
+    ray_cluster.get(pg.ready())
+    group = TrainerGroup(small_cfg(ckpts, "unused"), placement, pg)
+    try:
+        assert group.joined == 2
+        refs = [ray_cluster.get(r.export.remote(1 << 20)) for r in group.ranks]
+        assert refs[0][1] == refs[1][1] > 0 and len(refs[0][0]) > 0 and refs[1][0] == []  # rank 0 publishes
+    finally:
+        group.close()
+        remove_placement_group(pg)
