@@ -36,8 +36,18 @@ def drafter_kind(drafter) -> str | None:
     return "draft_model"
 
 
+def dtype_name(module) -> str:
+    return str(next(module.parameters()).dtype).removeprefix("torch.")
+
+
 def export_target(model, out_dir: str | os.PathLike) -> Path:
-    return save_pretrained(model, out_dir)
+    """HF layout, with the weights' dtype in config.json (`torch_dtype`): without it vLLM picks its own default
+    (bf16 on CPU), and outputs would no longer be our engine's."""
+    path = save_pretrained(model, out_dir)
+    config = json.loads((path / "config.json").read_text())
+    config["torch_dtype"] = dtype_name(model)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
 
 
 def export_mtp(drafter: MTP, out_dir: str | os.PathLike) -> Path:
@@ -47,7 +57,8 @@ def export_mtp(drafter: MTP, out_dir: str | os.PathLike) -> Path:
     # model_type "mtp" is what makes vLLM accept the directory as an MTP drafter; the target's own family is kept
     # in `target_model_type` for our class to build the matching decoder layer.
     config = {**cfg.to_hf(), "model_type": "mtp", "target_model_type": cfg.model_type,
-              "architectures": [MTP_ARCHITECTURE], "num_nextn_predict_layers": drafter.mtp_config.num_layers}
+              "architectures": [MTP_ARCHITECTURE], "num_nextn_predict_layers": drafter.mtp_config.num_layers,
+              "torch_dtype": dtype_name(drafter)}
     tensors = {k: v.detach().contiguous() for k, v in drafter.state_dict().items()}
 
     def write(tmp: Path) -> None:
@@ -90,7 +101,7 @@ def export_eagle3(head: Eagle3Head, out_dir: str | os.PathLike) -> Path:
     ec = head.eagle_config
     config = {**cfg.to_hf(), "architectures": [EAGLE3_ARCHITECTURES[cfg.model_type]], "num_hidden_layers": 1,
               "intermediate_size": ec.intermediate_size, "draft_vocab_size": ec.draft_vocab_size or cfg.vocab_size,
-              "target_hidden_size": cfg.hidden_size,
+              "target_hidden_size": cfg.hidden_size, "torch_dtype": dtype_name(head),
               "num_aux_hidden_states": len(aux_layer_ids(ec.capture_layers)),
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layer_ids(ec.capture_layers),
                                "use_aux_hidden_state": True}}

@@ -63,8 +63,11 @@ def check_spec(spec: SpecConfig | None) -> None:
                       stacklevel=3)
 
 
-def eos_ids(model_dir: str) -> tuple[int, ...]:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+def read_config(model_dir: str) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def eos_ids(cfg: dict) -> tuple[int, ...]:
     eos = cfg.get("eos_token_id")
     return () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
 
@@ -88,8 +91,11 @@ class VLLMGenerator:
 
         self.spec, self.drafter = spec, drafter
         self.k = spec.num_speculative_tokens if spec else 0
-        self.eos = eos_ids(model)
-        kwargs = dict(model=str(model), skip_tokenizer_init=True, seed=seed, max_model_len=max_model_len,
+        hf = read_config(model)
+        self.eos = eos_ids(hf)
+        # The checkpoint's dtype, not vLLM's default (bf16 on CPU): outputs must be those of the weights we trained.
+        dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+        kwargs = dict(model=str(model), skip_tokenizer_init=True, seed=seed, max_model_len=max_model_len, dtype=dtype,
                       enforce_eager=True, logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
                       disable_log_stats=True)
         if current_platform.is_cpu():
