@@ -69,11 +69,11 @@ def extras_problems(extras: tuple[str, ...], container_image: str | None) -> lis
 
 
 def layout_fit_problems(cfg: RLConfig, layout: dict) -> list[str]:
-    """The trainer layout must fit the model and the allocation's GPUs; the engines must fit the allocation."""
-    world = layout["gpus"]
-    meg = cfg.backend.megatron
-    lay = Layout(tp=meg.tp, pp=meg.pp, ep=meg.ep, etp=meg.etp, cp=meg.cp,
-                 first_stage_layers=meg.first_stage_layers, last_stage_layers=meg.last_stage_layers)
+    """The trainer layout (`Scale.layout`: the split the job will use on the allocation asked for) must fit the
+    model and the allocation's GPUs; the engines must fit the allocation."""
+    world, meg = layout["gpus"], layout["megatron"]
+    lay = Layout(tp=meg["tp"], pp=meg["pp"], ep=meg["ep"], etp=meg["etp"], cp=meg["cp"],
+                 first_stage_layers=meg.get("first_stage_layers"), last_stage_layers=meg.get("last_stage_layers"))
     model = policy_config(cfg.model.policy)
     problems = layout_problems(model, lay, who="train") if model is not None else []
     problems += world_problems(world, lay, who="train")

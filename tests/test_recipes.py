@@ -4,6 +4,7 @@ every test that could reach it, so no training runs."""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,9 @@ def no_training(monkeypatch):
 
 
 def split_dryrun(out: str) -> tuple[RLConfig, dict]:
+    """The resolved config and the executor plan a dry run prints (the sbatch script after them is left out)."""
     config_text, plan_text = out.split("# executor plan")
+    plan_text = plan_text.split("# sbatch script")[0]
     return from_dict(yaml.safe_load(config_text)), yaml.safe_load(plan_text.split("\n", 1)[1])
 
 
@@ -116,28 +119,34 @@ def test_at_scale_recipe_without_extras_names_them(name, capsys, no_training):
 
 
 def test_at_scale_ray_slurm_plan(capsys):
-    argv = ["--dryrun", "--executor", "ray-slurm", "--account", "acct", "--partition", "batch", "--nodes", "2",
+    argv = ["--dryrun", "--executor", "ray-slurm", "--account", "acct", "--partition", "batch",
             "--container-image", "img:1", "--container-mounts", "/data:/data", "spec.num_speculative_tokens=5"]
     assert recipe("qwen3_235b_grpo_spec").main(argv) == 0
-    cfg, plan = split_dryrun(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    cfg, plan = split_dryrun(out)
     assert cfg.spec.num_speculative_tokens == 5
-    assert (plan["executor"], plan["account"], plan["partition"], plan["nodes"]) == ("ray-slurm", "acct", "batch", 2)
+    assert (plan["executor"], plan["account"], plan["partition"], plan["nodes"]) == ("ray-slurm", "acct", "batch", 16)
     assert plan["gpus_per_node"] == 8 and plan["ntasks_per_node"] == 1 and plan["container_mounts"] == ["/data:/data"]
     assert plan["command"] == ("python recipes/qwen3_235b_grpo_spec.py spec.num_speculative_tokens=5 "
                                "--executor local")
-    assert "--nodes=2" in plan["sbatch_without_nemo_run"] and "slurm/ray.sub" in plan["sbatch_without_nemo_run"]
+    assert "--nodes=16" in plan["sbatch_without_nemo_run"] and "slurm/ray.sub" in plan["sbatch_without_nemo_run"]
     rec = plan["recommended"]
-    assert rec["megatron"] == {"tp": 2, "pp": 8, "cp": 2, "ep": 16, "etp": 1, "dp": 4}
+    assert rec["megatron"] == {"tp": 2, "pp": 8, "cp": 2, "ep": 16, "etp": 1, "first_stage_layers": 11,
+                               "last_stage_layers": 11, "dp": 4}
     assert rec["vllm"]["tensor_parallel_size"] == 16 and rec["vllm"]["engines"] == 8
     assert rec["vllm"]["speculative_config"]["num_speculative_tokens"] == 5
+    script = out.split("# sbatch script", 1)[1]
+    assert "CONTAINER=img:1\nMOUNTS=/data:/data\nGPUS_PER_NODE=8\n" in script and "#SBATCH --nodes=16" in script
 
 
 def test_embedded_recipe_slurm_plan(capsys):
     argv = ["--executor", "slurm", "--dryrun", "--partition", "cpu", "--gpus-per-node", "0", "--nodes", "1",
             "--time", "00:20:00", "run.steps=3"]
     assert recipe("tiny_grpo_spec").main(argv) == 0
-    _, plan = split_dryrun(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    _, plan = split_dryrun(out)
     assert (plan["executor"], plan["partition"], plan["gpus_per_node"], plan["time"]) == ("slurm", "cpu", 0, "00:20:00")
+    assert "#SBATCH --partition=cpu" in out and "#SBATCH --gres" not in out  # the rendered slurm/job.sub
     assert plan["nodes"] == 1 and plan["ntasks_per_node"] == 1  # the embedded loop is one process
     assert plan["account"] == "ACCOUNT"  # a dry run without --account shows the placeholder
     assert plan["command"] == "python recipes/tiny_grpo_spec.py run.steps=3 --executor local"
@@ -147,6 +156,8 @@ def test_embedded_recipe_slurm_plan(capsys):
     ("tiny_grpo_spec", ["--executor", "ray-slurm"], "use --executor local or slurm"),
     ("qwen3_8b_grpo_spec", ["--executor", "slurm"], "use --executor local or ray-slurm"),
     ("smollm2_grpo_spec", ["--executor", "slurm", "--nodes", "2"], "--nodes must be 1"),
+    ("tiny_grpo_spec", ["backend.placement=colocated", "--executor", "slurm"], "use --executor local or ray-slurm"),
+    ("qwen3_235b_grpo_spec", ["--executor", "ray-slurm", "--ssh-host", "login", "--ssh-user", "me"], "login node"),
 ])
 def test_wrong_executor_shape_is_refused(name, argv, message, capsys):
     assert recipe(name).main([*argv, "--dryrun"]) == 2
@@ -167,3 +178,94 @@ def test_scale_layout_is_checked():
         scale_cls(nodes=1, gpus_per_node=8, pp=2, ep=8)
     with pytest.raises(ValueError, match="vLLM TP"):
         scale_cls(nodes=1, gpus_per_node=8, vllm_tp=16)
+
+
+@pytest.fixture
+def no_submit(monkeypatch):
+    """Submitting records the call instead (nothing may be submitted when a check fails)."""
+    import launchers
+
+    calls = []
+    monkeypatch.setattr(launchers, "submit", lambda *a, **k: calls.append(a))
+    return calls
+
+
+@pytest.mark.parametrize("name, argv, message", [
+    # a layout the model cannot take: Qwen3-235B has 64 attention heads, 4 query groups
+    ("qwen3_235b_grpo_spec", ["backend.megatron.tp=3"], "tp=3 does not divide num_attention_heads=64"),
+    # more GPUs than the allocation: TP2 x PP8 x CP2 = 32 per replica on 2 x 8 GPUs
+    ("qwen3_235b_grpo_spec", ["--nodes", "2"], "TP*PP*CP = 32 does not divide the 16 devices"),
+    ("qwen3_8b_grpo_spec", ["--nodes", "1", "--gpus-per-node", "1"], "TP*PP*CP = 2 does not divide the 1 devices"),
+])
+def test_launch_checks_refuse_before_anything_is_submitted(name, argv, message, capsys, no_submit):
+    """Each refusal is one line on stderr naming the problem, exit 2, for a dry run and for a submission alike;
+    nothing is submitted."""
+    for extra in (["--dryrun"], []):
+        assert recipe(name).main(["--executor", "ray-slurm", "--account", "acct", "--container-image", "img",
+                                  *argv, *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1 and f"{name} cannot launch" in err
+    assert no_submit == []
+
+
+def test_launch_checks_name_the_driver_the_extras_and_the_drafter(tmp_path, capsys, monkeypatch, no_submit,
+                                                                  no_training):
+    """An unknown driver module, extras missing where the job would run without a container, and a drafter
+    whose vocabulary (99) is not the policy's (64): all named in one error, before anything runs or is submitted."""
+    import launchers.checks as checks
+
+    common = importlib.import_module("recipes._common")
+    monkeypatch.setattr(common, "SCALE_DRIVER", "megatron_spec.backends.ray.no_such_driver")
+    monkeypatch.setattr(checks, "missing_extras", lambda extras: [e for e in extras if e in ("ray", "nemo")])
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text('{"vocab_size": 99}')
+    argv = ["backend.placement=colocated", "spec.method=draft_model", f"spec.model={drafter}",
+            f"model.drafter={drafter}", "--executor", "ray-slurm", "--account", "acct"]
+    assert recipe("tiny_grpo_spec").main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the driver module megatron_spec.backends.ray.no_such_driver is not in this version" in err
+    assert "pip install -e .[ray,nemo]" in err
+    assert f"the drafter {drafter} drafts in a vocabulary of 99 tokens, the policy checkpoints/tiny-qwen3 has 64" in err
+    assert no_submit == [] and no_training == []
+    # with a container image the job's own environment is the image's: only what is checkable here remains
+    assert recipe("tiny_grpo_spec").main([*argv, "--container-image", "img"]) == 2
+    assert "pip install -e .[ray]" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, nodes, model", [("qwen3_235b_grpo_spec", 16, "qwen3-235b-a22b"),
+                                                ("qwen3_8b_grpo_spec", 4, "qwen3-8b")])
+def test_tune_takes_the_tuners_best_layout(name, nodes, model, capsys):
+    """`--tune --dryrun`: the resolved config's backend is `sim.tune.best_layout` for the allocation (the same
+    call made here), the plan prints it with its predicted stage times, the chosen layout passes the backend's
+    validator (`megatron_spec.layout.check_layout`, Megatron-Core's rules) for the model on those GPUs, and an
+    override written on the command line wins over the tuner."""
+    from megatron_spec.layout import check_layout
+    from megatron_spec.models.presets import preset
+    from megatron_spec.sim.config import Speculation
+    from megatron_spec.sim.tune import best_layout
+
+    assert recipe(name).main(["--tune", "--dryrun", "--executor", "ray-slurm", "--account", "a",
+                              "backend.async_lag=2"]) == 0
+    cfg, plan = split_dryrun(capsys.readouterr().out)
+    tuned, stages = best_layout(model, nodes * 8, "h100", spec=Speculation(k=3, acceptance_length=2.8,
+                                                                           drafter="eagle3"))
+    meg = cfg.backend.megatron
+    assert (meg.tp, meg.pp, meg.ep, meg.cp, meg.first_stage_layers, meg.last_stage_layers) == (
+        tuned.train.tp, tuned.train.pp, tuned.train.ep, tuned.train.cp, tuned.train.first_stage_layers,
+        tuned.train.last_stage_layers)
+    assert cfg.backend.trainer == "megatron" and cfg.backend.placement == tuned.placement
+    assert cfg.backend.async_lag == 2  # the override, not the tuner's lag
+    chosen = plan["tuned"]
+    assert chosen["train"] == tuned.train.describe() and chosen["gen_tp"] == tuned.gen_tp
+    assert chosen["predicted_stage_s"] == {k: round(v, 2) for k, v in stages.items()}
+    assert set(chosen["predicted_stage_s"]) == {"data", "prepare", "gen", "logprob", "train", "step"}
+    check_layout(preset(model), tuned.train, world=nodes * 8)
+    assert plan["recommended"]["megatron"]["tp"] == tuned.train.tp
+    assert plan["recommended"]["vllm"]["tensor_parallel_size"] == tuned.gen_tp
+    assert "--tune --gpu h100" in plan["command"]  # the job tunes for the same allocation
+
+
+def test_tune_is_for_at_scale_recipes(capsys):
+    assert recipe("tiny_grpo_spec").main(["--tune", "--dryrun"]) == 2
+    assert "--tune chooses the cluster layout of an at-scale recipe" in capsys.readouterr().err

@@ -20,7 +20,7 @@ import pytest
 
 from launchers import ray_slurm_plan, render_sbatch
 
-from .conftest import ROOT, TINY, free_port, jobcomp, recipe_dryrun_script, sbatch, wait_for
+from .cluster import ROOT, TINY, free_port, jobcomp, recipe_dryrun_script, sbatch, wait_for
 
 pytestmark = pytest.mark.slurm
 
@@ -188,3 +188,27 @@ def test_nemo_run_slurm_executor_submits_the_recipe(cluster, tmp_path):
     assert "job exited with code 0" in sbatch_out[0].read_text()
     assert (sbatch_out[0].parent / "code" / "recipes" / "tiny_grpo_spec.py").is_file()  # the packaged checkout
     assert [m["step"] for m in metrics(run_dir)] == [0, 1] and latest(run_dir) == "step_000001"
+
+
+def test_recipe_ray_slurm_runs_the_ray_driver_on_the_head(cluster, tmp_path):
+    """`--executor ray-slurm` of the tiny recipe with `backend.placement=colocated`: the recipe renders
+    slurm/ray.sub, submits it with sbatch, and the job runs the Ray driver on the head against the job's own Ray
+    cluster (RAY_ADDRESS is that head: the driver's log says it connected to the existing cluster at the job's
+    port); the run completes through the driver (its metrics carry the driver's `generator_restarts`)."""
+    pytest.importorskip("nemo_run")
+    pytest.importorskip("ray")
+    run_dir, port = tmp_path / "run", free_port()
+    argv = [sys.executable, "recipes/tiny_grpo_spec.py", "backend.placement=colocated", "--executor", "ray-slurm",
+            "--account", "A", "--partition", cluster, "--gpus-per-node", "0", "--job-dir", str(tmp_path),
+            "run.steps=2", f"run.out_dir={run_dir}", *TINY]
+    env = {**os.environ, "RAY_PORT": str(port), "RAY_DASHBOARD_PORT": str(free_port()),
+           "LOG_DIR": str(tmp_path / "ray-logs")}
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    job_id = done.stdout.split("submitted SLURM job ", 1)[1].split()[0]
+    state = wait_for(job_id, timeout_s=400)
+    out = (tmp_path / f"tiny_grpo_spec-{job_id}.out").read_text()
+    assert_finished(job_id, state, "0:0", "COMPLETED")
+    assert "Connecting to existing Ray cluster at address: " in out and f":{port}" in out
+    logged = metrics(run_dir)
+    assert [m["step"] for m in logged] == [0, 1] and all(m["generator_restarts"] == 0 for m in logged)
