@@ -1,10 +1,13 @@
 """`nemo-run`: run a recipe file the way NeMo-Run users launch recipes.
 
     nemo-run recipes/tiny_grpo_spec.py key=value ... [--config YAML] [--dryrun] [--executor local|slurm|ray-slurm]
+    nemo-run recipes/qwen3_235b_grpo_spec.py --tune --nodes 16 --gpus-per-node 8 --dryrun
 
 The `nemo_run` package installs the `nemo` and `nemorun` commands but no `nemo-run`; this one loads the recipe
 file by path and hands it the rest of the command line (`main(argv)`), so it behaves exactly like
-`python recipes/<name>.py ...`. It imports no optional dependency itself.
+`python recipes/<name>.py ...`: `--executor slurm` builds a `run.Script` of the recipe's command and runs it on
+NeMo-Run's `SlurmExecutor`, `ray-slurm` submits `slurm/ray.sub` through NeMo-Run's tunnel (`launchers/`). It
+imports no optional dependency itself.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-USAGE = "usage: nemo-run RECIPE.py [key=value ...] [--config YAML] [--dryrun] [--executor local|slurm|ray-slurm]"
+USAGE = ("usage: nemo-run RECIPE.py [key=value ...] [--config YAML] [--dryrun] [--executor local|slurm|ray-slurm] "
+         "[--tune] [--help]")
 
 
 def load_recipe(path: str | Path) -> ModuleType:
