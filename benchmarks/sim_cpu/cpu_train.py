@@ -9,14 +9,14 @@ embedded trainer (`rl/policy.py`) on a CPU, which differs in ways that each matt
   rollout (prompt + response), with the trainer's own rule and costs each micro-batch at its padded size;
 - its products run at the CPU's measured rate for training-sized products (`Hardware.dense_flops`);
 - the elementwise work (RMSNorm, RoPE, SwiGLU, residual adds) is not small next to the products of a 128-wide model:
-  it reads and writes ~7.7 k floats per token per layer of tiny-qwen3 (`eager.activation_elements`), at `act_bw`;
+  it reads and writes ~7.7 k floats per token per layer of tiny-qwen3 (`counts.activation_elements`), at `act_bw`;
 - torch's fused CPU attention computes whole 32-query blocks up to the diagonal and pays `attn_score_s` per score
   beyond its FLOPs (`attention_time`), per row of each micro-batch at that micro-batch's length;
 - every operator costs `op_overhead_s` in a forward without autograd, and `train_op_s` (~3-4 us against ~2.4) in
   a train step, where autograd records it and schedules its backward and the trainer's Python runs between them
   (`cpu_eager.trainer_figures`, with `train_work`, the step's arithmetic and traffic measured over modelled on
   stand-in trainers: ~1.1); a train step launches ~450 (optimizer
-  included) + ~1150 per micro-batch on tiny-qwen3, more with shared prompts (`eager.py`);
+  included) + ~1150 per micro-batch on tiny-qwen3, more with shared prompts (counted: `counts.py`);
 - with `fold_logprob` (the embedded trainer's default) the behaviour log-probs come from the train forward, so the
   `logprob` stage runs no forward: only its batch assembly, ~12 operators per rollout (~2 ms for 64 rollouts);
 - with `share_prompt` (its default for dense models) each distinct prompt runs once, in a prefix pass, and each
@@ -32,7 +32,7 @@ with shared prompts N' = prompts x prompt length + sum r_b (T_b - prompt length)
     train   = 3 P + (A_fwd + A_bwd) + 3 E + AdamW bytes / act_bw + ops x train_op_s
               P = 2 x (trunk params x N' + head params x N) / dense_flops, A attention over each micro-batch (or
               the prefix and suffix passes), E = (activation bytes of N' + logit bytes of N) / act_bw,
-              ops = per-step + per-micro-batch (+ prefix and suffix pass) operators (`eager.train_ops`)
+              ops = per-step + per-micro-batch (+ prefix and suffix pass) operators (`counts.train_ops`)
 
 Backward costs twice the forward's products (input and weight gradients) and elementwise traffic (each gradient
 reads the output gradient and a saved input and writes one tensor); attention's backward recomputes the scores and
@@ -47,7 +47,7 @@ from megatron_spec.rl.microbatch import micro_batches  # the trainer's own group
 from megatron_spec.sim.config import SimConfig
 from megatron_spec.sim.shapes import CostShape
 
-from . import eager
+from . import counts
 from .hardware import CpuHardware as Hardware
 
 FLOAT = 4  # the embedded trainer runs in float32
@@ -139,20 +139,15 @@ def written_out_attention_time(cfg: SimConfig, hw: Hardware, prefix: MicroBatch,
     return scores * (flops * 4 * m.head_dim / hw.cache_flops + accesses * FLOAT / hw.act_bw)
 
 
-def _experts_touched(target: CostShape, batches: list[MicroBatch]) -> float:
-    """Experts touched per MoE layer, summed over the micro-batches (each routes its own tokens)."""
-    return sum(target.experts_touched(b.tokens) for b in batches) if target.experts else 0.0
-
-
 def assembly_time(cfg: SimConfig, hw: Hardware) -> float:
     """The logprob stage's own work: assembling the padded batch and the mismatch metric (operators only)."""
-    return eager.batch_ops(cfg.workload.rollouts) * hw.op_overhead_s
+    return counts.batch_ops(cfg.workload.rollouts) * hw.op_overhead_s
 
 
 def _forward_work(cfg: SimConfig, hw: Hardware, target: CostShape, backward: bool,
-                  drafter: CostShape | None = None) -> tuple[float, float, float, int, float]:
+                  drafter: CostShape | None = None) -> tuple[float, float, float, int]:
     """Products, attention and elementwise seconds of the passes over one step's batch (forward only, or forward
-    and backward), with the number of micro-batches and the experts they touch. The trunk computes
+    and backward), with the number of micro-batches. The trunk computes
     `padded_tokens`; the head (and a drafter training online) every position of the padded rows, because shared
     prompts are laid back into the rows before the head."""
     prefix, batches = passes(cfg)
@@ -170,18 +165,19 @@ def _forward_work(cfg: SimConfig, hw: Hardware, target: CostShape, backward: boo
                      else attention_time(cfg, hw, target, batches))
     else:
         attention = written_out_attention_time(cfg, hw, prefix, batches, backward)
-    act = eager.activation_elements(m)
+    act = counts.activation_elements(m)
     row_elements = (layers - target.layers) * act + LOGIT_PASSES * target.vocab
     elementwise = factor * FLOAT * (target.layers * act * trunk_tokens + row_elements * row_tokens) / hw.act_bw
-    return products, attention, elementwise, len(batches), _experts_touched(target, batches)
+    return products, attention, elementwise, len(batches)
 
 
 def logprob_time(cfg: SimConfig, hw: Hardware, target: CostShape) -> float:
     """The batch assembly, plus the recompute forward over every micro-batch unless it is folded into `train`."""
     if cfg.fold_logprob:
         return assembly_time(cfg, hw)
-    products, attention, elementwise, n, experts = _forward_work(cfg, hw, target, backward=False)
-    ops = eager.logprob_ops(cfg.model_config, n, experts, shared=shares_prompt(cfg)) * hw.op_overhead_s
+    products, attention, elementwise, n = _forward_work(cfg, hw, target, backward=False)
+    ops = counts.logprob_ops(cfg.model_config, n, shared=shares_prompt(cfg),
+                             groups=cfg.workload.prompts_per_step) * hw.op_overhead_s
     return assembly_time(cfg, hw) + products + attention + elementwise + ops
 
 
@@ -190,15 +186,16 @@ def train_time(cfg: SimConfig, hw: Hardware, target: CostShape, drafter: CostSha
     online (on the same micro-batches' detached states)."""
     online = cfg.spec is not None and cfg.spec.online_drafter_training and drafter is not None
     # the drafter learns on the policy's detached states: its own layer(s), forward and backward
-    products, attention, elementwise, n, experts = _forward_work(cfg, hw, target, backward=True,
-                                                                 drafter=drafter if online else None)
+    products, attention, elementwise, _ = _forward_work(cfg, hw, target, backward=True,
+                                                        drafter=drafter if online else None)
     optimizer = ADAMW_ACCESSES * FLOAT * target.total_params / hw.act_bw
     work = products + attention + elementwise + optimizer
     return hw.train_work * work + train_step_ops(cfg, target, drafter if online else None) * hw.train_op_s
 
 
 def train_step_ops(cfg: SimConfig, target: CostShape, drafter: CostShape | None = None) -> float:
-    """Operators one `train_step` launches on this workload (`eager.train_ops`), with `drafter` training online."""
+    """Operators one `train_step` launches on this workload (`counts.train_ops`), with `drafter` training online."""
     prefix, batches = passes(cfg)
-    return eager.train_ops(cfg.model_config, len(batches), _experts_touched(target, batches), fold=cfg.fold_logprob,
-                           shared=prefix is not None, drafter=cfg.spec.drafter if drafter is not None else None)
+    return counts.train_ops(cfg.model_config, len(batches), fold=bool(cfg.fold_logprob), shared=prefix is not None,
+                            drafter=cfg.spec.drafter if drafter is not None else None,
+                            groups=cfg.workload.prompts_per_step)

@@ -18,7 +18,7 @@ from megatron_spec.sim.hardware import Hardware
 @dataclass(frozen=True)
 class CpuHardware(Hardware):
     op_overhead_s: float = 0.0
-    """Host cost of launching one operator, seconds: our eager engine launches hundreds per forward (`eager.py`)."""
+    """Host cost of launching one operator, seconds: our eager engine launches hundreds per forward (`counts.py`)."""
     seq_overhead_s: float = 0.0
     """The embedded engine's Python work per sequence per forward (token lists, acceptance, appending), seconds."""
     seq_layer_s: float = 0.0

@@ -4,7 +4,7 @@ The core (`megatron_spec.sim`) costs a GPU forward as rooflines plus one fixed p
 engine on a CPU runs eagerly, so three things a GPU hides become most of a small model's step (README.md here
 derives them):
 
-    t_overhead = ops x op_s + n (seq_s + L seq_layer_s)      ops: counted on our code (`eager.py`)
+    t_overhead = ops x op_s + n (seq_s + L seq_layer_s)      ops: counted on our code (`counts.py`)
     t_attn    += L H q C x attn_score_s                       scale, mask, softmax per (query, key) score
     t_act      = n q x act_elements x 4 B / act_bw            norms, RoPE, SwiGLU, residual adds
 
@@ -28,7 +28,7 @@ from megatron_spec.sim.roofline import collective_time, sampler_time
 from megatron_spec.sim.shapes import CostShape, drafter_shape, shape_of
 from megatron_spec.sim.stages import data_time, refit_bytes
 
-from . import cpu_train, eager
+from . import counts, cpu_train
 from .hardware import CPU, CpuHardware
 
 
@@ -39,7 +39,7 @@ class CpuShape(CostShape):
     expert_out_rows: float = 0.0
     """Output features of one expert's matrices."""
     ops: float = 0.0
-    """Operators one forward launches in our eager engine, embedding to logits, MoE experts aside (`eager.py`)."""
+    """Operators one forward launches in our eager engine, embedding to logits (`counts.py`)."""
     sample_ops: float = 0.0
     """Operators of sampling and verification after a target forward that verifies drafts (0 for drafters)."""
     plain_sample_ops: float = 0.0
@@ -69,52 +69,52 @@ def _attention_rows(m: ModelConfig) -> float:
     return (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim + m.hidden_size
 
 
-def target_shape(m: ModelConfig, name: str = "model", kv_dtype_bytes: float = 4) -> CpuShape:
-    """The core's cost shape of a decoder plus what our eager engine launches and moves per forward."""
+def target_shape(m: ModelConfig, name: str = "model", kv_dtype_bytes: float = 4, sample: float = 0.0) -> CpuShape:
+    """The core's cost shape of a decoder plus what our eager engine launches and moves per forward; `sample`: the
+    operators of a verify step's sampling (counted with the drafter that verifies; 0 for a draft model)."""
+    ops = counts.engine(m)
     moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
     dense_layers = m.num_hidden_layers - moe_layers
     return CpuShape(
         **vars(shape_of(m, name=name, kv_dtype_bytes=kv_dtype_bytes)),
         out_rows=_attention_rows(m) * m.num_hidden_layers + (2 * m.intermediate_size + m.hidden_size) * dense_layers
         + m.num_experts * moe_layers + m.vocab_size,
-        expert_out_rows=2 * m.moe_intermediate_size + m.hidden_size, ops=eager.forward_ops(m),
-        sample_ops=eager.SAMPLE, plain_sample_ops=eager.SAMPLE_PLAIN,
-        act_elements=m.num_hidden_layers * eager.activation_elements(m),
+        expert_out_rows=2 * m.moe_intermediate_size + m.hidden_size, ops=ops.forward, sample_ops=sample,
+        plain_sample_ops=ops.plain_sample, act_elements=m.num_hidden_layers * counts.activation_elements(m),
     )
 
 
 def draft_shape(target: ModelConfig, kind: str, draft_model: str = "", layers: int = 1, draft_vocab: int = 0,
                 kv_dtype_bytes: float = 4) -> CpuShape | None:
     """The core's drafter shape (None for n-gram) plus our engine's operators and traffic per draft forward."""
-    if kind == "model":
-        if not draft_model:
-            raise ValueError("drafter kind 'model' needs a draft model preset name (e.g. tiny-draft)")
-        ops = eager.DRAFTER["model"]
-        draft = target_shape(preset(draft_model), name=draft_model, kv_dtype_bytes=kv_dtype_bytes)
-        return replace(draft, ops=draft.ops + ops.per_forward, sample_ops=0.0, plain_sample_ops=0.0,
-                       seq_ops=ops.per_seq)
-    core = drafter_shape(target, kind, draft_model, layers, draft_vocab, kv_dtype_bytes)
-    if core is None:
+    if kind == "ngram":
         return None
+    if kind == "model" and draft_model != "tiny-draft" or kind != "model" and layers != 1:
+        raise ValueError("the CPU harness counts the drafters our engine builds: a one-layer MTP / EAGLE-3 head or "
+                         f"the tiny-draft model, not {kind} {draft_model or ''} with {layers} layer(s)")
+    ops = counts.engine(target, kind)
+    if kind == "model":
+        draft = target_shape(preset(draft_model), name=draft_model, kv_dtype_bytes=kv_dtype_bytes)
+        return replace(draft, ops=ops.draft_forward, sample_ops=0.0, plain_sample_ops=0.0, seq_ops=ops.draft_seq)
+    core = drafter_shape(target, kind, draft_model, layers, draft_vocab, kv_dtype_bytes)
     h = target.hidden_size
     ffn = target.intermediate_size or 4 * h
     # A head's decoder layer plus its input norms, concatenation and final norm (~25 floats per hidden unit).
-    act = layers * (eager.activation_elements(target) + 25 * h)
+    act = layers * (counts.activation_elements(target) + 25 * h)
     if kind == "eagle3":
         return CpuShape(**vars(core), out_rows=layers * (_attention_rows(target) + 2 * ffn + h) + h + core.vocab,
-                        ops=eager.draft_layer_ops(target, layers) + eager.DRAFTER["eagle3"].per_forward,
-                        step_ops=eager.DRAFTER["eagle3"].per_step, act_elements=act)
+                        ops=ops.draft_forward, step_ops=ops.draft_step, act_elements=act)
     moe = target.is_moe
     out_rows = layers * (_attention_rows(target) + h + (core.experts if moe else 2 * ffn + h)) + target.vocab_size
     return CpuShape(**vars(core), out_rows=out_rows, expert_out_rows=2 * target.moe_intermediate_size + h,
-                    ops=eager.draft_layer_ops(target, layers) + layers * moe * eager.ROUTER
-                    + eager.DRAFTER["mtp"].per_forward,
-                    step_ops=eager.DRAFTER["mtp"].per_step, act_elements=act)
+                    ops=ops.draft_forward, step_ops=ops.draft_step, act_elements=act)
 
 
 def shapes(cfg: SimConfig) -> tuple[CpuShape, CpuShape | None]:
     kv_bytes = 4 if cfg.gen_dtype_bytes == 4 else 2
-    target = target_shape(cfg.model_config, name=str(cfg.model), kv_dtype_bytes=kv_bytes)
+    kind = cfg.spec.drafter if cfg.spec is not None else None
+    sample = counts.engine(cfg.model_config, kind).sample
+    target = target_shape(cfg.model_config, name=str(cfg.model), kv_dtype_bytes=kv_bytes, sample=sample)
     drafter = None
     if cfg.spec is not None:
         s = cfg.spec
@@ -142,7 +142,7 @@ def forward_time(shape: CpuShape, hw: CpuHardware, n_seqs: float, q_tokens: floa
     if hw.act_bw:
         t += tokens * shape.act_elements * dtype_bytes / hw.act_bw / tp
     t += collective_time(hw, CPU, shape, tokens, tp, ep)
-    ops = shape.ops + shape.moe_layers * touched * eager.EXPERT + n_seqs * shape.seq_ops
+    ops = shape.ops + n_seqs * shape.seq_ops
     if sample:  # a verify step (drafts: more than one token per sequence) or a plain decode step
         ops += shape.sample_ops if tokens > n_seqs else shape.plain_sample_ops
     return t + ops * hw.op_overhead_s + n_seqs * (hw.seq_overhead_s + shape.layers * hw.seq_layer_s)

@@ -1,12 +1,12 @@
-"""Count the operators our eager engine and trainer launch: the facts behind the counts in `eager.py`.
+"""Count the operators our eager engine and trainer launch: what `counts.py` derives the CPU model's counts from.
 
 On the CPU a tiny model's step is dominated by what every operator costs to launch (Python, the dispatcher,
 allocation), so the simulator needs to know how many operators a forward, a verify step, a draft step, a training
-pass and an optimizer step launch. `eager.py` holds those counts as a small explained model; this module measures
-them on the real code (`LLMEngine`, the proposers, `EmbeddedPolicy`) by counting every ATen operator that reaches
-the dispatcher (`TorchDispatchMode`), views and in-place updates included, backward included. Models are built
-with random weights from a `ModelConfig`, so any shape can be counted without a checkpoint. Counting never times
-anything: the counts are deterministic, which is what lets `tests/sim_cpu/test_eager.py` hold `eager.py` to them.
+pass and an optimizer step launch; this module measures them on the real code (`LLMEngine`, the proposers,
+`EmbeddedPolicy`) by counting every ATen operator that reaches the dispatcher (`TorchDispatchMode`), views and
+in-place updates included, backward included. Models are built with random weights from a `ModelConfig`, so any
+shape can be counted without a checkpoint. Counting never times anything: the counts are deterministic for a given
+torch build and our code.
 
 Like `cpu_profile.measure`, everything here imports torch inside the functions.
 """
@@ -134,7 +134,8 @@ class TrainCensus:
 
 
 def trainer_pass(cfg: ModelConfig, batch: int = 4, tokens: int = 16, budget: int = 0,
-                 fold: bool = False, shared: bool = False, drafter: str | None = None) -> TrainCensus:
+                 fold: bool = False, shared: bool = False, drafter: str | None = None,
+                 ends: list[int] | None = None) -> TrainCensus:
     """Count the embedded trainer's `logprobs` and `train_step` on a random batch of `batch` x `tokens` ids whose
     odd rows end 4 tokens early, cut into micro-batches with the padded-token budget `budget` (0: one micro-batch;
     `2 * tokens` gives two of two rows each, the second cropped), the behaviour log-probs recomputed or, with
@@ -142,7 +143,8 @@ def trainer_pass(cfg: ModelConfig, batch: int = 4, tokens: int = 16, budget: int
     half of the row), which the trainer computes once (`grpo.share_prompt`: a prefix pass, then suffix passes);
     without it every prompt differs, so nothing is shared. `drafter` (mtp, eagle3, draft_model) trains online in
     the step, on the micro-batches' detached states. The counts depend on the architecture and the number of
-    micro-batches (and on how many are cropped or hold a single row), not on the sizes."""
+    micro-batches (and on how many are cropped or hold a single row), not on the sizes. `ends` sets each row's
+    used length instead (from half the row up to `tokens`)."""
     import torch
 
     from megatron_spec.models import CausalLM
@@ -160,6 +162,10 @@ def trainer_pass(cfg: ModelConfig, batch: int = 4, tokens: int = 16, budget: int
     mask = torch.zeros(batch, tokens, dtype=torch.bool)
     mask[:, tokens // 2:] = True
     mask[1::2, tokens - 4:] = False
+    if ends is not None:
+        for row, end in enumerate(ends):
+            mask[row, tokens // 2:] = True
+            mask[row, end:] = False
     data = Batch(ids, mask, advantages=torch.randn(batch))
     old = policy.logprobs(data)
     logprob = count_ops(lambda: policy.logprobs(data))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.sim_cpu import cpu_train, eager, model
+from benchmarks.sim_cpu import counts, cpu_train, model
 from benchmarks.sim_cpu.cpu_profile import CpuProfile
 from benchmarks.sim_cpu.measured import COMMITTED_PROFILE
 from megatron_spec.rl.config import GRPOSection
@@ -21,6 +21,7 @@ from megatron_spec.rl.microbatch import sequence_lengths
 from megatron_spec.sim.config import LengthDist, SimConfig, TrainParallel, Workload
 
 REPO = Path(__file__).resolve().parents[2]
+QWEN3 = model.preset("tiny-qwen3")
 HW = CpuProfile.load(REPO / COMMITTED_PROFILE).to_hardware()
 
 
@@ -81,12 +82,13 @@ def test_fold_leaves_logprob_only_its_bookkeeping():
     folded, separate = cpu_config(dist, fold_logprob=True), cpu_config(dist, fold_logprob=False)
     _, _, target, drafter = build(folded, HW)
     logprob = cpu_train.logprob_time(folded, HW, target)
-    assert logprob == pytest.approx(eager.batch_ops(64) * HW.op_overhead_s)
+    assert logprob == pytest.approx(counts.batch_ops(64) * HW.op_overhead_s)
     assert logprob < 0.003  # ~1.9 ms: 12 operators per rollout
     assert cpu_train.logprob_time(separate, HW, target) > 10 * logprob
     # the train forward is the same forward: one operator more per step (the tensor the log-probs go into)
     extra = cpu_train.train_time(folded, HW, target, drafter) - cpu_train.train_time(separate, HW, target, drafter)
-    assert extra == pytest.approx(eager.TRAIN_FOLD * HW.op_overhead_s)
+    fold_ops = counts.train_ops(QWEN3, 1, True, True) - counts.train_ops(QWEN3, 1, False, True)
+    assert fold_ops == 1 and extra == pytest.approx(fold_ops * HW.op_overhead_s)
 
 
 def test_gpu_fold_drops_the_recompute_pass():
