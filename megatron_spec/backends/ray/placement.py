@@ -72,6 +72,8 @@ def plan(cfg, cluster: dict, layout: dict | None = None) -> Placement:
     ValueError naming what is short before any actor starts: more GPUs asked than the cluster has, or an engine
     count the layout contradicts."""
     kind = cfg.backend.placement
+    if kind == "inline" and layout and "ray" in layout:  # an at-scale recipe left it to its layout
+        kind = layout["ray"]["placement"]
     if kind not in ("colocated", "disaggregated"):
         raise ValueError(f"the Ray driver runs backend.placement colocated or disaggregated, got {kind!r}")
     world, engines = trainer_world(cfg, layout), cfg.backend.generators

@@ -45,6 +45,9 @@ def test_megatron_world_and_recipe_layout():
               "vllm": {"engines": 16}, "ray": {"bundle": {"GPU": 1}}}
     p = plan(cfg_with(trainer="megatron", placement="colocated"), {"CPU": 1024.0, "GPU": 128.0}, layout)
     assert (p.trainer_world, p.generators, len(p.bundles)) == (128, 16, 128)
+    layout["ray"]["placement"] = "disaggregated"  # a recipe's own placement, when the config leaves it inline
+    p = plan(cfg_with(trainer="megatron"), {"CPU": 1024.0, "GPU": 160.0}, layout)
+    assert (p.kind, len(p.bundles), p.generator(0).bundle) == ("disaggregated", 144, 128)
 
 
 def test_resources_the_cluster_lacks_fail_before_any_actor():
