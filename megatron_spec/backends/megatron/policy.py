@@ -2,10 +2,11 @@
 `load_state_dict`) on a Megatron-Core `GPTModel` split over TP / PP / EP, with the MTP head as Megatron's own MTP
 layers trained in the same backward and optimizer step.
 
-Every rank holds one `MegatronPolicy` and every method is collective. The RL loop runs on rank 0 only and never
-sees torch.distributed: rank 0's calls are first announced to the other ranks (`_announce`: method name and
-arguments, one broadcast), which wait in `follow()` and make the same call (`launch.py` starts them). A single
-process (world size 1) is the same code without announcements.
+Every rank holds one `MegatronPolicy` and every method is collective. Either every rank makes the same calls
+(SPMD, `followers=False`: the tests), or, for the RL loop, which runs on rank 0 only and never sees
+torch.distributed, rank 0's calls are first announced to the other ranks (`_announce`: method name and arguments,
+one broadcast), which wait in `follow()` and make the same call (`from_rl` sets `followers`; `launch.py` starts
+the ranks). A single process (world size 1) is the same code without announcements.
 
 Optimizer: torch's AdamW on each rank's shards with the embedded trainer's settings (policy: `grpo.lr`, betas
 (0.9, 0.99); MTP layers: `drafter_train.lr`, torch's default betas, as the embedded drafter), after the
@@ -37,7 +38,8 @@ from .importer import import_hf
 from .parallel import init_model_parallel
 from .provider import build_model
 from .step import (
-    StepSpec, aux_loss_sum, clip, gather_rows, is_mtp, plan, reduce_grads, run_schedule, sum_metrics,
+    StepSpec, aux_loss_sum, clip, gather_rows, is_mtp, norm_owned, plan, reduce_grads, reset_router_tracker, run_schedule,
+    sum_metrics,
 )
 
 require_megatron()
@@ -61,7 +63,7 @@ def hf_weights(model: CausalLM, drafter) -> dict[str, torch.Tensor]:
 class MegatronPolicy:
     def __init__(self, model: CausalLM, grpo, sampling: dict, par: Parallelism, *, drafter=None,
                  mtp_num_layers: int = 0, mtp_coupling: str = "detached", mtp_loss_scaling_factor: float = 0.1,
-                 drafter_lr: float = 3e-4, sequence_parallel: bool = False, seed: int = 0):
+                 drafter_lr: float = 3e-4, sequence_parallel: bool = False, seed: int = 0, followers: bool = False):
         cfg = model.config
         if grpo.kl_coef > 0:
             raise NotImplementedError("the Megatron trainer has no reference model yet: use grpo.kl_coef=0")
@@ -86,19 +88,22 @@ class MegatronPolicy:
             drafter = MTP(cfg, MTPConfig(mtp_num_layers))
         self.has_drafter = drafter is not None and mtp_num_layers > 0
         init_model_parallel(par, cfg)
+        reset_router_tracker()
         self.model = build_model(cfg, par, mtp_num_layers=mtp_num_layers, init=False,
-                                 sequence_parallel=sequence_parallel, variable_seq_lengths=par.pp > 1,
+                                 sequence_parallel=sequence_parallel,
                                  batch_p2p_comm=False)
         import_hf(self.model, hf_weights(model, drafter if self.has_drafter else None))
         self.model.train()
         named = list(self.model.named_parameters())
-        self.trunk_params = [p for n, p in named if not is_mtp(n)]
-        self.mtp_params = [p for n, p in named if is_mtp(n)]
-        groups = [dict(params=self.trunk_params, lr=grpo.lr, betas=(0.9, 0.99))]
-        if self.mtp_params:
-            groups.append(dict(params=self.mtp_params, lr=drafter_lr))
+        self.trunk = [(n, p) for n, p in named if not is_mtp(n)]
+        self.mtp_layers = [(n, p) for n, p in named if is_mtp(n)]
+        self.owned = norm_owned(self.model)
+        groups = [dict(params=[p for _, p in self.trunk], lr=grpo.lr, betas=(0.9, 0.99))]
+        if self.mtp_layers:
+            groups.append(dict(params=[p for _, p in self.mtp_layers], lr=drafter_lr))
         self.opt = torch.optim.AdamW(groups, weight_decay=0.0)
-        self.rank = dist.get_rank()
+        # With followers, rank 0 announces each call (the RL loop); without, every rank makes the calls itself.
+        self.leader = followers and dist.get_rank() == 0 and dist.get_world_size() > 1
 
     @classmethod
     def from_rl(cls, cfg, model: CausalLM, drafter=None) -> "MegatronPolicy":
@@ -116,12 +121,12 @@ class MegatronPolicy:
                    Parallelism.from_section(m), drafter=drafter if m.mtp_num_layers else None,
                    mtp_num_layers=m.mtp_num_layers, mtp_coupling=m.mtp_coupling,
                    mtp_loss_scaling_factor=m.mtp_loss_scaling_factor, drafter_lr=cfg.drafter_train.lr,
-                   sequence_parallel=m.sequence_parallel, seed=cfg.run.seed)
+                   sequence_parallel=m.sequence_parallel, seed=cfg.run.seed, followers=world > 1)
 
     # -- rank 0 announces, the others follow ------------------------------------------------------------------
 
     def _announce(self, name: str, *args) -> None:
-        if self.rank == 0 and dist.get_world_size() > 1:
+        if self.leader:
             dist.broadcast_object_list([(name, args)], src=0)
 
     def follow(self) -> None:
@@ -151,7 +156,7 @@ class MegatronPolicy:
 
     def _micros(self, batch: Batch):
         return plan(batch, self.grpo.micro_batch_tokens, ps.get_data_parallel_world_size(),
-                    ps.get_data_parallel_rank())
+                    ps.get_data_parallel_rank(), fixed=self.par.pp > 1)
 
     def _contributes(self) -> bool:
         return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
@@ -196,9 +201,9 @@ class MegatronPolicy:
             metrics["skipped"] = True
             return metrics
         reduce_grads(self.model)
-        metrics["grad_norm"] = clip(self.trunk_params, self.grpo.max_grad_norm)
-        if self.mtp_params:
-            clip(self.mtp_params, 1.0)
+        metrics["grad_norm"] = clip(self.trunk, self.owned, self.grpo.max_grad_norm)
+        if self.mtp:  # collective: stages without MTP layers take part with nothing
+            clip(self.mtp_layers, self.owned, 1.0)
             metrics["drafter_loss"] = sums["drafter_loss"]
         self.opt.step()
         metrics["skipped"] = False

@@ -18,7 +18,6 @@ gradient, while the router losses keep their 1 / (all micro-batches) weight.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -34,12 +33,12 @@ from megatron_spec.spec.drafter_loss import soft_cross_entropy
 from . import require_megatron
 from .cpu import on_cpu
 from .forward import head
+from .importer import layer_offset
+from .mapping import REPLICATED, megatron_to_hf
 
 require_megatron()
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
-from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate  # noqa: E402
-from megatron.core.transformer.module import param_is_not_shared  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 
 
@@ -51,17 +50,19 @@ class Micro:
     batch: Batch
 
 
-def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int) -> list[Micro]:
+def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int, fixed: bool = False) -> list[Micro]:
     """This data-parallel rank's micro-batches.
 
-    One data-parallel rank (TP / PP only): the embedded trainer's length buckets (`microbatch.micro_batches`), so
-    both trainers cut the same batch the same way. Several (EP spreads the experts over the data-parallel ranks of
-    the dense layers): the MoE dispatcher exchanges tokens between them in every layer, so every rank must run the
-    same number of micro-batches of the same shape: consecutive rows in chunks of m (the largest divisor of B / dp
-    with m x T within the budget) at the batch's full length, chunk j on rank j mod dp.
+    One data-parallel rank and no pipeline (TP only): the embedded trainer's length buckets
+    (`microbatch.micro_batches`), so both trainers cut the same batch the same way. Otherwise every rank must run
+    micro-batches of one shape: the MoE dispatcher exchanges tokens between the data-parallel ranks (over which EP
+    spreads the experts) in every layer, and the pipeline schedule sends activations of one shape between stages
+    (Megatron's variable-length exchange does not work with the MoE all-gather dispatcher). So (`fixed`, or
+    dp > 1): consecutive rows in chunks of m (the largest divisor of B / dp with m x T within the budget) at the
+    batch's full length, chunk j on rank j mod dp.
     """
     B, T = batch.input_ids.shape
-    if dp == 1:
+    if dp == 1 and not fixed:
         lengths = sequence_lengths(batch.mask)
         return [Micro(rows, batch.select(rows, max(lengths[r] for r in rows)))
                 for rows in micro_batches(lengths, token_budget)]
@@ -202,24 +203,25 @@ def run_schedule(model, micros: list[Micro], spec: StepSpec, mtp: str | None, fo
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def is_expert(p) -> bool:
-    """Megatron marks expert parameters `allreduce=False`: they are reduced over the expert data-parallel group."""
-    return not getattr(p, "allreduce", True)
+def is_expert(name: str) -> bool:
+    """Expert parameters (`...mlp.experts.*`, not shared experts) are reduced over the expert data-parallel group."""
+    return ".mlp.experts." in name
 
 
 @torch.no_grad()
 def reduce_grads(model) -> None:
     """What Megatron's `finalize_model_grads` does, on plain `.grad`: average over data-parallel ranks (expert
     parameters over their expert data-parallel group, with the same 1 / dp), sum the first and last stages'
-    embedding copies (PP with MTP or tied heads), and sum sequence-parallel parameters over TP."""
+    embedding copies (PP with MTP or tied heads), and sum over TP the replicated parameters whose gradient each TP
+    rank only has part of."""
     dp = ps.get_data_parallel_world_size()
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for _, p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     if dp > 1:
-        for p in params:
-            group = ps.get_expert_data_parallel_group() if is_expert(p) else ps.get_data_parallel_group()
+        for n, p in params:
+            group = ps.get_expert_data_parallel_group() if is_expert(n) else ps.get_data_parallel_group()
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(p.grad, group=group)
             p.grad.div_(dp)
@@ -228,28 +230,46 @@ def reduce_grads(model) -> None:
         # The first stage's embedding and the last stage's copy (for the MTP layers or a tied head) are one weight.
         dist.all_reduce(model.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
     if ps.get_tensor_model_parallel_world_size() > 1:
-        for p in params:
-            if getattr(p, "sequence_parallel", False):
+        # Replicated parameters that each TP rank sees only part of the tokens or heads of: norms under sequence
+        # parallelism, and the QK norms (shared by all heads, each rank holding some heads).
+        cfg = model.config
+        for name, p in model.named_parameters():
+            partial_grad = (cfg.sequence_parallel and getattr(p, "sequence_parallel", False)) or (
+                cfg.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name))
+            if p.requires_grad and partial_grad:
                 dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
 
 
+def norm_owned(model) -> dict[str, bool]:
+    """Whether this rank counts each parameter in the global gradient norm: every shard once. Read from the HF
+    mapping (Megatron's `tensor_model_parallel` attributes are only set when Megatron initialises the weights):
+    replicated tensors count on TP rank 0 only (expert ones on ETP rank 0), and a later stage's copy of the
+    embedding (MTP layers, tied head) not at all."""
+    offset, tied = layer_offset(model), model.hf_config.tie_word_embeddings
+    first = ps.is_pipeline_first_stage()
+    owned = {}
+    for name, _ in model.named_parameters():
+        spec = megatron_to_hf(name, offset, first_stage=first, tied=tied)
+        rank = ps.get_expert_tensor_parallel_rank() if spec.is_expert else ps.get_tensor_model_parallel_rank()
+        owned[name] = spec.export and (spec.kind != REPLICATED or rank == 0)
+    return owned
+
+
 @torch.no_grad()
-def clip(params: list, max_norm: float) -> float:
-    """Global L2 norm of `params`' gradients across every model-parallel rank (each shard counted once: TP
-    duplicates and the last stage's embedding copy skipped), then torch's `clip_grad_norm_` rule."""
-    dense = [p.grad for p in params if not is_expert(p) and param_is_not_shared(p)
-             and param_is_not_tensor_parallel_duplicate(p)]
-    experts = [p.grad for p in params if is_expert(p)]
-    sq = [torch.stack([torch.linalg.vector_norm(g) for g in gs]).square().sum() if gs else torch.zeros(())
-          for gs in (dense, experts)]
-    if dist.get_world_size(ps.get_model_parallel_group()) > 1:
-        dist.all_reduce(sq[0], group=ps.get_model_parallel_group())
-    expert_group = ps.get_expert_tensor_model_pipeline_parallel_group()
-    if dist.get_world_size(expert_group) > 1:
-        dist.all_reduce(sq[1], group=expert_group)
-    total = float((sq[0] + sq[1]).sqrt())
+def clip(named: list[tuple[str, Tensor]], owned: dict[str, bool], max_norm: float) -> float:
+    """Global L2 norm of the gradients of `named` parameters (each shard once, `norm_owned`), then torch's
+    `clip_grad_norm_` rule. Squares are summed over the whole job; data-parallel replicas, whose gradients are
+    equal after `reduce_grads`, are divided back out (the expert parameters' over their own replica count).
+    Collective: every rank calls it, with or without parameters."""
+    sq = torch.zeros(2, dtype=torch.float64)
+    for n, p in named:
+        if owned[n]:
+            sq[int(is_expert(n))] += torch.linalg.vector_norm(p.grad).double().square()
+    if dist.get_world_size() > 1:
+        dist.all_reduce(sq)
+    total = float((sq[0] / ps.get_data_parallel_world_size() + sq[1] / ps.get_expert_data_parallel_world_size()).sqrt())
     coef = min(max_norm / (total + 1e-6), 1.0)
-    for p in params:
+    for _, p in named:
         p.grad.mul_(coef)
     return total
 
@@ -297,5 +317,6 @@ def aux_loss_sum(model, micro_total: int) -> float:
     return float(value) * coeff / micro_total
 
 
-def finite(x: float) -> bool:
-    return math.isfinite(x)
+def reset_router_tracker() -> None:
+    """Forget Megatron's router-loss tracker (process-global, sized by the first model that logged into it)."""
+    moe_utils.get_moe_layer_wise_logging_tracker().clear()
