@@ -7,7 +7,8 @@ Ray places one trainer and one generator worker per GPU. The EAGLE-3 drafter is 
 responses (`megatron-spec train-drafter --method eagle3`) and trained online during RL.
 
 Running needs `pip install -e .[megatron,vllm,ray]` on the cluster: submit with `--executor ray-slurm`;
-`--dryrun` works anywhere.
+`--dryrun` works anywhere. `--tune` replaces this layout by the tuner's best for `--nodes` x `--gpus-per-node`
+GPUs of kind `--gpu` (`megatron-spec tune`), and prints it with the predicted stage times.
 """
 
 import sys

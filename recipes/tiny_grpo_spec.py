@@ -2,7 +2,8 @@
 
 Needs the tiny policy and its MTP drafter (`megatron-spec pretrain --preset tiny-qwen3 --out checkpoints/tiny-qwen3`,
 then `megatron-spec train-drafter --method mtp ...`). Runs on the embedded engine: `--executor local` (default) or
-`slurm` (one node, one GPU).
+`slurm` (one node); with `backend.placement=colocated` or `disaggregated` on Ray worker groups: `--executor local`
+(a local Ray cluster, or the one at RAY_ADDRESS) or `ray-slurm` (slurm/ray.sub, the driver on the head).
 """
 
 import sys
