@@ -115,7 +115,8 @@ def profile_for(data: dict, cpu_profile: str | Path | None = None) -> CpuProfile
         profile = CpuProfile.load(cpu_profile)
         if profile.threads != threads:
             raise ValueError(f"CPU profile {cpu_profile} was measured with {profile.threads} threads, the "
-                             f"measurement ran {threads}: re-measure it with `python -m benchmarks.sim_cpu calibrate --threads {threads}`")
+                             f"measurement ran {threads}: re-measure it with "
+                             f"`python -m benchmarks.sim_cpu calibrate --threads {threads}`")
         return profile
     return load_or_measure(cpu_profile, threads=threads)
 

@@ -6,7 +6,7 @@ accepted given positions 1..i-1 were, the expected tokens per verify ("acceptanc
 
     tau(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_j
 
-which for a constant per-token acceptance a is the geometric sum (1 - a^(k+1)) / (1 - a) (ANCHORS.md, Theory).
+which for a constant per-token acceptance a is the geometric sum (1 - a^(k+1)) / (1 - a) (Leviathan et al. 2023).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Every calibration constant of the simulator, in one place.
 
 A hardware profile is a spec sheet; these factors say how much of it real software reaches. There is one set,
-shared by H100, H200, B200 and GB200 and by every validation and projection. Nothing is fitted per case: changing a number here moves every
-prediction, which is what the tests in `tests/sim` guard.
+shared by H100, H200, B200 and GB200 and by every validation and projection. Nothing is fitted per case: changing
+a number here moves every prediction, which is what the tests in `tests/sim` guard.
 
 Where each GPU value comes from:
 

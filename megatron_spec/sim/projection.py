@@ -6,7 +6,8 @@ through the model validated on its 8B runs:
 
 - workload: 4096 rollouts per step (256 prompts x 16), FP8 engine weights, and the response-length distribution
   inferred from the paper's RL-Think AR run (validation (a)), so lengths are not a free knob;
-- training layout: NeMo-RL's GRPO Qwen3-235B recipe, TP2 PP8 CP2 EP16 (ANCHORS.md), data parallel over the rest;
+- training layout: NeMo-RL's GRPO Qwen3-235B recipe, TP2 PP8 CP2 EP16 (its published recipe config), data
+  parallel over the rest;
 - engines: TP8 with the experts spread over the same 8 GPUs (EP8) -- 29 GB of FP8 weights per GPU;
 - sync runs are colocated on all GPUs; async runs are disaggregated, with the generation / training split that
   gives each variant (AR or speculative) its own best step time, so speculation is not handicapped by a split

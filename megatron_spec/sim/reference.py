@@ -1,4 +1,4 @@
-"""Validation case (a): the reference paper's Qwen3-8B GRPO runs on 32 GB200 (arXiv 2604.26779, ANCHORS.md).
+"""Validation case (a): the reference paper's Qwen3-8B GRPO runs on 32 GB200 (arXiv 2604.26779).
 
 Inputs are what the paper reports for its autoregressive runs -- the five stage times -- plus the acceptance length
 of each speculative run and its k. Outputs are the speculative columns. The paper does not state its rollout
@@ -21,7 +21,8 @@ from .memory import memory_report
 from .pipeline import build, generation
 from .stages import refit_bytes
 
-# What the paper reports (ANCHORS.md). AR stage times are inputs; the speculative figures are only compared with.
+# What the paper reports (arXiv 2604.26779, its stage-time and acceptance tables). AR stage times are inputs; the
+# speculative figures are only compared with.
 PAPER_AR_STAGES = {
     "think": {"data": 0.3, "prepare": 2.1, "gen": 133.6, "logprob": 17.9, "train": 31.4},
     "zero": {"data": 0.2, "prepare": 1.9, "gen": 100.0, "logprob": 17.8, "train": 31.3},

@@ -89,6 +89,8 @@ class Rejections(Counter):
     def add(self, reason: str, n: int = 1) -> None:
         if n <= 0:
             return
+        if reason.count("(") > reason.count(")"):  # a clause cut at its first ";" inside a parenthesis
+            reason = reason[: reason.rfind("(")].rstrip()
         key = re.sub(r"\d+(\.\d+)?", "#", reason)
         self[key] += n
         self.example.setdefault(key, reason)

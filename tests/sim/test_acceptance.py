@@ -9,7 +9,7 @@ from megatron_spec.sim.reference import PAPER_GEN_SPEEDUP, PAPER_TAU
 
 
 def test_geometric_acceptance_length():
-    """a = 0.5, k = 3: 1 + 0.5 + 0.25 + 0.125 = 1.875 tokens per verify (ANCHORS.md, Theory)."""
+    """a = 0.5, k = 3: 1 + 0.5 + 0.25 + 0.125 = 1.875 tokens per verify (Leviathan et al. 2023)."""
     assert tau_from_rate(0.5, 3) == pytest.approx(1.875)
     assert tau_from_rate(1.0, 5) == 6.0
     assert tau_from_rate(0.0, 7) == 1.0

@@ -37,8 +37,8 @@ def test_decode_at_batch_one_is_weight_bandwidth_bound():
 
 def test_verify_is_free_at_small_batch_and_costs_k_plus_one_at_large_batch():
     """At 8 sequences, 4 verify tokens each are still under the ridge (~220 tokens on H100 with these
-    efficiencies: 5.65 ms of weights / 25.5 us of arithmetic per token), so verify costs the same as decode. At 2048 sequences both are compute-bound and the linear
-    layers cost exactly 4x."""
+    efficiencies: 5.65 ms of weights / 25.5 us of arithmetic per token), so verify costs the same as decode. At
+    2048 sequences both are compute-bound and the linear layers cost exactly 4x."""
     small = linear_time(Q8, H100, GPU, 8 * 4, 1, 2) / linear_time(Q8, H100, GPU, 8, 1, 2)
     large = linear_time(Q8, H100, GPU, 2048 * 4, 1, 2) / linear_time(Q8, H100, GPU, 2048, 1, 2)
     assert small == pytest.approx(1.0)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.sim_cpu.measured import (COMMITTED_MEASUREMENTS, COMMITTED_PROFILE, CURRENT_TRAINER, DEFAULT_MEASUREMENT,
-                                        compare, config_from_measurement, format_comparison)
+from benchmarks.sim_cpu.measured import (COMMITTED_MEASUREMENTS, COMMITTED_PROFILE, CURRENT_TRAINER,
+                                         DEFAULT_MEASUREMENT, compare, config_from_measurement, format_comparison)
 from benchmarks.sim_cpu.cpu_profile import CpuProfile
 from benchmarks.sim_cpu.model import simulate
 
