@@ -6,8 +6,8 @@ import argparse
 import importlib
 
 BENCHMARKS = {
-    "engine": ("megatron_spec.bench.engine", "plain engine vs HF transformers generate"),
-    "rollout": ("megatron_spec.bench.rollout", "speculative vs plain decoding per drafter, batch and k"),
+    "engine": ("megatron_spec.bench.engine", "plain engine vs HF transformers generate (or vLLM: --peer vllm)"),
+    "rollout": ("megatron_spec.bench.rollout", "speculative vs plain decoding per drafter, batch and k (ours vs vLLM: --engine vllm)"),
     "step": ("megatron_spec.bench.step", "RL step stage times, plain vs speculative, with the ideal bound"),
 }
 

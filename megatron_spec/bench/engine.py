@@ -3,6 +3,9 @@
 Same model weights, same prompts (equal length, so HF needs no padding), same sampling settings (temperature 1,
 no top-k/top-p, EOS ignored so both make exactly `new_tokens` tokens), batch 1, 8 and 32. Each cell is the best of
 `repeats` runs, alternating ours and HF's so that background load hits both alike.
+
+`--peer vllm` measures vLLM (plain decoding, the model exported to a temporary HF directory, one engine for all
+batches) in place of HF `generate`; the columns keep their names (`hf_*` then means the peer).
 """
 
 from __future__ import annotations
@@ -30,7 +33,20 @@ def bench_prompts(vocab: int, batch: int, prompt_len: int, seed: int) -> list[li
     return torch.randint(3, vocab, (batch, prompt_len), generator=g).tolist()
 
 
-def run(model_name: str, batches: list[int], new_tokens: int, prompt_len: int, repeats: int) -> dict:
+def vllm_twin(model, max_len: int):
+    """A vLLM engine on exactly our model's weights (imported by name: the core never imports vLLM itself)."""
+    import importlib
+    import tempfile
+    from pathlib import Path
+
+    export = importlib.import_module("megatron_spec.backends.vllm.export")
+    backend = importlib.import_module("megatron_spec.backends.vllm")
+    path = export.export_target(model, Path(tempfile.mkdtemp(prefix="bench-engine-vllm-")) / "model")
+    return backend.VLLMGenerator(str(path), max_model_len=max_len)
+
+
+def run(model_name: str, batches: list[int], new_tokens: int, prompt_len: int, repeats: int,
+        peer: str = "hf") -> dict:
     import torch
 
     from ..engine import LLMEngine, SamplingParams
@@ -38,7 +54,10 @@ def run(model_name: str, batches: list[int], new_tokens: int, prompt_len: int, r
     from .common import machine, timed
 
     model = from_pretrained(model_name)
-    hf = hf_twin(model)
+    if peer == "vllm":
+        peer_engine = vllm_twin(model, min(model.config.max_position_embeddings, prompt_len + new_tokens + 16))
+    else:
+        hf = hf_twin(model)
     engine = LLMEngine(model, max_num_seqs=max(batches))
     params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0)
     rows = []
@@ -50,6 +69,8 @@ def run(model_name: str, batches: list[int], new_tokens: int, prompt_len: int, r
             return engine.generate(prompts, params)
 
         def theirs():
+            if peer == "vllm":
+                return peer_engine.generate(prompts, params)
             with torch.inference_mode():
                 return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
                                    top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
@@ -63,7 +84,9 @@ def run(model_name: str, batches: list[int], new_tokens: int, prompt_len: int, r
         rows.append({"batch": batch, "ours_tok_s": tokens / t_ours, "hf_tok_s": tokens / t_hf,
                      "ours_ms_step": 1000 * t_ours / new_tokens, "hf_ms_step": 1000 * t_hf / new_tokens,
                      "speedup": t_hf / t_ours})
-    return {"benchmark": "engine", "model": model_name, "machine": machine(), "new_tokens": new_tokens,
+    if peer == "vllm":
+        peer_engine.close()
+    return {"benchmark": "engine", "peer": peer, "model": model_name, "machine": machine(), "new_tokens": new_tokens,
             "prompt_len": prompt_len, "repeats": repeats, "rows": rows}
 
 
@@ -71,8 +94,9 @@ def main(args: argparse.Namespace) -> int:
     from .common import print_table, set_threads, write_json
 
     set_threads(args.threads)
-    result = run(args.model, args.batch, args.new_tokens, args.prompt_len, args.repeats)
-    print(f"bench engine: {result['model']} on {result['machine']}, {args.new_tokens} new tokens, sampling T=1")
+    result = run(args.model, args.batch, args.new_tokens, args.prompt_len, args.repeats, args.peer)
+    print(f"bench engine: {result['model']} on {result['machine']}, {args.new_tokens} new tokens, sampling T=1, "
+          f"peer {args.peer}")
     print_table(result["rows"], ["batch", "ours_tok_s", "hf_tok_s", "ours_ms_step", "hf_ms_step", "speedup"])
     print(f"wrote {write_json(args.out, result)}")
     return 0
@@ -85,4 +109,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (0 keeps torch's default)")
+    p.add_argument("--peer", choices=["hf", "vllm"], default="hf",
+                   help="hf: transformers generate; vllm: a vLLM engine (needs the vllm extra)")
     p.add_argument("--out", default="benchmarks/results/bench_engine.json")

@@ -7,6 +7,9 @@ as the reference paper counts it) and per-position acceptance. Plus an "RL rollo
 second of two steps so the history drafter has the previous step's rollouts, as it would in training.
 Speedups are medians of back-to-back ratios over `repeats` (plain and speculative runs alternating which goes
 first), speeds best-of-`repeats`.
+
+`--engine vllm` puts our engine and vLLM (the peer our users would otherwise pick) side by side instead: the same
+target, drafters, prompts and sampling, plain and speculative at one k, on both engines in one run (see `peer_rows`).
 """
 
 from __future__ import annotations
@@ -111,6 +114,83 @@ def run(args) -> dict:
             "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows}
 
 
+PEER_METHODS = ("ngram", "draft_model", "mtp", "eagle3")
+"""Drafters both engines have (`history` has no vLLM counterpart)."""
+
+
+def peer_rows(args, target) -> list[dict]:
+    """Our engine and vLLM on the same target, drafters, prompts and sampling (T=1, EOS ignored, `max_tokens`
+    each), plain and speculative with k = the first numeric `--k`. vLLM engines start once (one plain, one per
+    drafter) and are warmed on other prompts like ours; each cell is best-of-`repeats` tokens/s, alternating the two
+    engines. vLLM is imported by name through the backend, so this core module never imports it."""
+    import importlib
+    import tempfile
+
+    from ..engine import SamplingParams
+    from ..models import load_drafter
+    from ..spec.config import SpecConfig
+    from ..spec.stats import speculation_summary
+    from ..spec.train_drafter import task_prompts
+    from .common import drafter_checkpoint, timed
+
+    backend = importlib.import_module("megatron_spec.backends.vllm")
+    export = importlib.import_module("megatron_spec.backends.vllm.export")
+    k = next(int(x) for x in args.k if x != "adaptive")
+    root = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    export.export_target(target, root / "policy")
+    max_len = min(target.config.max_position_embeddings, 4096)
+    engines = {None: backend.VLLMGenerator(str(root / "policy"), max_model_len=max_len)}
+    dirs = {None: None}
+    for method in args.drafters:
+        if method not in PEER_METHODS:
+            print(f"  skip {method}: no vLLM counterpart")
+            continue
+        ddir = drafter_checkpoint(args.target, method, args.draft_model)
+        if ddir is not None and not ddir.exists():
+            print(f"  skip {method}: no drafter checkpoint at {ddir}")
+            continue
+        path = ddir and str(ddir)
+        if method in ("mtp", "eagle3"):
+            path = str(export.export_drafter(load_drafter(ddir, target.config), root / method))
+        engines[method] = backend.VLLMGenerator(str(root / "policy"), SpecConfig(method, k, model=path),
+                                                max_model_len=max_len)
+        dirs[method] = ddir and str(ddir)
+    rows = []
+    try:
+        for batch in args.batch:
+            prompts = task_prompts(args.target, batch, seed=1000 + batch, split="bench")
+            warm = task_prompts(args.target, batch, seed=2000 + batch, split="bench")
+            params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=batch)
+            for method, theirs in engines.items():
+                ours = make_engine(target, method, k, dirs[method], batch)
+                ours.generate(warm, params)
+                theirs.generate(warm, params)
+                t_ours = t_vllm = float("inf")
+                run_ours = lambda: timed(lambda: ours.generate(prompts, params))  # noqa: E731
+                run_vllm = lambda: timed(lambda: theirs.generate(prompts, params))  # noqa: E731
+                for r in range(args.repeats):
+                    if r % 2 == 0:
+                        (ta, out_ours), (tb, out_vllm) = run_ours(), run_vllm()
+                    else:
+                        (tb, out_vllm), (ta, out_ours) = run_vllm(), run_ours()
+                    t_ours, t_vllm = min(t_ours, ta), min(t_vllm, tb)
+                for engine, t, outs in (("ours", t_ours, out_ours), ("vllm", t_vllm, out_vllm)):
+                    tokens = sum(len(o.token_ids) for o in outs)
+                    rows.append({"engine": engine, "drafter": method or "plain", "batch": batch,
+                                 "k": k if method else 0, "tok_s": tokens / t,
+                                 "acceptance_length": speculation_summary(outs)["acceptance_length"]})
+                print(f"  {method or 'plain':12s} B={batch:3d}  ours {rows[-2]['tok_s']:8.1f}  "
+                      f"vllm {rows[-1]['tok_s']:8.1f} tok/s")
+    finally:
+        for gen in engines.values():
+            gen.close()
+    for row in rows:  # speedup of each engine over its own plain decoding at the same batch
+        plain = next(r for r in rows if r["engine"] == row["engine"] and r["batch"] == row["batch"]
+                     and r["drafter"] == "plain")
+        row["speedup"] = row["tok_s"] / plain["tok_s"]
+    return rows
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -135,10 +215,28 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def run_peer(args) -> dict:
+    import torch
+
+    from ..models import from_pretrained
+    from .common import machine
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    target = from_pretrained(args.target, dtype=dtype)
+    return {"benchmark": "rollout-vs-vllm", "target": args.target, "dtype": args.dtype, "machine": machine(),
+            "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": peer_rows(args, target)}
+
+
 def main(args: argparse.Namespace) -> int:
     from .common import print_table, set_threads, write_json
 
     set_threads(args.threads)
+    if args.engine == "vllm":
+        result = run_peer(args)
+        print(f"bench rollout --engine vllm: {result['target']} ({result['dtype']}) on {result['machine']}")
+        print_table(result["rows"], ["engine", "drafter", "batch", "k", "tok_s", "speedup", "acceptance_length"])
+        print(f"wrote {write_json(args.out, result)}")
+        return 0
     result = run(args)
     print(f"bench rollout: {result['target']} ({result['dtype']}) on {result['machine']}")
     print_table(result["rows"], ["drafter", "batch", "k", "tok_s", "plain_tok_s", "speedup", "acceptance_length"])
@@ -166,4 +264,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="weights and activations of target and drafter; on CPUs with AVX512-BF16 a bf16 135M model "
                         "decodes in about the same time for 1 to 6 tokens per sequence (memory-bound), in float32 not")
+    p.add_argument("--engine", choices=["ours", "vllm"], default="ours",
+                   help="vllm: our engine and vLLM side by side, plain and speculative (needs the vllm extra)")
     p.add_argument("--out", default="benchmarks/results/bench_rollout.json")

@@ -74,11 +74,12 @@ def eos_ids(cfg: dict) -> tuple[int, ...]:
 
 class VLLMGenerator:
     def __init__(self, model: str, spec: SpecConfig | None = None, *, seed: int = 0, max_model_len: int = 4096,
-                 drafter=None, **engine_kwargs):
+                 drafter=None, cpu_threads: int = 0, **engine_kwargs):
         """`model`: an HF-layout directory. `spec`: how vLLM speculates (its `model` a directory vLLM loads: an HF
         model for draft_model, an `export_drafter` directory for mtp / eagle3). `drafter`: our drafter module the
         `drafter.` refit tensors belong to (needed to convert them; None without refit of a drafter).
-        `engine_kwargs` go to `vllm.LLM` (e.g. `enforce_eager`, `dtype`, `kv_cache_memory_bytes`)."""
+        `cpu_threads` > 0: OpenMP threads of the engine's processes on CPU (their `OMP_NUM_THREADS`; 0 leaves
+        vLLM's default). `engine_kwargs` go to `vllm.LLM` (e.g. `enforce_eager`, `dtype`, `kv_cache_memory_bytes`)."""
         check_spec(spec)
         if not (Path(model) / "config.json").is_file():
             raise FileNotFoundError(f"VLLMGenerator: {model!r} is not an HF-layout model directory (no config.json)")
@@ -93,6 +94,8 @@ class VLLMGenerator:
         self.k = spec.num_speculative_tokens if spec else 0
         hf = read_config(model)
         self.eos = eos_ids(hf)
+        # vLLM refuses a max_model_len beyond the model's positions; serve at most what the model was built for.
+        max_model_len = min(max_model_len, hf.get("max_position_embeddings") or max_model_len)
         # The checkpoint's dtype, not vLLM's default (bf16 on CPU): outputs must be those of the weights we trained.
         dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
         kwargs = dict(model=str(model), skip_tokenizer_init=True, seed=seed, max_model_len=max_model_len, dtype=dtype,
@@ -108,7 +111,16 @@ class VLLMGenerator:
             kwargs["speculative_config"] = spec.vllm()
         kwargs.update(engine_kwargs)
         self.cpu = current_platform.is_cpu()
-        self.llm = vllm.LLM(**kwargs)
+        saved = os.environ.get("OMP_NUM_THREADS")
+        if self.cpu and cpu_threads > 0:
+            os.environ["OMP_NUM_THREADS"] = str(cpu_threads)  # read by the engine processes vLLM spawns
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
         self.next_id = 0
         self.has_drafter = bool(self.llm.collective_rpc("megatron_spec_has_drafter")[0])
 
@@ -136,10 +148,8 @@ class VLLMGenerator:
 
         if not current_platform.is_cpu():
             kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
-        # The engine serves at most what the model was trained for (vLLM refuses a longer max_model_len).
-        max_len = min(v.max_model_len, model.config.max_position_embeddings)
-        return cls(str(out / "policy"), spec, seed=cfg.run.seed, max_model_len=max_len, drafter=drafter,
-                   enforce_eager=v.enforce_eager, **kwargs)
+        return cls(str(out / "policy"), spec, seed=cfg.run.seed, max_model_len=v.max_model_len, drafter=drafter,
+                   cpu_threads=v.threads or cfg.run.threads, enforce_eager=v.enforce_eager, **kwargs)
 
     # --- generation -------------------------------------------------------------------------------------------
 

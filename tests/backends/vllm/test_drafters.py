@@ -66,18 +66,30 @@ def ours(target, drafter, kind, prompts):
     return LLMEngine(target, spec=SpecConfig(kind, K), drafter=drafter).generate(prompts, GREEDY)
 
 
+def emitted_per_verify_step(outs) -> float:
+    """Tokens returned per verify step (the prefill's first token excluded): the acceptance length counted on the
+    tokens a caller gets. Our engine's own `accepted` also counts drafts accepted in a completion's last verify step
+    *after* its stop token (then cut off); vLLM's output stops at the stop token, so its counters cannot see them.
+    Counted on returned tokens, both engines are measured alike."""
+    return sum(len(o.token_ids) - 1 for o in outs) / sum(o.spec["verify_steps"] for o in outs)
+
+
 @pytest.mark.parametrize("kind", ["mtp", "eagle3"])
 def test_greedy_identity_and_acceptance_within_2_percent(request, target, prompts, kind):
-    """32 arithmetic prompts, greedy, 64 tokens: identical tokens everywhere, and the acceptance length (tokens per
-    verify step) of vLLM within 2 % of ours. Both verify greedily against the same target, so the same drafts give
-    the same acceptance; what may differ is only how drafts are formed at the edges (vLLM drafts k past a stop)."""
+    """32 arithmetic prompts, greedy, up to 64 tokens: identical tokens everywhere; vLLM's verify steps and
+    acceptance length (tokens per verify step, counted on returned tokens for both engines) within 2 % of ours.
+    Both verify greedily against the same target, so equal drafts give equal acceptance; the 2 % allows drafts
+    formed differently at the edges (vLLM's draft KV cache is written by its own kernels)."""
     gen, drafter = request.getfixturevalue(kind)
     plain = LLMEngine(target).generate(prompts, GREEDY)
     mine = ours(target, drafter, kind, prompts)
     theirs = gen.generate(prompts, GREEDY)
     assert [o.token_ids for o in theirs] == [o.token_ids for o in plain] == [o.token_ids for o in mine]
-    a_ours, a_vllm = acceptance_length(mine), acceptance_length(theirs)
-    assert a_vllm > 1.5  # the drafter really drafts in vLLM
+    steps_ours = sum(o.spec["verify_steps"] for o in mine)
+    steps_vllm = sum(o.spec["verify_steps"] for o in theirs)
+    assert abs(steps_vllm - steps_ours) <= 0.02 * steps_ours, (steps_ours, steps_vllm)
+    a_ours, a_vllm = emitted_per_verify_step(mine), emitted_per_verify_step(theirs)
+    assert a_vllm > 2.5  # the trained drafter really drafts in vLLM
     assert abs(a_vllm - a_ours) <= 0.02 * a_ours, (a_ours, a_vllm)
 
 
