@@ -191,6 +191,8 @@ class MegatronPolicy:
         total_micro = len(micros) * ps.get_data_parallel_world_size()
         aux = aux_loss_sum(self.model, total_micro)
         metrics = {"loss": sums["policy_loss"] + aux, "clip_frac": sums["clip_frac"]}
+        if self.model.config.num_moe_experts:  # the two parts: the GRPO loss and Megatron's router losses
+            metrics.update(grpo_loss=sums["policy_loss"], moe_aux_loss=aux)
         if any("is_clip_frac" in o for o in outs) or batch.behaviour_logprobs is not None:
             metrics["is_clip_frac"] = sums["is_clip_frac"]
         if fold:
