@@ -145,7 +145,7 @@ class GeneratorGroup:
     def _start(self, j: int):
         slot = self.placement.generator(j)
         threads = self.cfg.backend.vllm.threads or slot.threads
-        return _actor(Engine, slot, self.pg).remote(self.cfg, threads)
+        return _actor(Engine, slot, self.pg).remote(self.cfg, threads, j)
 
     def sync(self, version: int, refs: list) -> list:
         """Send the buckets to every engine (queued behind whatever each is generating); the load futures."""
@@ -196,5 +196,9 @@ class GeneratorGroup:
 
     def close(self) -> None:
         ray = require_ray()
+        try:
+            ray.get([e.close.remote() for e in self.engines], timeout=60)
+        except (ray.exceptions.RayError, TimeoutError):
+            pass  # a dead or stuck engine: killing its actor below is all that is left
         for e in self.engines:
             ray.kill(e)

@@ -77,6 +77,12 @@ def plan(cfg, cluster: dict, layout: dict | None = None) -> Placement:
     if kind not in ("colocated", "disaggregated"):
         raise ValueError(f"the Ray driver runs backend.placement colocated or disaggregated, got {kind!r}")
     world, engines = trainer_world(cfg, layout), cfg.backend.generators
+    if cfg.backend.trainer == "megatron":
+        m = layout["megatron"] if layout and "megatron" in layout else vars(cfg.backend.megatron)
+        dp, rollouts = world // (m["tp"] * m["pp"] * m["cp"]), cfg.grpo.prompts_per_step * cfg.grpo.group_size
+        if rollouts % dp:
+            raise ValueError(f"the {rollouts} rollouts of a step (grpo.prompts_per_step x grpo.group_size) do not "
+                             f"split evenly over the Megatron trainer's {dp} data-parallel ranks")
     if layout and layout.get("vllm", {}).get("engines") not in (None, engines) and engines != 1:
         raise ValueError(f"backend.generators={engines} but the recipe's layout has {layout['vllm']['engines']} "
                          "engines; leave backend.generators at 1 to take the layout's")

@@ -132,11 +132,15 @@ class Engine:
     """One generation engine (our engine or vLLM on its default executor, in this actor's process) and the policy
     version its weights are at."""
 
-    def __init__(self, cfg, threads: int):
+    def __init__(self, cfg, threads: int, index: int):
+        import dataclasses
+
         import torch
 
         torch.set_num_threads(threads)
-        self.generator = _build(cfg, "generator")
+        # Files an engine writes under the run directory (vLLM's exported checkpoint) go to a directory of its own.
+        run = dataclasses.replace(cfg.run, out_dir=f"{cfg.run.out_dir}/engines/{index}")
+        self.generator = _build(dataclasses.replace(cfg, run=run), "generator")
         self.version = -1
         self.crash = CrashHook()
 
@@ -172,3 +176,8 @@ class Engine:
 
     def arm_crash(self, method: str) -> None:
         self.crash.arm(method)
+
+    def close(self) -> None:
+        """Shut the engine down (a vLLM engine's own worker processes with it) before the actor is killed."""
+        if hasattr(self.generator, "close"):
+            self.generator.close()

@@ -56,6 +56,11 @@ def test_resources_the_cluster_lacks_fail_before_any_actor():
     layout = {"megatron": {"tp": 4, "pp": 4, "cp": 1, "dp": 8}, "ray": {"bundle": {"GPU": 1}}}
     with pytest.raises(ValueError, match="needs 128 GPUs.*has 0"):
         plan(cfg_with(trainer="megatron", placement="colocated"), {"CPU": 8.0}, layout)
+    meg = cfg_with(trainer="megatron", placement="colocated")
+    meg.backend.megatron.ep = 2  # world 2, all data parallel for the dense layers
+    meg.grpo.prompts_per_step, meg.grpo.group_size = 3, 3
+    with pytest.raises(ValueError, match="9 rollouts .* 2 data-parallel ranks"):
+        plan(meg, {"CPU": 2.0})
     with pytest.raises(ValueError, match="colocated or disaggregated"):
         plan(cfg_with(), {"CPU": 2.0})
     with pytest.raises(ValueError, match="backend.generators=3 but the recipe's layout has 16"):
