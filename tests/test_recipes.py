@@ -17,7 +17,7 @@ from megatron_spec.rl.config import RLConfig
 from megatron_spec.rl.overrides import apply_overrides, from_dict, load_yaml, to_dict
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ("tiny_grpo_spec", "smollm2_grpo_spec", "qwen3_8b_grpo_spec", "qwen3_235b_grpo_spec")
+RECIPES = ("tiny_grpo_spec", "tiny_moe_grpo_spec", "smollm2_grpo_spec", "qwen3_8b_grpo_spec", "qwen3_235b_grpo_spec")
 AT_SCALE = ("qwen3_8b_grpo_spec", "qwen3_235b_grpo_spec")
 
 
