@@ -165,8 +165,9 @@ def check_before_launch(name: str, args: argparse.Namespace, cfg: RLConfig, scal
 
 def tune_recipe(name: str, cfg: RLConfig, scale: Scale | None, args: argparse.Namespace):
     """The tuner's best layout for the allocation (`megatron_spec.sim.tune.best_layout`) as the recipe's parallel
-    settings: returns the config with it as backend overrides (the user's own overrides are applied after, so
-    they win), the Scale with its engine TP and placement, and what was chosen with the predicted stage times."""
+    settings: returns the config with it as backend overrides (and the tuner's k for the recipe's drafter; the
+    user's own overrides are applied after, so they win), the Scale with its engine TP and placement, and what
+    was chosen with the predicted stage times."""
     if scale is None:
         raise ValueError(f"--tune chooses the cluster layout of an at-scale recipe; {name} runs in one process")
     from launchers.checks import policy_config
@@ -183,6 +184,8 @@ def tune_recipe(name: str, cfg: RLConfig, scale: Scale | None, args: argparse.Na
     gpus = args.nodes * args.gpus_per_node
     layout, stages = best_layout(model, gpus, args.gpu, spec=spec)
     overrides = {**layout.backend_overrides(), "backend.trainer": "megatron"}
+    if spec is not None and layout.method == cfg.spec.method and layout.k > 0:  # the k it ranked best, same drafter
+        overrides.update({"spec.num_speculative_tokens": layout.k, "spec.adaptive": layout.adaptive})
     cfg = apply_overrides(cfg, [f"{k}={'null' if v is None else v}" for k, v in overrides.items()])
     scale = dataclasses.replace(scale, nodes=args.nodes, gpus_per_node=args.gpus_per_node, tp=layout.train.tp,
                                 pp=layout.train.pp, cp=layout.train.cp, ep=layout.train.ep, vllm_tp=layout.gen_tp,

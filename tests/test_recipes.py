@@ -61,7 +61,7 @@ def test_reference_recipes_are_what_the_docs_say():
     smol = recipe("smollm2_grpo_spec").smollm2_grpo_spec()
     assert smol.model.policy == "smollm2-135m" and smol.model.task == "natural"
     assert smol.spec.method in ("ngram", "history") and smol.model.drafter is None
-    big = recipe("qwen3_235b_grpo_spec").SCALE  # NeMo-RL's 235B recipe (shared/ANCHORS.md)
+    big = recipe("qwen3_235b_grpo_spec").SCALE  # NeMo-RL's 235B recipe (docs/references.md)
     assert (big.nodes, big.gpus_per_node, big.tp, big.pp, big.cp, big.ep, big.vllm_tp) == (16, 8, 2, 8, 2, 16, 16)
 
 
@@ -256,6 +256,7 @@ def test_tune_takes_the_tuners_best_layout(name, nodes, model, capsys):
         tuned.train.last_stage_layers)
     assert cfg.backend.trainer == "megatron" and cfg.backend.placement == tuned.placement
     assert cfg.backend.async_lag == 2  # the override, not the tuner's lag
+    assert (cfg.spec.method, cfg.spec.num_speculative_tokens, cfg.spec.adaptive) == ("eagle3", tuned.k, tuned.adaptive)
     chosen = plan["tuned"]
     assert chosen["train"] == tuned.train.describe() and chosen["gen_tp"] == tuned.gen_tp
     assert chosen["predicted_stage_s"] == {k: round(v, 2) for k, v in stages.items()}
