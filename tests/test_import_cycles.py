@@ -4,7 +4,8 @@ Every `import` / `from ... import` counts, at module level and inside functions 
 two modules depend on each other (the simulator's `config -> hardware -> cpu_profile -> cpu_eager -> cpu_train ->
 config` circle ran through function-level imports). `from pkg import name` is an edge to `pkg.name` when that is a
 module, else to `pkg`; `from . import sub` within a package is an edge to the submodule only (the package's own
-`__init__` is already executing). The second test shows the finder is able to fail: a two-module circle written
+`__init__` is already executing); importing a submodule is also an edge to each package it lives in (their
+`__init__` runs first), except the importer's own. The second test shows the finder is able to fail: a two-module circle written
 to a temporary package is found and named.
 """
 
@@ -39,6 +40,12 @@ def imports_of(root: Path, path: Path, modules: set[str]) -> set[str]:
             out.update(subs)
             if len(subs) < len(node.names) and mod in modules:
                 out.add(mod)
+    # Importing `a.b.c` first runs `a/__init__` and `a/b/__init__`: those are edges too, except to the importer's
+    # own enclosing packages, which are already executing when it runs.
+    own = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+    for mod in list(out):
+        parts = mod.split(".")
+        out.update(p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in modules and p not in own)
     out.discard(name)
     return out
 
@@ -102,4 +109,20 @@ def test_finder_names_a_circle(tmp_path):
     (pkg / "a.py").write_text("def f():\n    from .sub.b import g\n")  # lazy, still an edge
     (pkg / "sub" / "b.py").write_text("from ..a import f\nimport os\n")
     (pkg / "c.py").write_text("from pkg import a\n")  # depends on the circle, is not part of it
-    assert cycles(import_graph(pkg)) == [["pkg.a", "pkg.sub.b"]]
+    # pkg.sub joins the circle: importing pkg.sub.b from pkg.a runs pkg/sub/__init__ first, which imports b
+    assert cycles(import_graph(pkg)) == [["pkg.a", "pkg.sub", "pkg.sub.b"]]
+
+
+def test_finder_sees_a_circle_through_a_package_init(tmp_path):
+    """`x.m` imports `y.leaf`, which imports nothing of `x`; but `y/__init__` imports `y.top`, which imports `x.m`.
+    Importing `x.m` first then fails with a partially initialised module: a circle through `y`'s `__init__`."""
+    pkg = tmp_path / "pkg"
+    for d in ("x", "y"):
+        (pkg / d).mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "x" / "__init__.py").write_text("")
+    (pkg / "x" / "m.py").write_text("from ..y.leaf import K\n")
+    (pkg / "y" / "__init__.py").write_text("from .top import T\n")
+    (pkg / "y" / "top.py").write_text("from ..x.m import M\n")
+    (pkg / "y" / "leaf.py").write_text("K = 1\n")
+    assert cycles(import_graph(pkg)) == [["pkg.x.m", "pkg.y", "pkg.y.top"]]

@@ -97,7 +97,7 @@ def seq_layer_seconds(clock, min_time) -> float:
     """Per sequence per decoder layer: the slope of one stand-in layer's forward through a KV-cache view."""
     import torch
 
-    from megatron_spec.engine.kv_cache import KVCache
+    from megatron_spec.models.kv_cache import KVCache
     from megatron_spec.models.decoder import DecoderLayer
     from megatron_spec.models.layers import rope_cos_sin
 

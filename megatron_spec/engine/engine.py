@@ -19,7 +19,7 @@ from ..spec.config import SpecConfig
 from ..spec.proposers import Drafts, Proposer, build_proposer
 from ..spec.sampling import processed_logprobs, sample_tokens
 from ..spec.verify import verify_greedy, verify_sampled
-from .kv_cache import KVCache
+from ..models.kv_cache import KVCache
 from .params import Completion, SamplingParams
 from .runner import ModelRunner
 from .scheduler import Scheduler

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ..models.decoder import CausalLM, TrunkOutput
-from .kv_cache import KVCache
+from ..models.kv_cache import KVCache
 from .sequence import Sequence
 
 

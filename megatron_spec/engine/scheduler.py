@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .kv_cache import KVCache
+from ..models.kv_cache import KVCache
 from .sequence import Sequence, Status
 
 

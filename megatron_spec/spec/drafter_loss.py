@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ..models.decoder import CausalLM, TrunkOutput
 from ..models.eagle3 import Eagle3Head, captured_layers
+from ..models.masks import causal_mask
 from ..models.mtp import MTP
 from .sampling import processed_logprobs
 
@@ -76,7 +77,7 @@ class UnrolledAttention:
         self.values.append(v)
         n, device = k.shape[2], k.device
         later = len(self.keys) - 1
-        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        causal = causal_mask(n, device)[0, 0]
         diagonal = torch.eye(n, dtype=torch.bool, device=device)
         mask = torch.cat([causal] + [diagonal] * later, 1)[None, None]  # row t of every step is row t of step 0
         return (torch.cat([x[:, :, :n] for x in self.keys], 2), torch.cat([x[:, :, :n] for x in self.values], 2),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...engine.kv_cache import KVCache
+from ...models.kv_cache import KVCache
 from ...models.decoder import CausalLM
 from .base import Drafts, Proposer, choose_drafts
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...engine.kv_cache import KVCache
+from ...models.kv_cache import KVCache
 from ...models.decoder import CausalLM, TrunkOutput
 from ...models.eagle3 import Eagle3Head
 from ...models.mtp import MTP
