@@ -31,7 +31,7 @@ from typing import Callable
 
 import yaml
 
-from launchers import MissingExtra, local_plan, ray_slurm_plan, require_extras, slurm_plan
+from launchers import MissingExtra, local_plan, ray_slurm_plan, slurm_plan
 from launchers.checks import SCALE_EXTRAS, check_launch
 from launchers.render import TEMPLATES, render_sbatch, sbatch_command
 from megatron_spec.layout import Layout, check_layout
@@ -205,8 +205,7 @@ def run_local(name: str, cfg: RLConfig, scale: Scale | None) -> dict:
         from megatron_spec.rl import loop
 
         return loop.train(cfg)
-    require_extras(SCALE_EXTRAS, f"{name} (Megatron-Core training, vLLM generation, Ray placement)")
-    driver = importlib.import_module(SCALE_DRIVER)
+    driver = importlib.import_module(SCALE_DRIVER)  # its extras were checked before launch
     return driver.train(cfg, scale.layout(cfg))
 
 
