@@ -1,5 +1,6 @@
-"""Megatron-Core backend: the policy (and its MTP drafter) as a Megatron `GPTModel` with TP / PP / EP, HF import,
-and export of sharded parameters as full HF-named tensors for our engine and vLLM.
+"""Megatron-Core backend: the policy (and its MTP drafter) as a Megatron `GPTModel` with TP / PP / EP, trained by
+GRPO through Megatron's schedules (`MegatronPolicy`), HF import, and export of sharded parameters as full HF-named
+tensors for our engine and vLLM.
 
 Files, in reading order:
     checks.py     clear errors for bad input (parallel sizes that do not divide, config mismatches)     pure
@@ -9,8 +10,14 @@ Files, in reading order:
     importer.py   HF safetensors -> this rank's shards
     exporter.py   this rank's shards -> (hf_name, full tensor), in size-bounded buckets, on every rank
     forward.py    policy logits; MTP logits and loss with the trunk detached (only the MTP layers learn)
-    cpu.py        lets megatron-core 0.16 build PP models and run forward on a machine without CUDA
+    step.py       one GRPO step through Megatron's schedule: micro-batch plan, stage forward (MTP detached or
+                  coupled), the rl/grpo loss, gradient reductions and clipping
+    policy.py     MegatronPolicy: the Policy interface on a GPTModel (train_step, logprobs, export_weights,
+                  layout-independent checkpoints), rank 0 announcing its calls to follower ranks
+    launch.py     torchrun entry of a recipe: rank 0 runs the RL loop, the other ranks follow it
+    cpu.py        lets megatron-core 0.16 build PP models, run forward and its schedules on a machine without CUDA
     bench_export.py `python -m megatron_spec.backends.megatron.bench_export`: export throughput
+    bench_train.py  `python -m megatron_spec.backends.megatron.bench_train`: Megatron vs embedded train step
 
 `checks` and `mapping` never import megatron-core; everything else needs `pip install -e .[megatron]`.
 """
@@ -43,6 +50,7 @@ _LAZY = {
     "trunk_logits": "forward",
     "detached_mtp_logits": "forward",
     "mtp_loss": "forward",
+    "MegatronPolicy": "policy",
 }
 
 
