@@ -5,35 +5,22 @@ Rank 0 runs the recipe as usual (the RL loop generates, logs and checkpoints the
 its `MegatronPolicy` it announces the config, and every other rank builds its own from the same checkpoints and
 then follows rank 0's calls (`MegatronPolicy.follow`). When rank 0 is done, with or without an error, it tells the
 others to stop. Without torchrun (no `WORLD_SIZE`), or with one process, the recipe runs in this process as
-usual; a `MegatronPolicy` in a single process starts a one-rank gloo group itself (`ensure_process_group`).
+usual; a `MegatronPolicy` in a single process starts a one-rank gloo group itself
+(`parallel.ensure_process_group`).
 """
 
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from . import require_megatron
+from .parallel import destroy_model_parallel, ensure_process_group
 
 require_megatron()
-
-
-def ensure_process_group() -> None:
-    """Join the torchrun group (gloo on CPU, NCCL on GPUs), or make a one-process group when there is none."""
-    if dist.is_initialized():
-        return
-    if "WORLD_SIZE" not in os.environ:
-        from .parallel import _free_port
-
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=timedelta(minutes=30))
 
 
 def follow_run() -> None:
@@ -75,7 +62,5 @@ def recipe_main(build: Callable, argv: list[str] | None = None) -> int:
         follow_run()
         return 0
     finally:
-        from .parallel import destroy_model_parallel
-
         destroy_model_parallel()
         dist.destroy_process_group()

@@ -8,6 +8,7 @@ import os
 import socket
 import tempfile
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,7 +24,8 @@ from .checks import Parallelism, check_parallelism
 require_megatron()
 from megatron.core import parallel_state as ps  # noqa: E402
 
-__all__ = ["Parallelism", "Ranks", "init_model_parallel", "destroy_model_parallel", "ranks", "spawn"]
+__all__ = ["Parallelism", "Ranks", "init_model_parallel", "destroy_model_parallel", "ensure_process_group", "ranks",
+           "spawn"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,18 @@ def init_model_parallel(par: Parallelism, cfg=None) -> Ranks:
         expert_tensor_parallel_size=par.expert_tp,
     )
     return ranks()
+
+
+def ensure_process_group() -> None:
+    """Join the torchrun group (gloo on CPU, NCCL on GPUs), or make a one-process group when there is none."""
+    if dist.is_initialized():
+        return
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(minutes=30))
 
 
 def destroy_model_parallel() -> None:

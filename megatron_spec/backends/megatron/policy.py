@@ -35,7 +35,7 @@ from . import require_megatron
 from .checks import Parallelism, check_parallelism
 from .exporter import DEFAULT_BUCKET_BYTES, export_hf
 from .importer import import_hf
-from .parallel import init_model_parallel
+from .parallel import ensure_process_group, init_model_parallel
 from .provider import build_model
 from .step import (
     StepSpec, aux_loss_sum, clip, gather_rows, is_mtp, norm_owned, plan, reduce_grads, reset_router_tracker, run_schedule,
@@ -109,8 +109,6 @@ class MegatronPolicy:
     def from_rl(cls, cfg, model: CausalLM, drafter=None) -> "MegatronPolicy":
         """Built by the loop on rank 0; the other ranks (waiting in `launch.follow_run`) get `cfg` and build theirs
         from the same checkpoints at the same time."""
-        from .launch import ensure_process_group
-
         m, g = cfg.backend.megatron, cfg.grpo
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_parallelism(model.config, Parallelism.from_section(m), world)

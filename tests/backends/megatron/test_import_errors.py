@@ -53,9 +53,9 @@ def test_checkpoint_without_the_requested_mtp_layers_is_rejected(tmp_path):
 def test_split_that_does_not_divide_fails_before_any_process_group():
     from megatron_spec.backends.megatron.parallel import Parallelism, init_model_parallel
 
-    with pytest.raises(ValueError, match="TP=2 does not divide the query groups"):
+    with pytest.raises(ValueError, match="tp=2 does not divide the query groups"):
         init_model_parallel(Parallelism(tp=2), tiny("dense", num_key_value_heads=1))
-    with pytest.raises(ValueError, match="EP=3 does not divide num_experts=4"):
+    with pytest.raises(ValueError, match="ep=3 does not divide num_experts=4"):
         init_model_parallel(Parallelism(ep=3), tiny("moe"))
 
 
