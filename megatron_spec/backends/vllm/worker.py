@@ -12,6 +12,13 @@ its path; the worker memory-maps it. Whole layers are in one file, so every laye
 
 from __future__ import annotations
 
+from .plugin import register
+
+# vLLM imports this module in each worker before it loads the model: registering here too keeps the MTP class and
+# the CPU sampler fix in place even where the package's entry point is not installed (e.g. a stale editable
+# install); `register` is idempotent, so with the entry point it is a no-op.
+register()
+
 
 class WorkerExtension:
     def megatron_spec_reload(self, path: str, which: str) -> int:
