@@ -72,6 +72,17 @@ def eos_ids(cfg: dict) -> tuple[int, ...]:
     return () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+def shared_memory_dir(nbytes: int) -> str | None:
+    """/dev/shm when it exists, is writable and has room for the refit (containers often give it 64 MiB), else
+    None (the system's temporary directory)."""
+    import shutil
+
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * nbytes + (64 << 20):
+        return shm
+    return None
+
+
 class VLLMGenerator:
     def __init__(self, model: str, spec: SpecConfig | None = None, *, seed: int = 0, max_model_len: int = 4096,
                  drafter=None, cpu_threads: int = 0, **engine_kwargs):
@@ -225,7 +236,7 @@ class VLLMGenerator:
                     target[name] = t
         if drafter and not self.has_drafter:
             raise KeyError("refit stream carries drafter tensors but this vLLM engine has no drafter model")
-        tmp = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        tmp = shared_memory_dir(total)
         for part, tensors in (("target", target), ("drafter", drafter)):
             if not tensors:
                 continue
