@@ -245,10 +245,10 @@ class MegatronPolicy:
     def state_dict(self) -> dict:
         """Full HF-named weights and Adam moments (layout-independent), the Adam step and the learning rates."""
         self._announce("state_dict")
-        state = {"weights": {n: t.clone() for n, t in export_hf(self.model)}}
+        state = {"weights": {n: t.cpu().clone() for n, t in export_hf(self.model)}}
         for key in OPT_STATES:
             with self._params_as(key):
-                state[key] = {n: t.clone() for n, t in export_hf(self.model)}
+                state[key] = {n: t.cpu().clone() for n, t in export_hf(self.model)}
         steps = [float(s["step"]) for s in self.opt.state.values() if "step" in s]
         state["step"] = max(steps, default=0.0)
         state["layout"] = self.par.describe()

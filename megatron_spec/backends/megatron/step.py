@@ -50,6 +50,17 @@ class Micro:
     batch: Batch
 
 
+def device() -> torch.device:
+    """Where this rank computes and reduces: its GPU, or the CPU (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def on_device(batch: Batch) -> Batch:
+    move = lambda t: None if t is None else t.to(device())  # noqa: E731
+    return Batch(move(batch.input_ids), move(batch.mask), move(batch.advantages), move(batch.old_logprobs),
+                 move(batch.behaviour_logprobs), batch.is_clip)
+
+
 def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int, fixed: bool = False) -> list[Micro]:
     """This data-parallel rank's micro-batches.
 
@@ -64,7 +75,7 @@ def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int, fixed: bool = F
     B, T = batch.input_ids.shape
     if dp == 1 and not fixed:
         lengths = sequence_lengths(batch.mask)
-        return [Micro(rows, batch.select(rows, max(lengths[r] for r in rows)))
+        return [Micro(rows, on_device(batch.select(rows, max(lengths[r] for r in rows))))
                 for rows in micro_batches(lengths, token_budget)]
     if B % dp:
         raise ValueError(f"a batch of {B} rollouts cannot be split evenly over {dp} data-parallel ranks")
@@ -72,7 +83,7 @@ def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int, fixed: bool = F
     m = max([d for d in range(1, per_rank + 1) if per_rank % d == 0 and (token_budget <= 0 or d * T <= token_budget)],
             default=1)
     chunks = [list(range(s, s + m)) for s in range(0, B, m)]
-    return [Micro(rows, batch.select(rows, T)) for j, rows in enumerate(chunks) if j % dp == dp_rank]
+    return [Micro(rows, on_device(batch.select(rows, T))) for j, rows in enumerate(chunks) if j % dp == dp_rank]
 
 
 def attention_mask(seq_len: int, device=None) -> Tensor:
@@ -261,7 +272,7 @@ def clip(named: list[tuple[str, Tensor]], owned: dict[str, bool], max_norm: floa
     `clip_grad_norm_` rule. Squares are summed over the whole job; data-parallel replicas, whose gradients are
     equal after `reduce_grads`, are divided back out (the expert parameters' over their own replica count).
     Collective: every rank calls it, with or without parameters."""
-    sq = torch.zeros(2, dtype=torch.float64)
+    sq = torch.zeros(2, dtype=torch.float64, device=device())
     for n, p in named:
         if owned[n]:
             sq[int(is_expert(n))] += torch.linalg.vector_norm(p.grad).double().square()
@@ -281,19 +292,19 @@ def is_mtp(name: str) -> bool:
 def gather_rows(values: list[tuple[list[int], Tensor]], shape: tuple[int, int], contributes: bool) -> Tensor:
     """[B, T-1] assembled from per-micro-batch rows, summed over every rank (only `contributes` ranks add theirs:
     the last stage's first tensor-parallel rank), so every rank gets the whole batch's values."""
-    out = torch.zeros(shape)
+    out = torch.zeros(shape, device=device())
     if contributes:
         for rows, lp in values:
             out[rows, : lp.shape[1]] = lp.float()
     if dist.get_world_size() > 1:
         dist.all_reduce(out)
-    return out
+    return out.cpu()
 
 
 def sum_metrics(outputs: list[dict], contributes: bool, keys: tuple[str, ...]) -> dict:
     """Per-step metrics: each key summed over micro-batches and ranks (the per-micro-batch values are shares)."""
     vals = torch.tensor([sum(float(o[k]) for o in outputs if k in o) if contributes else 0.0 for k in keys],
-                        dtype=torch.float64)
+                        dtype=torch.float64, device=device())
     if dist.get_world_size() > 1:
         dist.all_reduce(vals)
     return dict(zip(keys, vals.tolist()))
@@ -306,10 +317,9 @@ def aux_loss_sum(model, micro_total: int) -> float:
     if not cfg.num_moe_experts:
         return 0.0
     tracker = moe_utils.get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
-    value = torch.zeros((), dtype=torch.float64)
+    value = torch.zeros((), dtype=torch.float64, device=device())
     if tracker is not None and ps.get_tensor_model_parallel_rank() == 0:
-        value = tracker["values"][: cfg.num_layers].double().sum()
-    value = value.clone()
+        value = tracker["values"][: cfg.num_layers].double().sum().to(device())
     if dist.get_world_size() > 1:  # layers live on different stages; micro-batches on different DP ranks
         dist.all_reduce(value)
     moe_utils.clear_aux_losses_tracker()

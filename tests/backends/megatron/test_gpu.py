@@ -10,6 +10,7 @@ Transformer Engine spec when TE is installed, else the local spec), one process.
   in MoE routing can pick a different expert in bf16.
 - training only the MTP layers (detached trunk, detached embedding and head) leaves every trunk parameter without a
   gradient and bitwise unchanged after an optimizer step, while every MTP parameter learns.
+- a GRPO step of `MegatronPolicy` on the GPU equals the embedded trainer's (loss, grad norm, weights).
 - import -> export is bitwise on the GPU spec too (TE fuses the pre-attention / pre-MLP norms into the next linear,
   so this checks those names).
 
@@ -148,3 +149,31 @@ def test_gpu_spec_round_trip_is_bitwise(kind):
     out = {n: t.cpu() for n, t in export_hf(build(cfg, hf, torch.bfloat16), bucket_bytes=1 << 20)}
     assert sorted(out) == sorted(hf)
     assert [n for n in hf if not torch.equal(out[n], hf[n])] == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_megatron_grpo_step_matches_the_embedded_trainer(kind):
+    """One `MegatronPolicy` step on the GPU (fp32, TF32 off) against the embedded trainer on the CPU, same weights
+    and batch (the CPU tier's 2-step scenario, first step): loss and grad norm to rel 1e-4 (GPU kernels reorder
+    sums; the CPU tier holds 1e-5), 2e-3 with Transformer Engine (TF32 GEMMs); weights after the update within
+    2 x lr (Adam's sign-like first step)."""
+    from megatron_spec.backends.megatron.parallel import Parallelism
+    from megatron_spec.backends.megatron.policy import MegatronPolicy
+    from megatron_spec.rl.policy import EmbeddedPolicy
+
+    from . import policy_workers as w
+
+    cfg = tiny(kind)
+    b = w.batches(cfg, 1)[0]
+    ref = EmbeddedPolicy(w.our_model(cfg), w.grpo(), w.SAMPLING)
+    want = ref.train_step(w.with_policy_old(b, None))
+    policy = MegatronPolicy(w.our_model(cfg), w.grpo(), w.SAMPLING, Parallelism())
+    assert next(policy.model.parameters()).is_cuda
+    got = policy.train_step(w.with_policy_old(b, None))
+    tol = 1e-4 if fp32_tolerance() == 1e-4 else 2e-3
+    assert got["loss"] == pytest.approx(want["loss"], rel=tol)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=tol)
+    exported = {n: t.cpu() for n, t in policy.export_weights()}
+    for n, t in ref.model.state_dict().items():
+        assert (exported[n] - t).abs().max() <= 2 * w.grpo().lr, n
