@@ -78,6 +78,26 @@ def masked(values: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, values, 0.0)
 
 
+def grpo_micro_loss(logits: Tensor, mb: Batch, old_logprobs: Tensor | None, sampling: dict, grpo,
+                    norm: LossNorm) -> tuple[Tensor, dict, Tensor]:
+    """One micro-batch's share of the GRPO surrogate (`grpo.policy_loss` with the whole batch's `norm`), from the
+    policy's logits over `mb`: (loss, metrics, the processed log-probs [b, t-1] with their gradient, 0 outside the
+    mask). `old_logprobs` None folds the ratio's old log-probs into this forward (detached). Rollouts that carry
+    behaviour log-probs of an older policy version (async GRPO) are weighted by truncated importance ratios, and the
+    truncated share is `is_clip_frac`. Every trainer computes its loss through this one function."""
+    mask = mb.mask[:, 1:]
+    logprobs = masked(token_logprobs(logits, mb.input_ids, sampling), mask)
+    old = logprobs.detach() if old_logprobs is None else masked(old_logprobs, mask)
+    weights = None
+    if mb.behaviour_logprobs is not None:
+        weights, truncated = truncated_is_weights(old, masked(mb.behaviour_logprobs, mask), mb.is_clip)
+    loss, metrics = policy_loss(logprobs, old, mb.advantages, mask, grpo.clip_low, grpo.clip_high, grpo.loss_agg,
+                                norm, weights)
+    if weights is not None:
+        metrics["is_clip_frac"] = float(aggregate(truncated.float(), mask, "token", norm))
+    return loss, metrics, logprobs
+
+
 class EmbeddedPolicy:
     def __init__(self, model: CausalLM, grpo, sampling: dict, drafter=None, drafter_method: str | None = None,
                  drafter_cfg=None):
@@ -210,15 +230,7 @@ class EmbeddedPolicy:
         """
         logits = self.model.lm_head(out.hidden)
         mask = mb.mask[:, 1:]
-        logprobs = masked(token_logprobs(logits, mb.input_ids, self.sampling), mask)
-        old = logprobs.detach() if mb.old_logprobs is None else masked(mb.old_logprobs, mask)
-        weights = None
-        if mb.behaviour_logprobs is not None:  # off-policy rollouts (async GRPO): truncated importance sampling
-            weights, truncated = truncated_is_weights(old, masked(mb.behaviour_logprobs, mask), mb.is_clip)
-        loss, metrics = policy_loss(logprobs, old, mb.advantages, mask, self.grpo.clip_low, self.grpo.clip_high,
-                                    self.grpo.loss_agg, norm, weights)
-        if weights is not None:
-            metrics["is_clip_frac"] = float(aggregate(truncated.float(), mask, "token", norm))
+        loss, metrics, logprobs = grpo_micro_loss(logits, mb, mb.old_logprobs, self.sampling, self.grpo, norm)
         if self.ref is not None:
             with torch.no_grad():
                 ref_lp = masked(token_logprobs(self.ref(mb.input_ids), mb.input_ids, self.sampling), mask)

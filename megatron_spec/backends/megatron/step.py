@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_spec.rl.grpo import LossNorm, aggregate, policy_loss, truncated_is_weights
+from megatron_spec.rl.grpo import LossNorm
 from megatron_spec.rl.microbatch import micro_batches, sequence_lengths
-from megatron_spec.rl.policy import Batch, masked, token_logprobs
+from megatron_spec.rl.policy import Batch, grpo_micro_loss, masked, token_logprobs
 from megatron_spec.spec.drafter_loss import soft_cross_entropy
 
 from . import require_megatron
@@ -162,17 +162,8 @@ def mtp_terms(logits: Tensor, mtp_logits: list[Tensor], mask: Tensor, counts: tu
 def loss_func(spec: StepSpec, micro: Micro, mtp_logits: list[Tensor], logits: Tensor):
     """The schedule's loss function on the last stage: (loss fed to backward, this micro-batch's metrics)."""
     mb = micro.batch
-    mask = mb.mask[:, 1:]
-    logprobs = masked(token_logprobs(logits, mb.input_ids, spec.sampling), mask)
-    old = logprobs.detach() if spec.fold else masked(mb.old_logprobs, mask)
-    weights = None
-    if mb.behaviour_logprobs is not None:  # off-policy rollouts: truncated importance sampling, as the embedded one
-        weights, truncated = truncated_is_weights(old, masked(mb.behaviour_logprobs, mask), mb.is_clip)
-    g = spec.grpo
-    loss, metrics = policy_loss(logprobs, old, mb.advantages, mask, g.clip_low, g.clip_high, g.loss_agg, spec.norm,
-                                weights)
-    if weights is not None:
-        metrics["is_clip_frac"] = float(aggregate(truncated.float(), mask, "token", spec.norm))
+    loss, metrics, logprobs = grpo_micro_loss(logits, mb, None if spec.fold else mb.old_logprobs, spec.sampling,
+                                              spec.grpo, spec.norm)
     metrics["policy_loss"] = float(loss.detach())
     total = loss
     terms = mtp_terms(logits, mtp_logits, mb.mask, spec.mtp_counts)
