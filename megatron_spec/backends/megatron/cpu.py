@@ -6,7 +6,7 @@ megatron-core 0.16 reaches for CUDA in places that do not change the math:
   `weight.data.cuda()` before an all-reduce;
 - forward: the rotary embedding and the MoE router move tensors to `torch.cuda.current_device()`, and core
   attention forks the CUDA RNG tracker (for dropout, which is 0 here). Callers also pass an explicit attention
-  mask (`forward.causal_mask`), since the default one is made on "cuda";
+  mask (`forward.attention_mask`), since the default one is made on "cuda";
 - the schedules (`get_forward_backward_func`) count tokens in `torch.zeros(..., device="cuda")` and the
   pipeline's point-to-point exchange allocates its receive buffers on `torch.cuda.current_device()` and may call
   `torch.cuda.synchronize()`.

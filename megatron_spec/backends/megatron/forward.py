@@ -26,14 +26,19 @@ def _positions(input_ids: Tensor) -> Tensor:
     return torch.arange(T, device=input_ids.device).expand(B, T)
 
 
+def attention_mask(input_ids: Tensor) -> Tensor | None:
+    """The causal mask to hand Megatron-Core for `input_ids` [B, T]. On CUDA Megatron makes it itself (and TE's fused
+    attention wants none); its default is made on "cuda", so on CPU we pass one. Megatron reads a boolean mask as
+    True = masked out: the inverse of our convention (models/masks.py)."""
+    return None if input_ids.is_cuda else ~causal_mask(input_ids.shape[1], input_ids.device)
+
+
 def trunk_hidden(model, input_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(final hidden states [T, B, H] after the last norm, rotary embedding, attention mask)."""
     if not (model.pre_process and model.post_process):
         raise ValueError("trunk_hidden needs the whole model on one stage (PP=1)")
     T = input_ids.shape[1]
-    # On CUDA Megatron-Core makes the causal mask itself (and TE's fused attention wants none); on CPU pass one.
-    # Megatron reads a boolean mask as True = masked out: the inverse of our convention (models/masks.py).
-    mask = None if input_ids.is_cuda else ~causal_mask(T, input_ids.device)
+    mask = attention_mask(input_ids)
     rotary = model.rotary_pos_emb(T)
     x = model.embedding(input_ids=input_ids, position_ids=_positions(input_ids))
     return model.decoder(hidden_states=x, attention_mask=mask, rotary_pos_emb=rotary), rotary, mask

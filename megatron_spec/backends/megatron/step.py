@@ -32,7 +32,7 @@ from megatron_spec.spec.drafter_loss import soft_cross_entropy
 
 from . import require_megatron
 from .cpu import on_cpu
-from .forward import head
+from .forward import attention_mask, head
 from .importer import layer_offset
 from .mapping import REPLICATED, megatron_to_hf
 
@@ -86,12 +86,6 @@ def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int, fixed: bool = F
     return [Micro(rows, on_device(batch.select(rows, T))) for j, rows in enumerate(chunks) if j % dp == dp_rank]
 
 
-def attention_mask(seq_len: int, device=None) -> Tensor:
-    """Megatron's boolean attention mask [1, 1, T, T], True where attention is *not* allowed (on CUDA Megatron makes
-    its own; its default is made on "cuda", hence this one on CPU)."""
-    return torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device).triu(1)
-
-
 def stage_forward(model, input_ids: Tensor, mtp: str | None) -> tuple[Tensor, list[Tensor]]:
     """This stage's output: hidden states [T, B, H] to send on, or on the last stage the policy logits [B, T, V]
     (gathered over TP) and, when `mtp` is `detached` or `coupled`, each MTP depth's logits [B, T, V].
@@ -102,7 +96,7 @@ def stage_forward(model, input_ids: Tensor, mtp: str | None) -> tuple[Tensor, li
     """
     B, T = input_ids.shape
     positions = torch.arange(T, device=input_ids.device).expand(B, T)
-    mask = None if input_ids.is_cuda else attention_mask(T, input_ids.device)
+    mask = attention_mask(input_ids)
     rotary = model.rotary_pos_emb(T)
     x = model.embedding(input_ids=input_ids, position_ids=positions) if model.pre_process else None
     hidden = model.decoder(hidden_states=x, attention_mask=mask, rotary_pos_emb=rotary)
