@@ -34,5 +34,8 @@ class EmbeddedGenerator:
         """Free the KV cache between rollouts (weights stay: a drafter is never lost across sleep)."""
         self.engine.cache = None
 
+    def close(self) -> None:
+        """Nothing outside this process to release (a vLLM generator shuts its engine processes down here)."""
+
     def wake(self) -> None:
         """Nothing to restore on CPU: the next `generate` sizes a new KV cache."""

@@ -210,7 +210,9 @@ class Trainer:
         return sum(self.eval_task.reward(o.token_ids, p) for o, p in zip(outs, problems)) / len(problems)
 
     def close(self) -> None:
-        """Release what the trainer holds beyond this process (nothing here; the Ray trainer's worker groups)."""
+        """Release what the run holds beyond this process: a vLLM generator's engine processes (the Ray trainer also
+        shuts its worker groups down)."""
+        self.generator.close()
 
 
 def train(cfg: RLConfig) -> dict:

@@ -179,5 +179,4 @@ class Engine:
 
     def close(self) -> None:
         """Shut the engine down (a vLLM engine's own worker processes with it) before the actor is killed."""
-        if hasattr(self.generator, "close"):
-            self.generator.close()
+        self.generator.close()
