@@ -25,15 +25,19 @@ def test_the_latest_full_occurrence_wins():
     assert indexed(tokens).continuation(tokens, 3) == [6, 7, 8]
 
 
-def test_without_a_full_occurrence_the_longest_continuation_is_drafted():
+def test_an_earlier_occurrence_only_extends_the_latest():
     tokens = [1, 2, 3, 9, 9, 1, 2, 4, 1, 2]
     # occurrences of `1 2` end at 2 (followed by 3 9 9 1 2 4 1 2) and 7 (followed by 4 1 2): k=3 takes the latest
     assert indexed(tokens).continuation(tokens, 3) == [4, 1, 2]
-    # k=5: only the first occurrence has 5 tokens after it
-    assert indexed(tokens).continuation(tokens, 5) == [3, 9, 9, 1, 2]
+    # k=5: the earlier occurrence has 5 tokens after it but went on differently; the latest text is the better guess
+    assert indexed(tokens).continuation(tokens, 5) == [4, 1, 2]
     # the longest suffix match (n=3: `4 1 2`) comes before shorter ones even if it is followed by fewer tokens
     tokens = [4, 1, 2, 8, 1, 2, 5, 5, 5, 5, 4, 1, 2]
     assert indexed(tokens).continuation(tokens, 4) == [8, 1, 2, 5]
+    # a pattern that repeats with a longer period: the earlier occurrence extends the latest, which the end cuts
+    tokens = [7] + [1, 2, 3] * 3 + [1, 2]
+    assert indexed(tokens).continuation(tokens, 3) == [3, 1, 2]
+    assert indexed(tokens).continuation(tokens, 5) == [3, 1, 2, 3, 1]
 
 
 def test_memory_per_ngram_is_bounded():

@@ -12,7 +12,9 @@ from .base import Drafts, Proposer
 RECENT = 8
 """Occurrences kept per n-gram. In a pattern that repeats every P tokens the latest occurrence of the suffix is P
 tokens from the end, so its continuation is cut to P < k tokens; the occurrence ceil(k / P) periods back has all k.
-Keeping 8 serves every k <= 8 in full at a bounded memory cost."""
+Keeping 8 serves every k <= 8 in full at a bounded memory cost. Measured on the tiny model (16 arithmetic prompts,
+greedy, k=3, 128 tokens): acceptance length 1.61 -> 1.74 with EOS ignored (the text repeats), 2.17 -> 2.17 with EOS
+(`benchmarks/results/ngram_index_acceptance.json`)."""
 
 
 class SuffixIndex:
@@ -31,17 +33,20 @@ class SuffixIndex:
                     del seen[0]
 
     def continuation(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest indexed n-gram equal to a suffix of `tokens`: from its latest
-        occurrence that is followed by k tokens, else from the one followed by the most."""
+        """Up to k tokens that followed the longest indexed n-gram equal to a suffix of `tokens`: those after its
+        latest occurrence, extended where an earlier occurrence went on the same way for longer (in a repeating
+        pattern the latest occurrence is cut short by the end of the text; an earlier one that continued
+        differently is a worse guess than the latest text, so it never replaces it)."""
         for n in range(min(self.n_max, len(tokens)), self.n_min - 1, -1):
             seen = self.where.get(tuple(tokens[-n:]))
             if seen:
-                best: list[int] = []
-                for doc, p in reversed(seen):
+                doc, p = seen[-1]
+                best = doc[p : p + k]
+                for doc, p in reversed(seen[:-1]):
+                    if len(best) == k:
+                        break
                     follow = doc[p : p + k]
-                    if len(follow) == k:
-                        return follow
-                    if len(follow) > len(best):
+                    if len(follow) > len(best) and follow[: len(best)] == best:
                         best = follow
                 return best
         return []
