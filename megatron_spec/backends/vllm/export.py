@@ -52,8 +52,13 @@ def export_target(model, out_dir: str | os.PathLike) -> Path:
 
 def export_mtp(drafter: MTP, out_dir: str | os.PathLike) -> Path:
     cfg = drafter.target_config
-    if cfg.num_experts:
-        raise NotImplementedError("vLLM backend: MTP drafters of MoE targets are not supported yet")
+    n, depths = cfg.num_hidden_layers, drafter.mtp_config.num_layers
+    # Our MTP layer copies the trunk's last layer (dense or MoE); vLLM builds layer n + i by the same rule as the
+    # trunk's layers (`decoder_sparse_step`, `mlp_only_layers`), which may give the other kind: refuse before any engine.
+    if any(cfg.is_moe_layer(n + i) != cfg.is_moe_layer(n - 1) for i in range(depths)):
+        raise NotImplementedError(f"vLLM backend: with decoder_sparse_step={cfg.decoder_sparse_step} and "
+                                  f"mlp_only_layers={cfg.mlp_only_layers}, vLLM would build an MTP layer of another "
+                                  "kind (dense vs MoE) than the trunk's last layer our MTP layer copies")
     # model_type "mtp" is what makes vLLM accept the directory as an MTP drafter; the target's own family is kept
     # in `target_model_type` for our class to build the matching decoder layer.
     config = {**cfg.to_hf(), "model_type": "mtp", "target_model_type": cfg.model_type,

@@ -15,8 +15,10 @@ this model's `embed_tokens` and `lm_head` by the target's after loading.
 
 Weight names are our drafter's own (`mtp.layers.{i}.enorm.weight`, `...transformer_layer.self_attn.q_proj.weight`),
 so the checkpoint our `save_drafter` writes and the `drafter.` refit stream load unchanged; q/k/v and gate/up are
-stacked into vLLM's fused projections on load. Dense Qwen3 and Llama targets only (a Qwen3-MoE MTP layer would need
-vLLM's expert weight mapping; it raises a clear error).
+stacked into vLLM's fused projections on load. Qwen3-MoE targets get vLLM's `Qwen3MoeDecoderLayer`: the router is
+`...mlp.gate.weight` as in our naming, and the per-expert tensors (`...mlp.experts.{e}.{gate,up,down}_proj.weight`)
+go to the fused-experts module's own `load_weights`, which stacks them into its `w13` / `w2` tensors (the loader
+vLLM's Qwen3-MoE model uses too), so the drafter's checkpoint and refit stream stay in our naming.
 """
 
 from __future__ import annotations
@@ -35,12 +37,32 @@ STACKED = ((".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"), (".
            (".gate_proj.", ".gate_up_proj.", 0), (".up_proj.", ".gate_up_proj.", 1))
 
 
+EXPERTS = ".mlp.experts."
+
+
+def is_sparse(config, index: int) -> bool:
+    """Whether decoder layer `index` is an MoE layer under the Qwen3-MoE rules (`decoder_sparse_step`,
+    `mlp_only_layers`), as both our model and vLLM's decide it."""
+    return (getattr(config, "num_experts", 0) > 0 and index not in (getattr(config, "mlp_only_layers", None) or ())
+            and (index + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
+
+
 def decoder_layer(vllm_config: VllmConfig, prefix: str) -> nn.Module:
     config = vllm_config.model_config.hf_config
-    if getattr(config, "num_experts", 0):
-        raise NotImplementedError("MegatronSpecMTP: MTP layers of MoE targets (Qwen3-MoE) are not supported in vLLM "
-                                  "yet; use the embedded generator for them")
     family = getattr(config, "target_model_type", config.model_type)
+    if family == "qwen3_moe":
+        from vllm.model_executor.models.qwen3_moe import Qwen3MoeDecoderLayer
+
+        # Our MTP layer is a copy of the trunk's last layer (models/mtp.py); vLLM decides dense vs MoE from the
+        # index in `prefix` (past the trunk's), so the two must agree or the weights would not fit.
+        index = int(prefix.rsplit(".", 1)[-1])
+        if is_sparse(config, index) != is_sparse(config, config.num_hidden_layers - 1):
+            kind = "MoE" if is_sparse(config, index) else "dense"
+            raise NotImplementedError(
+                f"MegatronSpecMTP: with decoder_sparse_step={config.decoder_sparse_step} and mlp_only_layers="
+                f"{config.mlp_only_layers} vLLM would build MTP layer {index} {kind}, unlike the trunk's last layer "
+                "our MTP layer copies")
+        return Qwen3MoeDecoderLayer(vllm_config, prefix=prefix)
     if family == "qwen3":
         from vllm.model_executor.models.qwen3 import Qwen3DecoderLayer
 
@@ -106,10 +128,21 @@ class MegatronSpecMTP(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded = set()
         for name, w in weights:
             if not name.startswith("mtp."):
                 continue  # a checkpoint may carry the shared embedding / head; the target's are used
+            if EXPERTS in name:
+                # `...mlp.experts.{e}.gate_proj.weight`: the fused-experts module maps expert e's tensor into its
+                # stacked parameters itself, given the name relative to it; it yields the parameters it filled.
+                owner, rest = name.split(EXPERTS, 1)
+                experts = owner + EXPERTS.rstrip(".")
+                filled = list(modules[experts].load_weights([(rest, w)]))
+                if not filled:
+                    raise KeyError(f"MegatronSpecMTP: checkpoint tensor {name!r} matched no expert parameter")
+                loaded.update(f"{experts}.{p}" for p in filled)
+                continue
             for ours, fused, shard in STACKED:
                 if ours in name:
                     target = name.replace(ours, fused)
