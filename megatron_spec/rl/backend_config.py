@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..layout import Layout
+
 TRAINERS = ("embedded", "megatron")
 GENERATORS = ("embedded", "vllm")
 PLACEMENTS = ("inline", "colocated", "disaggregated")
@@ -42,13 +44,16 @@ class MegatronSection:
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the MTP auxiliary loss [mtp_loss_scaling_factor]."""
 
+    def layout(self) -> Layout:
+        """The parallel split these sizes describe, for the shared validator (`megatron_spec/layout.py`)."""
+        return Layout(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp,
+                      first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers)
+
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep", "cp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"backend.megatron.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("etp", "first_stage_layers", "last_stage_layers"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"backend.megatron.{name} must be >= 1 or null, got {getattr(self, name)}")
+        try:
+            self.layout()  # the sizes themselves; whether they fit a model is checked where the model is known
+        except ValueError as err:
+            raise ValueError(f"backend.megatron.{err}") from None
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("backend.megatron.sequence_parallel needs tp > 1")
         if self.mtp_coupling not in ("detached", "coupled"):

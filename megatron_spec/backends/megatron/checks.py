@@ -27,8 +27,7 @@ class Parallelism(Layout):
     @classmethod
     def from_section(cls, section) -> "Parallelism":
         """From `RLConfig.backend.megatron` (`MegatronSection`)."""
-        return cls(tp=section.tp, pp=section.pp, ep=section.ep, etp=section.etp, cp=section.cp,
-                   first_stage_layers=section.first_stage_layers, last_stage_layers=section.last_stage_layers)
+        return cls(**vars(section.layout()))
 
 
 def check_parallelism(cfg: ModelConfig, par: Layout, world_size: int | None = None) -> None:
