@@ -1,5 +1,5 @@
 """The docs stand on their own: every relative link and every cited repository path resolves, and nothing points
-outside the repository (a user's clone has no `../shared`)."""
+outside the repository (a user's clone has nothing beside it: no sibling folder of ours, no notes file)."""
 
 import re
 import subprocess
@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\[[^\]]*\]\(([^)#\s]+)(?:#[^)]*)?\)")
 CITED = re.compile(r"`((?:megatron_spec|tests|benchmarks|docs|recipes|launchers|slurm|configs|checkpoints|\.ci)/"
                    r"[\w./\-]*\w)`")
-OUTSIDE = ("../shared", "ANCHORS.md", "/work/shared")
+# Spelled in pieces so that this file, which must name them, is not itself a hit for `git grep`.
+OUTSIDE = ("../" + "shared", "ANCHORS" + ".md", "/work/" + "shared")
 
 
 def tracked(pattern: str) -> list[Path]:
@@ -47,7 +48,7 @@ def test_every_link_and_cited_path_resolves(path):
 def test_nothing_points_outside_the_repository():
     hits = []
     for path in tracked("*"):
-        if not path.is_file() or path.suffix in (".png", ".safetensors", ".pt", ".gguf", ".bin") or path == Path(__file__):
+        if not path.is_file() or path.suffix in (".png", ".safetensors", ".pt", ".gguf", ".bin"):
             continue
         try:
             text = path.read_text(encoding="utf-8")
