@@ -1,4 +1,5 @@
-"""Backend names of `RLConfig.backend` -> the classes the loop drives, imported only when chosen.
+"""Backend names of `RLConfig.backend` -> the classes the loop drives (and the driver of each Ray placement), imported only
+when chosen.
 
 Every trainer implements the Policy interface (`logprobs`, `train_step`, `export_weights`, `state_dict` /
 `load_state_dict`) and every generator the Generator interface (`generate`, `update_weights`, `sleep`, `wake`);
@@ -19,19 +20,24 @@ GENERATORS = {
     "embedded": ("megatron_spec.rl.generator:EmbeddedGenerator", None),
     "vllm": ("megatron_spec.backends.vllm:VLLMGenerator", "vllm"),
 }
+DRIVERS = {
+    "colocated": ("megatron_spec.backends.ray.driver:train", "ray"),
+    "disaggregated": ("megatron_spec.backends.ray.driver:train", "ray"),
+}
+"""`train(cfg)` of each placement other than `inline` (which is `rl.loop.run` in this process)."""
 
 
 def resolve(table: dict, name: str, what: str):
-    """The class registered under `name`; an ImportError names the extra to install."""
+    """The class (or function) registered under `backend.<what>=name`; an ImportError names the extra to install."""
     if name not in table:
-        raise ValueError(f"unknown {what} backend {name!r}; known: {', '.join(table)}")
+        raise ValueError(f"unknown backend.{what} {name!r}; known: {', '.join(table)}")
     target, extra = table[name]
     module, attr = target.split(":")
     try:
         return getattr(importlib.import_module(module), attr)
     except ImportError as err:
         hint = f" (`pip install 'megatron-spec[{extra}]'`)" if extra else ""
-        raise ImportError(f"{what} backend {name!r} needs {err.name or 'a missing package'}{hint}: {err}") from err
+        raise ImportError(f"backend.{what}={name} needs {err.name or 'a missing package'}{hint}: {err}") from err
 
 
 def build_policy(cfg, model, drafter):

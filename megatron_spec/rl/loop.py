@@ -33,9 +33,6 @@ from .grpo import group_advantages
 from .policy import Batch
 from .refit import buckets
 
-DRIVERS = {"colocated": "megatron_spec.backends.ray.driver", "disaggregated": "megatron_spec.backends.ray.driver"}
-"""Module whose `train(cfg)` runs a placement other than `inline` (imported by name: the core never imports Ray)."""
-
 REFIT_BUCKET_BYTES = 16 << 20
 """Refit bucket size: large enough to amortise per-bucket overhead, small enough to bound the staging memory."""
 
@@ -219,15 +216,10 @@ def train(cfg: RLConfig) -> dict:
     """Run (or resume) the RL job described by `cfg`; returns a summary of the last step. Placements other than
     `inline` run the same loop through the Ray driver."""
     check_inputs(cfg)
-    if cfg.backend.placement != "inline":
-        import importlib
+    if cfg.backend.placement != "inline":  # the driver is named, not imported here: the core never imports Ray
+        from .backends import DRIVERS, resolve
 
-        try:
-            driver = importlib.import_module(DRIVERS[cfg.backend.placement])
-        except ImportError as err:
-            raise ImportError(f"backend.placement={cfg.backend.placement} runs on Ray, which needs "
-                              f"{err.name or 'a missing package'} (`pip install 'megatron-spec[ray]'`): {err}") from err
-        return driver.train(cfg)
+        return resolve(DRIVERS, cfg.backend.placement, "placement")(cfg)
     return run(cfg, Trainer)
 
 
