@@ -1,5 +1,5 @@
-"""Backend names of `RLConfig.backend` -> the classes the loop drives (and the driver of each Ray placement), imported only
-when chosen.
+"""Backend names of `RLConfig.backend` -> the classes the loop drives (and the driver of each Ray placement),
+imported only when chosen.
 
 Every trainer implements the Policy interface (`logprobs`, `train_step`, `export_weights`, `state_dict` /
 `load_state_dict`) and every generator the Generator interface (`generate`, `update_weights`, `sleep`, `wake`);
