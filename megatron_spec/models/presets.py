@@ -17,6 +17,13 @@ PRESETS: dict[str, dict] = {
         num_key_value_heads=2, head_dim=32, intermediate_size=384, rope_theta=10000.0, max_position_embeddings=512,
         tie_word_embeddings=False,
     ),
+    # The main job's policy: deeper and narrower than tiny-qwen3, so a one-layer MTP head costs an eighth of the
+    # trunk (as a head does at scale) rather than a quarter.
+    "tiny-qwen3-deep": dict(
+        model_type="qwen3", vocab_size=TINY_VOCAB, hidden_size=96, num_hidden_layers=8, num_attention_heads=3,
+        num_key_value_heads=1, head_dim=32, intermediate_size=288, rope_theta=10000.0, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    ),
     "tiny-qwen3-moe": dict(
         model_type="qwen3_moe", vocab_size=TINY_VOCAB, hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, intermediate_size=384, num_experts=8, num_experts_per_tok=2,

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
-from ..tasks.arithmetic import ArithmeticDataset, Problem
+from ..tasks.arithmetic import ArithmeticDataset, Difficulty, Problem
+from ..tasks.pretrain_config import TASK_FILE
 from ..tasks.reward import reward
+
+
+def trained_difficulty(policy_path: str) -> Difficulty:
+    """The task difficulty a tiny checkpoint was pretrained on (its `task.json`), so RL asks it the problems it
+    learned to solve; the default difficulty for a checkpoint without one."""
+    card = Path(policy_path) / TASK_FILE
+    if not card.is_file():
+        return Difficulty()
+    return Difficulty(**json.loads(card.read_text()).get("difficulty", {}))
 
 
 @dataclass
@@ -27,7 +39,7 @@ class PromptTask:
             # The chat model's own difficulty: SmolLM2-135M solves ~1/16 of the tiny task's two-digit chains.
             dataset = ArithmeticDataset(size=size, seed=seed, split=split, difficulty=SMOLLM2_DIFFICULTY)
         else:
-            dataset = ArithmeticDataset(size=size, seed=seed, split=split)
+            dataset = ArithmeticDataset(size=size, seed=seed, split=split, difficulty=trained_difficulty(policy_path))
         if kind == "tiny":
             from ..tasks.tokenizer import CharTokenizer
 

@@ -76,8 +76,19 @@ class Difficulty:
             raise ValueError(f"ops must be a non-empty set of {''.join(_OPS)!r} without repeats, got {self.ops!r}")
 
 
-def solve(operands: list[int], ops: list[str]) -> Problem:
-    """The `Problem` for a chain, with its worked solution folded left to right (no operator precedence)."""
+def carries(a: int, op: str, b: int) -> bool:
+    """A sum of non-negatives whose units digits carry into the tens (the step a hurried writer gets wrong)."""
+    return op == "+" and a >= 0 and b >= 0 and a % 10 + b % 10 >= 10
+
+
+def solve(operands: list[int], ops: list[str], dropped: frozenset[int] = frozenset()) -> Problem:
+    """The `Problem` for a chain, with its worked solution folded left to right (no operator precedence).
+
+    `dropped` holds indices of solution lines whose carry the writer drops: such a line, where it `carries`, is
+    written `a+b=c-10` and the fold goes on from the written value, so the solution and its `answer` are wrong in a
+    way that is consistent from there on. This is the slip of the imperfect teacher behind a pretraining corpus
+    (`generate`); a problem without dropped carries is always right.
+    """
     if len(operands) != len(ops) + 1 or not ops:
         raise ValueError("a chain needs n >= 2 operands and n - 1 operators")
     # The fold ignores precedence, so a product after a sum is written `(a+b)*c`: the prompt means what it says.
@@ -88,22 +99,24 @@ def solve(operands: list[int], ops: list[str]) -> Problem:
         expression += f"{op}{b}"
     prompt = expression + "\n"
     lines, acc = [], operands[0]
-    for op, b in zip(ops, operands[1:]):
-        result = _OPS[op](acc, b)
+    for i, (op, b) in enumerate(zip(ops, operands[1:])):
+        result = _OPS[op](acc, b) - (10 if i in dropped and carries(acc, op, b) else 0)
         lines.append(f"{acc}{op}{b}={result}")
         acc = result
     lines.append(f"{ANSWER_MARKER}{acc}")
     return Problem(prompt=prompt, solution="\n".join(lines), answer=str(acc))
 
 
-def generate(rng: random.Random, difficulty: Difficulty) -> Problem:
-    """One random problem at `difficulty`, drawn from `rng`."""
+def generate(rng: random.Random, difficulty: Difficulty, slip_rate: float = 0.0) -> Problem:
+    """One random problem at `difficulty`, drawn from `rng`; each line's carry is dropped with `slip_rate`."""
     n = rng.randint(difficulty.min_terms, difficulty.max_terms)
     ops = [rng.choice(difficulty.ops) for _ in range(n - 1)]
     # A multiplier is one digit (and never the left-most operand's slot), so products stay a few digits long.
     operands = [rng.randint(0, difficulty.max_operand)]
     operands += [rng.randint(0, 9) if op == "*" else rng.randint(0, difficulty.max_operand) for op in ops]
-    return solve(operands, ops)
+    # No draws at slip_rate 0, so clean datasets keep the streams they had before slips existed.
+    dropped = frozenset(i for i in range(len(ops)) if rng.random() < slip_rate) if slip_rate else frozenset()
+    return solve(operands, ops, dropped)
 
 
 @dataclass(frozen=True)
@@ -123,8 +136,13 @@ class ArithmeticDataset:
     """Problem generator knob."""
     split: str = "train"
     """Name mixed into every per-index seed: "train" and "eval" give disjoint random streams."""
+    slip_rate: float = 0.0
+    """Chance that a carrying line's carry is dropped (`solve`): a pretraining corpus written by an imperfect
+    teacher. RL prompts and evaluation use 0, where every solution and answer is right."""
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.slip_rate <= 1.0:
+            raise ValueError(f"slip_rate must be in [0, 1], got {self.slip_rate}")
         if self.size < 1:
             raise ValueError(f"an arithmetic dataset needs at least one problem, got size={self.size}")
         if not self.split:
@@ -136,7 +154,7 @@ class ArithmeticDataset:
     def __getitem__(self, index: int) -> Problem:
         if not 0 <= index < self.size:
             raise IndexError(f"problem index {index} out of range [0, {self.size})")
-        return generate(random.Random(f"{self.split}:{self.seed}:{index}"), self.difficulty)
+        return generate(random.Random(f"{self.split}:{self.seed}:{index}"), self.difficulty, self.slip_rate)
 
     def __iter__(self) -> Iterator[Problem]:
         return (self[i] for i in range(self.size))

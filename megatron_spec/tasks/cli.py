@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from .arithmetic import Difficulty
 from .pretrain_config import TINY_PRESETS, PretrainConfig
 
 # Optional flags -> PretrainConfig fields; a flag left out keeps the dataclass default (the one place defaults live).
@@ -14,6 +15,14 @@ _OPTIONAL = {
     "batch_size": (int, "sequences per step"),
     "lr": (float, "peak AdamW learning rate"),
     "log_every": (int, "steps between progress lines"),
+    "slip_rate": (float, "share of carrying lines whose carry the corpus drops"),
+}
+# Flags of the task itself -> Difficulty fields (the held-out set and the RL task read them from task.json).
+_DIFFICULTY = {
+    "min_terms": (int, "fewest operands in a chain"),
+    "max_terms": (int, "most operands in a chain"),
+    "max_operand": (int, "operands are drawn from [0, max_operand]"),
+    "ops": (str, "operators to draw from, e.g. '+-'"),
 }
 
 
@@ -29,12 +38,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     defaults = PretrainConfig.__dataclass_fields__
     for name, (kind, doc) in _OPTIONAL.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"{doc} (default {defaults[name].default})")
+    for name, (kind, doc) in _DIFFICULTY.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind,
+                       help=f"{doc} (default {Difficulty.__dataclass_fields__[name].default})")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     given = {name: getattr(args, name) for name in _OPTIONAL if getattr(args, name) is not None}
-    cfg = PretrainConfig(preset=args.preset, out=args.out, **given)  # bad arguments fail here, before torch loads
+    task = {name: getattr(args, name) for name in _DIFFICULTY if getattr(args, name) is not None}
+    cfg = PretrainConfig(preset=args.preset, out=args.out, difficulty=Difficulty(**task), **given)  # bad arguments fail here, before torch loads
 
     import torch
 

@@ -28,14 +28,12 @@ import torch.nn.functional as F
 from megatron_spec.models import CausalLM, ModelConfig, preset, save_pretrained
 
 from .arithmetic import ArithmeticDataset, Problem
-from .pretrain_config import PretrainConfig
+from .pretrain_config import TASK_FILE, PretrainConfig
 from .reward import reward
 from .tokenizer import CharTokenizer
 
 IGNORE = -100
 """Label of positions the loss skips (prompt and padding)."""
-TASK_FILE = "task.json"
-"""Written next to the weights: the task, tokenizer and training run the checkpoint belongs to."""
 
 
 @dataclass
@@ -69,7 +67,8 @@ def model_config(name: str, tokenizer: CharTokenizer) -> ModelConfig:
 def training_stream(cfg: PretrainConfig, exclude: set[str]) -> Iterator[Problem]:
     """Training problems in order, skipping any whose prompt is held out, so evaluation is on unseen problems."""
     # Large enough never to wrap in a run; its size costs nothing since problems are generated on demand.
-    source = ArithmeticDataset(size=10**9, seed=cfg.seed, difficulty=cfg.difficulty, split="train")
+    source = ArithmeticDataset(size=10**9, seed=cfg.seed, difficulty=cfg.difficulty, split="train",
+                               slip_rate=cfg.slip_rate)
     return (p for p in source.cycle() if p.prompt not in exclude)
 
 

@@ -8,7 +8,10 @@ from pathlib import Path
 
 from .arithmetic import Difficulty
 
-TINY_PRESETS = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-draft")
+TASK_FILE = "task.json"
+"""Written next to the weights: the task, tokenizer and training run the checkpoint belongs to."""
+
+TINY_PRESETS = ("tiny-qwen3", "tiny-qwen3-deep", "tiny-qwen3-moe", "tiny-draft")
 """Presets this command trains: the ones whose vocabulary is the character tokenizer's."""
 
 
@@ -38,6 +41,10 @@ class PretrainConfig:
     """Held-out problems for the final greedy accuracy; never seen in training."""
     difficulty: Difficulty = field(default_factory=Difficulty)
     """Problem generator knob shared by training and evaluation."""
+    slip_rate: float = 0.0
+    """Share of carrying lines in the training corpus whose carry its teacher drops (`arithmetic.solve`). Above
+    0.5 the model learns the slip as its most likely step, so its greedy answers are mostly wrong while its
+    samples are often right: the situation RL is known to fix. Held-out problems are always right."""
 
     def __post_init__(self) -> None:
         if self.preset not in TINY_PRESETS:
@@ -51,5 +58,7 @@ class PretrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr}")
+        if not 0.0 <= self.slip_rate <= 1.0:
+            raise ValueError(f"slip_rate must be in [0, 1], got {self.slip_rate}")
         if self.warmup_steps < 0 or self.weight_decay < 0:
             raise ValueError("warmup_steps and weight_decay must be >= 0")

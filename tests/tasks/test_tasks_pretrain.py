@@ -34,6 +34,7 @@ from megatron_spec.tasks.tokenizer import CharTokenizer
         (dict(eval_problems=0), "eval_problems must be >= 1"),
         (dict(lr=0.0), "lr must be a positive number"),
         (dict(lr=float("nan")), "lr must be a positive number"),
+        (dict(slip_rate=-0.1), "slip_rate must be in"),
     ],
 )
 def test_bad_config_is_rejected(kwargs, message):
@@ -59,6 +60,19 @@ def test_cli_rejects_bad_arguments_before_work(tmp_path):
         with pytest.raises(ValueError):
             args.func(args)
     assert not (tmp_path / "ck").exists()
+
+
+def test_cli_task_flags_reach_the_config(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr("megatron_spec.tasks.pretrain.pretrain", lambda cfg: seen.setdefault("cfg", cfg))
+    args = _parser().parse_args(["pretrain", "--preset", "tiny-draft", "--out", str(tmp_path / "ck"), "--max-terms",
+                                 "8", "--ops", "+", "--slip-rate", "0.6"])
+    assert args.func(args) == 0
+    cfg = seen["cfg"]
+    assert (cfg.difficulty.max_terms, cfg.difficulty.ops, cfg.difficulty.min_terms, cfg.slip_rate) == (8, "+", 2, 0.6)
+    args = _parser().parse_args(["pretrain", "--preset", "tiny-draft", "--out", str(tmp_path / "ck"), "--ops", "/"])
+    with pytest.raises(ValueError, match="ops must be"):
+        args.func(args)
 
 
 def test_model_config_carries_tokenizer_ids_and_qk_norm():
