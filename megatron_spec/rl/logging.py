@@ -24,7 +24,7 @@ NO_PROGRESS_ENV = "MEGATRON_SPEC_NO_PROGRESS"
 
 # TensorBoard groups scalars by the prefix before "/"; these put related curves on one dashboard row.
 _TB_GROUP = {
-    "reward_mean": "reward", "accuracy": "reward", "eval_accuracy": "reward",
+    "reward_mean": "reward", "accuracy": "reward", "eval_accuracy": "reward", "eval_accuracy_before": "reward",
     "gen_tokens": "gen", "tokens_per_s": "gen", "acceptance_length": "gen", "accepted_per_pos": "gen",
     "response_len_mean": "gen", "response_len_max": "gen",
     "loss": "train", "kl": "train", "clip_frac": "train", "grad_norm": "train", "logprob_mismatch": "train",

@@ -153,11 +153,17 @@ def same_seed_pairs(runs: list[Run]) -> list[dict]:
     return out
 
 
+def _eval_before(r: Run) -> float:
+    """Held-out accuracy of the policy as loaded (logged with step 0); NaN for a resumed run or one without it."""
+    return _num(r.metrics[0].get("eval_accuracy_before")) if r.metrics else math.nan
+
+
 def summary_rows(runs: list[Run]) -> list[dict]:
     sp = speedups(runs)
     rows = []
     for r in runs:
         evals = [v for v in r.values("eval_accuracy") if not math.isnan(v)]
+        before = _eval_before(r)
         rows.append({
             "run": r.label, "steps": len(r.metrics),
             **{s: _mean([_num((m.get("stages") or {}).get(s)) for m in r.metrics]) for s in STAGES},
@@ -165,6 +171,7 @@ def summary_rows(runs: list[Run]) -> list[dict]:
             "acceptance": _mean(r.values("acceptance_length")),
             "speedup": _mean(list(sp[r.name][1].values())) if r.name in sp else math.nan,
             "reward_tail": _mean(r.values("reward_mean")[-TAIL:]),
+            "eval_start": before if not math.isnan(before) else evals[0] if evals else math.nan,
             "eval_final": evals[-1] if evals else math.nan,
         })
     return rows
@@ -202,6 +209,9 @@ def plot_reward_accuracy(runs, colors, path: Path) -> None:
         ax[0, 0].plot(r.steps, r.values("reward_mean"), color=c, label=r.label)
         ax[0, 1].plot(r.steps, r.values("accuracy"), color=c)
         ev = [(s, v) for s, v in zip(r.steps, r.values("eval_accuracy")) if not math.isnan(v)]
+        before = _eval_before(r)
+        if not math.isnan(before):  # the policy as loaded, drawn at step -1 (before step 0's update)
+            ev.insert(0, (-1, before))
         if ev:
             ax[0, 1].plot(*zip(*ev), color=c, ls="--", marker="o", ms=4)
     _style(ax[0, 0], "mean reward of the step's rollouts", "reward")
@@ -395,10 +405,10 @@ def _lossless_html(runs, colors, plots, img) -> list[str]:
 
 def _summary_html(runs) -> str:
     head = ["run", "steps", *[f"{s} s" for s in STAGES], "step s", "tokens/s", "acceptance", "gen speedup",
-            f"reward (last {TAIL})", "final eval acc"]
+            f"reward (last {TAIL})", "eval acc: start -> final"]
     rows = [[r["run"], r["steps"], *[_f(r[s], 2) for s in STAGES], _f(r["step_time"], 2), _f(r["tokens_per_s"], 1),
-             _f(r["acceptance"], 2), _f(r["speedup"], 2), _f(r["reward_tail"], 3), _f(r["eval_final"], 3)]
-            for r in summary_rows(runs)]
+             _f(r["acceptance"], 2), _f(r["speedup"], 2), _f(r["reward_tail"], 3),
+             f"{_f(r['eval_start'], 3)} -> {_f(r['eval_final'], 3)}"] for r in summary_rows(runs)]
     return _table(head, rows) + "<p>Stage times, tokens/s, acceptance and speedup are means over steps.</p>"
 
 

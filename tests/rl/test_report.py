@@ -80,10 +80,11 @@ def test_speedup_over_the_same_seed_plain_run_or_the_plain_mean(comparison):
     # no plain run of seed 9: the mean of the plain runs' gen tokens/s is the baseline
     assert sp["frozen_s9"][0] == "mean of 3 plain runs"
     assert sp["frozen_s9"][1][3] == pytest.approx(125 / ((100 + 125 + 80) / 3))
-    # summary columns: ... tokens/s, acceptance, gen speedup, reward (last 10), final eval acc
+    # summary columns: ... tokens/s, acceptance, gen speedup, reward (last 10), eval acc start -> final (no
+    # `eval_accuracy_before` logged here: the start is the first eval)
     summary = comparison[2].split("<h2>Summary</h2>")[1]
-    assert _row(summary, "spec_s0 (spec")[-5:] == ["200.0", "2.50", "2.00", "0.530", "0.530"]
-    assert _row(summary, "plain_s0 (plain)")[-5:] == ["100.0", "-", "-", "0.500", "0.500"]
+    assert _row(summary, "spec_s0 (spec")[-5:] == ["200.0", "2.50", "2.00", "0.530", "0.530 -&gt; 0.530"]
+    assert _row(summary, "plain_s0 (plain)")[-5:] == ["100.0", "-", "-", "0.500", "0.500 -&gt; 0.500"]
 
 
 def test_losslessness_table_against_the_plain_spread(comparison):
