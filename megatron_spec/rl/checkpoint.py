@@ -15,9 +15,9 @@ import torch
 from ..models.hf_io import write_atomically
 
 IGNORED_ON_RESUME = {"run.steps", "run.resume", "run.save_every", "run.eval_every", "run.out_dir", "run.report",
-                     "grpo.micro_batch_tokens", "grpo.fold_logprob", "grpo.share_prompt"}
-"""Fields a resumed run may change (how long, how often, and how a step computes the same update), all others must
-match. The last three also let a run saved before they existed resume."""
+                     "grpo.micro_batch_tokens", "grpo.fold_logprob", "grpo.share_prompt", "run.device"}
+"""Fields a resumed run may change (how long, how often, and how or where a step computes the same update), all
+others must match. The last four also let a run saved before they existed resume."""
 
 
 def flatten(cfg) -> dict:
@@ -58,4 +58,7 @@ def load_latest(run_dir: Path) -> dict | None:
     pointer = run_dir / "checkpoints" / "latest"
     if not pointer.is_file():
         return None
-    return torch.load(run_dir / "checkpoints" / pointer.read_text().strip() / "state.pt", weights_only=False)
+    # On the host whatever device saved it: `load_state_dict` then copies each tensor to where the run computes
+    # (an optimizer's state to its parameter's device), so a run saved on a GPU resumes on a CPU and vice versa.
+    return torch.load(run_dir / "checkpoints" / pointer.read_text().strip() / "state.pt", map_location="cpu",
+                      weights_only=False)

@@ -6,6 +6,7 @@ Nested dataclasses mirror the YAML files in `configs/` and the `key=value` overr
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from ..spec.config import SpecConfig
@@ -148,6 +149,32 @@ class RunSection:
     """torch CPU threads."""
     report: bool = True
     """Write `report.html` (plots of reward, accuracy, stage times, acceptance) into out_dir when the run ends."""
+    device: str = "cpu"
+    """Where the embedded trainer and generator compute (`backend.placement=inline`): `cpu`, `cuda` or `cuda:N`. The
+    policy, drafter, reference, optimizer state, KV caches and every tensor the engine, verifier, sampler and
+    trainer make live there; batches cross the Policy interface on the host. The rollouts' random streams stay per
+    sequence on the host, so a seed draws the same uniforms on any device. Not part of a checkpoint's identity: a
+    run saved on one device resumes on another (a valid continuation, equal to the uninterrupted run up to the
+    devices' floating-point differences). The spelling is checked here; that torch sees the GPU is checked when a
+    run starts (`torch_device`), so a launcher on a GPU-less login node can still submit a CUDA job. The at-scale
+    backends place their own work (Megatron: one GPU per rank; vLLM: its engine's devices) and ignore it."""
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"run.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+    def torch_device(self):
+        """`device` as a torch.device, or a ValueError when torch cannot reach it (before any model is loaded)."""
+        import torch  # here, not at the top: torch-free tools (the simulator's tuner, launchers) read this config
+
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"run.device={self.device} but torch sees no CUDA device (torch {torch.__version__});"
+                                 f" use run.device=cpu, or a CUDA build of torch on a GPU machine")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ValueError(f"run.device={self.device} but torch sees {torch.cuda.device_count()} CUDA device(s)")
+        return device
 
 
 @dataclass

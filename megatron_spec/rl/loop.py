@@ -49,7 +49,11 @@ class StageTimer:
 
 
 def check_inputs(cfg: RLConfig) -> None:
-    """Every file the run needs exists, before any model is built."""
+    """Every file and the device the run needs exist, before any model is built or anything is written."""
+    cfg.run.torch_device()
+    if cfg.run.device != "cpu" and cfg.backend.placement != "inline":
+        raise ValueError(f"run.device={cfg.run.device} places the in-process trainer and generator; the "
+                         f"{cfg.backend.placement} placement's worker groups place their own (leave run.device=cpu)")
     policy = cfg.model.policy
     if policy != "smollm2-135m" and not (Path(policy) / "config.json").is_file():
         raise FileNotFoundError(f"policy checkpoint {policy} not found (no config.json); "
@@ -68,12 +72,14 @@ def load_drafter_for(cfg: RLConfig, policy_model):
         return None
     path = cfg.model.drafter or cfg.spec.model
     if cfg.spec.method == "draft_model":
-        return from_pretrained(path)
-    return load_drafter(path, policy_model.config)
+        return from_pretrained(path, device=policy_model.device)
+    return load_drafter(path, policy_model.config, device=policy_model.device)
 
 
 def make_batch(prompts: list[list[int]], outs) -> tuple[Batch, torch.Tensor]:
-    """Right-padded prompt+completion ids, completion mask, and the engine's behaviour logprobs aligned to [B, T-1]."""
+    """Right-padded prompt+completion ids, completion mask, and the engine's behaviour logprobs aligned to [B, T-1],
+    on the host: a batch crosses the Policy interface there (to a Ray actor, a Megatron rank), and each trainer
+    moves it to its own device once."""
     seqs = [p + o.token_ids for p, o in zip(prompts, outs)]
     T = max(len(s) for s in seqs)
     ids = torch.zeros(len(seqs), T, dtype=torch.long)
@@ -127,7 +133,7 @@ class Trainer:
         from ..models import from_pretrained
         from .backends import build_generator, build_policy
 
-        model = from_pretrained(self.cfg.model.policy)
+        model = from_pretrained(self.cfg.model.policy, device=self.cfg.run.torch_device())
         drafter = load_drafter_for(self.cfg, model)
         return build_policy(self.cfg, model, drafter), build_generator(self.cfg, model, drafter)
 
@@ -246,9 +252,14 @@ def run(cfg: RLConfig, make_trainer) -> dict:
     logger = StepLogger(run_dir, cfg.run.steps)
     nan_streak, metrics = 0, {}
     try:
+        # The policy as loaded, so that a run's gain is measured from where it started (step 0's eval is after an
+        # update); logged with step 0's metrics.
+        before = trainer.evaluate() if start == 0 and cfg.run.eval_every else None
         for step in logger.progress(range(start, cfg.run.steps)):
             metrics = trainer.step(step)
             last = step == cfg.run.steps - 1
+            if step == 0 and before is not None:
+                metrics["eval_accuracy_before"] = before
             if cfg.run.eval_every and (step % cfg.run.eval_every == 0 or last):
                 metrics["eval_accuracy"] = trainer.evaluate()
             logger.log(metrics)

@@ -13,7 +13,7 @@ rollouts of a GRPO group share their prompt, which both forwards compute once pe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -47,9 +47,15 @@ class Batch:
     is_clip: float = 2.0
     """Truncation of that importance ratio (`backend.is_clip`)."""
 
+    def to(self, device: torch.device) -> "Batch":
+        """This batch with every tensor on `device` (itself where they already are)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return replace(self, input_ids=move(self.input_ids), mask=move(self.mask), advantages=move(self.advantages),
+                       old_logprobs=move(self.old_logprobs), behaviour_logprobs=move(self.behaviour_logprobs))
+
     def select(self, rows: list[int], length: int) -> "Batch":
         """The micro-batch of `rows`, cropped to its first `length` positions."""
-        idx = torch.tensor(rows)
+        idx = torch.tensor(rows, device=self.input_ids.device)
         per_token = lambda t: None if t is None else t[idx, : length - 1]  # noqa: E731  ([B, T-1] fields)
         return Batch(self.input_ids[idx, :length], self.mask[idx, :length],
                      None if self.advantages is None else self.advantages[idx],
@@ -107,7 +113,7 @@ class EmbeddedPolicy:
         self.opt = torch.optim.AdamW(model.parameters(), lr=grpo.lr, betas=(0.9, 0.99), weight_decay=0.0)
         self.ref = None
         if grpo.kl_coef > 0:  # a frozen copy of the initial policy for the KL term
-            self.ref = CausalLM(model.config)
+            self.ref = CausalLM(model.config).to(model.device)
             self.ref.load_state_dict(model.state_dict())
             self.ref.eval().requires_grad_(False)
         self.drafter, self.drafter_method, self.drafter_cfg = drafter, drafter_method, drafter_cfg
@@ -156,15 +162,17 @@ class EmbeddedPolicy:
     @torch.no_grad()
     def logprobs(self, batch: Batch) -> Tensor:
         """[B, T-1] log-prob of each next token (0 outside the completion mask), one forward per micro-batch; through
-        the same shared prompts and micro-batches as `train_step`, so a folded step gives these numbers exactly."""
+        the same shared prompts and micro-batches as `train_step`, so a folded step gives these numbers exactly.
+        Computed on the model's device, returned on the host (where the batch came from)."""
+        batch = batch.to(self.model.device)
         B, T = batch.mask.shape
-        out = torch.zeros(B, T - 1)
+        out = torch.zeros(B, T - 1, device=batch.mask.device)
         shared = self.share(batch)
         for rows, mb in self.split(batch):
             logits = self.model.lm_head(self.trunk(mb, rows, shared).hidden)
             lp = token_logprobs(logits, mb.input_ids, self.sampling)
             out[rows, : lp.shape[1]] = masked(lp, mb.mask[:, 1:])
-        return out
+        return out.cpu()
 
     def capture(self) -> tuple[int, ...]:
         return captured_layers(self.drafter)
@@ -179,7 +187,9 @@ class EmbeddedPolicy:
         rollouts' refit (`grpo.fold_logprob`); they are written into `batch.old_logprobs` for the caller's metrics.
         With `grpo.share_prompt` each distinct prompt goes through the trunk once (`prefix.py`): the micro-batches'
         backward passes stop at the prompts' states, and one backward through the prompts follows the last of them.
+        The step computes on the model's device; folded old log-probs come back to the host batch.
         """
+        host, batch = batch, batch.to(self.model.device)
         self.model.train()
         shared = self.share(batch, self.capture())
         parts = self.split(batch)  # before old_logprobs is filled in: a micro-batch without them folds
@@ -187,7 +197,7 @@ class EmbeddedPolicy:
         norm = LossNorm.of(mask)
         fold = batch.old_logprobs is None
         if fold:
-            batch.old_logprobs = torch.zeros(mask.shape)
+            batch.old_logprobs = torch.zeros(mask.shape, device=mask.device)
         positions = sum(mb.input_ids.numel() for _, mb in parts)  # MoE only (which never shares prompts)
         self.opt.zero_grad(set_to_none=True)
         metrics: dict = {}
@@ -216,6 +226,8 @@ class EmbeddedPolicy:
             metrics["skipped"] = True
         if self.drafter_reads:
             metrics.update(self.drafter_step(forwards, float(batch.mask.sum())))
+        if fold:
+            host.old_logprobs = batch.old_logprobs.cpu()
         return metrics
 
     def micro_loss(self, mb: Batch, out: TrunkOutput, norm: LossNorm,

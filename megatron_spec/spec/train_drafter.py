@@ -131,7 +131,8 @@ def train(target, drafter, method: str, ids, mask, steps: int, batch_size: int, 
     g = torch.Generator().manual_seed(seed)
     losses = []
     for step in range(steps):
-        rows = torch.randint(0, ids.shape[0], (batch_size,), generator=g)
+        # Drawn on the host (the same rows on any device for a seed), used where the rollouts are.
+        rows = torch.randint(0, ids.shape[0], (batch_size,), generator=g).to(ids.device)
         length = int(mask[rows].nonzero()[:, 1].max()) + 1  # trim padding columns of this batch
         out = TrunkOutput(feats.hidden[rows, :length], {i: h[rows, :length] for i, h in feats.layers.items()})
         loss = drafter_loss(method, target, drafter, ids[rows, :length], mask[rows, :length], out=out)

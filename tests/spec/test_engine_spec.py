@@ -78,6 +78,11 @@ def test_sampled_completions_match_plain_decoding(target, kw):
     """2000 three-token completions of one prompt, plain vs speculative (noisy draft model, k=3, sampled drafts
     with their q in verification): for each of the three positions a two-sample chi-square test of the token
     frequencies, threshold the 99.9 % quantile (false alarm 0.001 per assertion, fixed seeds)."""
+    assert_sampled_matches_plain(target, kw)
+
+
+def assert_sampled_matches_plain(target, kw: dict) -> None:
+    """The body of `test_sampled_completions_match_plain_decoding`, for a target on any device (tests/gpu)."""
     spec = SpecConfig("draft_model", 3, draft_sampling=True)
     draft = noisy_copy(target, 0.005, 5)
     n, prompt = 2000, [5, 6, 7]
@@ -102,13 +107,14 @@ def test_speculative_logprobs_equal_full_forward(target, name):
     assert_logprobs_equal_full_forward(target, outs, kw)
 
 
-def assert_logprobs_equal_full_forward(target, outs, sampling: dict) -> None:
-    """Each completion's returned log-probs equal those of one full forward over prompt + completion (1e-5)."""
+def assert_logprobs_equal_full_forward(target, outs, sampling: dict, atol: float = 1e-5) -> None:
+    """Each completion's returned log-probs equal those of one full forward over prompt + completion (`atol`)."""
     for prompt, out in zip(PROMPTS, outs):
         with torch.no_grad():
-            lp = processed_logprobs(target(torch.tensor([prompt + out.token_ids]))[0, len(prompt) - 1 : -1], **sampling)
+            logits = target(torch.tensor([prompt + out.token_ids], device=target.device))[0, len(prompt) - 1 : -1]
+        lp = processed_logprobs(logits.cpu(), **sampling)
         ref = lp.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1).numpy()
-        assert np.allclose(out.logprobs, ref, atol=1e-5)
+        assert np.allclose(out.logprobs, ref, atol=atol)
 
 
 def test_kv_cache_after_partial_acceptance_equals_fresh_forward(target):

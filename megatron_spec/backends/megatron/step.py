@@ -56,9 +56,7 @@ def device() -> torch.device:
 
 
 def on_device(batch: Batch) -> Batch:
-    move = lambda t: None if t is None else t.to(device())  # noqa: E731
-    return Batch(move(batch.input_ids), move(batch.mask), move(batch.advantages), move(batch.old_logprobs),
-                 move(batch.behaviour_logprobs), batch.is_clip)
+    return batch.to(device())
 
 
 def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int, fixed: bool = False) -> list[Micro]:

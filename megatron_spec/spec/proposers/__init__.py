@@ -34,7 +34,7 @@ def build_proposer(spec: SpecConfig, target: CausalLM, drafter=None) -> Proposer
         raise ValueError(f"method {spec.method!r} needs a {expected.__name__} drafter, got {type(drafter).__name__}")
     if spec.method == "draft_model":
         check_draft_model(drafter.config, target.config)
-        return DraftModelProposer(drafter, spec.draft_sampling)
+        return DraftModelProposer(drafter.to(target.device), spec.draft_sampling)
     if drafter.target_config.vocab_size != target.config.vocab_size:
         raise ValueError(f"drafter vocabulary ({drafter.target_config.vocab_size}) differs from the target's "
                          f"({target.config.vocab_size})")
