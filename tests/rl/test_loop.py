@@ -255,3 +255,24 @@ def test_report_without_matplotlib_is_a_table_and_a_hint(ckpts, tmp_path, shaped
     page = report_mod.write_report([tmp_path], tmp_path / "r.html").read_text()
     assert "Plots need matplotlib" in page and "<table" in page and "<img" not in page
     assert not (tmp_path / "r_plots").exists()
+
+
+def test_the_policy_is_evaluated_as_loaded_before_the_first_update(ckpts, tmp_path, shaped_reward):
+    """`eval_accuracy_before` (logged with step 0) is the greedy held-out accuracy of the checkpoint itself: a
+    Trainer built on it and never stepped gives the same number, while step 0's own eval (after an update at lr
+    3e-3) differs. A resumed run does not log it again."""
+    cfg = small_cfg(ckpts, tmp_path / "run")
+    cfg.run.eval_every, cfg.run.eval_prompts, cfg.run.steps = 1, 16, 2
+    loop.train(cfg)
+    rows = read_metrics(tmp_path / "run")
+    torch.manual_seed(cfg.run.seed)
+    untrained = loop.Trainer(cfg)
+    try:
+        expected = untrained.evaluate()
+    finally:
+        untrained.close()
+    assert rows[0]["eval_accuracy_before"] == expected
+    assert rows[0]["eval_accuracy"] != expected
+    cfg.run.steps = 3
+    loop.train(cfg)
+    assert "eval_accuracy_before" not in read_metrics(tmp_path / "run")[2]
