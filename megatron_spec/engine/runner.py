@@ -7,6 +7,7 @@ from torch import Tensor
 
 from ..models.decoder import CausalLM, TrunkOutput
 from ..models.kv_cache import KVCache
+from ..models.packed import linears
 from .sequence import Sequence
 
 
@@ -28,7 +29,7 @@ class ModelRunner:
         return out
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return self.model.lm_head(hidden)
+        return linears(hidden, self.model.lm_head)[0]
 
     def prefill(self, seqs: list[Sequence]) -> tuple[Tensor, TrunkOutput]:
         """Next-token logits [B, V] after each prompt (the head runs on the last prompt position only)."""

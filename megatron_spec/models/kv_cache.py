@@ -57,15 +57,25 @@ class BatchView:
         self.positions = (start[:, None] + torch.arange(T, device=device)).clamp_(max=cache.max_len - 1)
         self.kv_len = int(self.positions.max()) + 1
         key_pos = torch.arange(self.kv_len, device=device)
-        self.mask = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]  # [B, 1, T, kv_len]
+        allowed = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]  # [B, 1, T, kv_len]
+        # Additive (0 / -inf) rather than boolean: attention adds it in place, one op per layer instead of
+        # inverting a boolean mask and filling a copy of the scores (the same numbers: s + 0 = s).
+        self.mask = torch.zeros(allowed.shape, dtype=cache.k.dtype, device=device).masked_fill_(~allowed, float("-inf"))
         contiguous = slots == list(range(slots[0], slots[0] + B))
         self.rows = slice(slots[0], slots[0] + B) if contiguous else torch.tensor(slots, device=device)
-        self.slot_index = torch.tensor(slots, device=device)[:, None]
+        # Row of each new key in a layer's cache seen as [slots * kv_heads * max_len, head_dim], in the order of
+        # k.reshape(-1, head_dim) (sequence, head, token): one index_copy_ per tensor stores a step's keys, where
+        # indexing by (slot, position) pairs took a broadcasting index_put.
+        _, _, heads, max_len, _ = cache.k.shape
+        slot = torch.tensor(slots, device=device)[:, None, None]
+        head = torch.arange(heads, device=device)[None, :, None]
+        self.flat_rows = ((slot * heads + head) * max_len + self.positions[:, None, :]).reshape(-1)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # k, v: [B, kv_heads, T, head_dim]; store at (slot, :, position) then read back the live prefix.
         layer -= self.cache.first_layer
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        kc[self.slot_index, :, self.positions] = k.transpose(1, 2)
-        vc[self.slot_index, :, self.positions] = v.transpose(1, 2)
+        D = k.shape[-1]
+        kc.view(-1, D).index_copy_(0, self.flat_rows, k.reshape(-1, D))
+        vc.view(-1, D).index_copy_(0, self.flat_rows, v.reshape(-1, D))
         return kc[self.rows, :, : self.kv_len], vc[self.rows, :, : self.kv_len], self.mask

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .packed import linears
 
 
 class AttentionCache(Protocol):
@@ -75,9 +76,10 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache | None) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
@@ -87,11 +89,12 @@ class Attention(nn.Module):
         else:
             k, v, mask = cache.update(self.layer, k, v)
             out = attend(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+        return linears(out.transpose(1, 2).reshape(B, T, -1), self.o_proj)[0]
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """Grouped-query attention of q [B, H, T, D] over k, v [B, KV, L, D] with a boolean mask [B, 1, T, L].
+    """Grouped-query attention of q [B, H, T, D] over k, v [B, KV, L, D] with a mask [B, 1, T, L], boolean (True:
+    may attend) or additive (0 / -inf in the scores' dtype, what the engine's KV cache gives).
 
     Written out rather than calling SDPA: for the short query blocks of decoding and verification (T = 1..k+1)
     torch's CPU flash kernel costs milliseconds per call in set-up, this costs tens of microseconds. The query
@@ -100,8 +103,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     B, H, T, D = q.shape
     KV, L = k.shape[1], k.shape[2]
     group = H // KV
-    scores = q.reshape(B, KV, group * T, D) @ k.transpose(-1, -2) * D**-0.5
-    scores = scores.view(B, KV, group, T, L).masked_fill(~mask[:, :, None], float("-inf"))
+    scores = (q.reshape(B, KV, group * T, D) @ k.transpose(-1, -2)).mul_(D**-0.5).view(B, KV, group, T, L)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    else:
+        scores.add_(mask[:, :, None])
     probs = scores.float().softmax(-1).to(q.dtype).view(B, KV, group * T, L)
     return (probs @ v).view(B, H, T, D)
 
@@ -116,7 +122,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = linears(x, self.gate_proj, self.up_proj)
+        return linears(F.silu(gate) * up, self.down_proj)[0]
 
 
 class MoE(nn.Module):
