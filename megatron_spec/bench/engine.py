@@ -1,16 +1,19 @@
 """`megatron-spec bench engine`: our plain engine vs HF transformers' `generate`, side by side in one process.
 
-Same model weights, same prompts (equal length, so HF needs no padding), same sampling settings (temperature 1,
-no top-k/top-p, EOS ignored so both make exactly `new_tokens` tokens), batch 1, 8 and 32. Each cell is the best of
-`repeats` runs, alternating ours and HF's so that background load hits both alike.
+Same model weights, same prompts (equal length, so HF needs no padding), same sampling settings (`--temperature`,
+1 by default, 0 for greedy; no top-k/top-p; EOS ignored so both make exactly `new_tokens` tokens), batch 1, 8 and
+32, in `--dtype`. Each cell is the best of `repeats` runs, alternating ours and HF's so that background load hits
+both alike.
 
 `--peer vllm` measures vLLM (plain decoding, the model exported to a temporary HF directory, one engine for all
-batches) in place of HF `generate`; the columns keep their names (`hf_*` then means the peer).
+batches; eager unless `--vllm-compiled`) in place of HF `generate`; the columns keep their names (`hf_*` then means
+the peer).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def hf_twin(model):
@@ -33,7 +36,7 @@ def bench_prompts(vocab: int, batch: int, prompt_len: int, seed: int) -> list[li
     return torch.randint(3, vocab, (batch, prompt_len), generator=g).tolist()
 
 
-def vllm_twin(model, max_len: int):
+def vllm_twin(model, max_len: int, compiled: bool = False):
     """A vLLM engine on exactly our model's weights (imported by name: the core never imports vLLM itself)."""
     import importlib
     import tempfile
@@ -42,26 +45,28 @@ def vllm_twin(model, max_len: int):
     export = importlib.import_module("megatron_spec.backends.vllm.export")
     backend = importlib.import_module("megatron_spec.backends.vllm")
     path = export.export_target(model, Path(tempfile.mkdtemp(prefix="bench-engine-vllm-")) / "model")
-    return backend.VLLMGenerator(str(path), max_model_len=max_len)
+    return backend.VLLMGenerator(str(path), max_model_len=max_len, enforce_eager=not compiled)
 
 
 def run(model_name: str, batches: list[int], new_tokens: int, prompt_len: int, repeats: int,
-        peer: str = "hf") -> dict:
+        peer: str = "hf", dtype: str = "float32", temperatures: tuple[float, ...] = (1.0,),
+        vllm_compiled: bool = False) -> dict:
     import torch
 
     from ..engine import LLMEngine, SamplingParams
     from ..models import from_pretrained
     from .common import machine, timed
 
-    model = from_pretrained(model_name)
+    model = from_pretrained(model_name, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype])
     if peer == "vllm":
-        peer_engine = vllm_twin(model, min(model.config.max_position_embeddings, prompt_len + new_tokens + 16))
+        peer_engine = vllm_twin(model, min(model.config.max_position_embeddings, prompt_len + new_tokens + 16),
+                                vllm_compiled)
     else:
         hf = hf_twin(model)
     engine = LLMEngine(model, max_num_seqs=max(batches))
-    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, seed=0)
     rows = []
-    for batch in batches:
+    for batch, temperature in ((b, t) for b in batches for t in temperatures):
+        params = SamplingParams(temperature=temperature, max_tokens=new_tokens, ignore_eos=True, seed=0)
         prompts = bench_prompts(model.config.vocab_size, batch, prompt_len, seed=batch)
         ids = torch.tensor(prompts)
 
@@ -72,8 +77,9 @@ def run(model_name: str, batches: list[int], new_tokens: int, prompt_len: int, r
             if peer == "vllm":
                 return peer_engine.generate(prompts, params)
             with torch.inference_mode():
-                return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
-                                   top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+                sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else {}
+                return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=bool(temperature),
+                                   max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sampling)
 
         ours(), theirs()  # warm-up: allocator, kernels, caches
         t_ours, t_hf = float("inf"), float("inf")
@@ -81,23 +87,25 @@ def run(model_name: str, batches: list[int], new_tokens: int, prompt_len: int, r
             t_ours = min(t_ours, timed(ours)[0])
             t_hf = min(t_hf, timed(theirs)[0])
         tokens = batch * new_tokens
-        rows.append({"batch": batch, "ours_tok_s": tokens / t_ours, "hf_tok_s": tokens / t_hf,
+        rows.append({"batch": batch, "temperature": temperature, "ours_tok_s": tokens / t_ours, "hf_tok_s": tokens / t_hf,
                      "ours_ms_step": 1000 * t_ours / new_tokens, "hf_ms_step": 1000 * t_hf / new_tokens,
                      "speedup": t_hf / t_ours})
     if peer == "vllm":
         peer_engine.close()
-    return {"benchmark": "engine", "peer": peer, "model": model_name, "machine": machine(), "new_tokens": new_tokens,
-            "prompt_len": prompt_len, "repeats": repeats, "rows": rows}
+    return {"benchmark": "engine", "peer": peer, "vllm_compiled": vllm_compiled if peer == "vllm" else None,
+            "model": model_name, "dtype": dtype, "machine": machine(), "load_average": list(os.getloadavg()),
+            "new_tokens": new_tokens, "prompt_len": prompt_len, "repeats": repeats, "rows": rows}
 
 
 def main(args: argparse.Namespace) -> int:
     from .common import print_table, set_threads, write_json
 
     set_threads(args.threads)
-    result = run(args.model, args.batch, args.new_tokens, args.prompt_len, args.repeats, args.peer)
-    print(f"bench engine: {result['model']} on {result['machine']}, {args.new_tokens} new tokens, sampling T=1, "
+    result = run(args.model, args.batch, args.new_tokens, args.prompt_len, args.repeats, args.peer, args.dtype,
+                 tuple(args.temperature), args.vllm_compiled)
+    print(f"bench engine: {result['model']} ({args.dtype}) on {result['machine']}, {args.new_tokens} new tokens, "
           f"peer {args.peer}")
-    print_table(result["rows"], ["batch", "ours_tok_s", "hf_tok_s", "ours_ms_step", "hf_ms_step", "speedup"])
+    print_table(result["rows"], ["batch", "temperature", "ours_tok_s", "hf_tok_s", "ours_ms_step", "hf_ms_step", "speedup"])
     print(f"wrote {write_json(args.out, result)}")
     return 0
 
@@ -111,4 +119,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (0 keeps torch's default)")
     p.add_argument("--peer", choices=["hf", "vllm"], default="hf",
                    help="hf: transformers generate; vllm: a vLLM engine (needs the vllm extra)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--temperature", type=float, nargs="+", default=[1.0], help="0 is greedy; one row per value")
+    p.add_argument("--vllm-compiled", action="store_true",
+                   help="with --peer vllm: vLLM's default compiled mode instead of eager")
     p.add_argument("--out", default="benchmarks/results/bench_engine.json")
