@@ -57,7 +57,9 @@ def test_config_equals_recipe_and_mirrors_the_dataclasses(name):
 
 def test_reference_recipes_are_what_the_docs_say():
     tiny = recipe("tiny_grpo_spec").tiny_grpo_spec()
-    assert tiny == RLConfig() and tiny.spec is not None  # the README job speculates
+    assert tiny.spec is not None and tiny.drafter_train.online  # the README job speculates, drafter trained online
+    assert tiny.model.policy == "checkpoints/tiny-qwen3-deep" and tiny.model.drafter == "checkpoints/tiny-qwen3-deep-mtp"
+    assert (ROOT / tiny.model.policy / "config.json").is_file() and (ROOT / tiny.model.drafter).is_dir()  # shipped
     smol = recipe("smollm2_grpo_spec").smollm2_grpo_spec()
     assert smol.model.policy == "smollm2-135m" and smol.model.task == "natural"
     assert smol.spec.method in ("ngram", "history") and smol.model.drafter is None
@@ -87,7 +89,8 @@ def test_config_file_then_overrides(tmp_path, capsys):
 
 def test_local_executor_runs_the_loop_in_process(no_training, capsys):
     assert recipe("tiny_grpo_spec").main(["run.steps=1", "spec.method=ngram"]) == 0
-    assert no_training == [apply_overrides(RLConfig(), ["run.steps=1", "spec.method=ngram"])]
+    expected = apply_overrides(recipe("tiny_grpo_spec").tiny_grpo_spec(), ["run.steps=1", "spec.method=ngram"])
+    assert no_training == [expected]
     assert '"step": 0' in capsys.readouterr().out
 
 
@@ -226,7 +229,7 @@ def test_launch_checks_name_the_driver_the_extras_and_the_drafter(tmp_path, caps
     err = capsys.readouterr().err
     assert "the driver module megatron_spec.backends.ray.no_such_driver is not in this version" in err
     assert "pip install -e .[ray,nemo]" in err
-    assert f"the drafter {drafter} drafts in a vocabulary of 99 tokens, the policy checkpoints/tiny-qwen3 has 64" in err
+    assert f"the drafter {drafter} drafts in a vocabulary of 99 tokens, the policy checkpoints/tiny-qwen3-deep has 64" in err
     assert no_submit == [] and no_training == []
     # with a container image the job's own environment is the image's: only what is checkable here remains
     assert recipe("tiny_grpo_spec").main([*argv, "--container-image", "img"]) == 2

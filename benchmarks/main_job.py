@@ -1,0 +1,119 @@
+"""The main job's three claims, measured: RL learns, the online drafter matters, speculation pays.
+
+Runs the README's main command (`recipes/tiny_grpo_spec.py`) once per variant and seed, one run at a time on an
+otherwise idle machine, and reads each run's `metrics.jsonl`:
+
+- `spec`: the main job as shipped (MTP head, adaptive controller, online drafter training);
+- `plain`: the same job with `spec=null`, run right after `spec` with the same seed (paired), which is both the
+  losslessness check at the RL level (it must learn as much) and the baseline of the gen-stage speed-up;
+- `frozen`: the main job with `drafter_train.online=false` (the drafter as `train-drafter` left it).
+
+Printed and written to the JSON:
+1. held-out greedy accuracy before the first update and after the last, per seed and as the mean over seeds;
+2. the acceptance length of the first and last `window` steps, online and frozen (their ratio), measured in the
+   rollouts with speculation forced on every step (`spec.adaptive=false`, so no step is left out by the
+   controller), and the drafter's agreement with the policy on the train batch in the shipped (adaptive) runs;
+3. the gen stage's total time, plain over spec, per seed (paired) and pooled.
+
+    python benchmarks/main_job.py --seeds 0 1 2 --out benchmarks/results/main_job.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = {
+    "spec": [],
+    "plain": ["spec=null"],
+    "frozen": ["drafter_train.online=false", "spec.adaptive=false"],
+    "online": ["spec.adaptive=false"],
+}
+"""Overrides of the main command per variant; `online` is `frozen`'s pair (same fixed k, drafter trained)."""
+
+
+def run(variant: str, seed: int, runs_dir: Path, extra: list[str]) -> dict:
+    out = runs_dir / f"{variant}-s{seed}"
+    argv = [sys.executable, str(ROOT / "recipes" / "tiny_grpo_spec.py"), f"run.seed={seed}", f"run.out_dir={out}",
+            "run.resume=false", "run.report=false", *VARIANTS[variant], *extra]
+    start = time.perf_counter()
+    subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    wall = time.perf_counter() - start
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"variant": variant, "seed": seed, "wall_s": wall, "dir": str(out), "rows": rows}
+
+
+def mean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def summarize(result: dict, window: int) -> dict:
+    rows = result["rows"]
+    evals = [(r["step"], r["eval_accuracy"]) for r in rows if r.get("eval_accuracy") is not None]
+    taus = [r.get("acceptance_length") for r in rows]
+    agree = [(r.get("drafter_agreement") or [None])[0] for r in rows]
+    return {
+        "variant": result["variant"], "seed": result["seed"], "wall_s": result["wall_s"],
+        "eval_before": rows[0].get("eval_accuracy_before"), "eval_curve": evals, "eval_after": evals[-1][1],
+        "reward_curve": [r["reward_mean"] for r in rows],
+        "gen_s": sum(r["stages"]["gen"] for r in rows), "train_s": sum(r["stages"]["train"] for r in rows),
+        "tau_curve": taus, "tau_first": mean(taus[:window]), "tau_last": mean(taus[-window:]),
+        "agreement_curve": agree, "agreement_first": mean(agree[:window]), "agreement_last": mean(agree[-window:]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--drafter-seeds", type=int, nargs="+", default=[0],
+                   help="seeds of the online/frozen pair (fixed k) for the drafter-freshness claim")
+    p.add_argument("--window", type=int, default=10, help="steps averaged at the start and at the end")
+    p.add_argument("--runs-dir", default="runs/main_job_bench")
+    p.add_argument("--out", default=None, help="JSON to write")
+    p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from megatron_spec.bench.common import machine
+
+    runs_dir = Path(args.runs_dir)
+    plan = [(v, s) for s in args.seeds for v in ("spec", "plain")]
+    plan += [(v, s) for s in args.drafter_seeds for v in ("online", "frozen")]
+    runs = []
+    for variant, seed in plan:
+        summary = summarize(run(variant, seed, runs_dir, args.overrides), args.window)
+        runs.append(summary)
+        print(f"{variant:>6} seed {seed}: eval {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}  "
+              f"gen {summary['gen_s']:.1f}s train {summary['train_s']:.1f}s wall {summary['wall_s']:.0f}s  "
+              f"tau {summary['tau_first'] or float('nan'):.2f} -> {summary['tau_last'] or float('nan'):.2f}", flush=True)
+
+    def of(variant):
+        return [r for r in runs if r["variant"] == variant]
+
+    gains = {v: [r["eval_after"] - r["eval_before"] for r in of(v)] for v in ("spec", "plain")}
+    paired = [pl["gen_s"] / sp["gen_s"] for sp, pl in zip(of("spec"), of("plain"))]
+    fresh = {v: [r["tau_last"] / r["tau_first"] for r in of(v)] for v in ("online", "frozen")}
+    claims = {
+        "learns": {"mean_gain_spec": mean(gains["spec"]), "mean_gain_plain": mean(gains["plain"]),
+                   "gains_spec": gains["spec"], "gains_plain": gains["plain"], "goal": ">= 0.15 (mean of seeds)"},
+        "drafter_freshness": {"tau_last_over_first_online": fresh["online"], "tau_last_over_first_frozen":
+                              fresh["frozen"], "goal": "frozen < 0.90, online >= 0.97"},
+        "gen_speedup": {"paired": paired, "pooled": sum(r["gen_s"] for r in of("plain"))
+                        / sum(r["gen_s"] for r in of("spec")), "goal": ">= 1.3"},
+    }
+    print(json.dumps(claims, indent=1))
+    if args.out:
+        record = {"machine": machine(), "command": "python recipes/tiny_grpo_spec.py run.seed=S " + " ".join(
+            args.overrides), "variants": VARIANTS, "window": args.window, "claims": claims, "runs": runs}
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
