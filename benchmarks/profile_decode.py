@@ -66,7 +66,7 @@ def instrument(engine: LLMEngine, clock: Clock) -> None:
     for layer in model.model.layers:
         clock.hook(layer, "layers")
         clock.hook(layer.self_attn, "attention")
-    clock.hook(model.lm_head, "lm_head")
+    clock.wrap(engine.runner, "logits", "lm_head")
     clock.wrap(engine, "accept", "sampling_verify")
     clock.wrap(engine.runner, "forward", "runner_forward")
     clock.wrap(BatchView, "update", "attention_core")
@@ -76,20 +76,23 @@ def instrument(engine: LLMEngine, clock: Clock) -> None:
 
 
 def split(clock: Clock) -> dict[str, float]:
-    """Median ms per label; 'layers' becomes the non-attention part of the layers, the rest the engine's Python."""
-    med = {k: 1000 * statistics.median(s.get(k, 0.0) for s in clock.steps)
-           for k in set().union(*clock.steps)}
-    out = {
-        "step_ms": med["step"],
-        "attention_ms": med.get("attention", 0.0),
-        "attention_core_ms": med.get("attention_core", 0.0),
-        "mlp_norms_residual_ms": med.get("layers", 0.0) - med.get("attention", 0.0),
-        "embed_rope_final_norm_ms": med["runner_forward"] - med.get("layers", 0.0),
-        "lm_head_ms": med.get("lm_head", 0.0),
-        "sampling_verify_ms": med.get("sampling_verify", 0.0),
-    }
-    out["engine_python_ms"] = out["step_ms"] - med["runner_forward"] - out["lm_head_ms"] - out["sampling_verify_ms"]
-    return {k: round(v, 3) for k, v in out.items()}
+    """Median ms per part; each step is split first (so the parts of one step add up to its time), then the median
+    of each part over steps is taken. 'layers' minus 'attention' is the rest of the decoder layers, and what no
+    part covers is the engine's Python."""
+    parts = []
+    for s in clock.steps:
+        p = {
+            "step_ms": s["step"],
+            "attention_ms": s.get("attention", 0.0),
+            "attention_core_ms": s.get("attention_core", 0.0),
+            "mlp_norms_residual_ms": s.get("layers", 0.0) - s.get("attention", 0.0),
+            "embed_rope_final_norm_ms": s["runner_forward"] - s.get("layers", 0.0),
+            "lm_head_ms": s.get("lm_head", 0.0),
+            "sampling_verify_ms": s.get("sampling_verify", 0.0),
+        }
+        p["engine_python_ms"] = s["step"] - s["runner_forward"] - p["lm_head_ms"] - p["sampling_verify_ms"]
+        parts.append(p)
+    return {k: round(1000 * statistics.median(p[k] for p in parts), 3) for k in parts[0]}
 
 
 def memory_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 7) -> float:
