@@ -69,6 +69,25 @@ def summarize(result: dict, window: int) -> dict:
     }
 
 
+def summarize_dirs(dirs: list[str], window: int, out: str | None, where: str) -> int:
+    """First/last-window acceptance, agreement and eval of finished runs, with the settings they ran with."""
+    import yaml
+
+    runs = []
+    for d in map(Path, dirs):
+        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        cfg = yaml.safe_load((d / "config.yaml").read_text())
+        s = summarize({"variant": d.name, "seed": cfg["run"]["seed"], "wall_s": None, "rows": rows}, window)
+        s.update(lr=cfg["grpo"]["lr"], online=cfg["drafter_train"]["online"], adaptive=(cfg["spec"] or {}).get(
+            "adaptive"), tau_ratio=s["tau_last"] / s["tau_first"] if s["tau_first"] else None)
+        runs.append(s)
+        print(f"{d.name}: lr {s['lr']} online {s['online']}  tau {s['tau_first']:.3f} -> {s['tau_last']:.3f} "
+              f"({s['tau_ratio']:.3f})  eval {s['eval_before']} -> {s['eval_after']:.3f}")
+    if out:
+        Path(out).write_text(json.dumps({"machine": where, "window": window, "runs": runs}, indent=1) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -77,10 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=10, help="steps averaged at the start and at the end")
     p.add_argument("--runs-dir", default="runs/main_job_bench")
     p.add_argument("--out", default=None, help="JSON to write")
+    p.add_argument("--summarize", nargs="+", metavar="RUN_DIR",
+                   help="summarize finished runs (their metrics.jsonl and config.yaml) instead of running the plan")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from megatron_spec.bench.common import machine
+
+    if args.summarize:
+        return summarize_dirs(args.summarize, args.window, args.out, machine())
 
     runs_dir = Path(args.runs_dir)
     plan = [(v, s) for s in args.seeds for v in ("spec", "plain")]
