@@ -10,9 +10,10 @@ GEMMs). At one row (a batch of one, plain decoding) oneDNN was 1.4x slower than 
 
 The packed copy is rebuilt whenever a weight changes: the cache is keyed on each weight's storage pointer and
 version counter, which every in-place write bumps (optimizer steps, refit `copy_`, `load_state_dict`) and which a
-re-assigned parameter changes. It costs one or two extra copies of the weights in memory. Training (grad enabled), other
-devices and dtypes (oneDNN's bf16 path needs AVX512-BF16 or AVX-NE-CONVERT), and inference tensors take the plain
-`F.linear` path, so only CPU inference in fp32 reads packed weights.
+re-assigned parameter changes. It costs one or two extra copies of the weights in memory. Only the engine's
+forwards (CPU, fp32, under `torch.inference_mode`) read packed weights; training, the trainer's no-grad forwards,
+other devices and dtypes (oneDNN's bf16 path needs AVX512-BF16 or AVX-NE-CONVERT) and inference-tensor weights take
+the plain `F.linear` path.
 """
 
 from __future__ import annotations
@@ -61,7 +62,10 @@ def linears(x: Tensor, *layers: nn.Linear) -> tuple[Tensor, ...]:
 
 
 def packable(x: Tensor, layers: tuple[nn.Linear, ...]) -> bool:
-    return (not torch.is_grad_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
+    # Inference mode only (the engine's): the trainer's no-grad forwards (the log-prob recompute, the drafter's
+    # agreement) must compute exactly what its training forward does, or the folded and recomputed old log-probs
+    # of a step would differ.
+    return (torch.is_inference_mode_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
             and torch.backends.mkldnn.is_available() and not layers[0].weight.is_inference())
 
 
