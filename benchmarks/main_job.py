@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(summary)
         print(f"{variant:>6} seed {seed}: eval {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}  "
               f"gen {summary['gen_s']:.1f}s train {summary['train_s']:.1f}s wall {summary['wall_s']:.0f}s  "
-              f"tau {summary['tau_first'] or float('nan'):.2f} -> {summary['tau_last'] or float('nan'):.2f}", flush=True)
+              f"tau {summary['tau_first'] or float('nan'):.2f} -> {summary['tau_last'] or float('nan'):.2f}",
+              flush=True)
 
     def of(variant):
         return [r for r in runs if r["variant"] == variant]

@@ -47,7 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     given = {name: getattr(args, name) for name in _OPTIONAL if getattr(args, name) is not None}
     task = {name: getattr(args, name) for name in _DIFFICULTY if getattr(args, name) is not None}
-    cfg = PretrainConfig(preset=args.preset, out=args.out, difficulty=Difficulty(**task), **given)  # bad arguments fail here, before torch loads
+    # Bad arguments fail here, before torch loads.
+    cfg = PretrainConfig(preset=args.preset, out=args.out, difficulty=Difficulty(**task), **given)
 
     import torch
 
