@@ -78,11 +78,14 @@ def summarize_dirs(dirs: list[str], window: int, out: str | None, where: str) ->
         rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
         cfg = yaml.safe_load((d / "config.yaml").read_text())
         s = summarize({"variant": d.name, "seed": cfg["run"]["seed"], "wall_s": None, "rows": rows}, window)
-        s.update(lr=cfg["grpo"]["lr"], online=cfg["drafter_train"]["online"], adaptive=(cfg["spec"] or {}).get(
-            "adaptive"), tau_ratio=s["tau_last"] / s["tau_first"] if s["tau_first"] else None)
+        drafter = cfg["drafter_train"]
+        s.update(lr=cfg["grpo"]["lr"], online=drafter["online"], adaptive=(cfg["spec"] or {}).get("adaptive"),
+                 drafter_lr=drafter["lr"], drafts=drafter.get("drafts", 1), updates=drafter.get("updates", 1),
+                 tau_ratio=s["tau_last"] / s["tau_first"] if s["tau_first"] else None)
         runs.append(s)
-        print(f"{d.name}: lr {s['lr']} online {s['online']}  tau {s['tau_first']:.3f} -> {s['tau_last']:.3f} "
-              f"({s['tau_ratio']:.3f})  eval {s['eval_before']} -> {s['eval_after']:.3f}")
+        print(f"{d.name}: lr {s['lr']} online {s['online']} (drafter lr {s['drafter_lr']}, drafts {s['drafts']}, "
+              f"updates {s['updates']})  tau {s['tau_first']:.3f} -> {s['tau_last']:.3f} ({s['tau_ratio']:.3f})  "
+              f"eval {s['eval_before']} -> {s['eval_after']:.3f}  train {s['train_s']:.1f}s")
     if out:
         Path(out).write_text(json.dumps({"machine": where, "window": window, "runs": runs}, indent=1) + "\n")
     return 0

@@ -58,7 +58,8 @@ def test_config_equals_recipe_and_mirrors_the_dataclasses(name):
 def test_reference_recipes_are_what_the_docs_say():
     tiny = recipe("tiny_grpo_spec").tiny_grpo_spec()
     assert tiny.spec is not None and tiny.drafter_train.online  # the README job speculates, drafter trained online
-    assert tiny.model.policy == "checkpoints/tiny-qwen3-deep" and tiny.model.drafter == "checkpoints/tiny-qwen3-deep-mtp"
+    assert (tiny.model.policy, tiny.model.drafter) == ("checkpoints/tiny-qwen3-deep-careful",
+                                                    "checkpoints/tiny-qwen3-deep-careful-mtp")
     assert (ROOT / tiny.model.policy / "config.json").is_file() and (ROOT / tiny.model.drafter).is_dir()  # shipped
     smol = recipe("smollm2_grpo_spec").smollm2_grpo_spec()
     assert smol.model.policy == "smollm2-135m" and smol.model.task == "natural"
@@ -229,7 +230,8 @@ def test_launch_checks_name_the_driver_the_extras_and_the_drafter(tmp_path, caps
     err = capsys.readouterr().err
     assert "the driver module megatron_spec.backends.ray.no_such_driver is not in this version" in err
     assert "pip install -e .[ray,nemo]" in err
-    assert f"the drafter {drafter} drafts in a vocabulary of 99 tokens, the policy checkpoints/tiny-qwen3-deep has 64" in err
+    assert (f"the drafter {drafter} drafts in a vocabulary of 99 tokens, the policy checkpoints/tiny-qwen3-deep-careful "
+            "has 64") in err
     assert no_submit == [] and no_training == []
     # with a container image the job's own environment is the image's: only what is checkable here remains
     assert recipe("tiny_grpo_spec").main([*argv, "--container-image", "img"]) == 2

@@ -116,6 +116,9 @@ class DrafterTrainSection:
     the tiny model. 1 keeps the update at one pass; the chained drafts share its weights and keep their offline
     training. Tiny recipe, 50 steps, MTP k=3 every step: acceptance length steps 0-9 -> 40-49 was 3.30 -> 3.29 with
     1 and 3.32 -> 3.28 with 3, whose train stage took 0.23 s against 0.18 s."""
+    updates: int = 1
+    """Drafter optimizer steps per RL step, each a pass over the batch's detached states (no extra trunk forward).
+    More than one lets the drafter keep up where RL changes what the policy writes within a few steps."""
     agreement: bool = True
     """Measure every step, per draft depth, the chance that the drafter's greedy draft is accepted at the train
     batch's positions (`drafter_agreement`), so its freshness shows while the adaptive controller keeps speculation
@@ -125,6 +128,8 @@ class DrafterTrainSection:
     def __post_init__(self) -> None:
         if self.drafts < 1:
             raise ValueError(f"drafter_train.drafts must be >= 1 (the first draft at least), got {self.drafts}")
+        if self.updates < 1:
+            raise ValueError(f"drafter_train.updates must be >= 1, got {self.updates}")
 
 
 @dataclass

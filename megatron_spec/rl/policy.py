@@ -272,6 +272,21 @@ class EmbeddedPolicy:
         prompt is (BOS + a problem); a shorter one only shifts the weights of its first few tokens' predictions.
         """
         online = self.drafter_opt is not None
+        metrics = {}
+        # Later updates re-read the same detached states: the drafter catches up with a policy that moves fast
+        # without another forward of the trunk. Loss and agreement are those of the first pass, i.e. of the drafter
+        # that drafted this batch.
+        for update in range(self.drafter_cfg.updates if online else 1):
+            loss, agreement_by_depth = self.drafter_pass(forwards, tokens, online, measure=update == 0)
+            if update == 0:
+                metrics.update({"drafter_loss": loss} if online else {})
+                metrics.update({"drafter_agreement": agreement_by_depth} if agreement_by_depth else {})
+        return metrics
+
+    def drafter_pass(self, forwards: list[DrafterInputs], tokens: float, online: bool,
+                     measure: bool) -> tuple[float, list[float | None]]:
+        """One pass of `drafter_step` over the micro-batches: an optimizer step when `online`, the agreement per
+        depth when `measure` (and `drafter_train.agreement`); returns the loss and the agreement."""
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         if online:
             self.drafter.train()
@@ -281,7 +296,7 @@ class EmbeddedPolicy:
             with torch.set_grad_enabled(online):
                 pairs = depth_pairs(self.drafter_method, self.model, self.drafter, f.input_ids, f.mask, f.out, f.logits,
                                     self.drafter_cfg.drafts)
-            if self.drafter_cfg.agreement:  # summed per depth over micro-batches (a short one may have fewer)
+            if measure and self.drafter_cfg.agreement:  # summed per depth over micro-batches (a short one may have fewer)
                 for i, (s, c) in enumerate(zip(*agreement(self.drafter, pairs, self.sampling))):
                     if i == len(sums):
                         sums.append(0.0)
@@ -293,15 +308,11 @@ class EmbeddedPolicy:
                 loss = self.drafter_cfg.loss_weight * share * pairs_loss(self.drafter, pairs)
                 loss.backward(inputs=params)
                 total += float(loss.detach())
-        metrics = {}
         if online:
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
             self.drafter_opt.step()
             self.drafter.eval()
-            metrics["drafter_loss"] = total
-        if counts:
-            metrics["drafter_agreement"] = [s / c if c else None for s, c in zip(sums, counts)]
-        return metrics
+        return total, [s / c if c else None for s, c in zip(sums, counts)]
 
     def export_weights(self):
         return named_weights(self.model, self.drafter)

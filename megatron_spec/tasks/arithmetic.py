@@ -15,6 +15,15 @@ n-gram), while the digits of each new result are the hard tokens where drafter a
 
 Difficulty is set by the number of terms, the operand range and the operators; `Difficulty()` is tuned so the tiny
 dense model lands between 15 and 70 % greedy accuracy after the default pretraining (see `pretrain.py`).
+
+A pretraining corpus can mix two writers (`generate`): a hurried one who drops carries (`slip_rate`), and a careful
+one (`careful_rate`) who works each sum's units column before the result and never slips:
+
+    hurried   47+38=75\n75+12=87\n=> 87          (the carry of 7+8 dropped)
+    careful   47+38:7+8=15,85\n85+12:5+2=7,97\n=> 97
+
+The careful text is longer and rarer, so RL that finds it changes what the policy writes, not only which digit it
+picks: the shift that makes a drafter trained before RL go stale.
 """
 
 from __future__ import annotations
@@ -81,16 +90,28 @@ def carries(a: int, op: str, b: int) -> bool:
     return op == "+" and a >= 0 and b >= 0 and a % 10 + b % 10 >= 10
 
 
-def solve(operands: list[int], ops: list[str], dropped: frozenset[int] = frozenset()) -> Problem:
+def check_rate(name: str, value: float) -> None:
+    """A share of the corpus (`slip_rate`, `careful_rate`) must lie in [0, 1]."""
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {value}")
+
+
+def solve(operands: list[int], ops: list[str], dropped: frozenset[int] = frozenset(),
+          careful: bool = False) -> Problem:
     """The `Problem` for a chain, with its worked solution folded left to right (no operator precedence).
 
     `dropped` holds indices of solution lines whose carry the writer drops: such a line, where it `carries`, is
     written `a+b=c-10` and the fold goes on from the written value, so the solution and its `answer` are wrong in a
     way that is consistent from there on. This is the slip of the imperfect teacher behind a pretraining corpus
     (`generate`); a problem without dropped carries is always right.
+
+    `careful` writes each sum of non-negatives as `a+b:u+v=s,c`, its units digits' sum `s` before the result `c`
+    (the careful writer of the module docstring); such a writer drops no carries.
     """
     if len(operands) != len(ops) + 1 or not ops:
         raise ValueError("a chain needs n >= 2 operands and n - 1 operators")
+    if careful and dropped:
+        raise ValueError("a careful solution drops no carries")
     # The fold ignores precedence, so a product after a sum is written `(a+b)*c`: the prompt means what it says.
     expression = str(operands[0])
     for op, b in zip(ops, operands[1:]):
@@ -101,22 +122,26 @@ def solve(operands: list[int], ops: list[str], dropped: frozenset[int] = frozens
     lines, acc = [], operands[0]
     for i, (op, b) in enumerate(zip(ops, operands[1:])):
         result = _OPS[op](acc, b) - (10 if i in dropped and carries(acc, op, b) else 0)
-        lines.append(f"{acc}{op}{b}={result}")
+        units = f":{acc % 10}+{b % 10}={acc % 10 + b % 10}," if careful and op == "+" and min(acc, b) >= 0 else "="
+        lines.append(f"{acc}{op}{b}{units}{result}")
         acc = result
     lines.append(f"{ANSWER_MARKER}{acc}")
     return Problem(prompt=prompt, solution="\n".join(lines), answer=str(acc))
 
 
-def generate(rng: random.Random, difficulty: Difficulty, slip_rate: float = 0.0) -> Problem:
-    """One random problem at `difficulty`, drawn from `rng`; each line's carry is dropped with `slip_rate`."""
+def generate(rng: random.Random, difficulty: Difficulty, slip_rate: float = 0.0, careful_rate: float = 0.0) -> Problem:
+    """One random problem at `difficulty`, drawn from `rng`: written by the careful writer with `careful_rate`, else
+    by the hurried one, who drops each line's carry with `slip_rate`."""
     n = rng.randint(difficulty.min_terms, difficulty.max_terms)
     ops = [rng.choice(difficulty.ops) for _ in range(n - 1)]
     # A multiplier is one digit (and never the left-most operand's slot), so products stay a few digits long.
     operands = [rng.randint(0, difficulty.max_operand)]
     operands += [rng.randint(0, 9) if op == "*" else rng.randint(0, difficulty.max_operand) for op in ops]
-    # No draws at slip_rate 0, so clean datasets keep the streams they had before slips existed.
-    dropped = frozenset(i for i in range(len(ops)) if rng.random() < slip_rate) if slip_rate else frozenset()
-    return solve(operands, ops, dropped)
+    # No draws at rate 0, so clean datasets keep the streams they had before either writer existed.
+    careful = bool(careful_rate) and rng.random() < careful_rate
+    hurried = bool(slip_rate) and not careful
+    dropped = frozenset(i for i in range(len(ops)) if rng.random() < slip_rate) if hurried else frozenset()
+    return solve(operands, ops, dropped, careful)
 
 
 @dataclass(frozen=True)
@@ -139,10 +164,12 @@ class ArithmeticDataset:
     slip_rate: float = 0.0
     """Chance that a carrying line's carry is dropped (`solve`): a pretraining corpus written by an imperfect
     teacher. RL prompts and evaluation use 0, where every solution and answer is right."""
+    careful_rate: float = 0.0
+    """Share of problems written by the careful writer (`solve(careful=True)`), who never slips."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.slip_rate <= 1.0:
-            raise ValueError(f"slip_rate must be in [0, 1], got {self.slip_rate}")
+        check_rate("slip_rate", self.slip_rate)
+        check_rate("careful_rate", self.careful_rate)
         if self.size < 1:
             raise ValueError(f"an arithmetic dataset needs at least one problem, got size={self.size}")
         if not self.split:
@@ -154,7 +181,8 @@ class ArithmeticDataset:
     def __getitem__(self, index: int) -> Problem:
         if not 0 <= index < self.size:
             raise IndexError(f"problem index {index} out of range [0, {self.size})")
-        return generate(random.Random(f"{self.split}:{self.seed}:{index}"), self.difficulty, self.slip_rate)
+        rng = random.Random(f"{self.split}:{self.seed}:{index}")
+        return generate(rng, self.difficulty, self.slip_rate, self.careful_rate)
 
     def __iter__(self) -> Iterator[Problem]:
         return (self[i] for i in range(self.size))

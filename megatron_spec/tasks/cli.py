@@ -16,6 +16,8 @@ _OPTIONAL = {
     "lr": (float, "peak AdamW learning rate"),
     "log_every": (int, "steps between progress lines"),
     "slip_rate": (float, "share of carrying lines whose carry the corpus drops"),
+    "careful_rate": (float, "share of the corpus written by the careful writer (units column first, no slips)"),
+    "init": (str, "checkpoint of the same preset to continue from"),
 }
 # Flags of the task itself -> Difficulty fields (the held-out set and the RL task read them from task.json).
 _DIFFICULTY = {
@@ -30,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "pretrain",
         help="pretrain a tiny model on worked arithmetic solutions (CPU, minutes)",
-        description="Train a tiny preset from scratch on worked arithmetic solutions, print its held-out greedy "
+        description="Train a tiny preset (from scratch, or on from --init) on worked arithmetic solutions, print its held-out greedy "
         "accuracy and save it in HF layout (config.json, model.safetensors, task.json).",
     )
     p.add_argument("--preset", required=True, help=", ".join(TINY_PRESETS))

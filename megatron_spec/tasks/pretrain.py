@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megatron_spec.models import CausalLM, ModelConfig, preset, save_pretrained
+from megatron_spec.models import CausalLM, ModelConfig, from_pretrained, preset, save_pretrained
 
 from .arithmetic import ArithmeticDataset, Problem
 from .pretrain_config import TASK_FILE, PretrainConfig
@@ -68,7 +68,7 @@ def training_stream(cfg: PretrainConfig, exclude: set[str]) -> Iterator[Problem]
     """Training problems in order, skipping any whose prompt is held out, so evaluation is on unseen problems."""
     # Large enough never to wrap in a run; its size costs nothing since problems are generated on demand.
     source = ArithmeticDataset(size=10**9, seed=cfg.seed, difficulty=cfg.difficulty, split="train",
-                               slip_rate=cfg.slip_rate)
+                               slip_rate=cfg.slip_rate, careful_rate=cfg.careful_rate)
     return (p for p in source.cycle() if p.prompt not in exclude)
 
 
@@ -168,16 +168,26 @@ def task_card(cfg: PretrainConfig, tok: CharTokenizer, accuracy: float) -> dict:
     }
 
 
+def initial_model(cfg: PretrainConfig, model_cfg: ModelConfig) -> CausalLM:
+    """Random weights of the preset, or the weights of `cfg.init`, which must be that preset's model."""
+    if cfg.init is None:
+        torch.manual_seed(cfg.seed)
+        return CausalLM(model_cfg)
+    model = from_pretrained(cfg.init, dtype=torch.float32)
+    if model.config != model_cfg:
+        raise ValueError(f"--init {cfg.init} is not a {cfg.preset} checkpoint of this tokenizer")
+    return model
+
+
 def pretrain(cfg: PretrainConfig, log: Callable[[str], None] = print) -> PretrainResult:
-    """Train `cfg.preset` from scratch, evaluate it greedily on held-out problems, save it to `cfg.out`."""
+    """Train `cfg.preset` (from scratch or from `cfg.init`), evaluate it greedily on held-out problems, save it."""
     start = time.perf_counter()
     tok = CharTokenizer()
     model_cfg = model_config(cfg.preset, tok)
     held_out = list(ArithmeticDataset(cfg.eval_problems, cfg.seed, cfg.difficulty, split="eval"))
     stream = training_stream(cfg, {p.prompt for p in held_out})
 
-    torch.manual_seed(cfg.seed)
-    model = CausalLM(model_cfg)
+    model = initial_model(cfg, model_cfg)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"pretrain {cfg.preset}: {n_params / 1e6:.2f}M parameters, {cfg.steps} steps x {cfg.batch_size} sequences, "
         f"{torch.get_num_threads()} threads")

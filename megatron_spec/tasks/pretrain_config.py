@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .arithmetic import Difficulty
+from .arithmetic import Difficulty, check_rate
 
 TASK_FILE = "task.json"
 """Written next to the weights: the task, tokenizer and training run the checkpoint belongs to."""
@@ -45,6 +45,11 @@ class PretrainConfig:
     """Share of carrying lines in the training corpus whose carry its teacher drops (`arithmetic.solve`). Above
     0.5 the model learns the slip as its most likely step, so its greedy answers are mostly wrong while its
     samples are often right: the situation RL is known to fix. Held-out problems are always right."""
+    careful_rate: float = 0.0
+    """Share of the corpus written by the careful writer, who works each units column before the result and never
+    slips (`arithmetic.solve(careful=True)`): a rare, longer style that RL can discover."""
+    init: str | None = None
+    """Checkpoint directory (of the same preset) to continue from; None starts from random weights."""
 
     def __post_init__(self) -> None:
         if self.preset not in TINY_PRESETS:
@@ -58,7 +63,11 @@ class PretrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"lr must be a positive number, got {self.lr}")
-        if not 0.0 <= self.slip_rate <= 1.0:
-            raise ValueError(f"slip_rate must be in [0, 1], got {self.slip_rate}")
+        check_rate("slip_rate", self.slip_rate)
+        check_rate("careful_rate", self.careful_rate)
+        if self.init is not None and not (Path(self.init) / "config.json").is_file():
+            raise ValueError(f"--init {self.init} is not a checkpoint directory (no config.json)")
+        if self.init is not None and Path(self.init).resolve() == Path(self.out).resolve():
+            raise ValueError("--init and --out are the same directory: the run would overwrite what it continues")
         if self.warmup_steps < 0 or self.weight_decay < 0:
             raise ValueError("warmup_steps and weight_decay must be >= 0")

@@ -164,6 +164,13 @@ def test_bad_input(ckpts, tmp_path, monkeypatch):
     cfg.model.drafter = str(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="needs a drafter checkpoint"):
         loop.train(cfg)
+    with pytest.raises(ValueError, match="drafter_train.updates must be >= 1"):
+        DrafterTrainSection(updates=0)
+    cfg = small_cfg(ckpts, tmp_path / "e")
+    cfg.backend.trainer, cfg.drafter_train.updates = "megatron", 4
+    with pytest.raises(ValueError, match="drafter_train.drafts and drafter_train.updates > 1 are the embedded"):
+        loop.train(cfg)
+    assert not (tmp_path / "e").exists()  # refused before anything is written
 
     def broken(text, answer):
         raise KeyError("boom")

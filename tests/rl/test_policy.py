@@ -144,6 +144,26 @@ def test_bucketed_drafter_update_equals_one_big_batch(method):
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in bucketed.drafter.parameters())
 
 
+def test_several_drafter_updates_are_passes_over_the_same_detached_states():
+    """`drafter_train.updates=3` equals one update followed by two more passes over the same micro-batches' detached
+    states, bit for bit (same ops, same order, the AdamW state carried on); the loss and agreement reported are
+    the first pass's. The negative control: one update alone leaves other weights."""
+    batch = rollout_batch(seed=2)
+    three, one = make_policy(160, "mtp"), make_policy(160, "mtp")
+    three.drafter_cfg = DrafterTrainSection(updates=3)
+    seen = {}
+    real = one.drafter_step
+    one.drafter_step = lambda forwards, tokens: seen.update(forwards=forwards, tokens=tokens) or real(forwards, tokens)
+    old = off_policy(one, batch)
+    m3, m1 = run_step(three, batch, old), run_step(one, batch, old)
+    assert m3["drafter_loss"] == m1["drafter_loss"] and m3["drafter_agreement"] == m1["drafter_agreement"]
+    assert any(not torch.equal(a, b) for a, b in zip(three.drafter.parameters(), one.drafter.parameters()))
+    for _ in range(2):
+        one.drafter_pass(seen["forwards"], seen["tokens"], online=True, measure=False)
+    for (name, a), b in zip(three.drafter.named_parameters(), one.drafter.parameters()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("budget", [0, 160])
 def test_folded_logprobs_give_exactly_the_recompute_update(budget):
     """One update per step: the train forward's own detached log-probs are the recompute's, bit for bit, so the

@@ -142,3 +142,27 @@ def test_slip_rate_drops_that_share_of_carries_and_leaves_clean_streams_alone():
     assert carrying > 2500 and abs(dropped / carrying - 0.6) < 0.05
     with pytest.raises(ValueError, match="slip_rate must be in"):
         ArithmeticDataset(10, slip_rate=1.5)
+
+
+def test_the_careful_writer_works_the_units_column_and_never_slips():
+    careful = solve([47, 38, 12], ["+", "+"], careful=True)
+    assert careful.solution == "47+38:7+8=15,85\n85+12:5+2=7,97\n=> 97" and careful.answer == "97"
+    assert solve([5, 3], ["-"], careful=True).solution == "5-3=2\n=> 2"  # only sums get the units column
+    with pytest.raises(ValueError, match="drops no carries"):
+        solve([47, 38], ["+"], dropped=frozenset({0}), careful=True)
+
+
+def test_careful_rate_sets_that_share_of_careful_solutions_none_of_them_wrong():
+    """With careful_rate 0.1 and slip_rate 0.9, 4000 problems hold ~400 careful ones (standard deviation
+    sqrt(4000 * 0.1 * 0.9) = 19, so 400 +- 80 is a 4-sigma band) and every careful answer is right; rate 0 keeps the
+    slipped stream exactly as it was (no extra draws)."""
+    easy = Difficulty(min_terms=2, max_terms=4, ops="+")
+    mixed = list(ArithmeticDataset(4000, seed=5, difficulty=easy, slip_rate=0.9, careful_rate=0.1))
+    clean = list(ArithmeticDataset(4000, seed=5, difficulty=easy))
+    careful = [(m, c) for m, c in zip(mixed, clean) if ":" in m.solution]
+    assert abs(len(careful) - 400) < 80
+    assert all(m.answer == c.answer for m, c in careful)
+    assert list(ArithmeticDataset(50, seed=5, difficulty=easy, slip_rate=0.9, careful_rate=0.0)) == list(
+        ArithmeticDataset(50, seed=5, difficulty=easy, slip_rate=0.9))
+    with pytest.raises(ValueError, match="careful_rate must be in"):
+        ArithmeticDataset(10, careful_rate=-0.5)

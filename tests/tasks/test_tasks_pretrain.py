@@ -35,6 +35,8 @@ from megatron_spec.tasks.tokenizer import CharTokenizer
         (dict(lr=0.0), "lr must be a positive number"),
         (dict(lr=float("nan")), "lr must be a positive number"),
         (dict(slip_rate=-0.1), "slip_rate must be in"),
+        (dict(careful_rate=1.5), "careful_rate must be in"),
+        (dict(init="no/such/checkpoint"), "not a checkpoint directory"),
     ],
 )
 def test_bad_config_is_rejected(kwargs, message):
@@ -144,3 +146,22 @@ def test_short_run_learns_and_saves_a_loadable_checkpoint(tmp_path, one_thread):
     assert task["alphabet"] == CharTokenizer().alphabet and task["pretrain"]["steps"] == 40
     assert task["heldout_greedy_accuracy"] == result.accuracy
     assert model.config.eos_token_id == 2 and model.config.hidden_size == 64
+
+
+def test_init_continues_from_a_checkpoint_and_refuses_another_preset(tmp_path, one_thread):
+    """`--init` starts from the given weights, not random ones: after zero-lr steps the saved weights equal the
+    initial checkpoint's exactly (AdamW with lr 0 moves nothing, weight decay included). A checkpoint of another
+    preset is refused before any step, and --init equal to --out is refused (it would overwrite its own start)."""
+    base = pretrain(PretrainConfig(preset="tiny-draft", out=str(tmp_path / "a"), steps=2, batch_size=4,
+                                   eval_problems=2), log=lambda _: None).out
+    cont = PretrainConfig(preset="tiny-draft", out=str(tmp_path / "b"), steps=2, batch_size=4, eval_problems=2,
+                          lr=1e-30, careful_rate=1.0, init=str(base))
+    result = pretrain(cont, log=lambda _: None)
+    before, after = from_pretrained(base).state_dict(), from_pretrained(result.out).state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert json.loads((result.out / "task.json").read_text())["pretrain"]["init"] == str(base)
+    with pytest.raises(ValueError, match="not a tiny-qwen3 checkpoint"):
+        pretrain(PretrainConfig(preset="tiny-qwen3", out=str(tmp_path / "c"), steps=1, init=str(base)))
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(ValueError, match="same directory"):
+        PretrainConfig(preset="tiny-draft", out=str(base), init=str(base))
