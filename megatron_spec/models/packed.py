@@ -4,20 +4,24 @@ Decoding multiplies a few rows by every weight matrix, so each step streams all 
 on a 2-core AMD EPYC (AVX2), fp32, the weights of ten SmolLM2 layers at 4-32 rows: torch's `F.linear` (MKL, the
 weight in its [out, in] layout) took 1.5-2.1x longer than oneDNN's matmul on the same weights reordered once into
 oneDNN's blocked layout, and concatenating q/k/v and gate/up into one matrix saved another ~8 % (fewer, larger
-GEMMs). At one row (a batch of one, plain decoding) oneDNN was 1.4x slower than MKL's GEMV, and MKL's GEMV was
-7-25 % faster again on the concatenated weights stored transposed ([in, out], read row after row) than on
-`F.linear`'s [out, in] layout; that copy is made the first time a one-row input comes.
+GEMMs). At one row (a batch of one, plain decoding) that AVX2 machine ran oneDNN 1.4x slower than MKL's GEMV, and
+MKL's GEMV 7-25 % faster on the concatenated weights stored transposed ([in, out], read row after row) than on
+`F.linear`'s [out, in] layout; that copy is made the first time a one-row input comes. On an AVX-512 EPYC (all of
+SmolLM2's weights, 2 threads) oneDNN was the faster at one row too, fp32 25.8 ms against 31.6 ms, so CPUs with
+AVX-512 take it at every row count (`ONEDNN_ONE_ROW`, fixed per machine so a run's numbers do not depend on timing).
+bf16 packs where oneDNN has a bf16 path (AVX512-BF16, AMX): there it took 12.8 / 14.9 ms at 1 / 8 rows against
+`F.linear`'s 18.8 / 23.8 ms; elsewhere bf16 keeps `F.linear`.
 
 The packed copy is rebuilt whenever a weight changes: the cache is keyed on each weight's storage pointer and
 version counter, which every in-place write bumps (optimizer steps, refit `copy_`, `load_state_dict`) and which a
 re-assigned parameter changes. It costs one or two extra copies of the weights in memory. Only the engine's
-forwards (CPU, fp32, under `torch.inference_mode`) read packed weights; training, the trainer's no-grad forwards,
-other devices and dtypes (oneDNN's bf16 path needs AVX512-BF16 or AVX-NE-CONVERT) and inference-tensor weights take
-the plain `F.linear` path.
+forwards (CPU, under `torch.inference_mode`) read packed weights; training, the trainer's no-grad forwards, other
+devices and inference-tensor weights take the plain `F.linear` path.
 """
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -27,6 +31,9 @@ from torch import Tensor, nn
 
 PACK_FOR_ROWS = 8
 """Row count oneDNN picks its weight layout for (decode / verify batches are a few to a few dozen rows)."""
+
+ONEDNN_ONE_ROW = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+"""One-row inputs go to oneDNN too (AVX-512 CPUs) rather than to MKL's GEMV on transposed weights (AVX2)."""
 
 
 @dataclass
@@ -51,7 +58,7 @@ def linears(x: Tensor, *layers: nn.Linear) -> tuple[Tensor, ...]:
         return tuple(F.linear(x, m.weight, m.bias) for m in layers)
     pack = packed(layers)
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 1:
+    if rows.shape[0] == 1 and x.dtype == torch.float32 and not ONEDNN_ONE_ROW:
         if pack.rows_weight is None:
             pack.rows_weight = torch.cat([m.weight.detach() for m in layers]).t().contiguous()
         y = rows @ pack.rows_weight if pack.bias is None else torch.addmm(pack.bias, rows, pack.rows_weight)
@@ -65,8 +72,15 @@ def packable(x: Tensor, layers: tuple[nn.Linear, ...]) -> bool:
     # Inference mode only (the engine's): the trainer's no-grad forwards (the log-prob recompute, the drafter's
     # agreement) must compute exactly what its training forward does, or the folded and recomputed old log-probs
     # of a step would differ.
-    return (torch.is_inference_mode_enabled() and x.device.type == "cpu" and x.dtype == torch.float32
-            and torch.backends.mkldnn.is_available() and not layers[0].weight.is_inference())
+    return (torch.is_inference_mode_enabled() and x.device.type == "cpu" and x.dtype in packed_dtypes()
+            and x.dtype == layers[0].weight.dtype and not layers[0].weight.is_inference())
+
+
+@functools.cache
+def packed_dtypes() -> tuple[torch.dtype, ...]:
+    if not torch.backends.mkldnn.is_available():
+        return ()
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
 
 
 def packed(layers: tuple[nn.Linear, ...]) -> Pack:

@@ -1,0 +1,44 @@
+"""The engine's packed CPU linears compute what `F.linear` computes, follow weight updates, and stay out of training."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_spec.models.packed import linears, packed_dtypes
+
+
+def layers(dtype):
+    torch.manual_seed(0)
+    return [nn.Linear(64, n, bias=bias).to(dtype) for n, bias in ((96, False), (32, True), (32, False))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_packed_group_equals_separate_linears_and_follows_updates(dtype, rows):
+    """fp32: the same dot products summed in another order, so 1e-5 relative to the output's scale (inputs ~1,
+    64-term sums of ~0.07-sized products: |y| ~ 0.6, fp32 rounding ~1e-7 per term). bf16, where oneDNN has a bf16
+    path: each output is rounded to bf16 once (relative 2^-8 = 0.4 %) whichever kernel runs, and the fp32
+    accumulation orders differ below that, so one bf16 step of the output's magnitude (1 %) bounds them. After an
+    in-place weight update the pack is rebuilt: outputs follow the new weights at once."""
+    if dtype not in packed_dtypes():
+        pytest.skip(f"oneDNN has no {dtype} path on this CPU (linears falls back to F.linear)")
+    group = layers(dtype)
+    x = torch.randn(rows, 1, 64).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for _ in range(2):
+        with torch.inference_mode():
+            got = linears(x, *group)
+        for y, m in zip(got, group):
+            torch.testing.assert_close(y, F.linear(x, m.weight, m.bias), **tol)
+        with torch.no_grad():
+            group[1].weight.mul_(-2.0)  # an optimizer step or refit: bumps the version the pack is keyed on
+
+
+def test_outside_inference_mode_it_is_f_linear_bit_for_bit():
+    """The trainer's forwards (grad or no_grad) must compute exactly what training computes."""
+    group = layers(torch.float32)
+    x = torch.randn(4, 3, 64)
+    with torch.no_grad():
+        for y, m in zip(linears(x, *group), group):
+            assert torch.equal(y, F.linear(x, m.weight, m.bias))
