@@ -272,15 +272,15 @@ class EmbeddedPolicy:
         prompt is (BOS + a problem); a shorter one only shifts the weights of its first few tokens' predictions.
         """
         online = self.drafter_opt is not None
-        metrics = {}
         # Later updates re-read the same detached states: the drafter catches up with a policy that moves fast
         # without another forward of the trunk. Loss and agreement are those of the first pass, i.e. of the drafter
         # that drafted this batch.
-        for update in range(self.drafter_cfg.updates if online else 1):
-            loss, agreement_by_depth = self.drafter_pass(forwards, tokens, online, measure=update == 0)
-            if update == 0:
-                metrics.update({"drafter_loss": loss} if online else {})
-                metrics.update({"drafter_agreement": agreement_by_depth} if agreement_by_depth else {})
+        passes = [self.drafter_pass(forwards, tokens, online, measure=update == 0)
+                  for update in range(self.drafter_cfg.updates if online else 1)]
+        loss, agreement_by_depth = passes[0]
+        metrics = {"drafter_loss": loss} if online else {}
+        if agreement_by_depth:
+            metrics["drafter_agreement"] = agreement_by_depth
         return metrics
 
     def drafter_pass(self, forwards: list[DrafterInputs], tokens: float, online: bool,
@@ -296,7 +296,8 @@ class EmbeddedPolicy:
             with torch.set_grad_enabled(online):
                 pairs = depth_pairs(self.drafter_method, self.model, self.drafter, f.input_ids, f.mask, f.out, f.logits,
                                     self.drafter_cfg.drafts)
-            if measure and self.drafter_cfg.agreement:  # summed per depth over micro-batches (a short one may have fewer)
+            # Summed per depth over micro-batches (a short one may have fewer depths).
+            if measure and self.drafter_cfg.agreement:
                 for i, (s, c) in enumerate(zip(*agreement(self.drafter, pairs, self.sampling))):
                     if i == len(sums):
                         sums.append(0.0)

@@ -129,7 +129,8 @@ def solve(operands: list[int], ops: list[str], dropped: frozenset[int] = frozens
     return Problem(prompt=prompt, solution="\n".join(lines), answer=str(acc))
 
 
-def generate(rng: random.Random, difficulty: Difficulty, slip_rate: float = 0.0, careful_rate: float = 0.0) -> Problem:
+def generate(rng: random.Random, difficulty: Difficulty, slip_rate: float = 0.0,
+             careful_rate: float = 0.0) -> Problem:
     """One random problem at `difficulty`, drawn from `rng`: written by the careful writer with `careful_rate`, else
     by the hurried one, who drops each line's carry with `slip_rate`."""
     n = rng.randint(difficulty.min_terms, difficulty.max_terms)

@@ -32,8 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "pretrain",
         help="pretrain a tiny model on worked arithmetic solutions (CPU, minutes)",
-        description="Train a tiny preset (from scratch, or on from --init) on worked arithmetic solutions, print its held-out greedy "
-        "accuracy and save it in HF layout (config.json, model.safetensors, task.json).",
+        description="Train a tiny preset (from scratch, or on from --init) on worked arithmetic solutions, print "
+        "its held-out greedy accuracy and save it in HF layout (config.json, model.safetensors, task.json).",
     )
     p.add_argument("--preset", required=True, help=", ".join(TINY_PRESETS))
     p.add_argument("--out", required=True, help="checkpoint directory to write")

@@ -1,4 +1,5 @@
-"""Pretrain a tiny reference model from scratch on worked arithmetic solutions, on CPU, in a few minutes.
+"""Pretrain a tiny reference model on worked arithmetic solutions, on CPU, in a few minutes (from scratch, or on from
+a checkpoint of the same preset with `init`, e.g. on a corpus of another mix).
 
 The result is a policy that is right on part of the problems (so GRPO has signal to improve) and whose outputs
 have the copy-heavy structure drafters can predict. Sequences are `<bos> prompt solution <eos>`; the loss covers
