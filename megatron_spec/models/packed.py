@@ -35,6 +35,14 @@ PACK_FOR_ROWS = 8
 ONEDNN_ONE_ROW = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 """One-row inputs go to oneDNN too (AVX-512 CPUs) rather than to MKL's GEMV on transposed weights (AVX2)."""
 
+ROW_MULTIPLE = 8
+"""oneDNN inputs of more than this many rows are padded to a multiple of it. oneDNN builds a kernel (a
+"primitive") for every row count it meets, ~0.6 ms per weight shape, ~2.5 ms a step on the deep tiny model whose
+steps take ~5 ms, and caches at most 1024 of them. Plain decoding meets a few dozen row counts (the batch size
+shrinking), but a speculative rollout meets batch x (k + 1) for every batch size and k the adaptive controller
+picks: most of its verify steps paid a new kernel, and a long run cycled the cache. Padded, a 64-sequence rollout
+needs at most 8 + 384 / 8 row counts whatever k is; the padding costs ~2 us a GEMM and at most 7 extra rows."""
+
 
 @dataclass
 class Pack:
@@ -63,9 +71,17 @@ def linears(x: Tensor, *layers: nn.Linear) -> tuple[Tensor, ...]:
             pack.rows_weight = torch.cat([m.weight.detach() for m in layers]).t().contiguous()
         y = rows @ pack.rows_weight if pack.bias is None else torch.addmm(pack.bias, rows, pack.rows_weight)
     else:
-        y = torch.ops.mkldnn._linear_pointwise(rows, pack.weight, pack.bias, "none", [], "")
+        n = rows.shape[0]
+        pad = -n % ROW_MULTIPLE if n > ROW_MULTIPLE else 0
+        if pad:  # see ROW_MULTIPLE; the padded rows' outputs are dropped, the others do not depend on them
+            rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+        y = onednn_linear(rows, pack)[:n]
     y = y.view(*x.shape[:-1], y.shape[-1])
     return y.split(pack.sizes, -1) if len(layers) > 1 else (y,)
+
+
+def onednn_linear(rows: Tensor, pack: Pack) -> Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows, pack.weight, pack.bias, "none", [], "")
 
 
 def packable(x: Tensor, layers: tuple[nn.Linear, ...]) -> bool:

@@ -26,17 +26,27 @@ drafting timing are dropped: they carry one-off costs (the first verify of a sha
 every prompt) and a fit from one such outlier would rule for the rest of the run. The hot path (`choose_k` between decisions) is a dict lookup: decisions are refreshed
 every `decide_every` steps or when a new batch size appears, and the least-squares fits behind them at most every
 `refit_every` steps, because on a ~1 ms step a fit (~0.2 ms) every few steps would itself cost percents.
+
+Measured outcomes overrule the model where it has been tried. A linear fit dominated by a rollout's many small-
+batch steps mispredicts its few large ones (n-gram on the deep tiny model, RL rollout at B=64: k=1 predicted at
+par, measured 10.3 ms a step for 1.2 tokens against plain's 6.2 ms for one), and the acceptance it multiplies by
+is a prior until a position is seen. So every steady step's realized tokens per second is also compared with what
+the model predicted for it, per (batch-size octave, k), and once a cell holds CORRECTION_MIN such ratios the
+model's rate for that cell is scaled by their median (a median, so one step stalled by the OS does not rule).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from statistics import median
 
 import numpy as np
 
 
 PRIOR_ACCEPT = 0.7  # per-position acceptance assumed before any is measured: optimistic, so speculation gets tried
 PRIOR_SEQS = 4  # how many sequences' worth of evidence that prior counts as
+PROBE_STEPS = 2  # plain steps in a row per probe: the engine times only a plain step that follows a plain one
+CORRECTION_MIN = 3  # realized/predicted ratios a (batch octave, k) cell needs before they scale its predicted rate
 
 
 class AdaptiveController:
@@ -56,6 +66,7 @@ class AdaptiveController:
         self._decisions: dict[int, tuple[int, int]] = {}  # batch size -> (k, step decided)
         self._fit_step = -refit_every  # when the fits were last refreshed
         self._step_fit = self._draft_fit = None
+        self._realized: dict[tuple[int, int], deque] = {}  # (batch octave, k) -> realized / predicted tokens/s
 
     # -- measurements -----------------------------------------------------------------------------------------
     def record_step(self, batch: int, tokens: int, seconds: float) -> None:
@@ -92,6 +103,18 @@ class AdaptiveController:
                 self._offered[i] = decay * self._offered[i] + offered
                 self.accept[i] = self._hits[i] / self._offered[i]
 
+    def record_outcome(self, batch: int, k: int, tokens: int, seconds: float) -> None:
+        """A steady step of `batch` sequences with k drafts each (0: plain) emitted `tokens` in `seconds`, drafting
+        included: kept as a ratio to the rate the model predicts for it (see the module docstring)."""
+        if self._step_fit is None or seconds <= 0:
+            return  # nothing predicted yet to compare with
+        predicted = self.rate(batch, k)
+        self._realized.setdefault((octave(batch), k), deque(maxlen=self.window)).append(tokens / seconds / predicted)
+
+    def correction(self, batch: int, k: int) -> float:
+        ratios = self._realized.get((octave(batch), k))
+        return median(ratios) if ratios and len(ratios) >= CORRECTION_MIN else 1.0
+
     @property
     def calibrated(self) -> bool:
         """Two step sizes (B * T) and one drafting timing: the least a fit can extrapolate from."""
@@ -105,8 +128,8 @@ class AdaptiveController:
 
     def _choose(self, batch: int) -> int:
         self.steps += 1
-        if self.steps % self.probe_every == 0:
-            return 0  # re-measure plain decoding so the comparison never goes stale
+        if -self.steps % self.probe_every < PROBE_STEPS:  # the last steps of every probe_every
+            return 0  # re-measure plain decoding so the comparison never goes stale (the engine times the second)
         cached = self._decisions.get(batch)
         if cached is not None and self.steps - cached[1] < self.decide_every:
             return cached[0]
@@ -118,15 +141,16 @@ class AdaptiveController:
 
     def best_k(self, batch: int) -> int:
         self.refresh_fits()
-        rates = self.rates(batch)
+        rates = [r * self.correction(batch, k) for k, r in enumerate(self.rates(batch))]
         rates[0] *= self.margin  # speculate only for a clear gain: ties and noise go to plain decoding
         return max(range(len(rates)), key=rates.__getitem__)
 
     def rates(self, batch: int) -> list[float]:
         """Expected tokens per second for the batch at every draft length k = 0..k_max, from the fitted costs."""
-        gains = self.expected_tokens()
-        return [batch * gains[k] / (self.t_step(batch, k + 1) + (self.t_draft(batch, k) if k else 0.0))
-                for k in range(self.k_max + 1)]
+        return [self.rate(batch, k) for k in range(self.k_max + 1)]
+
+    def rate(self, batch: int, k: int) -> float:
+        return batch * self.expected_tokens()[k] / (self.t_step(batch, k + 1) + (self.t_draft(batch, k) if k else 0.0))
 
     def expected_tokens(self) -> list[float]:
         """1 + sum_{j<=k} prod_{i<=j} a_i for k = 0..k_max."""
@@ -175,6 +199,11 @@ class AdaptiveController:
             return (per_k,), lambda b, k: (k,)
         row = lambda b, k: (1.0, k, k * b)  # noqa: E731
         return least_squares([row(b, k) for b, k, _ in self.draft_obs], [t for *_, t in self.draft_obs]), row
+
+
+def octave(batch: int) -> int:
+    """Batch sizes 1, 2, 3-4, 5-8, ..., 33-64: cells whose step costs are alike."""
+    return (batch - 1).bit_length()
 
 
 def dot(a, b) -> float:

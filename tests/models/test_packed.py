@@ -42,3 +42,27 @@ def test_outside_inference_mode_it_is_f_linear_bit_for_bit():
     with torch.no_grad():
         for y, m in zip(linears(x, *group), group):
             assert torch.equal(y, F.linear(x, m.weight, m.bias))
+
+
+def test_row_counts_reaching_onednn_are_bounded_and_padding_changes_no_output(monkeypatch):
+    """oneDNN builds a kernel per row count it meets (~0.6 ms each), so inputs above ROW_MULTIPLE rows are padded
+    to a multiple of it: feeding every row count 1..64 (what a 64-sequence speculative rollout's B x (k + 1) spans)
+    reaches oneDNN with 1..8 and multiples of 8 only, 16 distinct counts instead of 64. The padding rows are
+    dropped: each output equals `F.linear` to the fp32 tolerance reasoned in the test above."""
+    import megatron_spec.models.packed as packed_mod
+
+    if torch.float32 not in packed_dtypes():
+        pytest.skip("no oneDNN on this build")
+    seen = []
+    real = packed_mod.onednn_linear
+    monkeypatch.setattr(packed_mod, "onednn_linear", lambda rows, pack: seen.append(rows.shape[0]) or real(rows, pack))
+    group = layers(torch.float32)
+    for n in range(1, 65):
+        x = torch.randn(n, 64)
+        with torch.inference_mode():
+            got = linears(x, *group)
+        for y, m in zip(got, group):
+            assert y.shape == (n, m.out_features)
+            torch.testing.assert_close(y, F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
+    first = 1 if packed_mod.ONEDNN_ONE_ROW else 2  # without AVX-512 one row goes to MKL's GEMV, not to oneDNN
+    assert set(seen) == set(range(first, 9)) | set(range(16, 65, 8))

@@ -361,18 +361,63 @@ def test_feature_writes_apply_in_order():
 
 def test_adaptive_times_only_steady_state_drafting(target):
     """A draft right after a plain (or prefill) step includes the hidden-state drafter catching up over the positions
-    it skipped, so the engine reports drafting times to the controller only for a drafting step that follows
-    another: with the choices 0, 1, 1, 0, 1, 1, 1 (then 0) exactly three drafting times arrive, each at k=1 or 2.
-    Unpaired probes would never calibrate the controller, so exploration probes come in pairs."""
+    it skipped, and a plain step right after a drafting one runs with the drafter's weights in cache, so only steady
+    steps (like their predecessor) are timed as what their kind costs. With the choices 0, 1, 1, 0, 1, 2, 1, 0, 0:
+    drafting times arrive for the three drafting steps after drafting (k = 1, 2, 1); verify timings (T = k + 1) for
+    every step but the two plain steps after drafting; whole-step outcomes for the steady steps only. Unpaired
+    probes would never calibrate the controller, so exploration probes come in pairs."""
     engine = LLMEngine(target, spec=SpecConfig("mtp", 2, adaptive=True), drafter=MTP(target.config))
-    script = iter([0, 1, 1, 0, 1, 2, 1] + [0] * 64)
+    script = iter([0, 1, 1, 0, 1, 2, 1, 0, 0] + [0] * 64)
     engine.controller.choose_k = lambda batch: next(script)
-    timed = []
-    engine.controller.record_draft = lambda batch, k, seconds: timed.append(k)
-    engine.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    assert timed == [1, 2, 1]
+    drafts, steps, outcomes = [], [], []
+    engine.controller.record_draft = lambda batch, k, seconds: drafts.append(k)
+    engine.controller.record_step = lambda batch, tokens, seconds: steps.append(tokens)
+    engine.controller.record_outcome = lambda batch, k, tokens, seconds: outcomes.append(k)
+    engine.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert drafts == [1, 2, 1]
+    assert steps[:7] == [1, 2, 2, 2, 3, 2, 1]
+    assert outcomes[:5] == [0, 1, 2, 1, 0]
     ctl = AdaptiveController(k_max=3)
     assert [ctl.choose_k(8) for _ in range(8)] == [0, 1, 1, 0, 0, 1, 1, 0]  # uncalibrated: paired probes
+
+
+def test_adaptive_realized_outcomes_overrule_the_model_per_batch_octave():
+    """The fitted costs say a verify over 2 tokens costs 1.25x a decode step and acceptance is 0.5: k=1 predicts
+    1.5 / 1.25 = 1.2x plain, beyond the 5 % margin, at every batch size. At B=64 the steps actually run at 0.7 of
+    the predicted rate with k=1 (a large verify the fit mispredicts) and at 1.0 plain: after CORRECTION_MIN such
+    outcomes the controller picks plain decoding at B=33..64 (0.84x), and still k=1 at B=8, whose octave has no
+    outcomes. Two outcomes are not enough to overrule it, and a single stalled step (0.05x) among the three k=1
+    outcomes of another octave does not either: the median rules."""
+    from megatron_spec.spec.adaptive import CORRECTION_MIN
+
+    def controller():
+        ctl = AdaptiveController(k_max=1)
+        for b in (4, 8, 64):
+            for _ in range(3):
+                for t in (1, 2):
+                    ctl.record_step(b, t, 0.004 * (1 + 0.25 * (t - 1)))
+        ctl.record_draft(8, 1, 0.0)
+        ctl.record_draft(8, 1, 0.0)
+        ctl.accept[:] = 0.5
+        ctl.refresh_fits()
+        return ctl
+
+    def outcome(ctl, batch, k, ratio):
+        ctl.record_outcome(batch, k, 10, 10 / (ratio * ctl.rate(batch, k)))
+
+    ctl = controller()
+    assert ctl.best_k(64) == 1 and ctl.best_k(8) == 1
+    for _ in range(CORRECTION_MIN - 1):
+        outcome(ctl, 64, 1, 0.7)
+        outcome(ctl, 64, 0, 1.0)
+    assert ctl.best_k(64) == 1
+    outcome(ctl, 64, 1, 0.7)
+    outcome(ctl, 64, 0, 1.0)
+    assert ctl.best_k(64) == 0 and ctl.best_k(40) == 0 and ctl.best_k(8) == 1
+    ctl = controller()
+    for ratio in (1.0, 0.05, 1.0):
+        outcome(ctl, 8, 1, ratio)
+    assert ctl.best_k(8) == 1
 
 
 def test_adaptive_acceptance_weighs_each_sequence():
