@@ -11,6 +11,14 @@ import torch
 from torch import Tensor
 
 
+KV_BLOCK = 16
+"""Attention reads the cache up to the batch's longest position rounded up to a multiple of this (the extra keys
+are masked out). A prefix that grew by one key every step gave the attention matmuls a new shape every step, and
+bf16 matmuls go to oneDNN, which builds a kernel per shape: 30 layers' q.k^T at B=1 took 2.1 ms a step with the
+length growing against 0.9 ms at a fixed one (2-core AVX-512 EPYC). fp32 goes to MKL, which has no such cost; there
+the rounding costs at most 15 keys of attention."""
+
+
 class KVCache:
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", first_layer: int = 0):
@@ -55,7 +63,7 @@ class BatchView:
         # Only padding can run past the end (the engine sizes the cache for every real token plus the drafts), so
         # clamping parks padded writes on the last row, which no real token ever uses.
         self.positions = (start[:, None] + torch.arange(T, device=device)).clamp_(max=cache.max_len - 1)
-        self.kv_len = int(self.positions.max()) + 1
+        self.kv_len = min(-(-(int(self.positions.max()) + 1) // KV_BLOCK) * KV_BLOCK, cache.max_len)
         key_pos = torch.arange(self.kv_len, device=device)
         allowed = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]  # [B, 1, T, kv_len]
         # Additive (0 / -inf) rather than boolean: attention adds it in place, one op per layer instead of

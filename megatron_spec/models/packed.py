@@ -74,8 +74,9 @@ def linears(x: Tensor, *layers: nn.Linear) -> tuple[Tensor, ...]:
         n = rows.shape[0]
         pad = -n % ROW_MULTIPLE if n > ROW_MULTIPLE else 0
         if pad:  # see ROW_MULTIPLE; the padded rows' outputs are dropped, the others do not depend on them
-            rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
-        y = onednn_linear(rows, pack)[:n]
+            y = onednn_linear(torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]), pack)[:n]
+        else:
+            y = onednn_linear(rows, pack)
     y = y.view(*x.shape[:-1], y.shape[-1])
     return y.split(pack.sizes, -1) if len(layers) > 1 else (y,)
 

@@ -101,3 +101,20 @@ def test_bad_input_is_rejected_before_work(tiny_model):
         SamplingParams(temperature=-0.5)
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         SamplingParams(max_tokens=0)
+
+
+def test_attention_reads_the_cache_in_blocks():
+    """Attention reads keys up to the batch's longest position + 1 rounded up to KV_BLOCK (16) and capped at the
+    cache's length. A prefix that grows by one key a step then changes the attention matmuls' shape once every 16
+    steps (bf16 matmuls build a oneDNN kernel per shape). The extra keys are masked out; the logprob test above
+    runs through them at 1e-5."""
+    from megatron_spec.models.kv_cache import KV_BLOCK, KVCache
+
+    assert KV_BLOCK == 16
+    cache = KVCache(1, 2, 40, 1, 4)
+    assert cache.view([0, 1], [3, 20], 1).kv_len == 32  # positions 3 and 20: 21 keys -> 32
+    assert cache.view([0], [0], 5).kv_len == 16
+    assert cache.view([0], [15], 1).kv_len == 16
+    assert cache.view([0], [36], 2).kv_len == 40  # 38 keys -> 48, capped at the cache's 40
+    view = cache.view([0, 1], [3, 20], 1)
+    assert torch.isinf(view.mask[0, 0, 0, 4:]).all() and (view.mask[0, 0, 0, :4] == 0).all()
