@@ -14,9 +14,9 @@ from torch import Tensor
 KV_BLOCK = 16
 """Attention reads the cache up to the batch's longest position rounded up to a multiple of this (the extra keys
 are masked out). A prefix that grew by one key every step gave the attention matmuls a new shape every step, and
-bf16 matmuls go to oneDNN, which builds a kernel per shape: 30 layers' q.k^T at B=1 took 2.1 ms a step with the
-length growing against 0.9 ms at a fixed one (2-core AVX-512 EPYC). fp32 goes to MKL, which has no such cost; there
-the rounding costs at most 15 keys of attention."""
+bf16 matmuls go to oneDNN, which builds a kernel per shape: 30 layers' q.k^T at SmolLM2's shapes took 1.8 ms a
+step with the length growing against 0.8 ms at a fixed one (2-core AVX-512 EPYC, `benchmarks/shape_costs.py`). fp32
+goes to MKL, which has no such cost; there the rounding costs at most 15 keys of attention."""
 
 
 class KVCache:
