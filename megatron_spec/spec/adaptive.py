@@ -32,7 +32,12 @@ batch steps mispredicts its few large ones (n-gram on the deep tiny model, RL ro
 par, measured 10.3 ms a step for 1.2 tokens against plain's 6.2 ms for one), and the acceptance it multiplies by
 is a prior until a position is seen. So every steady step's realized tokens per second is also compared with what
 the model predicted for it, per (batch-size octave, k), and once a cell holds CORRECTION_MIN such ratios the
-model's rate for that cell is scaled by their median (a median, so one step stalled by the OS does not rule).
+model's rate for that cell is scaled by their median (a median, so one step stalled by the OS does not rule). The
+first step of each (batch size, k) is not counted: it builds GEMM kernels for a row count never met (a forward at
+a new row count cost 6.8 ms against 4.1 ms again on the deep tiny model). Ratios expire after CORRECTION_HORIZON
+probe periods: a cell the controller stopped choosing gets no new ones, and a stale low median (formed while the
+drafter was still catching up, say) would otherwise rule it out for the engine's whole life. In the main job that
+lock-in kept one seed at k=1 for all 50 RL steps (acceptance length 2.0 where k=3 gave 3.4).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ PRIOR_ACCEPT = 0.7  # per-position acceptance assumed before any is measured: op
 PRIOR_SEQS = 4  # how many sequences' worth of evidence that prior counts as
 PROBE_STEPS = 2  # plain steps in a row per probe: the engine times only a plain step that follows a plain one
 CORRECTION_MIN = 3  # realized/predicted ratios a (batch octave, k) cell needs before they scale its predicted rate
+CORRECTION_HORIZON = 4  # probe periods (probe_every steps each) a realized/predicted ratio stays valid
 
 
 class AdaptiveController:
@@ -66,7 +72,8 @@ class AdaptiveController:
         self._decisions: dict[int, tuple[int, int]] = {}  # batch size -> (k, step decided)
         self._fit_step = -refit_every  # when the fits were last refreshed
         self._step_fit = self._draft_fit = None
-        self._realized: dict[tuple[int, int], deque] = {}  # (batch octave, k) -> realized / predicted tokens/s
+        self._realized: dict[tuple[int, int], deque] = {}  # (batch octave, k) -> (step, realized / predicted)
+        self._outcome_shapes: set[tuple[int, int]] = set()  # (batch, k) whose first outcome was dropped
 
     # -- measurements -----------------------------------------------------------------------------------------
     def record_step(self, batch: int, tokens: int, seconds: float) -> None:
@@ -108,12 +115,16 @@ class AdaptiveController:
         included: kept as a ratio to the rate the model predicts for it (see the module docstring)."""
         if self._step_fit is None or seconds <= 0:
             return  # nothing predicted yet to compare with
-        predicted = self.rate(batch, k)
-        self._realized.setdefault((octave(batch), k), deque(maxlen=self.window)).append(tokens / seconds / predicted)
+        if (batch, k) not in self._outcome_shapes:
+            self._outcome_shapes.add((batch, k))  # a first step of its shape: one-off costs
+            return
+        ratio = tokens / seconds / self.rate(batch, k)
+        self._realized.setdefault((octave(batch), k), deque(maxlen=self.window)).append((self.steps, ratio))
 
     def correction(self, batch: int, k: int) -> float:
-        ratios = self._realized.get((octave(batch), k))
-        return median(ratios) if ratios and len(ratios) >= CORRECTION_MIN else 1.0
+        since = self.steps - CORRECTION_HORIZON * self.probe_every
+        ratios = [r for step, r in self._realized.get((octave(batch), k), ()) if step > since]
+        return median(ratios) if len(ratios) >= CORRECTION_MIN else 1.0
 
     @property
     def calibrated(self) -> bool:
