@@ -45,8 +45,14 @@ def run(variant: str, seed: int, runs_dir: Path, extra: list[str]) -> dict:
     start = time.perf_counter()
     subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"variant": variant, "seed": seed, "wall_s": wall, "dir": str(out), "rows": rows}
+    return {"variant": variant, "seed": seed, "wall_s": wall, "dir": str(out), "rows": read_metrics(out)}
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """A run's metrics by step. The file is appended to (a resumed run re-logs the steps after its checkpoint, and
+    a fresh run in a used directory logs after the old one's lines): the last record of a step wins."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
 
 
 def mean(xs):
@@ -75,7 +81,7 @@ def summarize_dirs(dirs: list[str], window: int, out: str | None, where: str) ->
 
     runs = []
     for d in map(Path, dirs):
-        rows = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+        rows = read_metrics(d)
         cfg = yaml.safe_load((d / "config.yaml").read_text())
         s = summarize({"variant": d.name, "seed": cfg["run"]["seed"], "wall_s": None, "rows": rows}, window)
         drafter = cfg["drafter_train"]
