@@ -39,20 +39,15 @@ VARIANTS = {
 
 
 def run(variant: str, seed: int, runs_dir: Path, extra: list[str]) -> dict:
+    from megatron_spec.rl.logging import read_metrics
+
     out = runs_dir / f"{variant}-s{seed}"
     argv = [sys.executable, str(ROOT / "recipes" / "tiny_grpo_spec.py"), f"run.seed={seed}", f"run.out_dir={out}",
             "run.resume=false", "run.report=false", *VARIANTS[variant], *extra]
     start = time.perf_counter()
     subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start
-    return {"variant": variant, "seed": seed, "wall_s": wall, "dir": str(out), "rows": read_metrics(out)}
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    """A run's metrics by step. The file is appended to (a resumed run re-logs the steps after its checkpoint, and
-    a fresh run in a used directory logs after the old one's lines): the last record of a step wins."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return sorted({r["step"]: r for r in rows}.values(), key=lambda r: r["step"])
+    return {"variant": variant, "seed": seed, "wall_s": wall, "dir": str(out), "rows": read_metrics(out)}  # the last record of a step wins
 
 
 def mean(xs):
@@ -78,6 +73,8 @@ def summarize(result: dict, window: int) -> dict:
 def summarize_dirs(dirs: list[str], window: int, out: str | None, where: str) -> int:
     """First/last-window acceptance, agreement and eval of finished runs, with the settings they ran with."""
     import yaml
+
+    from megatron_spec.rl.logging import read_metrics
 
     runs = []
     for d in map(Path, dirs):

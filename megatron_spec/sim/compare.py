@@ -11,7 +11,6 @@ clusters only: an embedded CPU run is predicted by the validation harness in `be
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .config import GenParallel, LengthDist, SimConfig, Speculation, TrainParallel, Workload, resolve_model
@@ -41,8 +40,9 @@ def measured(run_dir: str | Path) -> tuple[dict, dict[str, float], dict[str, flo
     import yaml
 
     cfg = yaml.safe_load((run / "config.yaml").read_text())
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if isinstance(r.get("stages"), dict)]
+    from ..rl.logging import read_metrics  # torch-free; the last record of a re-run step wins
+
+    rows = [r for r in read_metrics(run) if isinstance(r.get("stages"), dict)]
     if not rows:
         raise ValueError(f"{run}: metrics.jsonl has no steps")
     steady = rows[1:] or rows

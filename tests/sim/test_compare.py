@@ -46,3 +46,16 @@ def test_refusals(tmp_path):
         compare_run(tmp_path, "h100:32")
     with pytest.raises(ValueError, match="HARDWARE:GPUS"):
         compare_run(tmp_path, "h100")
+
+
+def test_a_relogged_step_counts_once(tmp_path):
+    """metrics.jsonl is appended to: a resumed run re-logs the steps after its checkpoint, and a fresh run in a used
+    directory logs after the old run's lines. The old run's three steps (every stage 100x, responses of 1 token)
+    written before this run's must not count: the last record of each step wins."""
+    stages = write_run(tmp_path)
+    old = [{"step": i, "stages": {s: 100 * t for s, t in stages.items()}, "response_len_mean": 1.0,
+            "response_len_max": 1.0} for i in range(3)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in old) + path.read_text())
+    _, got, figures = measured(tmp_path)
+    assert got["gen"] == pytest.approx(2 * stages["gen"]) and figures["mean"] == 1500.0
