@@ -38,10 +38,11 @@ ONEDNN_ONE_ROW = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 ROW_MULTIPLE = 8
 """oneDNN inputs of more than this many rows are padded to a multiple of it. oneDNN builds a kernel (a
 "primitive") for every row count it meets: a forward of the deep tiny model at a new row count took 6.8 ms against
-4.1 ms again (`benchmarks/shape_costs.py`), and oneDNN caches at most 1024 kernels. Plain decoding meets a few dozen row counts (the batch size
-shrinking), but a speculative rollout meets batch x (k + 1) for every batch size and k the adaptive controller
-picks: most of its verify steps paid a new kernel, and a long run cycled the cache. Padded, a 64-sequence rollout
-needs at most 8 + 384 / 8 row counts whatever k is; the padding costs ~2 us a GEMM and at most 7 extra rows."""
+4.1 ms again (`benchmarks/shape_costs.py`), and oneDNN caches at most 1024 kernels. Plain decoding meets a few dozen
+row counts (the batch size shrinking), but a speculative rollout meets batch x (k + 1) for every batch size and k
+the adaptive controller picks: most of its verify steps paid a new kernel, and a long run cycled the cache. Padded,
+a 64-sequence rollout needs at most 8 + 384 / 8 row counts whatever k is; the padding costs ~2 us a GEMM and at
+most 7 extra rows."""
 
 
 @dataclass

@@ -19,13 +19,15 @@ decode does (weights are read once either way), so the tail of a rollout gets th
 The controller lives as long as its engine, so in RL it is calibrated after the first rollout. Until it is, it
 alternates pairs of plain steps with pairs of k=1 probes (cheap even where speculation cannot pay; the fit
 extrapolates to larger k). The engine reports drafting times only for a step that follows a drafting step: after
-plain steps a hidden-state drafter or a draft model first catches up over the positions it skipped (an MTP head
-on the tiny model at batch 1: ~860 us per draft token so timed, ~490 steady), and a fit from those would keep
-speculation off for good once it had been off for a while. The first timing of each step size and the first
-drafting timing are dropped: they carry one-off costs (the first verify of a shape, the drafter catching up over
-every prompt) and a fit from one such outlier would rule for the rest of the run. The hot path (`choose_k` between decisions) is a dict lookup: decisions are refreshed
-every `decide_every` steps or when a new batch size appears, and the least-squares fits behind them at most every
-`refit_every` steps, because on a ~1 ms step a fit (~0.2 ms) every few steps would itself cost percents.
+plain steps a hidden-state drafter or a draft model first catches up over the positions it skipped (an MTP head on
+the tiny model at batch 1: ~860 us per draft token so timed, ~490 steady), and a fit from those would keep
+speculation off for good once it had been off for a while. Likewise plain-step times only for a plain step that
+follows a plain one (`LLMEngine.time_step`), so probes are PROBE_STEPS plain steps in a row. The first timing of
+each step size and the first drafting timing are dropped: they carry one-off costs (the first verify of a shape, the
+drafter catching up over every prompt) and a fit from one such outlier would rule for the rest of the run. The hot
+path (`choose_k` between decisions) is a dict lookup: decisions are refreshed every `decide_every` steps or when a
+new batch size appears, and the least-squares fits behind them at most every `refit_every` steps, because on a ~1 ms
+step a fit (~0.2 ms) every few steps would itself cost percents.
 
 Measured outcomes overrule the model where it has been tried. A linear fit dominated by a rollout's many small-
 batch steps mispredicts its few large ones (n-gram on the deep tiny model, RL rollout at B=64: k=1 predicted at
@@ -58,7 +60,8 @@ CORRECTION_HORIZON = 4  # probe periods (probe_every steps each) a realized/pred
 class AdaptiveController:
     def __init__(self, k_max: int, margin: float = 1.05, probe_every: int = 64, decide_every: int = 8,
                  refit_every: int = 64, window: int = 32, ema: float = 0.1):
-        self.k_max, self.margin, self.probe_every, self.decide_every, self.ema = k_max, margin, probe_every, decide_every, ema
+        self.k_max, self.margin, self.probe_every = k_max, margin, probe_every
+        self.decide_every, self.ema = decide_every, ema
         self.refit_every, self.window = refit_every, window
         self._seen_sizes: set[int] = set()  # step sizes T timed at least once (their first timing is dropped)
         self._seen_draft = False
