@@ -18,6 +18,7 @@ Timings; medians over repeats on an otherwise idle machine.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -81,9 +82,8 @@ def plain_after_drafting(model, repeats: int) -> dict:
     for r in range(repeats):
         spec = SpecConfig("draft_model", 1, model=str(ROOT / "checkpoints" / "tiny-draft"), adaptive=True)
         engine = LLMEngine(model, max_num_seqs=8, spec=spec)
-        script = [1, 1, 0, 0] * 64  # plain steps: half after a drafting step, half after a plain one
-        step = iter(range(10**6))
-        engine.controller.choose_k = lambda batch: script[next(step) % len(script)]
+        script = itertools.cycle([1, 1, 0, 0])  # plain steps: half after a drafting step, half after a plain one
+        engine.controller.choose_k = lambda batch: next(script)
         last = {"k": None}
 
         def record(batch, tokens, seconds, last=last):

@@ -90,23 +90,23 @@ def run(args) -> dict:
             # Warm-up on other prompts and seeds: nothing a lookup drafter learns there helps the timed run.
             warm = (task_prompts(args.target, batch, seed=2000 + batch, split="bench"),
                     SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=batch + 1))
-            plain = lambda: make_engine(target, None, 0, None, batch)  # noqa: E731
+            fresh_plain = lambda: make_engine(target, None, 0, None, batch)  # noqa: E731
             for k in args.k:
                 fresh = lambda: make_engine(target, method, k, ddir, batch, args.draft_sampling)  # noqa: E731
                 row = {"drafter": method, "batch": batch, "k": str(k),
-                       **measure(fresh, plain, prompts, params, args.repeats, warm)}
+                       **measure(fresh, fresh_plain, prompts, params, args.repeats, warm)}
                 rows.append(row)
                 print(f"  {method:12s} B={batch:3d} k={str(k):8s} {row['tok_s']:8.1f} tok/s  x{row['speedup']:.2f}  "
                       f"acc.len {row['acceptance_length'] or 0:.2f}")
         # RL rollout: prompts x group, sampled to EOS (long tail), second of two steps.
         prompts = [p for p in task_prompts(args.target, args.rl_prompts, seed=7, split="bench") for _ in range(args.group)]
         params = SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens, seed=3)
-        plain = lambda: make_engine(target, None, 0, None, len(prompts))  # noqa: E731
+        fresh_plain = lambda: make_engine(target, None, 0, None, len(prompts))  # noqa: E731
         previous_step = SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens, seed=2)
         for k in args.rl_k:
             fresh = lambda: make_engine(target, method, k, ddir, len(prompts), args.draft_sampling)  # noqa: E731
             row = {"drafter": method, "batch": f"RL {args.rl_prompts}x{args.group}", "k": str(k),
-                   **measure(fresh, plain, prompts, params, args.repeats, (prompts, previous_step))}
+                   **measure(fresh, fresh_plain, prompts, params, args.repeats, (prompts, previous_step))}
             rows.append(row)
             print(f"  {method:12s} RL rollout k={str(k):8s} x{row['speedup']:.2f}  acc.len {row['acceptance_length'] or 0:.2f}")
     return {"benchmark": "rollout", "target": args.target, "dtype": args.dtype, "draft_sampling": args.draft_sampling,

@@ -63,7 +63,8 @@ class BatchView:
         # Only padding can run past the end (the engine sizes the cache for every real token plus the drafts), so
         # clamping parks padded writes on the last row, which no real token ever uses.
         self.positions = (start[:, None] + torch.arange(T, device=device)).clamp_(max=cache.max_len - 1)
-        self.kv_len = min(-(-(int(self.positions.max()) + 1) // KV_BLOCK) * KV_BLOCK, cache.max_len)
+        longest = int(self.positions.max()) + 1
+        self.kv_len = min(longest + -longest % KV_BLOCK, cache.max_len)
         key_pos = torch.arange(self.kv_len, device=device)
         allowed = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]  # [B, 1, T, kv_len]
         # Additive (0 / -inf) rather than boolean: attention adds it in place, one op per layer instead of

@@ -161,10 +161,16 @@ class AdaptiveController:
 
     def rates(self, batch: int) -> list[float]:
         """Expected tokens per second for the batch at every draft length k = 0..k_max, from the fitted costs."""
-        return [self.rate(batch, k) for k in range(self.k_max + 1)]
+        gains = self.expected_tokens()
+        return [batch * gains[k] / self.cost(batch, k) for k in range(self.k_max + 1)]
 
     def rate(self, batch: int, k: int) -> float:
-        return batch * self.expected_tokens()[k] / (self.t_step(batch, k + 1) + (self.t_draft(batch, k) if k else 0.0))
+        """`rates(batch)[k]` alone."""
+        return batch * self.expected_tokens()[k] / self.cost(batch, k)
+
+    def cost(self, batch: int, k: int) -> float:
+        """Fitted seconds of a step with k drafts per sequence, drafting included."""
+        return self.t_step(batch, k + 1) + (self.t_draft(batch, k) if k else 0.0)
 
     def expected_tokens(self) -> list[float]:
         """1 + sum_{j<=k} prod_{i<=j} a_i for k = 0..k_max."""

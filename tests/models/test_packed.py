@@ -45,10 +45,11 @@ def test_outside_inference_mode_it_is_f_linear_bit_for_bit():
 
 
 def test_row_counts_reaching_onednn_are_bounded_and_padding_changes_no_output(monkeypatch):
-    """oneDNN builds a kernel per row count it meets (~0.6 ms each), so inputs above ROW_MULTIPLE rows are padded
-    to a multiple of it: feeding every row count 1..64 (what a 64-sequence speculative rollout's B x (k + 1) spans)
-    reaches oneDNN with 1..8 and multiples of 8 only, 16 distinct counts instead of 64. The padding rows are
-    dropped: each output equals `F.linear` to the fp32 tolerance reasoned in the test above."""
+    """oneDNN builds a kernel per row count it meets (a deep tiny model forward at a new count: 6.8 ms against 4.1
+    again, benchmarks/results/shape_costs.json), so inputs above ROW_MULTIPLE rows are padded to a multiple of it:
+    feeding every row count 1..64 (what a 64-sequence speculative rollout's B x (k + 1) spans) reaches oneDNN with
+    1..8 and multiples of 8 only, 16 distinct counts instead of 64. The padding rows are dropped: each output
+    equals `F.linear` to the fp32 tolerance reasoned in the test above."""
     import megatron_spec.models.packed as packed_mod
 
     if torch.float32 not in packed_dtypes():
