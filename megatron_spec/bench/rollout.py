@@ -35,7 +35,7 @@ def measure(make_engine, make_plain, prompts, params, repeats: int, warm: tuple)
     against a fresh plain engine, `repeats` times. Each engine first runs `warm` = (prompts, params) untimed: in RL
     an engine lives across steps, so its caches are allocated and its adaptive controller calibrated before the
     rollout that counts. Both are fresh, so neither carries state the other lacks (a plain engine reused across
-    repeats ran ~2 % faster than a fresh one in an A/A test).
+    repeats has run every timed rollout before).
 
     `speedup` is the median over repeats of the ratio of the two back-to-back runs of one repeat: on a shared
     machine the load changes over seconds, by up to 30 % on this project's CPU, so a ratio of two runs 0.1 s apart
