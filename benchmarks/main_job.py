@@ -47,7 +47,7 @@ def run(variant: str, seed: int, runs_dir: Path, extra: list[str]) -> dict:
     start = time.perf_counter()
     subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start
-    # read_metrics: the last record of a step wins (a fresh run in a used directory appends after the old lines)
+    # read_metrics: the last record of a step wins (a run resumed after a crash logs its last steps again)
     return {"variant": variant, "seed": seed, "wall_s": wall, "dir": str(out), "rows": read_metrics(out)}
 
 

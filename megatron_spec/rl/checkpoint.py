@@ -41,7 +41,8 @@ def check_same_config(saved: dict, cfg, run_dir: Path) -> None:
     if diff:
         k = diff[0]
         raise ValueError(f"resume directory {run_dir} was made with a different config ({len(diff)} field(s) differ, "
-                         f"e.g. {k}: saved {saved.get(k)!r}, now {now.get(k)!r}); use another run.out_dir or run.resume=false")
+                         f"e.g. {k}: saved {saved.get(k)!r}, now {now.get(k)!r}); use another run.out_dir, or "
+                         f"run.resume=false to start afresh there (the earlier run is moved to {run_dir}/previous)")
 
 
 def save(run_dir: Path, step: int, state: dict, cfg) -> Path:
@@ -52,6 +53,29 @@ def save(run_dir: Path, step: int, state: dict, cfg) -> Path:
     tmp.write_text(out.name)
     tmp.replace(ckpt_root / "latest")  # atomic rename: `latest` names a complete checkpoint at every instant
     return out
+
+
+def set_aside_earlier_run(run_dir: Path) -> Path | None:
+    """Move what an earlier run left in `run_dir` (metrics, checkpoints, events, report: everything but earlier
+    set-asides) into `run_dir/previous/<n>`, so that a run starting from step 0 there writes into an empty directory
+    and loses nothing. Appending to the earlier run's `metrics.jsonl` would make its later steps look like the new
+    run's, and its checkpoints would be resumed from by the next `run.resume=true`. Returns where they went."""
+    entries = sorted(p for p in run_dir.iterdir() if p.name != "previous") if run_dir.is_dir() else []
+    if not entries:
+        return None
+    previous = run_dir / "previous"
+    previous.mkdir(exist_ok=True)
+    numbers = [p.name.split(".")[0] for p in previous.iterdir()]  # "3" and an interrupted "3.tmp" both take 3
+    taken = [int(n) for n in numbers if n.isdigit()]
+    dest = previous / str(max(taken, default=0) + 1)
+    # Filled under a temporary name first: an interrupted move leaves its entries in `.tmp`, never under a
+    # number that looks like a complete earlier run.
+    tmp = previous / f"{dest.name}.tmp"
+    tmp.mkdir()
+    for p in entries:
+        p.rename(tmp / p.name)
+    tmp.rename(dest)
+    return dest
 
 
 def load_latest(run_dir: Path) -> dict | None:

@@ -143,7 +143,9 @@ class RunSection:
     save_every: int = 10
     """Checkpoint every N steps (and at the end)."""
     resume: bool = True
-    """Continue from the last checkpoint in out_dir if there is one (its config must match)."""
+    """Continue from the last checkpoint in out_dir if there is one (its config must match). A run that starts
+    from step 0 (false, or no checkpoint yet) moves whatever an earlier run left in out_dir to out_dir/previous/<n>
+    first, so its metrics and checkpoints are its own and nothing is lost."""
     dataset_size: int = 4096
     """Training prompts (the data position wraps around)."""
     eval_prompts: int = 64

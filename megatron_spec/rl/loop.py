@@ -243,6 +243,10 @@ def run(cfg: RLConfig, make_trainer) -> dict:
     saved = checkpoint.load_latest(run_dir) if cfg.run.resume else None
     if saved is not None:
         checkpoint.check_same_config(saved["config"], cfg, run_dir)
+    else:  # before the trainer is built: its backends write into run_dir (a vLLM engine's exported checkpoint)
+        moved = checkpoint.set_aside_earlier_run(run_dir)
+        if moved is not None:
+            print(f"starting from step 0: what an earlier run left in {run_dir} is now in {moved}")
     torch.manual_seed(cfg.run.seed)
     trainer = make_trainer(cfg)
     start = 0

@@ -209,6 +209,26 @@ def test_resume_with_different_config_is_refused(ckpts, tmp_path, shaped_reward)
     assert (tmp_path / "checkpoints" / "latest").is_file()
 
 
+def test_fresh_run_in_a_used_directory_sets_the_earlier_run_aside(ckpts, tmp_path, shaped_reward):
+    """`run.resume=false` into a directory that holds a 4-step run, then a 2-step run there: the directory holds
+    only the new run (2 metrics records, its own checkpoints, none of the old run's later steps that a reader would
+    take as the new run's), and the earlier run is in previous/1 byte for byte. A third start goes to previous/2."""
+    cfg = small_cfg(ckpts, tmp_path)
+    cfg.run.steps = 4
+    loop.train(cfg)
+    old_metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    old_ckpt = (tmp_path / "checkpoints/step_000003/state.pt").read_bytes()
+    cfg.run.steps, cfg.run.resume = 2, False
+    loop.train(cfg)
+    assert [m["step"] for m in read_metrics(tmp_path)] == [0, 1]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000001"]
+    assert (tmp_path / "previous/1/metrics.jsonl").read_bytes() == old_metrics
+    assert (tmp_path / "previous/1/checkpoints/step_000003/state.pt").read_bytes() == old_ckpt
+    loop.train(cfg)
+    assert sorted(p.name for p in (tmp_path / "previous").iterdir()) == ["1", "2"]
+    assert [m["step"] for m in read_metrics(tmp_path / "previous/2")] == [0, 1]
+
+
 def test_grpo_learns_the_rewarded_behaviour(ckpts, tmp_path, monkeypatch):
     """Reward = share of completion tokens equal to 20 (a random model emits it ~1/64 of the time). Ten GRPO steps
     at lr 3e-3 must raise the sampled share of token 20 at least three-fold: the loss's sign, the advantage
