@@ -43,15 +43,19 @@ def main(argv: list[str]) -> int:
     if path.exists():
         print(f"{path} exists: use a fresh run.out_dir (a resumed run would append a second copy)", file=sys.stderr)
         return 2
-    path.parent.mkdir(parents=True, exist_ok=True)
-    sink = open(path, "w", encoding="utf-8")
+    # Opened at the first rollout, not here: a run starting from step 0 first moves whatever its directory holds
+    # to previous/ (`rl.checkpoint.set_aside_earlier_run`), an open file included.
+    sink = None
     state = {"call": 0, "step": 0, "eval": False}
 
     original_generate = gen_mod.EmbeddedGenerator.generate
     original_step, original_evaluate = loop.Trainer.step, loop.Trainer.evaluate
 
     def generate(self, prompts, params):
+        nonlocal sink
         outs = original_generate(self, prompts, params)
+        if sink is None:
+            sink = open(path, "w", encoding="utf-8")
         sink.write(json.dumps({
             "call": state["call"], "kind": "eval" if state["eval"] else "train", "step": state["step"],
             "seed": params.seed, "temperature": params.temperature,
@@ -77,7 +81,8 @@ def main(argv: list[str]) -> int:
     try:
         return tiny_grpo_spec.main(argv)
     finally:
-        sink.close()
+        if sink is not None:
+            sink.close()
 
 
 if __name__ == "__main__":
