@@ -119,6 +119,15 @@ class DrafterTrainSection:
     updates: int = 1
     """Drafter optimizer steps per RL step, each a pass over the batch's detached states (no extra trunk forward).
     More than one lets the drafter keep up where RL changes what the policy writes within a few steps."""
+    replay: int = 1
+    """RL steps whose detached states each online update pass reads: this step's and the `replay - 1` before it,
+    oldest first (`updates` passes in all). The drafter then learns from `replay` times as many problems per step
+    at `replay` times the update's work, with no extra trunk forward; the states are held in memory (`replay`
+    steps' hidden states and logits) and in checkpoints, for exact resume. Embedded trainer only."""
+    minibatches: int = 1
+    """Optimizer steps per step's batch in each pass: its sequences dealt into this many minibatches (row i of each
+    micro-batch to minibatch i mod `minibatches`). More, smaller steps for the same work; the split is by rows, so it
+    does not depend on `grpo.micro_batch_tokens`. Embedded trainer only."""
     agreement: bool = True
     """Measure every step, per draft depth, the chance that the drafter's greedy draft is accepted at the train
     batch's positions (`drafter_agreement`), so its freshness shows while the adaptive controller keeps speculation
@@ -130,6 +139,10 @@ class DrafterTrainSection:
             raise ValueError(f"drafter_train.drafts must be >= 1 (the first draft at least), got {self.drafts}")
         if self.updates < 1:
             raise ValueError(f"drafter_train.updates must be >= 1, got {self.updates}")
+        if self.replay < 1:
+            raise ValueError(f"drafter_train.replay must be >= 1 (this step's states at least), got {self.replay}")
+        if self.minibatches < 1:
+            raise ValueError(f"drafter_train.minibatches must be >= 1, got {self.minibatches}")
 
 
 @dataclass

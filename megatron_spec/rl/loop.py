@@ -54,10 +54,11 @@ def check_inputs(cfg: RLConfig) -> None:
     if cfg.run.device != "cpu" and cfg.backend.placement != "inline":
         raise ValueError(f"run.device={cfg.run.device} places the in-process trainer and generator; the "
                          f"{cfg.backend.placement} placement's worker groups place their own (leave run.device=cpu)")
-    if cfg.backend.trainer == "megatron" and (cfg.drafter_train.drafts > 1 or cfg.drafter_train.updates > 1):
+    d = cfg.drafter_train
+    if cfg.backend.trainer == "megatron" and max(d.drafts, d.updates, d.replay, d.minibatches) > 1:
         raise ValueError("the Megatron trainer trains its MTP head jointly with the policy, one first-draft pass per "
-                         "step (backend.megatron.mtp_*); drafter_train.drafts and drafter_train.updates > 1 are the "
-                         "embedded trainer's: set both to 1")
+                         "step (backend.megatron.mtp_*); drafter_train.drafts, updates, replay and minibatches > 1 "
+                         "are the embedded trainer's: set them to 1")
     policy = cfg.model.policy
     if policy != "smollm2-135m" and not (Path(policy) / "config.json").is_file():
         raise FileNotFoundError(f"policy checkpoint {policy} not found (no config.json); "

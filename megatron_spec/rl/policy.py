@@ -13,6 +13,7 @@ rollouts of a GRPO group share their prompt, which both forwards compute once pe
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -70,6 +71,33 @@ class DrafterInputs(NamedTuple):
     out: TrunkOutput
     logits: Tensor
 
+    def rows(self, index: slice) -> "DrafterInputs":
+        """The rows `index` selects (a view, no copy)."""
+        out = TrunkOutput(self.out.hidden[index], {i: h[index] for i, h in self.out.layers.items()})
+        return DrafterInputs(self.input_ids[index], self.mask[index], out, self.logits[index])
+
+    def copy_to(self, device) -> "DrafterInputs":
+        """A copy on `device` that shares no storage with this one (a checkpoint then holds just these tensors)."""
+        def copy(t: Tensor) -> Tensor:
+            return t.to(device, copy=True)
+
+        out = TrunkOutput(copy(self.out.hidden), {i: copy(h) for i, h in self.out.layers.items()})
+        return DrafterInputs(copy(self.input_ids), copy(self.mask), out, copy(self.logits))
+
+
+def minibatches(forwards: list[DrafterInputs], tokens: float, count: int) -> list[tuple[list[DrafterInputs], float]]:
+    """One step's micro-batches (with `tokens` generated tokens) dealt into `count` minibatches, row i of each to
+    minibatch i mod count, each with its generated tokens; a minibatch with no rows is left out. With count 1: the
+    step's micro-batches as they are."""
+    if count == 1:
+        return [(forwards, tokens)]
+    out = []
+    for j in range(count):
+        part = [f.rows(slice(j, None, count)) for f in forwards if f.input_ids.shape[0] > j]
+        if part:
+            out.append((part, float(sum(f.mask.sum() for f in part))))
+    return out
+
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, sampling: dict) -> Tensor:
     """[B, T-1]: log-prob of token t+1 under the processed distribution at t (the engine's exact processing)."""
@@ -120,6 +148,8 @@ class EmbeddedPolicy:
         self.drafter_opt = None
         if drafter is not None and drafter_cfg is not None and drafter_cfg.online:
             self.drafter_opt = torch.optim.AdamW(drafter.parameters(), lr=drafter_cfg.lr, weight_decay=0.0)
+        # The last `drafter_train.replay` steps' detached states, oldest first: (micro-batches, generated tokens).
+        self.replay: deque[tuple[list[DrafterInputs], float]] = deque(maxlen=drafter_cfg.replay if drafter_cfg else 1)
         # The drafter reads this step's forwards to train (online) and/or to measure its agreement.
         self.drafter_reads = self.drafter_opt is not None or (
             drafter is not None and drafter_cfg is not None and drafter_cfg.agreement)
@@ -260,40 +290,52 @@ class EmbeddedPolicy:
         return loss, metrics, logprobs.detach(), drafter_inputs
 
     def drafter_step(self, forwards: list[DrafterInputs], tokens: float) -> dict:
-        """One drafter update accumulated over the micro-batches' detached states, after the policy's update (the
-        MTP / EAGLE-3 heads read the trunk's embedding and output head as they are now, as before bucketing), and
-        the drafter's agreement with the policy on the same positions (`drafter_loss.agreement`); a frozen drafter
-        only measures, without gradient.
+        """The drafter's update after the policy's (the MTP / EAGLE-3 heads read the trunk's embedding and output
+        head as they are now, as before bucketing), and the drafter's agreement with the policy on this batch
+        (`drafter_loss.agreement`); a frozen drafter only measures, without gradient.
 
-        A micro-batch's drafter loss is a mean over its generated tokens (per depth, or per unrolled step); weighted
-        by its share of the batch's generated tokens, the shares add up to the one-big-batch loss exactly when every
-        depth's mean counts all generated tokens: draft d's prediction has no label before position d + 1, so
+        Online, `drafter_train.updates` passes over the replayed steps (this one and up to `replay - 1` before it,
+        oldest first, so each pass ends on this batch), one optimizer step per minibatch (`minibatches` per step).
+        Re-reading detached states costs no trunk forward; the earlier steps' states are an earlier policy's, which
+        the last optimizer steps of each pass, on this step's batch, correct towards the policy that drafts next.
+
+        Loss and agreement are those of the drafter that drafted this batch, before it learns from it: measured in
+        the first optimizer step when that one is over this batch, else by a pass without gradient first.
+
+        A step's drafter loss is a mean over its generated tokens (per depth, or per unrolled step); weighted by its
+        micro-batches' shares of the generated tokens, the shares add up to the one-big-batch loss exactly when
+        every depth's mean counts all generated tokens: draft d's prediction has no label before position d + 1, so
         prompts must be at least as long as the drafts trained per position (`drafter_train.drafts`) + 1. Every task
         prompt is (BOS + a problem); a shorter one only shifts the weights of its first few tokens' predictions.
         """
         online = self.drafter_opt is not None
-        # Later updates re-read the same detached states: the drafter catches up with a policy that moves fast
-        # without another forward of the trunk. Loss and agreement are those of the first pass, i.e. of the drafter
-        # that drafted this batch.
-        passes = [self.drafter_pass(forwards, tokens, online, measure=update == 0)
-                  for update in range(self.drafter_cfg.updates if online else 1)]
-        loss, agreement_by_depth = passes[0]
+        batches = [(forwards, tokens)]
+        if online:
+            self.replay.append((forwards, tokens))
+            one_pass = [mb for f, t in self.replay for mb in minibatches(f, t, self.drafter_cfg.minibatches)]
+            batches = one_pass * self.drafter_cfg.updates
+        measured = None if batches[0][0] is forwards else self.drafter_pass(forwards, tokens, learn=False, measure=True)
+        passes = [self.drafter_pass(f, t, learn=online, measure=measured is None and i == 0)
+                  for i, (f, t) in enumerate(batches)]
+        loss, agreement_by_depth = measured or passes[0]
         metrics = {"drafter_loss": loss} if online else {}
         if agreement_by_depth:
             metrics["drafter_agreement"] = agreement_by_depth
         return metrics
 
-    def drafter_pass(self, forwards: list[DrafterInputs], tokens: float, online: bool,
+    def drafter_pass(self, forwards: list[DrafterInputs], tokens: float, learn: bool,
                      measure: bool) -> tuple[float, list[float | None]]:
-        """One pass of `drafter_step` over the micro-batches: an optimizer step when `online`, the agreement per
-        depth when `measure` (and `drafter_train.agreement`); returns the loss and the agreement."""
+        """One pass of `drafter_step` over a minibatch (a step's micro-batches, or some of their rows) holding
+        `tokens` generated tokens: the loss when the drafter trains online, an optimizer step when `learn`, the
+        agreement per depth when `measure` (and `drafter_train.agreement`)."""
+        online = self.drafter_opt is not None
         params = [p for p in self.drafter.parameters() if p.requires_grad]
-        if online:
+        if learn:
             self.drafter.train()
             self.drafter_opt.zero_grad(set_to_none=True)
         total, sums, counts = 0.0, [], []
         for f in forwards:
-            with torch.set_grad_enabled(online):
+            with torch.set_grad_enabled(learn):
                 pairs = depth_pairs(self.drafter_method, self.model, self.drafter, f.input_ids, f.mask, f.out, f.logits,
                                     self.drafter_cfg.drafts)
             # Summed per depth over micro-batches (a short one may have fewer depths).
@@ -306,10 +348,12 @@ class EmbeddedPolicy:
                     counts[i] += c
             if online:
                 share = float(f.mask.sum()) / max(tokens, 1.0)
-                loss = self.drafter_cfg.loss_weight * share * pairs_loss(self.drafter, pairs)
-                loss.backward(inputs=params)
+                with torch.set_grad_enabled(learn):
+                    loss = self.drafter_cfg.loss_weight * share * pairs_loss(self.drafter, pairs)
+                if learn:
+                    loss.backward(inputs=params)
                 total += float(loss.detach())
-        if online:
+        if learn:
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
             self.drafter_opt.step()
             self.drafter.eval()
@@ -324,6 +368,8 @@ class EmbeddedPolicy:
             state["drafter"] = self.drafter.state_dict()
         if self.drafter_opt is not None:
             state["drafter_opt"] = self.drafter_opt.state_dict()
+        if self.replay.maxlen > 1:  # exact resume: the steps the next updates will re-read
+            state["drafter_replay"] = [([f.copy_to("cpu") for f in fs], t) for fs, t in self.replay]
         if self.ref is not None:
             state["ref"] = self.ref.state_dict()
         return state
@@ -334,3 +380,5 @@ class EmbeddedPolicy:
         for key, obj in (("drafter", self.drafter), ("drafter_opt", self.drafter_opt), ("ref", self.ref)):
             if obj is not None and key in state:
                 obj.load_state_dict(state[key])
+        self.replay.clear()
+        self.replay.extend(([f.copy_to(self.model.device) for f in fs], t) for fs, t in state.get("drafter_replay", []))

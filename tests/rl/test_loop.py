@@ -92,13 +92,16 @@ def test_drafter_loss_leaves_trunk_gradients_identical(ckpts, tmp_path, shaped_r
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in on.policy.drafter.parameters())
 
 
-def test_resume_continues_exactly(ckpts, tmp_path, shaped_reward):
-    """4 steps straight vs 2 steps, stop, resume to 4: identical metrics (rewards, losses, tokens) and weights."""
+@pytest.mark.parametrize("replay", [1, 3])
+def test_resume_continues_exactly(ckpts, tmp_path, shaped_reward, replay):
+    """4 steps straight vs 2 steps, stop, resume to 4: identical metrics (rewards, losses, tokens) and weights. With
+    `drafter_train.replay=3` the resumed run's first drafter update re-reads steps 0 and 1, which only the checkpoint
+    can give it."""
     full = small_cfg(ckpts, tmp_path / "full")
-    full.run.steps = 4
+    full.run.steps, full.drafter_train.replay = 4, replay
     loop.train(full)
     part = small_cfg(ckpts, tmp_path / "part")
-    part.run.steps = 2
+    part.run.steps, part.drafter_train.replay = 2, replay
     loop.train(part)
     part.run.steps = 4
     loop.train(part)
@@ -166,11 +169,15 @@ def test_bad_input(ckpts, tmp_path, monkeypatch):
         loop.train(cfg)
     with pytest.raises(ValueError, match="drafter_train.updates must be >= 1"):
         DrafterTrainSection(updates=0)
-    cfg = small_cfg(ckpts, tmp_path / "e")
-    cfg.backend.trainer, cfg.drafter_train.updates = "megatron", 4
-    with pytest.raises(ValueError, match="drafter_train.drafts and drafter_train.updates > 1 are the embedded"):
-        loop.train(cfg)
-    assert not (tmp_path / "e").exists()  # refused before anything is written
+    with pytest.raises(ValueError, match="drafter_train.replay must be >= 1"):
+        DrafterTrainSection(replay=0)
+    for field in ("updates", "replay", "minibatches"):
+        cfg = small_cfg(ckpts, tmp_path / "e")
+        cfg.backend.trainer = "megatron"
+        setattr(cfg.drafter_train, field, 4)
+        with pytest.raises(ValueError, match="drafts, updates, replay and minibatches > 1 are the embedded"):
+            loop.train(cfg)
+        assert not (tmp_path / "e").exists()  # refused before anything is written
 
     def broken(text, answer):
         raise KeyError("boom")

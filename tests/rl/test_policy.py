@@ -3,6 +3,7 @@ folding the logprob recompute into the train forward gives the separate recomput
 stay out of the loss even where the processed distribution gives them -inf."""
 
 import copy
+from collections import deque
 
 import pytest
 import torch
@@ -159,9 +160,71 @@ def test_several_drafter_updates_are_passes_over_the_same_detached_states():
     assert m3["drafter_loss"] == m1["drafter_loss"] and m3["drafter_agreement"] == m1["drafter_agreement"]
     assert any(not torch.equal(a, b) for a, b in zip(three.drafter.parameters(), one.drafter.parameters()))
     for _ in range(2):
-        one.drafter_pass(seen["forwards"], seen["tokens"], online=True, measure=False)
+        one.drafter_pass(seen["forwards"], seen["tokens"], learn=True, measure=False)
     for (name, a), b in zip(three.drafter.named_parameters(), one.drafter.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_replayed_drafter_updates_are_earlier_steps_then_this_one():
+    """`drafter_train.replay=2`: step 1 trains on its batch as without replay; step 2 first measures the drafter
+    that drafted its batch (no gradient), then one optimizer step on step 1's detached states and one on step 2's,
+    bit for bit. Checked against a policy without replay whose second drafter step does exactly that by hand; the
+    negative control is that policy's own second step (its batch only), which leaves other weights."""
+    b1, b2 = rollout_batch(seed=2), rollout_batch(seed=4)
+    rep, ref, plain = make_policy(160, "mtp"), make_policy(160, "mtp"), make_policy(160, "mtp")
+    rep.drafter_cfg = DrafterTrainSection(replay=2)
+    rep.replay = deque(maxlen=2)
+    seen = []
+    real = ref.drafter_step
+
+    def by_hand(forwards, tokens):
+        seen.append((forwards, tokens))
+        if len(seen) == 1:
+            return real(forwards, tokens)
+        loss, agree = ref.drafter_pass(forwards, tokens, learn=False, measure=True)
+        for f, t in seen:
+            ref.drafter_pass(f, t, learn=True, measure=False)
+        return {"drafter_loss": loss, "drafter_agreement": agree}
+
+    ref.drafter_step = by_hand
+    for batch, seed in ((b1, 1), (b2, 3)):
+        old = off_policy(rep, batch, seed)
+        m_rep, m_ref, m_plain = run_step(rep, batch, old), run_step(ref, batch, old), run_step(plain, batch, old)
+        assert m_rep["drafter_loss"] == m_ref["drafter_loss"] == m_plain["drafter_loss"]
+        assert m_rep["drafter_agreement"] == m_ref["drafter_agreement"]
+    for (name, a), b in zip(rep.drafter.named_parameters(), ref.drafter.parameters()):
+        assert torch.equal(a, b), name
+    assert any(not torch.equal(a, b) for a, b in zip(rep.drafter.parameters(), plain.drafter.parameters()))
+
+
+def test_drafter_minibatches_deal_the_rows_and_step_on_each():
+    """`drafter_train.minibatches=3`: the batch's rows are dealt into 3 minibatches (row i of each micro-batch to
+    minibatch i mod 3) that together hold every generated token once, and the drafter takes one optimizer step on
+    each, each weighted by its own tokens, after measuring the drafter that drafted the batch; bit for bit against
+    the same done by hand. The negative control: the one-step update leaves other weights."""
+    batch = rollout_batch(seed=2)
+    three, ref, plain = make_policy(160, "mtp"), make_policy(160, "mtp"), make_policy(160, "mtp")
+    three.drafter_cfg = DrafterTrainSection(minibatches=3)
+
+    def by_hand(forwards, tokens):
+        parts = [[f.rows(slice(j, None, 3)) for f in forwards] for j in range(3)]
+        rows = [sum(p.input_ids.shape[0] for p in part) for part in parts]
+        assert sum(rows) == batch.input_ids.shape[0] and max(rows) - min(rows) <= len(forwards)
+        counts = [float(sum(p.mask.sum() for p in part)) for part in parts]
+        assert sum(counts) == tokens == float(batch.mask.sum())
+        measured = ref.drafter_pass(forwards, tokens, learn=False, measure=True)
+        for part, count in zip(parts, counts):
+            ref.drafter_pass(part, count, learn=True, measure=False)
+        return {"drafter_loss": measured[0], "drafter_agreement": measured[1]}
+
+    ref.drafter_step = by_hand
+    old = off_policy(three, batch)
+    m3, mr, mp = run_step(three, batch, old), run_step(ref, batch, old), run_step(plain, batch, old)
+    assert m3["drafter_loss"] == mr["drafter_loss"] == mp["drafter_loss"]
+    assert m3["drafter_agreement"] == mr["drafter_agreement"] == mp["drafter_agreement"]
+    for (name, a), b in zip(three.drafter.named_parameters(), ref.drafter.parameters()):
+        assert torch.equal(a, b), name
+    assert any(not torch.equal(a, b) for a, b in zip(three.drafter.parameters(), plain.drafter.parameters()))
 
 
 @pytest.mark.parametrize("budget", [0, 160])
