@@ -24,9 +24,12 @@ class KVCache:
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", first_layer: int = 0):
         self.first_layer = first_layer
         """Layer index stored at row 0 (a drafter's cache holds only its own layers, numbered after the target's)."""
-        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Keys are stored transposed, [..., head_dim, max_len], so that k^T of the live prefix is a slice along the
+        # last axis, which a bf16 matmul reads in place. Stored as [..., max_len, head_dim], the same prefix is a
+        # batch-strided slice that torch copies before a bf16 matmul: q.k^T at B=32, 160 live keys of 288, took
+        # 286 us a layer against 158 us transposed (2-core AVX-512 EPYC; fp32, which goes to MKL, is unchanged).
+        self.k = torch.zeros((num_layers, num_slots, num_kv_heads, head_dim, max_len), dtype=dtype, device=device)
+        self.v = torch.zeros((num_layers, num_slots, num_kv_heads, max_len, head_dim), dtype=dtype, device=device)
         self.max_len = max_len
         self.free_slots = list(range(num_slots))
 
@@ -72,19 +75,24 @@ class BatchView:
         self.mask = torch.zeros(allowed.shape, dtype=cache.k.dtype, device=device).masked_fill_(~allowed, float("-inf"))
         contiguous = slots == list(range(slots[0], slots[0] + B))
         self.rows = slice(slots[0], slots[0] + B) if contiguous else torch.tensor(slots, device=device)
-        # Row of each new key in a layer's cache seen as [slots * kv_heads * max_len, head_dim], in the order of
-        # k.reshape(-1, head_dim) (sequence, head, token): one index_copy_ per tensor stores a step's keys, where
-        # indexing by (slot, position) pairs took a broadcasting index_put.
-        _, _, heads, max_len, _ = cache.k.shape
+        # Where each new value row goes in a layer's cache seen as [slots * kv_heads * max_len, head_dim], in the
+        # order of v.reshape(-1, head_dim) (sequence, head, token), and each new key element in the transposed keys
+        # seen flat, in the order of k.reshape(-1) (sequence, head, token, channel): one index_copy_ per tensor
+        # stores a step's keys or values, where indexing by (slot, position) pairs took a broadcasting index_put.
+        _, _, heads, max_len, head_dim = cache.v.shape
         slot = torch.tensor(slots, device=device)[:, None, None]
         head = torch.arange(heads, device=device)[None, :, None]
         self.flat_rows = ((slot * heads + head) * max_len + self.positions[:, None, :]).reshape(-1)
+        channel = torch.arange(head_dim, device=device) * max_len
+        key_rows = (slot * heads + head) * head_dim * max_len + self.positions[:, None, :]  # [B, heads, T]
+        self.key_elements = (key_rows[..., None] + channel).reshape(-1)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        # k, v: [B, kv_heads, T, head_dim]; store at (slot, :, position) then read back the live prefix.
+        # k, v: [B, kv_heads, T, head_dim]; store at (slot, :, position) then read back the live prefix, the keys
+        # as a [B, kv_heads, kv_len, head_dim] view of the transposed store.
         layer -= self.cache.first_layer
         kc, vc = self.cache.k[layer], self.cache.v[layer]
-        D = k.shape[-1]
-        kc.view(-1, D).index_copy_(0, self.flat_rows, k.reshape(-1, D))
-        vc.view(-1, D).index_copy_(0, self.flat_rows, v.reshape(-1, D))
-        return kc[self.rows, :, : self.kv_len], vc[self.rows, :, : self.kv_len], self.mask
+        kc.view(-1).index_copy_(0, self.key_elements, k.reshape(-1))
+        vc.view(-1, v.shape[-1]).index_copy_(0, self.flat_rows, v.reshape(-1, v.shape[-1]))
+        keys = kc[self.rows, :, :, : self.kv_len].transpose(-1, -2)
+        return keys, vc[self.rows, :, : self.kv_len], self.mask

@@ -103,6 +103,30 @@ def test_bad_input_is_rejected_before_work(tiny_model):
         SamplingParams(max_tokens=0)
 
 
+def test_cache_stores_keys_transposed_and_reads_back_what_was_written():
+    """Two sequences in slots 2 and 0 (not contiguous), writing 3 tokens each at positions 5.. and 9.. of layer 1:
+    the cache holds each key at [layer, slot, head, :, position] (transposed) and each value at [layer, slot, head,
+    position, :], the other layer and slot stay zero, and the view gives back keys and values in [B, heads, kv_len,
+    head_dim] exactly as written, the keys as a view of the store (no copy)."""
+    from megatron_spec.models.kv_cache import KVCache
+
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache(2, 3, 40, 2, 4)
+    view = cache.view([2, 0], [5, 9], 3)
+    k, v = torch.randn(2, 2, 3, 4, generator=g), torch.randn(2, 2, 3, 4, generator=g)
+    keys, values, _ = view.update(1, k, v)
+    for b, (slot, start) in enumerate(((2, 5), (0, 9))):
+        for t in range(3):
+            assert torch.equal(cache.k[1, slot, :, :, start + t], k[b, :, t])
+            assert torch.equal(cache.v[1, slot, :, start + t], v[b, :, t])
+            assert torch.equal(keys[b, :, start + t], k[b, :, t]) and torch.equal(values[b, :, start + t], v[b, :, t])
+    assert cache.k[0].abs().sum() == 0 and cache.k[1, 1].abs().sum() == 0 and cache.v[1, 1].abs().sum() == 0
+    assert int((cache.k != 0).sum()) == int((cache.v != 0).sum()) == k.numel()
+    contiguous = cache.view([0, 1], [0, 0], 1)
+    keys, _, _ = contiguous.update(0, k[:, :, :1], v[:, :, :1])
+    assert keys.data_ptr() == cache.k[0].data_ptr() and keys.shape == (2, 2, 16, 4)
+
+
 def test_attention_reads_the_cache_in_blocks():
     """Attention reads keys up to the batch's longest position + 1 rounded up to KV_BLOCK (16) and capped at the
     cache's length. A prefix that grows by one key a step then changes the attention matmuls' shape once every 16

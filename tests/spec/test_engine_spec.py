@@ -134,8 +134,8 @@ def test_kv_cache_after_partial_acceptance_equals_fresh_forward(target):
         fresh.start([s.tokens[:n]], SamplingParams(temperature=0, max_tokens=1))
         with torch.inference_mode():
             fresh.step()  # prefill fills the cache for the n accepted tokens
-        k_live = engine.cache.k[:, s.slot, :, :n]
-        k_ref = fresh.cache.k[:, 0, :, :n]
+        k_live = engine.cache.k[:, s.slot, :, :, :n]  # keys are stored transposed: [..., head_dim, max_len]
+        k_ref = fresh.cache.k[:, 0, :, :, :n]
         assert torch.allclose(k_live, k_ref, atol=1e-5)
         assert torch.allclose(engine.cache.v[:, s.slot, :, :n], fresh.cache.v[:, 0, :, :n], atol=1e-5)
 
