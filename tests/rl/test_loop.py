@@ -216,6 +216,19 @@ def test_resume_with_different_config_is_refused(ckpts, tmp_path, shaped_reward)
     assert (tmp_path / "checkpoints" / "latest").is_file()
 
 
+def test_a_checkpoint_older_than_a_field_resumes_at_its_default():
+    """A checkpoint saved before `drafter_train.replay` existed has no such key: it resumes with replay 1 (how it
+    ran) and is refused with replay 8, naming the field."""
+    from megatron_spec.rl import checkpoint
+
+    cfg = RLConfig()
+    saved = {k: v for k, v in checkpoint.flatten(cfg).items() if k != "drafter_train.replay"}
+    checkpoint.check_same_config(saved, cfg, "run")
+    cfg.drafter_train.replay = 8
+    with pytest.raises(ValueError, match="drafter_train.replay: saved 1, now 8"):
+        checkpoint.check_same_config(saved, cfg, "run")
+
+
 def test_fresh_run_in_a_used_directory_sets_the_earlier_run_aside(ckpts, tmp_path, shaped_reward):
     """`run.resume=false` into a directory that holds a 4-step run, then a 2-step run there: the directory holds
     only the new run (2 metrics records, its own checkpoints, none of the old run's later steps that a reader would
