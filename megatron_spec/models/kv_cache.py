@@ -26,8 +26,10 @@ class KVCache:
         """Layer index stored at row 0 (a drafter's cache holds only its own layers, numbered after the target's)."""
         # Keys are stored transposed, [..., head_dim, max_len], so that k^T of the live prefix is a slice along the
         # last axis, which a bf16 matmul reads in place. Stored as [..., max_len, head_dim], the same prefix is a
-        # batch-strided slice that torch copies before a bf16 matmul: q.k^T at B=32, 160 live keys of 288, took
-        # 286 us a layer against 158 us transposed (2-core AVX-512 EPYC; fp32, which goes to MKL, is unchanged).
+        # batch-strided slice that torch copies before a bf16 matmul: SmolLM2 bf16 at B=32 spent 9.2 ms of a 63 ms
+        # decode step in copies, 4.4 of 57 ms with keys transposed (2-core AVX-512 EPYC,
+        # `benchmarks/results/profile_decode_smollm2_bf16_b8_b32_{before,after}.json`). Values stay as they are:
+        # stored transposed, the probabilities-times-values matmul was slower.
         self.k = torch.zeros((num_layers, num_slots, num_kv_heads, head_dim, max_len), dtype=dtype, device=device)
         self.v = torch.zeros((num_layers, num_slots, num_kv_heads, max_len, head_dim), dtype=dtype, device=device)
         self.max_len = max_len
@@ -81,11 +83,11 @@ class BatchView:
         # stores a step's keys or values, where indexing by (slot, position) pairs took a broadcasting index_put.
         _, _, heads, max_len, head_dim = cache.v.shape
         slot = torch.tensor(slots, device=device)[:, None, None]
-        head = torch.arange(heads, device=device)[None, :, None]
-        self.flat_rows = ((slot * heads + head) * max_len + self.positions[:, None, :]).reshape(-1)
+        slot_head = slot * heads + torch.arange(heads, device=device)[None, :, None]  # [B, heads, 1]
+        position = self.positions[:, None, :]  # [B, 1, T]
+        self.flat_rows = (slot_head * max_len + position).reshape(-1)
         channel = torch.arange(head_dim, device=device) * max_len
-        key_rows = (slot * heads + head) * head_dim * max_len + self.positions[:, None, :]  # [B, heads, T]
-        self.key_elements = (key_rows[..., None] + channel).reshape(-1)
+        self.key_elements = ((slot_head * head_dim * max_len + position)[..., None] + channel).reshape(-1)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # k, v: [B, kv_heads, T, head_dim]; store at (slot, :, position) then read back the live prefix, the keys

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ..models.hf_io import write_atomically
+from .config import RLConfig
 
 IGNORED_ON_RESUME = {"run.steps", "run.resume", "run.save_every", "run.eval_every", "run.out_dir", "run.report",
                      "grpo.micro_batch_tokens", "grpo.fold_logprob", "grpo.share_prompt", "run.device"}
@@ -37,8 +38,6 @@ def flatten(cfg) -> dict:
 def check_same_config(saved: dict, cfg, run_dir: Path) -> None:
     """Refuse to resume with another config. A field the checkpoint predates counts as its default, which is how
     that run ran (a new field's default keeps the behaviour from before it existed)."""
-    from .config import RLConfig
-
     now = {k: v for k, v in flatten(cfg).items() if k not in IGNORED_ON_RESUME}
     saved = {k: v for k, v in {**flatten(RLConfig()), **saved}.items() if k not in IGNORED_ON_RESUME}
     diff = sorted(k for k in set(now) | set(saved) if json.dumps(now.get(k)) != json.dumps(saved.get(k)))

@@ -3,7 +3,6 @@ folding the logprob recompute into the train forward gives the separate recomput
 stay out of the loss even where the processed distribution gives them -inf."""
 
 import copy
-from collections import deque
 
 import pytest
 import torch
@@ -38,7 +37,7 @@ def rollout_batch(seed: int = 0, rows: int = 16) -> Batch:
 
 
 def make_policy(budget: int, drafter_method: str | None = None, model: str = "tiny-qwen3", move_ref: bool = True,
-                **grpo) -> EmbeddedPolicy:
+                drafter_cfg: DrafterTrainSection | None = None, **grpo) -> EmbeddedPolicy:
     target = tiny_model(model)
     drafter = None
     if drafter_method is not None:
@@ -47,7 +46,7 @@ def make_policy(budget: int, drafter_method: str | None = None, model: str = "ti
                    "draft_model": lambda: CausalLM(target.config)}[drafter_method]()
     cfg = GRPOSection(**{"lr": 1e-3, "max_grad_norm": 0.05, "micro_batch_tokens": budget, **grpo})
     policy = EmbeddedPolicy(target, cfg, dict(SAMPLING, top_k=cfg.top_k, top_p=cfg.top_p), drafter, drafter_method,
-                            DrafterTrainSection())
+                            drafter_cfg or DrafterTrainSection())
     if policy.ref is not None and move_ref:  # a reference away from the policy, or the KL and its gradient are 0
         g = torch.Generator().manual_seed(2)
         with torch.no_grad():
@@ -150,8 +149,7 @@ def test_several_drafter_updates_are_passes_over_the_same_detached_states():
     states, bit for bit (same ops, same order, the AdamW state carried on); the loss and agreement reported are
     the first pass's. The negative control: one update alone leaves other weights."""
     batch = rollout_batch(seed=2)
-    three, one = make_policy(160, "mtp"), make_policy(160, "mtp")
-    three.drafter_cfg = DrafterTrainSection(updates=3)
+    three, one = make_policy(160, "mtp", drafter_cfg=DrafterTrainSection(updates=3)), make_policy(160, "mtp")
     seen = {}
     real = one.drafter_step
     one.drafter_step = lambda forwards, tokens: seen.update(forwards=forwards, tokens=tokens) or real(forwards, tokens)
@@ -171,9 +169,8 @@ def test_replayed_drafter_updates_are_earlier_steps_then_this_one():
     bit for bit. Checked against a policy without replay whose second drafter step does exactly that by hand; the
     negative control is that policy's own second step (its batch only), which leaves other weights."""
     b1, b2 = rollout_batch(seed=2), rollout_batch(seed=4)
-    rep, ref, plain = make_policy(160, "mtp"), make_policy(160, "mtp"), make_policy(160, "mtp")
-    rep.drafter_cfg = DrafterTrainSection(replay=2)
-    rep.replay = deque(maxlen=2)
+    rep = make_policy(160, "mtp", drafter_cfg=DrafterTrainSection(replay=2))
+    ref, plain = make_policy(160, "mtp"), make_policy(160, "mtp")
     seen = []
     real = ref.drafter_step
 
@@ -203,8 +200,8 @@ def test_drafter_minibatches_deal_the_rows_and_step_on_each():
     each, each weighted by its own tokens, after measuring the drafter that drafted the batch; bit for bit against
     the same done by hand. The negative control: the one-step update leaves other weights."""
     batch = rollout_batch(seed=2)
-    three, ref, plain = make_policy(160, "mtp"), make_policy(160, "mtp"), make_policy(160, "mtp")
-    three.drafter_cfg = DrafterTrainSection(minibatches=3)
+    three = make_policy(160, "mtp", drafter_cfg=DrafterTrainSection(minibatches=3))
+    ref, plain = make_policy(160, "mtp"), make_policy(160, "mtp")
 
     def by_hand(forwards, tokens):
         parts = [[f.rows(slice(j, None, 3)) for f in forwards] for j in range(3)]
