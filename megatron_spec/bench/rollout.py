@@ -37,14 +37,14 @@ def measure(make_engine, make_plain, prompts, params, repeats: int, warm: tuple)
     rollout that counts. Both are fresh, so neither carries state the other lacks (a plain engine reused across
     repeats has run every timed rollout before).
 
-    `speedup` is the median over repeats of the ratio of the two back-to-back runs of one repeat: on a shared
-    machine the load changes over seconds, by up to 30 % on this project's CPU, so a ratio of two runs 0.1 s apart
-    is far steadier than a ratio of two best-of times that may come from different seconds. `tok_s` and
-    `plain_tok_s` are best-of, for scale."""
+    The two timed rollouts run step by step in turn (`interleaved`), so the ratio of one repeat compares the two
+    engines over the same seconds. On a shared machine the load changes over seconds, by up to 30 % on this
+    project's CPU: two whole rollouts run back to back (how this benchmark paired them before) gave single ratios
+    spread over +-0.2 for engines that decode identically. `speedup` is the median of the repeats' ratios;
+    `tok_s` and `plain_tok_s` are best-of, for scale."""
     from statistics import median
 
     from ..spec.stats import speculation_summary
-    from .common import timed
 
     t_plain = t_spec = float("inf")
     ratios = []
@@ -52,19 +52,43 @@ def measure(make_engine, make_plain, prompts, params, repeats: int, warm: tuple)
         engine, plain = make_engine(), make_plain()
         engine.generate(*warm)
         plain.generate(*warm)
-        run_plain = lambda: timed(lambda: plain.generate(prompts, params))  # noqa: E731
-        run_spec = lambda: timed(lambda: engine.generate(prompts, params))  # noqa: E731
-        # Alternate which goes first, so neither always runs right after the untimed warm-ups or the other.
-        if r % 2 == 0:
-            (tp, ref), (ts, outs) = run_plain(), run_spec()
-        else:
-            (ts, outs), (tp, ref) = run_spec(), run_plain()
+        # Alternate which engine steps first, so neither always runs right after the untimed warm-ups.
+        first = [engine, plain] if r % 2 == 0 else [plain, engine]
+        times, results = interleaved(first, prompts, params)
+        s, p = first.index(engine), first.index(plain)
+        (ts, outs), (tp, ref) = (times[s], results[s]), (times[p], results[p])
         t_plain, t_spec = min(t_plain, tp), min(t_spec, ts)
         tokens = sum(len(o.token_ids) for o in outs)
         ref_tokens = sum(len(o.token_ids) for o in ref)
         ratios.append((tokens / ts) / (ref_tokens / tp))
     return {"tok_s": tokens / t_spec, "plain_tok_s": ref_tokens / t_plain, "speedup": median(ratios),
             "speedup_range": [min(ratios), max(ratios)], **speculation_summary(outs)}
+
+
+def interleaved(engines: list, prompts, params) -> tuple[list[float], list[list]]:
+    """One rollout of `prompts` on each engine, one engine step of each in turn (in the order given, then reversed,
+    and so on), until all have finished: the seconds each engine spent in its own work (`start` and its steps) and
+    its completions. Each engine's steps are exactly those of its `generate`; only their timing is interleaved."""
+    import time
+
+    import torch
+
+    spent = [0.0] * len(engines)
+    seqs = []
+    for i, e in enumerate(engines):
+        t0 = time.perf_counter()
+        seqs.append(e.start(prompts, params))
+        spent[i] += time.perf_counter() - t0
+    order = list(range(len(engines)))
+    with torch.inference_mode():
+        while not all(e.scheduler.is_finished() for e in engines):
+            for i in order:
+                if not engines[i].scheduler.is_finished():
+                    t0 = time.perf_counter()
+                    engines[i].step()
+                    spent[i] += time.perf_counter() - t0
+            order.reverse()
+    return spent, [[e.completion(s) for s in ss] for e, ss in zip(engines, seqs)]
 
 
 def run(args) -> dict:
