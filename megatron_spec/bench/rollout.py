@@ -17,6 +17,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+CONTROL = "plain"
+"""`--drafters plain`: a plain engine measured against a plain engine, the same way as a drafter: the benchmark's own
+noise floor, in the same run as the rows it qualifies (its speed-ups should all be 1)."""
+
+
+def spec_method(drafter: str) -> str | None:
+    return None if drafter == CONTROL else drafter
+
+
 def make_engine(target, method: str | None, k: int | str, drafter_dir: str | None, max_num_seqs: int,
                 draft_sampling: bool = False):
     from ..engine import LLMEngine
@@ -115,8 +124,8 @@ def run(args) -> dict:
             warm = (task_prompts(args.target, batch, seed=2000 + batch, split="bench"),
                     SamplingParams(temperature=1.0, max_tokens=args.max_tokens, ignore_eos=True, seed=batch + 1))
             fresh_plain = lambda: make_engine(target, None, 0, None, batch)  # noqa: E731
-            for k in args.k:
-                fresh = lambda: make_engine(target, method, k, ddir, batch, args.draft_sampling)  # noqa: E731
+            for k in ["-"] if method == CONTROL else args.k:
+                fresh = lambda: make_engine(target, spec_method(method), k, ddir, batch, args.draft_sampling)  # noqa: E731
                 row = {"drafter": method, "batch": batch, "k": str(k),
                        **measure(fresh, fresh_plain, prompts, params, args.repeats, warm)}
                 rows.append(row)
@@ -127,8 +136,8 @@ def run(args) -> dict:
         params = SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens, seed=3)
         fresh_plain = lambda: make_engine(target, None, 0, None, len(prompts))  # noqa: E731
         previous_step = SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens, seed=2)
-        for k in args.rl_k:
-            fresh = lambda: make_engine(target, method, k, ddir, len(prompts), args.draft_sampling)  # noqa: E731
+        for k in ["-"] if method == CONTROL else args.rl_k:
+            fresh = lambda: make_engine(target, spec_method(method), k, ddir, len(prompts), args.draft_sampling)  # noqa: E731
             row = {"drafter": method, "batch": f"RL {args.rl_prompts}x{args.group}", "k": str(k),
                    **measure(fresh, fresh_plain, prompts, params, args.repeats, (prompts, previous_step))}
             rows.append(row)
@@ -272,7 +281,8 @@ def main(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="checkpoints/tiny-qwen3")
-    p.add_argument("--drafters", nargs="+", default=["ngram", "history", "draft_model", "mtp", "eagle3"])
+    p.add_argument("--drafters", nargs="+", default=["ngram", "history", "draft_model", "mtp", "eagle3"],
+                   help=f"drafters to measure; '{CONTROL}' measures plain against plain (the noise floor)")
     p.add_argument("--draft-model", default="checkpoints/tiny-draft", help="checkpoint of the draft_model drafter")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--k", nargs="+", default=["1", "2", "3", "5", "adaptive"])
