@@ -2,8 +2,10 @@
 
 Same model weights, same prompts (equal length, so HF needs no padding), same sampling settings (`--temperature`,
 1 by default, 0 for greedy; no top-k/top-p; EOS ignored so both make exactly `new_tokens` tokens), batch 1, 8 and
-32, in `--dtype`. Each cell is the best of `repeats` runs, alternating ours and HF's so that background load hits
-both alike.
+32, in `--dtype`. Each repeat runs ours and the peer back to back (which goes first alternates): `speedup` is the
+median over repeats of the pair's ratio, with its range (a ratio of two runs seconds apart cancels most of a shared
+machine's changing load, which moved the peer's own figures by up to 17 % between runs here); tokens/s and ms per
+step are best-of, for scale.
 
 `--peer vllm` measures vLLM (plain decoding, the model exported to a temporary HF directory, one engine for all
 batches; eager unless `--vllm-compiled`) in place of HF `generate`; the columns keep their names (`hf_*` then means
@@ -51,6 +53,8 @@ def vllm_twin(model, max_len: int, compiled: bool = False):
 def run(model_name: str, batches: list[int], new_tokens: int, prompt_len: int, repeats: int,
         peer: str = "hf", dtype: str = "float32", temperatures: tuple[float, ...] = (1.0,),
         vllm_compiled: bool = False) -> dict:
+    from statistics import median
+
     import torch
 
     from ..engine import LLMEngine, SamplingParams
@@ -77,19 +81,23 @@ def run(model_name: str, batches: list[int], new_tokens: int, prompt_len: int, r
             if peer == "vllm":
                 return peer_engine.generate(prompts, params)
             with torch.inference_mode():
-                sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else {}
+                sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature else {}
                 return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=bool(temperature),
                                    max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sampling)
 
         ours(), theirs()  # warm-up: allocator, kernels, caches
-        t_ours, t_hf = float("inf"), float("inf")
-        for _ in range(repeats):
-            t_ours = min(t_ours, timed(ours)[0])
-            t_hf = min(t_hf, timed(theirs)[0])
+        pairs = []  # (ours, peer) seconds of one repeat
+        for r in range(repeats):
+            if r % 2 == 0:
+                pairs.append((timed(ours)[0], timed(theirs)[0]))
+            else:
+                pairs.append(tuple(reversed((timed(theirs)[0], timed(ours)[0]))))
+        t_ours, t_hf = min(p[0] for p in pairs), min(p[1] for p in pairs)
+        ratios = [hf / o for o, hf in pairs]
         tokens = batch * new_tokens
         rows.append({"batch": batch, "temperature": temperature, "ours_tok_s": tokens / t_ours, "hf_tok_s": tokens / t_hf,
                      "ours_ms_step": 1000 * t_ours / new_tokens, "hf_ms_step": 1000 * t_hf / new_tokens,
-                     "speedup": t_hf / t_ours})
+                     "speedup": median(ratios), "speedup_range": [min(ratios), max(ratios)]})
     if peer == "vllm":
         peer_engine.close()
     return {"benchmark": "engine", "peer": peer, "vllm_compiled": vllm_compiled if peer == "vllm" else None,

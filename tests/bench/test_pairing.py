@@ -1,5 +1,5 @@
-"""`bench rollout`'s pairing: the two engines of a repeat run step by step in turn, and that changes nothing they
-compute."""
+"""How the benchmarks pair the two engines they compare: `bench rollout` steps them in turn (which must change
+nothing they compute), `bench engine` runs them back to back and takes the median of the pairs' ratios."""
 
 import torch
 
@@ -31,3 +31,21 @@ def test_interleaved_rollouts_are_each_engines_own_generate(tiny_model):
     assert any(c.spec for c in together[0]) and not any(c.spec for c in together[1])
     assert min(spent) > 0 and sum(spent) <= wall
     assert not torch.is_inference_mode_enabled()
+
+
+def test_bench_engine_against_hf_samples_and_pairs_its_repeats(tiny_model, tmp_path):
+    """`bench engine` at T=1 against HF `generate` (its default) runs, and each cell's speed-up is the median of the
+    repeats' paired ratios, inside their range, while tokens/s are best-of: both engines' figures are consistent
+    with the milliseconds per step they report. (Sampling against HF once failed before any timing: `do_sample`
+    was passed twice.)"""
+    from megatron_spec.bench import engine as bench_engine
+    from megatron_spec.models import save_pretrained
+
+    save_pretrained(tiny_model, tmp_path / "tiny")
+    result = bench_engine.run(str(tmp_path / "tiny"), [1, 3], new_tokens=6, prompt_len=5, repeats=3)
+    assert [(r["batch"], r["temperature"]) for r in result["rows"]] == [(1, 1.0), (3, 1.0)]
+    for r in result["rows"]:
+        low, high = r["speedup_range"]
+        assert low <= r["speedup"] <= high
+        for side in ("ours", "hf"):
+            assert abs(r[f"{side}_tok_s"] * r[f"{side}_ms_step"] / 1000 - r["batch"]) < 1e-9
