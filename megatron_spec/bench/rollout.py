@@ -49,14 +49,16 @@ def measure(make_engine, make_plain, prompts, params, repeats: int, warm: tuple)
     The two timed rollouts run step by step in turn (`interleaved`), so the ratio of one repeat compares the two
     engines over the same seconds. On a shared machine the load changes over seconds, by up to 30 % on this
     project's CPU: two whole rollouts run back to back (how this benchmark paired them before) gave single ratios
-    spread over +-0.2 for engines that decode identically. `speedup` is the median of the repeats' ratios;
-    `tok_s` and `plain_tok_s` are best-of, for scale."""
+    spread over +-0.2 for engines that decode identically. `speedup` is the median of the repeats' ratios (all of
+    them in `ratios`, with the drafts each repeat's timed rollout made in `drafted_per_repeat`: 0 where the controller
+    kept speculation off); `tok_s` and `plain_tok_s` are best-of, for scale; the speculation summary is the last
+    repeat's."""
     from statistics import median
 
     from ..spec.stats import speculation_summary
 
     t_plain = t_spec = float("inf")
-    ratios = []
+    ratios, drafted = [], []
     for r in range(repeats):
         engine, plain = make_engine(), make_plain()
         engine.generate(*warm)
@@ -70,8 +72,10 @@ def measure(make_engine, make_plain, prompts, params, repeats: int, warm: tuple)
         tokens = sum(len(o.token_ids) for o in outs)
         ref_tokens = sum(len(o.token_ids) for o in ref)
         ratios.append((tokens / ts) / (ref_tokens / tp))
+        drafted.append(speculation_summary(outs)["drafted"])
     return {"tok_s": tokens / t_spec, "plain_tok_s": ref_tokens / t_plain, "speedup": median(ratios),
-            "speedup_range": [min(ratios), max(ratios)], **speculation_summary(outs)}
+            "speedup_range": [min(ratios), max(ratios)], "ratios": ratios, "drafted_per_repeat": drafted,
+            **speculation_summary(outs)}
 
 
 def interleaved(engines: list, prompts, params) -> tuple[list[float], list[list]]:

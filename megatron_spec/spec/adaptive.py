@@ -4,7 +4,8 @@ highest.
 Cost model, calibrated online from the engine's own timings:
   t_step(B, T)   everything a decode step of B sequences feeding T tokens each costs except drafting (T=1: plain
                  decode, T=k+1: verify): the target forward, rejection sampling, rollback and bookkeeping, fitted
-                 as c0 + c1 * B * T (+ c2 * B once several batch sizes were seen) by least squares;
+                 as c0 + c1 * B * T (+ c2 * B once the batch sizes seen span a factor of 2) by least squares, and
+                 never so that a step gets cheaper with more sequences or tokens (`fit_step`);
   t_draft(B, k)  the drafter's proposing cost, fitted as d0 + d1 * k + d2 * k * B (proportional to k until
                  three distinct (B, k) points exist).
 Timing the whole step rather than the forward alone matters on small models, where sampling and bookkeeping of
@@ -34,7 +35,8 @@ batch steps mispredicts its few large ones (n-gram on the deep tiny model, RL ro
 par, measured 10.3 ms a step for 1.2 tokens against plain's 6.2 ms for one), and the acceptance it multiplies by
 is a prior until a position is seen. So every steady step's realized tokens per second is also compared with what
 the model predicted for it, per (batch-size octave, k), and once a cell holds CORRECTION_MIN such ratios the
-model's rate for that cell is scaled by their median (a median, so one step stalled by the OS does not rule). The
+model's rate for that cell is scaled by their median (a median, so one step stalled by the OS does not rule); a k
+with too few outcomes of its own takes plain decoding's scale in that octave (`correction`). The
 first step of each (batch size, k) is not counted: it builds GEMM kernels for a row count never met (a forward at
 a new row count cost 6.8 ms against 4.1 ms again on the deep tiny model). Ratios expire after CORRECTION_HORIZON
 probe periods: a cell the controller stopped choosing gets no new ones, and a stale low median (formed while the
@@ -125,9 +127,20 @@ class AdaptiveController:
         self._realized.setdefault((octave(batch), k), deque(maxlen=self.window)).append((self.steps, ratio))
 
     def correction(self, batch: int, k: int) -> float:
+        """The median realized/predicted ratio of the (batch octave, k) cell; for a draft length without enough
+        outcomes of its own, that of plain decoding in the same octave. Left at 1 instead, an untried k would be
+        favoured whenever the plain steps ran slower than the model predicts (a slower spell of the host, say):
+        seen at B=64 with plain corrected to 0.79, where k=2, never tried, kept its full predicted rate, won the
+        comparison and lost 27 % of a rollout."""
+        own = self._correction(batch, k)
+        if own is None and k:
+            own = self._correction(batch, 0)
+        return 1.0 if own is None else own
+
+    def _correction(self, batch: int, k: int) -> float | None:
         since = self.steps - CORRECTION_HORIZON * self.probe_every
         ratios = [r for step, r in self._realized.get((octave(batch), k), ()) if step > since]
-        return median(ratios) if len(ratios) >= CORRECTION_MIN else 1.0
+        return median(ratios) if len(ratios) >= CORRECTION_MIN else None
 
     @property
     def calibrated(self) -> bool:
@@ -203,12 +216,23 @@ class AdaptiveController:
         self._step_fit, self._draft_fit = self.fit_step(), self.fit_draft()
 
     def fit_step(self):
-        """t = c0 + c1 * B * T (+ c2 * B once several batch sizes were seen: a run whose batch never shrinks says
-        nothing about that term, and an under-determined fit would extrapolate nonsense)."""
+        """t = c0 + c1 * B * T (+ c2 * B once the batch sizes seen span a factor of 2: a run whose batch never
+        shrank says nothing about that term). A fit in which a step gets cheaper with more sequences or more tokens
+        per sequence (c1 < 0, or c1 + c2 < 0) is noise, not physics: the next simpler one is used instead, down to
+        the mean step time. Seen on the deep tiny model at B=64 with max_tokens binding: three slow steps at
+        B=61-63 as the batch began to drain, fitted with the B term, priced a plain step at 60 ms at B=37 and 118 ms
+        at B=6 (against ~7 ms measured), and the controller chose k=5 there, since under a huge fixed cost the most
+        tokens per step wins."""
         obs = [(b, t, s) for t, window in self.step_obs.items() for b, s in window]
-        with_b = len({b for b, _, _ in obs}) >= 2 and len({(b, t) for b, t, _ in obs}) >= 3
-        row = (lambda b, t: (1.0, b * t, b)) if with_b else (lambda b, t: (1.0, b * t))
-        return least_squares([row(b, t) for b, t, _ in obs], [s for *_, s in obs]), row
+        sizes = [b for b, _, _ in obs]
+        rows = [lambda b, t: (1.0, b * t), lambda b, t: (1.0,)]
+        if max(sizes) >= 2 * min(sizes) and len({(b, t) for b, t, _ in obs}) >= 3:
+            rows.insert(0, lambda b, t: (1.0, b * t, b))
+        for row in rows:
+            coef = least_squares([row(b, t) for b, t, _ in obs], [s for *_, s in obs])
+            if physical(coef):
+                return coef, row
+        raise AssertionError("unreachable: a constant fit is always physical")
 
     def fit_draft(self):
         """t = d * k until three distinct (B, k) were seen, then d0 + d1 * k + d2 * k * B."""
@@ -219,6 +243,12 @@ class AdaptiveController:
             return (per_k,), lambda b, k: (k,)
         row = lambda b, k: (1.0, k, k * b)  # noqa: E731
         return least_squares([row(b, k) for b, k, _ in self.draft_obs], [t for *_, t in self.draft_obs]), row
+
+
+def physical(coef: tuple[float, ...]) -> bool:
+    """A step-time fit (c0, c1[, c2]) whose step does not get cheaper with more tokens per sequence or more
+    sequences: c1 >= 0 and c1 + c2 >= 0."""
+    return len(coef) < 2 or (coef[1] >= 0 and coef[1] + (coef[2] if len(coef) > 2 else 0.0) >= 0)
 
 
 def octave(batch: int) -> int:

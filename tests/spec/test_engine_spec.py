@@ -440,3 +440,66 @@ def test_adaptive_acceptance_weighs_each_sequence():
     one.asked = 1
     one.record_acceptance([1], [0])
     assert one.accept[0] == pytest.approx(0.9 * 2.8 / (0.9 * 4 + 1))
+
+
+def test_adaptive_step_fit_stays_physical():
+    """Step times seen only at B=61-64 (a lockstep batch starting to drain), the few at B=61-63 slow: a fit with a
+    per-sequence term would make a step dearer the fewer sequences it holds (here 0.14 s at B=6 against ~0.007 s
+    measured) and push the controller to the deepest k in the drain. The B term needs batch sizes a factor of 2
+    apart, and a fit whose step gets cheaper with more sequences or tokens falls back to a simpler one: at B=6 the
+    prediction stays within the times seen. Where the sizes do span 2x but the fit is still unphysical (slow
+    small-batch steps), it falls back as well."""
+    from megatron_spec.spec.adaptive import least_squares, physical
+
+    ctl = AdaptiveController(k_max=2)
+    for _ in range(6):
+        ctl.record_step(64, 1, 0.007)
+        ctl.record_step(64, 2, 0.011)
+    ctl.record_step(63, 1, 0.012)
+    ctl.record_step(61, 1, 0.014)
+    ctl.record_step(61, 1, 0.014)
+    coef, row = ctl.fit_step()
+    assert len(coef) == 2 and physical(coef)
+    ctl._step_fit = (coef, row)
+    assert 0.006 < ctl.t_step(6, 1) <= 0.014 and ctl.t_step(64, 2) > ctl.t_step(64, 1)
+    wide = AdaptiveController(k_max=2)
+    for _ in range(6):
+        wide.record_step(64, 1, 0.007)
+        wide.record_step(64, 2, 0.011)
+        wide.record_step(8, 1, 0.012)
+    coef, row = wide.fit_step()
+    assert physical(coef) and len(coef) < 3
+    obs = [(b, t, s) for t, window in wide.step_obs.items() for b, s in window]
+    assert not physical(least_squares([(1.0, b * t, b) for b, t, _ in obs], [s for *_, s in obs]))  # with B: unphysical
+
+
+def test_adaptive_untried_k_shares_plain_decodings_correction():
+    """The model prices k=1 at 0.95x plain (a verify step 1.52x as dear, 1.45 tokens), so plain decoding. Plain steps
+    then run at 0.79 of the predicted rate, as in a slower spell of the host, and k=1 has no outcomes: it takes
+    plain decoding's correction instead of none, and the choice stays plain. Left uncorrected, k=1 would look 1.21x
+    plain and win (the kind of choice that lost 27 % of a rollout). Once k=1 has outcomes of its own, they rule."""
+    from megatron_spec.spec.adaptive import CORRECTION_MIN
+
+    ctl = AdaptiveController(k_max=1)
+    for b in (8, 64):
+        for _ in range(3):
+            for t in (1, 2):
+                ctl.record_step(b, t, 0.0001 * b * (1 + 0.52 * (t - 1)))
+    ctl.record_draft(64, 1, 0.0)
+    ctl.record_draft(64, 1, 0.0)
+    ctl.accept[:] = 0.45
+    ctl.refresh_fits()
+    rates = ctl.rates(64)
+    assert rates[1] / rates[0] == pytest.approx(1.45 / 1.52, rel=1e-3) and ctl.best_k(64) == 0
+
+    def outcome(batch, k, ratio):
+        ctl.record_outcome(batch, k, 10, 10 / (ratio * ctl.rate(batch, k)))
+
+    for _ in range(CORRECTION_MIN + 1):  # the first of a shape is dropped
+        outcome(64, 0, 0.79)
+    assert ctl.correction(64, 1) == ctl.correction(64, 0) == pytest.approx(0.79)
+    assert ctl.correction(8, 1) == 1.0  # another octave: no outcomes there
+    assert ctl.best_k(64) == 0
+    for _ in range(CORRECTION_MIN + 1):
+        outcome(64, 1, 1.0)
+    assert ctl.correction(64, 1) == pytest.approx(1.0) and ctl.best_k(64) == 1
