@@ -36,7 +36,7 @@ par, measured 10.3 ms a step for 1.2 tokens against plain's 6.2 ms for one), and
 is a prior until a position is seen. So every steady step's realized tokens per second is also compared with what
 the model predicted for it, per (batch-size octave, k), and once a cell holds CORRECTION_MIN such ratios the
 model's rate for that cell is scaled by their median (a median, so one step stalled by the OS does not rule); a k
-with too few outcomes of its own takes plain decoding's scale in that octave (`correction`). The
+with too few outcomes of its own shares plain decoding's scale in that octave when it is below 1 (`correction`). The
 first step of each (batch size, k) is not counted: it builds GEMM kernels for a row count never met (a forward at
 a new row count cost 6.8 ms against 4.1 ms again on the deep tiny model). Ratios expire after CORRECTION_HORIZON
 probe periods: a cell the controller stopped choosing gets no new ones, and a stale low median (formed while the
@@ -127,14 +127,15 @@ class AdaptiveController:
         self._realized.setdefault((octave(batch), k), deque(maxlen=self.window)).append((self.steps, ratio))
 
     def correction(self, batch: int, k: int) -> float:
-        """The median realized/predicted ratio of the (batch octave, k) cell; for a draft length without enough
-        outcomes of its own, that of plain decoding in the same octave. Left at 1 instead, an untried k would be
-        favoured whenever the plain steps ran slower than the model predicts (a slower spell of the host, say):
-        seen at B=64 with plain corrected to 0.79, where k=2, never tried, kept its full predicted rate, won the
-        comparison and lost 27 % of a rollout."""
+        """The median realized/predicted ratio of the (batch octave, k) cell. A draft length without enough outcomes
+        of its own shares a slowdown that plain decoding shows in the same octave, not a speed-up: left at 1, an
+        untried k would be favoured whenever plain steps ran slower than the model predicts (a slower spell of the
+        host, say; seen at B=64 with plain corrected to 0.79, where k=2, never tried, kept its full predicted rate,
+        won the comparison and lost 27 % of a rollout), while plain steps running faster than predicted say nothing
+        about verify steps, and the lack of data must never tip a choice towards speculating."""
         own = self._correction(batch, k)
         if own is None and k:
-            own = self._correction(batch, 0)
+            own = min(1.0, self._correction(batch, 0) or 1.0)
         return 1.0 if own is None else own
 
     def _correction(self, batch: int, k: int) -> float | None:

@@ -477,7 +477,8 @@ def test_adaptive_untried_k_shares_plain_decodings_correction():
     """The model prices k=1 at 0.95x plain (a verify step 1.52x as dear, 1.45 tokens), so plain decoding. Plain steps
     then run at 0.79 of the predicted rate, as in a slower spell of the host, and k=1 has no outcomes: it takes
     plain decoding's correction instead of none, and the choice stays plain. Left uncorrected, k=1 would look 1.21x
-    plain and win (the kind of choice that lost 27 % of a rollout). Once k=1 has outcomes of its own, they rule."""
+    plain and win (the kind of choice that lost 27 % of a rollout). Once k=1 has outcomes of its own, they rule. A
+    plain decoding faster than the model predicts lends an untried k nothing."""
     from megatron_spec.spec.adaptive import CORRECTION_MIN
 
     ctl = AdaptiveController(k_max=1)
@@ -503,3 +504,6 @@ def test_adaptive_untried_k_shares_plain_decodings_correction():
     for _ in range(CORRECTION_MIN + 1):
         outcome(64, 1, 1.0)
     assert ctl.correction(64, 1) == pytest.approx(1.0) and ctl.best_k(64) == 1
+    for _ in range(CORRECTION_MIN + 1):  # plain faster than the model at B=8: no boost for k=1, untried there
+        outcome(8, 0, 1.3)
+    assert ctl.correction(8, 0) == pytest.approx(1.3) and ctl.correction(8, 1) == 1.0
