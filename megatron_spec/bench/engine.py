@@ -86,12 +86,15 @@ def run(model_name: str, batches: list[int], new_tokens: int, prompt_len: int, r
                                    max_new_tokens=new_tokens, min_new_tokens=new_tokens, **sampling)
 
         ours(), theirs()  # warm-up: allocator, kernels, caches
-        pairs = []  # (ours, peer) seconds of one repeat
+        pairs = []  # (ours, peer) seconds of one repeat; which runs first alternates
         for r in range(repeats):
             if r % 2 == 0:
-                pairs.append((timed(ours)[0], timed(theirs)[0]))
+                t_o = timed(ours)[0]
+                t_p = timed(theirs)[0]
             else:
-                pairs.append(tuple(reversed((timed(theirs)[0], timed(ours)[0]))))
+                t_p = timed(theirs)[0]
+                t_o = timed(ours)[0]
+            pairs.append((t_o, t_p))
         t_ours, t_hf = min(p[0] for p in pairs), min(p[1] for p in pairs)
         ratios = [hf / o for o, hf in pairs]
         tokens = batch * new_tokens

@@ -72,10 +72,10 @@ def measure(make_engine, make_plain, prompts, params, repeats: int, warm: tuple)
         tokens = sum(len(o.token_ids) for o in outs)
         ref_tokens = sum(len(o.token_ids) for o in ref)
         ratios.append((tokens / ts) / (ref_tokens / tp))
-        drafted.append(speculation_summary(outs)["drafted"])
+        summary = speculation_summary(outs)
+        drafted.append(summary["drafted"])
     return {"tok_s": tokens / t_spec, "plain_tok_s": ref_tokens / t_plain, "speedup": median(ratios),
-            "speedup_range": [min(ratios), max(ratios)], "ratios": ratios, "drafted_per_repeat": drafted,
-            **speculation_summary(outs)}
+            "speedup_range": [min(ratios), max(ratios)], "ratios": ratios, "drafted_per_repeat": drafted, **summary}
 
 
 def interleaved(engines: list, prompts, params) -> tuple[list[float], list[list]]:

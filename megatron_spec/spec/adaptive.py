@@ -229,11 +229,11 @@ class AdaptiveController:
         rows = [lambda b, t: (1.0, b * t), lambda b, t: (1.0,)]
         if max(sizes) >= 2 * min(sizes) and len({(b, t) for b, t, _ in obs}) >= 3:
             rows.insert(0, lambda b, t: (1.0, b * t, b))
-        for row in rows:
+        for row in rows:  # the last, a constant, is always physical
             coef = least_squares([row(b, t) for b, t, _ in obs], [s for *_, s in obs])
             if physical(coef):
-                return coef, row
-        raise AssertionError("unreachable: a constant fit is always physical")
+                break
+        return coef, row
 
     def fit_draft(self):
         """t = d * k until three distinct (B, k) were seen, then d0 + d1 * k + d2 * k * B."""
