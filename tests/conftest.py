@@ -1,6 +1,7 @@
-"""Test-wide settings: one torch thread by default (tiny models get slower, not faster, with a thread pool on a
-busy 2-core CI machine; `MEGATRON_SPEC_TEST_THREADS=2` runs the suite with two, and it must pass either way: a
-reduction split over threads sums in another order, so no tolerance may depend on it) and deterministic seeds."""
+"""Test-wide settings: the CPU kernels required (below), one torch thread by default (tiny models get slower, not
+faster, with a thread pool on a busy 2-core CI machine; `MEGATRON_SPEC_TEST_THREADS=2` runs the suite with two, and
+it must pass either way: a reduction split over threads sums in another order, so no tolerance may depend on it) and
+deterministic seeds."""
 
 import os
 
@@ -10,6 +11,9 @@ import torch
 from megatron_spec.models import CausalLM, preset
 
 torch.set_num_threads(int(os.environ.get("MEGATRON_SPEC_TEST_THREADS", "1")))
+# The engine's fused CPU kernels must build here: a failed build is an error in the tests, not a silent fallback
+# to torch's ops (which would leave the kernels untested). `MEGATRON_SPEC_KERNELS=0` still turns them off.
+os.environ.setdefault("MEGATRON_SPEC_KERNELS", "1")
 
 
 @pytest.fixture(autouse=True)

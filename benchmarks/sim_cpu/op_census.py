@@ -90,13 +90,19 @@ def build_engine(cfg: ModelConfig, method: str | None, k: int = 3, max_num_seqs:
 def engine_step(cfg: ModelConfig, batch: int, method: str | None = None, k: int = 3, warm_steps: int = 3,
                 engine=None) -> StepCensus:
     """Count one steady-state engine step of `batch` sequences (after the prefill and `warm_steps` steps), with
-    sampling at temperature 1 as RL rollouts use."""
+    sampling at temperature 1 as RL rollouts use.
+
+    Counted with torch's ops in place of the fused CPU kernels (`megatron_spec.kernels`): every measurement and
+    CPU profile this harness is validated on was taken before the kernels existed, and the harness prices an
+    operator as a fixed launch cost plus the bytes the roofline sees, which a kernel doing a layer's attention in
+    one call is not. Predicting the engine with its kernels needs a new profile and new measurements."""
     import torch
 
+    from megatron_spec import kernels
     from megatron_spec.engine import SamplingParams
 
     eng = engine or build_engine(cfg, method, k, max_num_seqs=max(batch, 1))
-    with torch.inference_mode():
+    with torch.inference_mode(), kernels.disabled():
         eng.start([list(PROMPT) for _ in range(batch)], SamplingParams(max_tokens=200, ignore_eos=True, seed=0))
         for _ in range(1 + warm_steps):
             eng.step()

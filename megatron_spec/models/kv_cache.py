@@ -7,8 +7,12 @@ overwritten. Extra "layers" beyond the model's hold drafter KV (MTP / EAGLE-3 he
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from .. import kernels
 
 
 KV_BLOCK = 16
@@ -70,24 +74,41 @@ class BatchView:
         self.positions = (start[:, None] + torch.arange(T, device=device)).clamp_(max=cache.max_len - 1)
         longest = int(self.positions.max()) + 1
         self.kv_len = min(longest + -longest % KV_BLOCK, cache.max_len)
-        key_pos = torch.arange(self.kv_len, device=device)
-        allowed = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]  # [B, 1, T, kv_len]
+        self.slots = torch.tensor(slots, device=device)
+        contiguous = slots == list(range(slots[0], slots[0] + B))
+        self.rows = slice(slots[0], slots[0] + B) if contiguous else self.slots
+
+    @cached_property
+    def mask(self) -> Tensor:
+        """[B, 1, T, kv_len], 0 where query t of sequence b may attend to key j (j <= starts[b] + t), else -inf."""
+        key_pos = torch.arange(self.kv_len, device=self.positions.device)
+        allowed = (key_pos[None, None, :] <= self.positions[:, :, None])[:, None]
         # Additive (0 / -inf) rather than boolean: attention adds it in place, one op per layer instead of
         # inverting a boolean mask and filling a copy of the scores (the same numbers: s + 0 = s).
-        self.mask = torch.zeros(allowed.shape, dtype=cache.k.dtype, device=device).masked_fill_(~allowed, float("-inf"))
-        contiguous = slots == list(range(slots[0], slots[0] + B))
-        self.rows = slice(slots[0], slots[0] + B) if contiguous else torch.tensor(slots, device=device)
-        # Where each new value row goes in a layer's cache seen as [slots * kv_heads * max_len, head_dim], in the
-        # order of v.reshape(-1, head_dim) (sequence, head, token), and each new key element in the transposed keys
-        # seen flat, in the order of k.reshape(-1) (sequence, head, token, channel): one index_copy_ per tensor
-        # stores a step's keys or values, where indexing by (slot, position) pairs took a broadcasting index_put.
-        _, _, heads, max_len, head_dim = cache.v.shape
-        slot = torch.tensor(slots, device=device)[:, None, None]
-        slot_head = slot * heads + torch.arange(heads, device=device)[None, :, None]  # [B, heads, 1]
-        position = self.positions[:, None, :]  # [B, 1, T]
-        self.flat_rows = (slot_head * max_len + position).reshape(-1)
-        channel = torch.arange(head_dim, device=device) * max_len
-        self.key_elements = ((slot_head * head_dim * max_len + position)[..., None] + channel).reshape(-1)
+        return torch.zeros(allowed.shape, dtype=self.cache.k.dtype, device=allowed.device).masked_fill_(
+            ~allowed, float("-inf"))
+
+    @cached_property
+    def flat_rows(self) -> Tensor:
+        """Where each new value row goes in a layer's cache seen as [slots * kv_heads * max_len, head_dim], in the
+        order of v.reshape(-1, head_dim) (sequence, head, token). With `key_elements`, one index_copy_ per tensor
+        stores a step's keys or values, where indexing by (slot, position) pairs took a broadcasting index_put."""
+        return (self.slot_head * self.cache.max_len + self.positions[:, None, :]).reshape(-1)
+
+    @cached_property
+    def key_elements(self) -> Tensor:
+        """Where each new key element goes in the transposed keys seen flat, in the order of k.reshape(-1)
+        (sequence, head, token, channel)."""
+        max_len, head_dim = self.cache.max_len, self.cache.v.shape[-1]
+        channel = torch.arange(head_dim, device=self.slots.device) * max_len
+        start = self.slot_head * head_dim * max_len + self.positions[:, None, :]
+        return (start[..., None] + channel).reshape(-1)
+
+    @cached_property
+    def slot_head(self) -> Tensor:
+        """[B, kv_heads, 1]: the index of each sequence's heads in the cache's first two axes seen as one."""
+        heads = self.cache.v.shape[2]
+        return self.slots[:, None, None] * heads + torch.arange(heads, device=self.slots.device)[None, :, None]
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         # k, v: [B, kv_heads, T, head_dim]; store at (slot, :, position) then read back the live prefix, the keys
@@ -98,3 +119,16 @@ class BatchView:
         vc.view(-1, v.shape[-1]).index_copy_(0, self.flat_rows, v.reshape(-1, v.shape[-1]))
         keys = kc[self.rows, :, :, : self.kv_len].transpose(-1, -2)
         return keys, vc[self.rows, :, : self.kv_len], self.mask
+
+    def attend(self, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: nn.Module | None,
+               k_norm: nn.Module | None, heads: int) -> Tensor:
+        """`update` and attention in two fused kernels (`megatron_spec.kernels`), for the engine's CPU forwards:
+        `qkv` [B, T, (heads + 2 kv_heads) head_dim] is this step's projections, before any per-head norm (`q_norm`,
+        `k_norm`: RMSNorm modules or None) and the rotary (`cos`, `sin`); returns the attention output
+        [B, T, heads * head_dim]."""
+        layer -= self.cache.first_layer
+        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        q = kernels.rope_store(qkv, cos, sin, None if q_norm is None else q_norm.weight,
+                               None if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.eps,
+                               kc, vc, self.slots, self.positions, heads, kc.shape[1])
+        return kernels.attention(q, kc, vc, self.slots, self.positions)

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import kernels
 from .config import ModelConfig
-from .packed import linears
+from .kv_cache import BatchView
+from .packed import linears, packable, packed_linear
 
 
 class AttentionCache(Protocol):
@@ -33,6 +35,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if kernels.usable(x) and self.weight.dtype == x.dtype:
+            return kernels.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 (bf16 squares lose too much), then scale in the input dtype, as HF does.
         dtype = x.dtype
         x = x.float()
@@ -76,7 +80,12 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache | None) -> Tensor:
         B, T, _ = x.shape
-        q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)
+        qkv_proj = (self.q_proj, self.k_proj, self.v_proj)
+        if isinstance(cache, BatchView) and kernels.usable(x) and packable(x, qkv_proj):
+            # The engine's forwards: two fused kernels do the norms, rotary, cache store and attention below.
+            out = cache.attend(self.layer, packed_linear(x, qkv_proj), cos, sin, self.q_norm, self.k_norm, self.n_heads)
+            return linears(out, self.o_proj)[0]
+        q, k, v = linears(x, *qkv_proj)
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv, self.head_dim)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
@@ -122,6 +131,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        if kernels.usable(x) and packable(x, (self.gate_proj, self.up_proj)):
+            return linears(kernels.silu_mul(packed_linear(x, (self.gate_proj, self.up_proj))), self.down_proj)[0]
         gate, up = linears(x, self.gate_proj, self.up_proj)
         return linears(F.silu(gate) * up, self.down_proj)[0]
 

@@ -10,7 +10,7 @@ MKL's GEMV 7-25 % faster on the concatenated weights stored transposed ([in, out
 SmolLM2's weights, 2 threads) oneDNN was the faster at one row too, fp32 25.8 ms against 31.6 ms, so CPUs with
 AVX-512 take it at every row count (`ONEDNN_ONE_ROW`, fixed per machine so a run's numbers do not depend on timing).
 bf16 packs where oneDNN has a bf16 path (AVX512-BF16, AMX): there it took 12.8 / 14.9 ms at 1 / 8 rows against
-`F.linear`'s 18.8 / 23.8 ms; elsewhere bf16 keeps `F.linear`.
+`F.linear`'s 18.8 / 23.8 ms; elsewhere bf16 keeps `F.linear`, on the concatenated weights.
 
 The packed copy is rebuilt whenever a weight changes: the cache is keyed on each weight's storage pointer and
 version counter, which every in-place write bumps (optimizer steps, refit `copy_`, `load_state_dict`) and which a
@@ -49,9 +49,11 @@ most 7 extra rows."""
 class Pack:
     key: tuple
     weight: Tensor
-    """The concatenated weights [sum(out), in] in oneDNN's blocked layout."""
+    """The concatenated weights [sum(out), in]: in oneDNN's blocked layout where `onednn`, else as they are."""
     bias: Tensor | None
     sizes: list[int]
+    onednn: bool
+    """oneDNN packs this dtype here; without it (bf16 on CPUs without a bf16 path) `F.linear` reads `weight`."""
     rows_weight: Tensor | None = None
     """The concatenated weights transposed, [in, sum(out)] contiguous, for one-row inputs (built on first use)."""
 
@@ -65,9 +67,18 @@ def linears(x: Tensor, *layers: nn.Linear) -> tuple[Tensor, ...]:
     """`x` through each of `layers` (all reading x's last dimension): one output per layer."""
     if not packable(x, layers):
         return tuple(F.linear(x, m.weight, m.bias) for m in layers)
+    y = packed_linear(x, layers)
+    return y.split(packed(layers).sizes, -1) if len(layers) > 1 else (y,)
+
+
+def packed_linear(x: Tensor, layers: tuple[nn.Linear, ...]) -> Tensor:
+    """`x` through `layers`' concatenated packed weights: their outputs side by side, [..., sum(out)]. Needs
+    `packable(x, layers)`."""
     pack = packed(layers)
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 1 and x.dtype == torch.float32 and not ONEDNN_ONE_ROW:
+    if not pack.onednn:
+        y = F.linear(rows, pack.weight, pack.bias)
+    elif rows.shape[0] == 1 and x.dtype == torch.float32 and not ONEDNN_ONE_ROW:
         if pack.rows_weight is None:
             pack.rows_weight = torch.cat([m.weight.detach() for m in layers]).t().contiguous()
         y = rows @ pack.rows_weight if pack.bias is None else torch.addmm(pack.bias, rows, pack.rows_weight)
@@ -78,8 +89,7 @@ def linears(x: Tensor, *layers: nn.Linear) -> tuple[Tensor, ...]:
             y = onednn_linear(torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]), pack)[:n]
         else:
             y = onednn_linear(rows, pack)
-    y = y.view(*x.shape[:-1], y.shape[-1])
-    return y.split(pack.sizes, -1) if len(layers) > 1 else (y,)
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def onednn_linear(rows: Tensor, pack: Pack) -> Tensor:
@@ -90,7 +100,7 @@ def packable(x: Tensor, layers: tuple[nn.Linear, ...]) -> bool:
     # Inference mode only (the engine's): the trainer's no-grad forwards (the log-prob recompute, the drafter's
     # agreement) must compute exactly what its training forward does, or the folded and recomputed old log-probs
     # of a step would differ.
-    return (torch.is_inference_mode_enabled() and x.device.type == "cpu" and x.dtype in packed_dtypes()
+    return (torch.is_inference_mode_enabled() and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
             and x.dtype == layers[0].weight.dtype and not layers[0].weight.is_inference())
 
 
@@ -111,7 +121,8 @@ def packed(layers: tuple[nn.Linear, ...]) -> Pack:
         if any(m.bias is not None for m in layers):
             bias = torch.cat([m.weight.new_zeros(m.weight.shape[0]) if m.bias is None else m.bias.detach()
                               for m in layers])
-        pack = Pack(key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS), bias,
-                    [m.weight.shape[0] for m in layers])
+        onednn = weight.dtype in packed_dtypes()
+        weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS) if onednn else weight.detach()
+        pack = Pack(key, weight, bias, [m.weight.shape[0] for m in layers], onednn)
         PACKS[layers[0]] = pack
     return pack

@@ -1,0 +1,270 @@
+// Fused CPU kernels for the engine's decode and verify forwards (see __init__.py for why and when they run).
+//
+// Each kernel works row by row, and a row's arithmetic does not depend on which other rows share the batch: a token
+// gets the same numbers whether it is decoded alone, in a batch of 64 or as one of k + 1 verified positions, which
+// keeps speculative and plain decoding token-identical under greedy decoding.
+// Built with -ffp-contract=off so that a * b + c is two roundings, as in torch's eager ops.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+constexpr int LANES = 16;  // independent partial sums, so a reduction vectorises without reordering a lane's adds
+
+template <typename T>
+inline float f(T v) { return static_cast<float>(v); }
+
+// Round a float to T the way a torch op with output dtype T does (bf16: round to nearest even).
+template <typename T>
+inline float r(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+template <typename T>
+inline float sum_of_squares(const T* x, int64_t n) {
+  float lane[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; ++l) lane[l] += f(x[i + l]) * f(x[i + l]);
+  for (; i < n; ++i) lane[0] += f(x[i]) * f(x[i]);
+  float total = 0;
+  for (int l = 0; l < LANES; ++l) total += lane[l];
+  return total;
+}
+
+// Indices are checked before any write: a bad slot or position must fail, not scribble over another sequence.
+void check_indices(const Tensor& slots, const Tensor& positions, const Tensor& k_cache) {
+  const int64_t* s = slots.data_ptr<int64_t>();
+  const int64_t* p = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i)
+    TORCH_CHECK(s[i] >= 0 && s[i] < k_cache.size(0), "slot ", s[i], " is outside the cache");
+  for (int64_t i = 0; i < positions.numel(); ++i)
+    TORCH_CHECK(p[i] >= 0 && p[i] < k_cache.size(3), "position ", p[i], " is outside the cache");
+}
+
+// y = w * T(x * rsqrt(mean(x^2) + eps)): normalised in fp32, scaled in T (the model's RMSNorm).
+template <typename T>
+inline void norm_row(const T* x, const T* w, T* y, int64_t n, float eps) {
+  const float inv = 1.0f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<T>(f(w[i]) * r<T>(f(x[i]) * inv));
+}
+
+template <typename T>
+void rms_norm_impl(const Tensor& x, const Tensor& w, Tensor& y, double eps) {
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) norm_row(xp + i * n, wp, yp + i * n, n, static_cast<float>(eps));
+  });
+}
+
+Tensor rms_norm(const Tensor& x_in, const Tensor& w_in, double eps) {
+  Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && w.numel() == x.size(-1), "rms_norm: weight must match x");
+  Tensor y = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) rms_norm_impl<float>(x, w, y, eps);
+  else if (x.scalar_type() == at::kBFloat16) rms_norm_impl<c10::BFloat16>(x, w, y, eps);
+  else TORCH_CHECK(false, "rms_norm: float32 or bfloat16 only");
+  return y;
+}
+
+// silu(gate) * up for gate_up = [gate | up] along the last axis; each op rounds to T, as silu then mul would.
+template <typename T>
+void silu_mul_impl(const Tensor& gu, Tensor& out) {
+  const int64_t inner = out.size(-1), rows = out.numel() / inner;
+  const T* g = gu.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* gate = g + i * 2 * inner;
+      const T* up = gate + inner;
+      T* y = o + i * inner;
+      for (int64_t j = 0; j < inner; ++j) {
+        const float a = f(gate[j]);
+        y[j] = static_cast<T>(r<T>(a / (1.0f + std::exp(-a))) * f(up[j]));
+      }
+    }
+  });
+}
+
+Tensor silu_mul(const Tensor& gate_up_in) {
+  Tensor gu = gate_up_in.contiguous();
+  auto sizes = gu.sizes().vec();
+  TORCH_CHECK(sizes.back() % 2 == 0, "silu_mul: the last axis holds gate and up, so it must be even");
+  sizes.back() /= 2;
+  Tensor out = at::empty(sizes, gu.options());
+  if (gu.scalar_type() == at::kFloat) silu_mul_impl<float>(gu, out);
+  else if (gu.scalar_type() == at::kBFloat16) silu_mul_impl<c10::BFloat16>(gu, out);
+  else TORCH_CHECK(false, "silu_mul: float32 or bfloat16 only");
+  return out;
+}
+
+// One head's vector through the optional per-head norm and the rotary embedding: out = T(T(x * cos) + T(rot * sin))
+// with rot = [-x2, x1], each product and the sum rounded to T as torch's eager ops round them.
+template <typename T>
+inline void norm_rope(const T* x, const T* norm_w, const T* cos, const T* sin, int64_t d, float eps, T* scratch,
+                      float* out) {
+  if (norm_w != nullptr) {
+    norm_row(x, norm_w, scratch, d, eps);
+    x = scratch;
+  }
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) {
+    const float rot = i < half ? -f(x[i + half]) : f(x[i - half]);
+    out[i] = r<T>(r<T>(f(x[i]) * f(cos[i])) + r<T>(rot * f(sin[i])));
+  }
+}
+
+// qkv [B, T, (H + 2 KV) * D] -> rotated queries [B, T, H, D]; this step's rotated keys and values go into the
+// layer's cache at (slots[b], :, positions[b, t]), keys transposed ([slot, KV, D, L]), values not ([slot, KV, L, D]).
+template <typename T>
+void rope_store_impl(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const Tensor& q_norm,
+                     const Tensor& k_norm, double eps, Tensor& k_cache, Tensor& v_cache, const Tensor& slots,
+                     const Tensor& positions, int64_t heads, int64_t kv_heads, Tensor& q_out) {
+  const int64_t B = qkv.size(0), Tn = qkv.size(1), D = k_cache.size(2), L = k_cache.size(3);
+  const int64_t row = (heads + 2 * kv_heads) * D;
+  const T* src = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  const T* qn = q_norm.defined() ? q_norm.data_ptr<T>() : nullptr;
+  const T* kn = k_norm.defined() ? k_norm.data_ptr<T>() : nullptr;
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  T* qo = q_out.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, B * Tn, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> scratch(D);
+    std::vector<float> rotated(D);
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / Tn, p = pos[bt];
+      const T* x = src + bt * row;
+      const T* c = cp + bt * D;
+      const T* s = sp + bt * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        norm_rope(x + h * D, qn, c, s, D, e, scratch.data(), rotated.data());
+        for (int64_t i = 0; i < D; ++i) qo[(bt * heads + h) * D + i] = static_cast<T>(rotated[i]);
+      }
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        norm_rope(x + (heads + g) * D, kn, c, s, D, e, scratch.data(), rotated.data());
+        T* keys = kc + (slot[b] * kv_heads + g) * D * L;
+        for (int64_t i = 0; i < D; ++i) keys[i * L + p] = static_cast<T>(rotated[i]);
+        const T* v = x + (heads + kv_heads + g) * D;
+        T* values = vc + ((slot[b] * kv_heads + g) * L + p) * D;
+        for (int64_t i = 0; i < D; ++i) values[i] = v[i];
+      }
+    }
+  });
+}
+
+Tensor rope_store(const Tensor& qkv_in, const Tensor& cos_in, const Tensor& sin_in, const c10::optional<Tensor>& q_norm,
+                  const c10::optional<Tensor>& k_norm, double eps, Tensor k_cache, Tensor v_cache,
+                  const Tensor& slots_in, const Tensor& positions_in, int64_t heads, int64_t kv_heads) {
+  Tensor qkv = qkv_in.contiguous(), cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  Tensor slots = slots_in.to(at::kLong).contiguous(), positions = positions_in.to(at::kLong).contiguous();
+  const int64_t B = qkv.size(0), Tn = qkv.size(1), D = k_cache.size(2);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "rope_store: the cache layer must be contiguous");
+  TORCH_CHECK(k_cache.size(1) == kv_heads && v_cache.sizes() == at::IntArrayRef({k_cache.size(0), kv_heads, k_cache.size(3), D}),
+              "rope_store: the cache layers do not hold kv_heads heads of the keys' size");
+  TORCH_CHECK(qkv.size(2) == (heads + 2 * kv_heads) * D && cos.numel() == B * Tn * D && sin.numel() == B * Tn * D,
+              "rope_store: qkv / cos / sin shapes do not match the cache's head size");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && cos.scalar_type() == qkv.scalar_type(),
+              "rope_store: qkv, cos/sin and the cache must share a dtype");
+  TORCH_CHECK(slots.numel() == B && positions.numel() == B * Tn, "rope_store: one slot per sequence, one position per token");
+  check_indices(slots, positions, k_cache);
+  Tensor qn = q_norm.has_value() ? q_norm->contiguous() : Tensor();
+  Tensor kn = k_norm.has_value() ? k_norm->contiguous() : Tensor();
+  Tensor q = at::empty({B, Tn, heads, D}, qkv.options());
+  if (qkv.scalar_type() == at::kFloat)
+    rope_store_impl<float>(qkv, cos, sin, qn, kn, eps, k_cache, v_cache, slots, positions, heads, kv_heads, q);
+  else if (qkv.scalar_type() == at::kBFloat16)
+    rope_store_impl<c10::BFloat16>(qkv, cos, sin, qn, kn, eps, k_cache, v_cache, slots, positions, heads, kv_heads, q);
+  else TORCH_CHECK(false, "rope_store: float32 or bfloat16 only");
+  return q;
+}
+
+// Query t of sequence b (position p = positions[b, t]) attends to its slot's keys 0..p: scores, softmax and the
+// weighted sum of values in fp32 (no mask and no keys beyond p are read), one output row [B, T, H * D] in T.
+template <typename T>
+void attention_impl(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
+                    const Tensor& positions, Tensor& out) {
+  const int64_t B = q.size(0), Tn = q.size(1), H = q.size(2), D = q.size(3);
+  const int64_t KV = k_cache.size(1), L = k_cache.size(3), group = H / KV;
+  const T* qp = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  at::parallel_for(0, B * Tn * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(L), query(D), acc(D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t bt = i / H, h = i % H, b = bt / Tn, n = pos[bt] + 1;
+      const T* keys = kc + (slot[b] * KV + h / group) * D * L;  // [D, L]: key j's channel c at c * L + j
+      const T* values = vc + (slot[b] * KV + h / group) * L * D;
+      const T* qv = qp + i * D;
+      for (int64_t c = 0; c < D; ++c) query[c] = f(qv[c]) * scale;
+      std::fill(scores.begin(), scores.begin() + n, 0.0f);
+      for (int64_t c = 0; c < D; ++c) {  // channel-major over the transposed keys: contiguous in j
+        const float qc = query[c];
+        const T* kr = keys + c * L;
+        for (int64_t j = 0; j < n; ++j) scores[j] += qc * f(kr[j]);
+      }
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < n; ++j) top = std::max(top, scores[j]);
+      float total = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        scores[j] = std::exp(scores[j] - top);
+        total += scores[j];
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < n; ++j) {
+        const float w = scores[j];
+        const T* vr = values + j * D;
+        for (int64_t c = 0; c < D; ++c) acc[c] += w * f(vr[c]);
+      }
+      T* o = op + i * D;
+      for (int64_t c = 0; c < D; ++c) o[c] = static_cast<T>(acc[c] / total);
+    }
+  });
+}
+
+Tensor attention(const Tensor& q_in, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots_in,
+                 const Tensor& positions_in) {
+  Tensor q = q_in.contiguous();
+  Tensor slots = slots_in.to(at::kLong).contiguous(), positions = positions_in.to(at::kLong).contiguous();
+  TORCH_CHECK(q.dim() == 4 && q.size(3) == k_cache.size(2) && q.size(2) % k_cache.size(1) == 0,
+              "attention: q is [B, T, H, D] with H a multiple of the cache's KV heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == q.scalar_type(),
+              "attention: the cache layer must be contiguous and share q's dtype");
+  TORCH_CHECK(slots.numel() == q.size(0) && positions.numel() == q.size(0) * q.size(1),
+              "attention: one slot per sequence, one position per token");
+  check_indices(slots, positions, k_cache);
+  Tensor out = at::empty({q.size(0), q.size(1), q.size(2) * q.size(3)}, q.options());
+  if (q.scalar_type() == at::kFloat) attention_impl<float>(q, k_cache, v_cache, slots, positions, out);
+  else if (q.scalar_type() == at::kBFloat16) attention_impl<c10::BFloat16>(q, k_cache, v_cache, slots, positions, out);
+  else TORCH_CHECK(false, "attention: float32 or bfloat16 only");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(megatron_spec, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", rms_norm);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", silu_mul);
+  m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slots, Tensor positions, int heads, int kv_heads) -> Tensor",
+        rope_store);
+  m.def("attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor positions) -> Tensor", attention);
+}

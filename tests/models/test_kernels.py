@@ -1,0 +1,235 @@
+"""The fused CPU kernels (`megatron_spec.kernels`) against torch's eager path they replace, their batch invariance
+(what keeps greedy speculative decoding token-identical to plain), their bounds checks, and the engine using them."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_spec import kernels
+from megatron_spec.engine import LLMEngine, SamplingParams
+from megatron_spec.models import CausalLM, preset
+from megatron_spec.models.kv_cache import KVCache
+from megatron_spec.models.layers import RMSNorm, attend, rope_cos_sin
+
+DTYPES = [torch.float32, torch.bfloat16]
+BF16_STEP = 2.0**-7
+"""bf16 keeps 8 significant bits: two neighbouring values are 2^-8 to 2^-7 apart relative to their size."""
+
+
+def eager(fn, *args):
+    """`fn` with the kernels switched off (torch's ops), under inference mode as in the engine."""
+    with kernels.disabled(), torch.inference_mode():
+        return fn(*args)
+
+
+def test_kernels_build_here():
+    """The tests run with MEGATRON_SPEC_KERNELS=1 (conftest): a machine where they do not build fails here."""
+    assert kernels.loaded()
+    with torch.inference_mode():
+        assert kernels.usable(torch.zeros(1))
+        with kernels.disabled():
+            assert not kernels.usable(torch.zeros(1))
+        assert kernels.usable(torch.zeros(1))
+    assert not kernels.usable(torch.zeros(1))  # outside inference mode: training's forwards keep torch's ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_matches_torch(dtype):
+    """fp32: the sum of 576 squares in another order (16 lanes against torch's vectorised mean) moves it by at most
+    ~n * 2^-24 relative (3.4e-5), and the square root halves that; 1e-4 relative is that bound with room, and a
+    kernel that dropped the weight, the eps or the mean's 1/n would be off by whole percents. bf16: the same fp32
+    difference can flip the rounding of the normalised value or of its product with the weight, so outputs may
+    differ by one bf16 step (2^-7 relative) and by no more; most must be equal."""
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = (torch.randn(7, 3, 576) * 3).to(dtype)
+    x[0, 0] = 0  # an all-zero row: eps keeps it finite (0, not NaN)
+    with torch.inference_mode():
+        got = norm(x)
+    want = eager(norm, x)
+    assert torch.equal(got[0, 0], torch.zeros(576, dtype=dtype))
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    else:
+        diff = (got.float() - want.float()).abs()
+        assert (diff <= BF16_STEP * want.float().abs() + 1e-30).all()
+        assert (diff > 0).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(dtype):
+    """silu then multiply, each rounded to the dtype: the exp differs from torch's vectorised one by an ulp or two
+    (fp32: relative 1e-6 bounds it; a missing sigmoid or a swapped gate/up is off by O(1)); in bf16 such an ulp can
+    move the rounding of silu(gate) by one step, hence one bf16 step on the product."""
+    torch.manual_seed(0)
+    gate_up = (torch.randn(5, 2, 2 * 384) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, -1)
+    want = torch.nn.functional.silu(gate) * up
+    with torch.inference_mode():
+        got = kernels.silu_mul(gate_up)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    else:
+        assert ((got.float() - want.float()).abs() <= 2 * BF16_STEP * want.float().abs() + 1e-30).all()
+
+
+def cache_and_batch(dtype, qk_norm):
+    """A Qwen3- or Llama-shaped attention layer (4 query heads over 2 KV heads, head_dim 32), its KV cache with
+    history in three slots, and one verify-shaped batch: slots [2, 0] (not contiguous) at ragged starts, 3 tokens."""
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(preset("tiny-qwen3"), qk_norm=qk_norm)
+    model = CausalLM(cfg).to(dtype).eval()
+    model.reset_parameters(std=0.15)
+    attn = model.model.layers[1].self_attn
+    cache = KVCache(cfg.num_hidden_layers, 3, 64, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
+    cache.k.normal_()
+    cache.v.normal_()
+    x = torch.randn(2, 3, cfg.hidden_size).to(dtype)
+    return cfg, attn, cache, x, ([2, 0], [5, 17], 3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_attention_layer_matches_torch(dtype, qk_norm):
+    """One attention layer through the kernels against torch's path, each on its own copy of the same cache.
+
+    The cache after the step: keys are normed (per-head RMSNorm, Qwen3 only) and rotated, values copied. The rotary
+    rounds each product and the sum as torch's eager ops do (the library is built without fused multiply-adds), so
+    without the per-head norm the stored keys are the same bits; with it they inherit the norm's reordered sum and
+    are compared as the norm's test compares (1e-4 relative in fp32, one bf16 step).
+    The output: fp32 agrees to 1e-5 (dot products of O(1) values over <= 32 keys and 32 channels). In bf16 torch's
+    path rounds scores and probabilities to bf16 (2^-8 relative each) where the kernel keeps fp32, so the outputs
+    (O(1) averages of values) may differ by a few bf16 steps: 0.05 absolute; a wrong mask, key or head mapping moves
+    them by O(1)."""
+    cfg, attn, cache, x, (slots, starts, T) = cache_and_batch(dtype, qk_norm)
+    twin = KVCache(cfg.num_hidden_layers, 3, 64, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
+    twin.k.copy_(cache.k)
+    twin.v.copy_(cache.v)
+    positions = torch.tensor(starts)[:, None] + torch.arange(T)
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
+    with torch.inference_mode():
+        got = attn(x, cos, sin, cache.view(slots, starts, T))
+    want = eager(attn, x, cos, sin, twin.view(slots, starts, T))
+    if qk_norm:
+        tol = dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else dict(rtol=BF16_STEP, atol=1e-6)
+        torch.testing.assert_close(cache.k, twin.k, **tol)
+    else:
+        assert torch.equal(cache.k, twin.k)
+    assert torch.equal(cache.v, twin.v)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0, atol=0.05)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def test_bf16_attention_is_closer_to_float64_than_torchs():
+    """The attention kernel on bf16 inputs against a float64 reference on the same inputs: its error is at most
+    torch's path's (which rounds scores and probabilities to bf16), and within one bf16 step of each output's size
+    plus 1e-3 (the final rounding, and fp32 sums over 40 keys). Power: torch's own error is checked to be larger
+    than that bound somewhere, so the comparison is not between two exact results."""
+    torch.manual_seed(0)
+    B, H, KV, D, L = 2, 4, 2, 32, 48
+    q = torch.randn(B, 1, H, D).bfloat16()
+    k = torch.randn(3, KV, D, L).bfloat16()  # [slots, KV, D, L], keys transposed as the cache stores them
+    v = torch.randn(3, KV, L, D).bfloat16()
+    slots, positions = torch.tensor([2, 0]), torch.tensor([[39], [11]])
+    with torch.inference_mode():
+        got = kernels.attention(q, k, v, slots, positions).double().view(B, H, D)
+    keys, values = k[slots].transpose(-1, -2), v[slots]  # [B, KV, L, D]
+    mask = torch.where(torch.arange(L)[None, :] <= positions, 0.0, float("-inf"))[:, None, None]  # [B, 1, 1, L]
+    ref = attend(q.transpose(1, 2).double(), keys.double(), values.double(), mask.double())[:, :, 0]
+    theirs = attend(q.transpose(1, 2), keys, values, mask.bfloat16())[:, :, 0].double()
+    bound = BF16_STEP * ref.abs() + 1e-3
+    assert ((got - ref).abs() <= bound).all()
+    assert ((theirs - ref).abs() > bound).any()
+    assert (got - ref).abs().mean() <= (theirs - ref).abs().mean()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_token_gets_the_same_bits_in_any_batch(dtype):
+    """What keeps greedy speculation token-identical to plain decoding: a token's norm, rotary and attention do not
+    depend on the other rows of the forward. The same token (slot 1, position 20) is computed alone as a decode
+    step (B=1, T=1) and as the third of four verified positions among two other sequences (B=3, T=4): bitwise
+    equal outputs and stored keys/values."""
+    torch.manual_seed(0)
+    H, KV, D, L = 4, 2, 32, 64
+    cache = torch.randn(3, KV, D, L).to(dtype), torch.randn(3, KV, L, D).to(dtype)  # one layer, 3 slots
+    big = (cache[0].clone(), cache[1].clone())
+    qkv = torch.randn(3, 4, (H + 2 * KV) * D).to(dtype)
+    cos, sin = torch.randn(3, 1, 4, D).to(dtype), torch.randn(3, 1, 4, D).to(dtype)
+    norm_w = torch.rand(D).to(dtype) + 0.5
+    slots, positions = torch.tensor([0, 1, 2]), torch.tensor([[3, 4, 5, 6], [18, 19, 20, 21], [40, 41, 42, 43]])
+    with torch.inference_mode():
+        q_big = kernels.rope_store(qkv, cos, sin, norm_w, norm_w, 1e-6, *big, slots, positions, H, KV)
+        out_big = kernels.attention(q_big, *big, slots, positions)
+        small = (cache[0].clone(), cache[1].clone())
+        # The alone run sees the cache as the big run left it for positions < 20 of slot 1 (its earlier tokens).
+        small[0][1, :, :, 18:20] = big[0][1, :, :, 18:20]
+        small[1][1, :, 18:20] = big[1][1, :, 18:20]
+        one = (slice(1, 2), slice(2, 3))
+        q_one = kernels.rope_store(qkv[one], cos[1:2, :, 2:3], sin[1:2, :, 2:3], norm_w, norm_w, 1e-6, *small,
+                                   torch.tensor([1]), torch.tensor([[20]]), H, KV)
+        out_one = kernels.attention(q_one, *small, torch.tensor([1]), torch.tensor([[20]]))
+        rows = kernels.rms_norm(qkv, norm_w.repeat(qkv.shape[-1] // D), 1e-6)
+        row = kernels.rms_norm(qkv[one], norm_w.repeat(qkv.shape[-1] // D), 1e-6)
+    assert torch.equal(q_one[0, 0], q_big[1, 2])
+    assert torch.equal(out_one[0, 0], out_big[1, 2])
+    assert torch.equal(small[0][1, :, :, 20], big[0][1, :, :, 20]) and torch.equal(small[1][1, :, 20], big[1][1, :, 20])
+    assert torch.equal(row[0, 0], rows[1, 2])
+
+
+def test_bad_indices_fail_before_any_write():
+    """A slot or position outside the cache is an error, and the cache is untouched (nothing written past it)."""
+    k, v = torch.zeros(2, 1, 8, 16), torch.zeros(2, 1, 16, 8)
+    qkv, cs = torch.ones(1, 2, 3 * 8), torch.ones(1, 1, 2, 8)
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="position 16 is outside the cache"):
+            kernels.rope_store(qkv, cs, cs, None, None, 0.0, k, v, torch.tensor([1]), torch.tensor([[15, 16]]), 1, 1)
+        with pytest.raises(RuntimeError, match="slot 2 is outside the cache"):
+            kernels.attention(torch.ones(1, 1, 1, 8), k, v, torch.tensor([2]), torch.tensor([[0]]))
+        with pytest.raises(RuntimeError, match="kv_heads"):
+            kernels.rope_store(qkv, cs, cs, None, None, 0.0, k, v, torch.tensor([1]), torch.tensor([[0, 1]]), 1, 2)
+    assert not k.any() and not v.any()
+
+
+def test_engine_takes_the_kernels_and_decodes_as_torch_does(tiny_model):
+    """The engine's forwards (prefill, decode) go through the kernels: every attention layer of every forward
+    calls them. Greedy tokens equal torch's path, and the completions' log-probs agree to 1e-4 (the tiny model's
+    logits are O(10): fp32 differences of ~1e-6 per layer stay far below that, and the peaked distributions leave
+    no near-tie for them to flip)."""
+    calls = []
+    saved = kernels.attention
+    kernels.attention = lambda *args: calls.append(1) or saved(*args)
+    try:
+        prompts = [[1, 5, 9, 2], [7, 7, 3]]
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        fused = LLMEngine(tiny_model, max_num_seqs=2).generate(prompts, params)
+    finally:
+        kernels.attention = saved
+    # one prefill + 11 decode forwards (the 12th token comes from the 11th decode's logits), 4 layers each
+    assert len(calls) == 12 * tiny_model.config.num_hidden_layers
+    plain = eager(lambda: LLMEngine(tiny_model, max_num_seqs=2).generate(prompts, params))
+    for a, b in zip(fused, plain):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-4)
+
+
+def test_a_failed_build_warns_and_falls_back_or_errors_when_required(tmp_path, monkeypatch):
+    """No compiler: the build raises with the compiler's command and leaves no library (not even a partial one) in
+    the cache; `loaded()` then warns and returns False, or raises under MEGATRON_SPEC_KERNELS=1, and =0 never
+    tries to build."""
+    monkeypatch.setenv("MEGATRON_SPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(RuntimeError, match="false .* failed"):
+        kernels.build()
+    assert not list((tmp_path / "kernels").glob("*.so*"))
+    monkeypatch.setenv("MEGATRON_SPEC_KERNELS", "auto")
+    with pytest.warns(UserWarning, match="CPU kernels unavailable"):
+        assert kernels.loaded.__wrapped__() is False
+    monkeypatch.setenv("MEGATRON_SPEC_KERNELS", "1")
+    with pytest.raises(RuntimeError, match="MEGATRON_SPEC_KERNELS=1"):
+        kernels.loaded.__wrapped__()
+    monkeypatch.setenv("MEGATRON_SPEC_KERNELS", "0")
+    monkeypatch.setattr(kernels, "build", lambda: pytest.fail("built although turned off"))
+    assert kernels.loaded.__wrapped__() is False
