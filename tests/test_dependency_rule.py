@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "megatron_spec"
-CORE = ["models", "spec", "engine", "rl", "tasks", "sim", "bench"]
+CORE = ["models", "kernels", "spec", "engine", "rl", "tasks", "sim", "bench"]
 FORBIDDEN = ("torch.distributed", "megatron", "vllm", "ray", "nemo_run")
 
 

@@ -10,7 +10,11 @@ MKL's GEMV 7-25 % faster on the concatenated weights stored transposed ([in, out
 SmolLM2's weights, 2 threads) oneDNN was the faster at one row too, fp32 25.8 ms against 31.6 ms, so CPUs with
 AVX-512 take it at every row count (`ONEDNN_ONE_ROW`, fixed per machine so a run's numbers do not depend on timing).
 bf16 packs where oneDNN has a bf16 path (AVX512-BF16, AMX): there it took 12.8 / 14.9 ms at 1 / 8 rows against
-`F.linear`'s 18.8 / 23.8 ms; elsewhere bf16 keeps `F.linear`, on the concatenated weights.
+`F.linear`'s 18.8 / 23.8 ms. Elsewhere bf16 keeps `F.linear` on the concatenated weights at one row, and inputs of
+several rows are upcast to fp32 and go to oneDNN on an fp32 copy of the weights: on the AVX2 EPYC, all of SmolLM2's
+GEMMs took 16.6 / 93.8 / 353 ms at 1 / 8 / 32 rows in bf16 `F.linear` against 34.2 / 49.5 / 72.7 ms in fp32 oneDNN
+(scratch timing, not kept). The result is the same arithmetic (bf16 values are exact in fp32, products accumulate
+in fp32 either way, the output is rounded to bf16 once) in another order; the copy costs 4 bytes a weight.
 
 The packed copy is rebuilt whenever a weight changes: the cache is keyed on each weight's storage pointer and
 version counter, which every in-place write bumps (optimizer steps, refit `copy_`, `load_state_dict`) and which a
@@ -56,6 +60,9 @@ class Pack:
     """oneDNN packs this dtype here; without it (bf16 on CPUs without a bf16 path) `F.linear` reads `weight`."""
     rows_weight: Tensor | None = None
     """The concatenated weights transposed, [in, sum(out)] contiguous, for one-row inputs (built on first use)."""
+    upcast: Pack | None = None
+    """bf16 weights where oneDNN has no bf16 path: an fp32 copy packed for oneDNN, which inputs of several rows
+    take (upcast, then the output rounded back to bf16). See the module docstring."""
 
 
 PACKS: weakref.WeakKeyDictionary[nn.Module, Pack] = weakref.WeakKeyDictionary()
@@ -76,20 +83,25 @@ def packed_linear(x: Tensor, layers: tuple[nn.Linear, ...]) -> Tensor:
     `packable(x, layers)`."""
     pack = packed(layers)
     rows = x.reshape(-1, x.shape[-1])
-    if not pack.onednn:
+    if pack.upcast is not None and rows.shape[0] > 1:  # see `Pack.upcast`
+        y = onednn_rows(rows.float(), pack.upcast).to(x.dtype)
+    elif not pack.onednn:
         y = F.linear(rows, pack.weight, pack.bias)
     elif rows.shape[0] == 1 and x.dtype == torch.float32 and not ONEDNN_ONE_ROW:
         if pack.rows_weight is None:
             pack.rows_weight = torch.cat([m.weight.detach() for m in layers]).t().contiguous()
         y = rows @ pack.rows_weight if pack.bias is None else torch.addmm(pack.bias, rows, pack.rows_weight)
     else:
-        n = rows.shape[0]
-        pad = -n % ROW_MULTIPLE if n > ROW_MULTIPLE else 0
-        if pad:  # see ROW_MULTIPLE; the padded rows' outputs are dropped, the others do not depend on them
-            y = onednn_linear(torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]), pack)[:n]
-        else:
-            y = onednn_linear(rows, pack)
+        y = onednn_rows(rows, pack)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def onednn_rows(rows: Tensor, pack: Pack) -> Tensor:
+    n = rows.shape[0]
+    pad = -n % ROW_MULTIPLE if n > ROW_MULTIPLE else 0
+    if pad:  # see ROW_MULTIPLE; the padded rows' outputs are dropped, the others do not depend on them
+        return onednn_linear(torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]), pack)[:n]
+    return onednn_linear(rows, pack)
 
 
 def onednn_linear(rows: Tensor, pack: Pack) -> Tensor:
@@ -121,8 +133,15 @@ def packed(layers: tuple[nn.Linear, ...]) -> Pack:
         if any(m.bias is not None for m in layers):
             bias = torch.cat([m.weight.new_zeros(m.weight.shape[0]) if m.bias is None else m.bias.detach()
                               for m in layers])
-        onednn = weight.dtype in packed_dtypes()
-        weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_FOR_ROWS) if onednn else weight.detach()
-        pack = Pack(key, weight, bias, [m.weight.shape[0] for m in layers], onednn)
+        pack = make_pack(key, weight.detach(), bias, [m.weight.shape[0] for m in layers])
+        if not pack.onednn and weight.dtype == torch.bfloat16 and torch.float32 in packed_dtypes():
+            pack.upcast = make_pack(key, weight.detach().float(), None if bias is None else bias.float(), pack.sizes)
         PACKS[layers[0]] = pack
     return pack
+
+
+def make_pack(key: tuple, weight: Tensor, bias: Tensor | None, sizes: list[int]) -> Pack:
+    onednn = weight.dtype in packed_dtypes()
+    if onednn:
+        weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
+    return Pack(key, weight, bias, sizes, onednn)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_spec.models.packed import linears, packed_dtypes
+from megatron_spec.models.packed import linears, packed, packed_dtypes
 
 
 def layers(dtype):
@@ -29,6 +29,8 @@ def test_packed_group_equals_separate_linears_and_follows_updates(dtype, rows):
             got = linears(x, *group)
         for y, m in zip(got, group):
             torch.testing.assert_close(y, F.linear(x, m.weight, m.bias), **tol)
+        # bf16 without oneDNN's bf16 path: several rows take the fp32 copy (checked above like the others)
+        assert (packed(tuple(group)).upcast is not None) == (dtype == torch.bfloat16 and dtype not in packed_dtypes())
         with torch.no_grad():
             group[1].weight.mul_(-2.0)  # an optimizer step or refit: bumps the version the pack is keyed on
 
