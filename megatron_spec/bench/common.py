@@ -10,7 +10,7 @@ from pathlib import Path
 
 
 def machine() -> str:
-    """A one-line description of where a benchmark ran (CPU model and threads, or the GPU)."""
+    """A one-line description of where a benchmark ran (CPU model, vector ISA and threads, or the GPU)."""
     import torch
 
     if torch.cuda.is_available():
@@ -23,7 +23,10 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"CPU {cpu}, {torch.get_num_threads()} threads (torch {torch.__version__})"
+    # The vector ISA torch runs on (AVX2, AVX512, ...): the same CPU model name has come with either here, and
+    # the engine's GEMM paths and its kernels' code differ between them.
+    isa = torch.backends.cpu.get_cpu_capability()
+    return f"CPU {cpu} ({isa}), {torch.get_num_threads()} threads (torch {torch.__version__})"
 
 
 def set_threads(threads: int | None) -> None:

@@ -8,8 +8,9 @@ machine's changing load, which moved the peer's own figures by up to 17 % betwee
 step are best-of, for scale.
 
 `--peer vllm` measures vLLM (plain decoding, the model exported to a temporary HF directory, one engine for all
-batches; eager unless `--vllm-compiled`) in place of HF `generate`; the columns keep their names (`hf_*` then means
-the peer).
+batches; eager unless `--vllm-compiled`) in place of HF `generate`; `--peer no-kernels` measures our own engine with
+its fused CPU kernels off (torch's ops: `megatron_spec.kernels.disabled`), the same engine object, so the ratio is
+what the kernels gain. The columns keep their names (`hf_*` then means the peer).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def run(model_name: str, batches: list[int], new_tokens: int, prompt_len: int, r
 
     import torch
 
+    from .. import kernels
     from ..engine import LLMEngine, SamplingParams
     from ..models import from_pretrained
     from .common import machine, timed
@@ -65,7 +67,7 @@ def run(model_name: str, batches: list[int], new_tokens: int, prompt_len: int, r
     if peer == "vllm":
         peer_engine = vllm_twin(model, min(model.config.max_position_embeddings, prompt_len + new_tokens + 16),
                                 vllm_compiled)
-    else:
+    elif peer == "hf":
         hf = hf_twin(model)
     engine = LLMEngine(model, max_num_seqs=max(batches))
     rows = []
@@ -80,6 +82,9 @@ def run(model_name: str, batches: list[int], new_tokens: int, prompt_len: int, r
         def theirs():
             if peer == "vllm":
                 return peer_engine.generate(prompts, params)
+            if peer == "no-kernels":
+                with kernels.disabled():
+                    return engine.generate(prompts, params)
             with torch.inference_mode():
                 sampling = dict(temperature=temperature, top_k=0, top_p=1.0) if temperature else {}
                 return hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=bool(temperature),
@@ -128,8 +133,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads (0 keeps torch's default)")
-    p.add_argument("--peer", choices=["hf", "vllm"], default="hf",
-                   help="hf: transformers generate; vllm: a vLLM engine (needs the vllm extra)")
+    p.add_argument("--peer", choices=["hf", "vllm", "no-kernels"], default="hf",
+                   help="hf: transformers generate; vllm: a vLLM engine (needs the vllm extra); no-kernels: our "
+                        "engine without its fused CPU kernels")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--temperature", type=float, nargs="+", default=[1.0], help="0 is greedy; one row per value")
     p.add_argument("--vllm-compiled", action="store_true",

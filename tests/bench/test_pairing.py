@@ -49,3 +49,22 @@ def test_bench_engine_against_hf_samples_and_pairs_its_repeats(tiny_model, tmp_p
         assert low <= r["speedup"] <= high
         for side in ("ours", "hf"):
             assert abs(r[f"{side}_tok_s"] * r[f"{side}_ms_step"] / 1000 - r["batch"]) < 1e-9
+
+
+def test_bench_engine_no_kernels_peer_is_our_engine_without_them(tiny_model, tmp_path, monkeypatch):
+    """`--peer no-kernels` times our engine against itself with the fused kernels off: the kernels run in our
+    side's forwards only. Each generate of 6 tokens is 6 forwards (a prefill, 5 decodes) of 4 layers, and our side
+    runs a warm-up plus 3 repeats per batch size: 2 x 4 x 6 x 4 = 192 attention-kernel calls; had the peer used
+    them too, 384."""
+    from megatron_spec import kernels
+    from megatron_spec.bench import engine as bench_engine
+    from megatron_spec.models import save_pretrained
+
+    calls = []
+    attention = kernels.attention
+    monkeypatch.setattr(kernels, "attention", lambda *args: calls.append(1) or attention(*args))
+    save_pretrained(tiny_model, tmp_path / "tiny")
+    result = bench_engine.run(str(tmp_path / "tiny"), [1, 3], new_tokens=6, prompt_len=5, repeats=3,
+                              peer="no-kernels")
+    assert result["peer"] == "no-kernels" and len(result["rows"]) == 2
+    assert len(calls) == 2 * 4 * 6 * tiny_model.config.num_hidden_layers
