@@ -8,9 +8,9 @@ a few microseconds of dispatch and allocation: with the GEMMs stubbed out a bf16
 
 What: each kernel computes a row (a token, a head) from that row's inputs only, in a fixed order, so a token gets
 the same numbers in a batch of any size and in a decode or a verify forward (greedy speculative decoding stays
-token-identical to plain). Against torch's eager path the rotary and the cache store are bitwise equal; the norm
-and the attention (fp32 throughout, no bf16 score or probability rounding) agree to rounding
-(`tests/models/test_kernels.py`).
+token-identical to plain). Against torch's eager path the rotary and the cache store are bitwise equal (without
+Qwen3's per-head norm before them); the norms and the attention (fp32 throughout, no bf16 score or probability
+rounding) agree to rounding (`tests/models/test_kernels.py`).
 
 When: only the engine's forwards (CPU, `torch.inference_mode`, float32 / bfloat16), like the packed GEMMs; training
 and the trainer's no-grad forwards keep torch's ops. `MEGATRON_SPEC_KERNELS=0` turns them off; `=1` makes a failed
@@ -47,8 +47,11 @@ _disabled = 0
 
 def usable(x: Tensor) -> bool:
     """Whether `x`'s forward may take the kernels: the engine's (inference mode) CPU forwards in fp32 / bf16."""
-    return (not _disabled and torch.is_inference_mode_enabled() and x.device.type == "cpu"
-            and x.dtype in (torch.float32, torch.bfloat16) and loaded())
+    # Not while torch.compile traces (vLLM's compiled mode runs our drafter heads): the kernels have no fake-tensor
+    # implementation, and a compiled graph fuses torch's ops itself.
+    # Checked first: dynamo cannot trace `is_inference_mode_enabled`, and stops at it.
+    return (not torch.compiler.is_compiling() and not _disabled and torch.is_inference_mode_enabled()
+            and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and loaded())
 
 
 @contextlib.contextmanager

@@ -210,13 +210,15 @@ Tensor rope_store(const Tensor& qkv_in, const Tensor& cos_in, const Tensor& sin_
   Tensor slots = slots_in.to(at::kLong).contiguous(), positions = positions_in.to(at::kLong).contiguous();
   const int64_t B = qkv.size(0), Tn = qkv.size(1), D = k_cache.size(2);
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "rope_store: the cache layer must be contiguous");
-  TORCH_CHECK(k_cache.size(1) == kv_heads && v_cache.sizes() == at::IntArrayRef({k_cache.size(0), kv_heads, k_cache.size(3), D}),
+  TORCH_CHECK(k_cache.size(1) == kv_heads &&
+                  v_cache.sizes() == at::IntArrayRef({k_cache.size(0), kv_heads, k_cache.size(3), D}),
               "rope_store: the cache layers do not hold kv_heads heads of the keys' size");
   TORCH_CHECK(qkv.size(2) == (heads + 2 * kv_heads) * D && cos.numel() == B * Tn * D && sin.numel() == B * Tn * D,
               "rope_store: qkv / cos / sin shapes do not match the cache's head size");
   TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && cos.scalar_type() == qkv.scalar_type(),
               "rope_store: qkv, cos/sin and the cache must share a dtype");
-  TORCH_CHECK(slots.numel() == B && positions.numel() == B * Tn, "rope_store: one slot per sequence, one position per token");
+  TORCH_CHECK(slots.numel() == B && positions.numel() == B * Tn,
+              "rope_store: one slot per sequence, one position per token");
   check_indices(slots, positions, k_cache);
   Tensor qn = q_norm.has_value() ? q_norm->contiguous() : Tensor();
   Tensor kn = k_norm.has_value() ? k_norm->contiguous() : Tensor();

@@ -233,3 +233,14 @@ def test_a_failed_build_warns_and_falls_back_or_errors_when_required(tmp_path, m
     monkeypatch.setenv("MEGATRON_SPEC_KERNELS", "0")
     monkeypatch.setattr(kernels, "build", lambda: pytest.fail("built although turned off"))
     assert kernels.loaded.__wrapped__() is False
+
+
+def test_torch_compile_traces_torchs_ops_not_the_kernels():
+    """vLLM's compiled mode traces our drafter heads with torch.compile: the kernels have no fake-tensor
+    implementation, so tracing must take torch's ops (fullgraph: any graph break or kernel call would fail here).
+    The result is torch's, bit for bit."""
+    norm = RMSNorm(16, 1e-6)
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        compiled = torch.compile(norm, backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager(norm, x), rtol=0, atol=0)

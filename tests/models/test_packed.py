@@ -16,11 +16,12 @@ def layers(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 8])
 def test_packed_group_equals_separate_linears_and_follows_updates(dtype, rows):
-    """fp32: the same dot products summed in another order, so 1e-5 relative to the output's scale (inputs ~1,
-    64-term sums of ~0.07-sized products: |y| ~ 0.6, fp32 rounding ~1e-7 per term). bf16 (oneDNN where it has a
-    bf16 path, else `F.linear` on the concatenated weights): each output is rounded to bf16 once (relative 2^-8 = 0.4 %) whichever kernel runs, and the fp32
-    accumulation orders differ below that, so one bf16 step of the output's magnitude (1 %) bounds them. After an
-    in-place weight update the pack is rebuilt: outputs follow the new weights at once."""
+    """fp32: the same dot products summed in another order, so 1e-5 relative to the output's scale (inputs ~1, 64-term
+    sums of ~0.07-sized products: |y| ~ 0.6, fp32 rounding ~1e-7 per term). bf16 (oneDNN where it has a bf16 path,
+    else `F.linear` on the concatenated weights at one row and oneDNN on their fp32 copy at 8): each output is
+    rounded to bf16 once (relative 2^-8 = 0.4 %) whichever kernel runs, and the fp32 accumulation orders differ
+    below that, so one bf16 step of the output's magnitude (1 %) bounds them. After an in-place weight update the
+    pack is rebuilt: outputs follow the new weights at once."""
     group = layers(dtype)
     x = torch.randn(rows, 1, 64).to(dtype)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
