@@ -52,24 +52,14 @@ inline float exp_approx(float x) {
   return p * scale;
 }
 
-template <typename T>
-inline float sum_of_squares(const T* x, int64_t n) {
+// sum over i < n of term(i), in LANES independent partial sums (the same order whatever the batch).
+template <typename Term>
+inline float lane_sum(int64_t n, Term term) {
   float lane[LANES] = {0};
   int64_t i = 0;
   for (; i + LANES <= n; i += LANES)
-    for (int l = 0; l < LANES; ++l) lane[l] += f(x[i + l]) * f(x[i + l]);
-  for (; i < n; ++i) lane[0] += f(x[i]) * f(x[i]);
-  float total = 0;
-  for (int l = 0; l < LANES; ++l) total += lane[l];
-  return total;
-}
-
-inline float lane_sum(const float* x, int64_t n) {
-  float lane[LANES] = {0};
-  int64_t i = 0;
-  for (; i + LANES <= n; i += LANES)
-    for (int l = 0; l < LANES; ++l) lane[l] += x[i + l];
-  for (; i < n; ++i) lane[0] += x[i];
+    for (int l = 0; l < LANES; ++l) lane[l] += term(i + l);
+  for (; i < n; ++i) lane[0] += term(i);
   float total = 0;
   for (int l = 0; l < LANES; ++l) total += lane[l];
   return total;
@@ -88,7 +78,8 @@ void check_indices(const Tensor& slots, const Tensor& positions, const Tensor& k
 // y = w * T(x * rsqrt(mean(x^2) + eps)): normalised in fp32, scaled in T (the model's RMSNorm).
 template <typename T>
 inline void norm_row(const T* x, const T* w, T* y, int64_t n, float eps) {
-  const float inv = 1.0f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
+  const float squares = lane_sum(n, [x](int64_t i) { return f(x[i]) * f(x[i]); });
+  const float inv = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) y[i] = static_cast<T>(f(w[i]) * r<T>(f(x[i]) * inv));
 }
 
@@ -262,7 +253,7 @@ void attention_impl(const Tensor& q, const Tensor& k_cache, const Tensor& v_cach
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < n; ++j) top = std::max(top, scores[j]);
       for (int64_t j = 0; j < n; ++j) scores[j] = exp_approx(scores[j] - top);
-      const float total = lane_sum(scores.data(), n);
+      const float total = lane_sum(n, [&scores](int64_t j) { return scores[j]; });
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t j = 0; j < n; ++j) {
         const float w = scores[j];

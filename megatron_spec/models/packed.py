@@ -75,7 +75,7 @@ def linears(x: Tensor, *layers: nn.Linear) -> tuple[Tensor, ...]:
     if not packable(x, layers):
         return tuple(F.linear(x, m.weight, m.bias) for m in layers)
     y = packed_linear(x, layers)
-    return y.split(packed(layers).sizes, -1) if len(layers) > 1 else (y,)
+    return y.split([m.out_features for m in layers], -1) if len(layers) > 1 else (y,)
 
 
 def packed_linear(x: Tensor, layers: tuple[nn.Linear, ...]) -> Tensor:
