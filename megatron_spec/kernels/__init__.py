@@ -1,16 +1,21 @@
-"""Fused CPU kernels for the engine's forwards: RMSNorm, SiLU-times-up, rotary-plus-cache-store, and attention over
-the KV cache (`cpu_ops.cpp`), compiled here on first use.
+"""Fused CPU kernels for the engine's forwards (`cpu_ops.cpp`), compiled here on first use: RMSNorm, SiLU-times-up,
+rotary-plus-cache-store, attention over the KV cache, a linear for a few rows that streams each weight once, and a
+whole dense decoder layer built from those in one call.
 
 Why: after oneDNN took the GEMMs, most of a SmolLM2 decode step on 2 CPU cores was ~80 small torch ops a layer
 (norms in five ops each, rotary in seven, the cache's index copies, the attention's matmuls, masks and casts), each
 a few microseconds of dispatch and allocation: with the GEMMs stubbed out a bf16 B=1 step still took 13.2 of its
-28.7 ms. These four kernels replace ~60 of those ops a layer.
+28.7 ms. The first four kernels replace ~60 of those ops a layer. Then, at a batch of one, MKL's GEMV read the
+weights at about half the memory bandwidth (`benchmarks/results/profile_decode_smollm2_fp32_avx2_kernels.json`):
+`linear` reads them at close to it for up to 16 (fp32) / 32 (bf16) rows (`models/packed.py`, KERNEL_ROWS), and
+`decoder_layer` drops the Python and dispatch between a layer's kernels, which had become a fifth of the step.
 
 What: each kernel computes a row (a token, a head) from that row's inputs only, in a fixed order, so a token gets
 the same numbers in a batch of any size and in a decode or a verify forward (greedy speculative decoding stays
 token-identical to plain). Against torch's eager path the rotary and the cache store are bitwise equal (without
-Qwen3's per-head norm before them); the norms and the attention (fp32 throughout, no bf16 score or probability
-rounding) agree to rounding (`tests/models/test_kernels.py`).
+Qwen3's per-head norm before them); the norms, the linear and the attention (fp32 throughout, no bf16 score or
+probability rounding) agree to rounding, and the whole layer is bitwise its kernels called one by one
+(`tests/models/test_kernels.py`).
 
 When: only the engine's forwards (CPU, `torch.inference_mode`, float32 / bfloat16), like the packed GEMMs; training
 and the trainer's no-grad forwards keep torch's ops. `MEGATRON_SPEC_KERNELS=0` turns them off; `=1` makes a failed
@@ -83,9 +88,25 @@ def rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: Tensor | None, k_n
                                               positions, heads, kv_heads)
 
 
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """`x` [R, K] times `weight` [N, K] transposed, plus `bias`: [R, N], each row computed alone (see the source)."""
+    return torch.ops.megatron_spec.linear(x, weight, bias)
+
+
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor) -> Tensor:
     """[B, T, H * D]: query (b, t) of `q` [B, T, H, D] over its slot's keys and values 0..positions[b, t]."""
     return torch.ops.megatron_spec.attention(q, k_cache, v_cache, slots, positions)
+
+
+def decoder_layer(x: Tensor, cos: Tensor, sin: Tensor, norms: tuple[Tensor, Tensor], eps: float,
+                  qkv: tuple[Tensor, Tensor | None], o: tuple[Tensor, Tensor | None],
+                  qk_norms: tuple[Tensor | None, Tensor | None], qk_eps: float, gate_up: Tensor, down: Tensor,
+                  k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor, heads: int, kv_heads: int) -> Tensor:
+    """A dense decoder layer's output for `x` [B, T, hidden] from its input / post-attention norm weights, its
+    projections (weight, bias) [out, in] with q/k/v and gate/up concatenated, and its per-head q/k norms (or
+    None); this step's keys and values are stored as `rope_store` stores them."""
+    return torch.ops.megatron_spec.decoder_layer(x, cos, sin, *norms, eps, *qkv, *o, *qk_norms, qk_eps, gate_up, down,
+                                                 k_cache, v_cache, slots, positions, heads, kv_heads)
 
 
 @functools.cache

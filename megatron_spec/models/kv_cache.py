@@ -120,14 +120,19 @@ class BatchView:
         keys = kc[self.rows, :, :, : self.kv_len].transpose(-1, -2)
         return keys, vc[self.rows, :, : self.kv_len], self.mask
 
+    def layer_cache(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Model layer `layer`'s keys [slots, kv_heads, head_dim, max_len] and values [slots, kv_heads, max_len,
+        head_dim] in this cache."""
+        layer -= self.cache.first_layer
+        return self.cache.k[layer], self.cache.v[layer]
+
     def attend(self, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: nn.Module | None,
                k_norm: nn.Module | None, heads: int) -> Tensor:
         """`update` and attention in two fused kernels (`megatron_spec.kernels`), for the engine's CPU forwards:
         `qkv` [B, T, (heads + 2 kv_heads) head_dim] is this step's projections, before any per-head norm (`q_norm`,
         `k_norm`: RMSNorm modules or None) and the rotary (`cos`, `sin`); returns the attention output
         [B, T, heads * head_dim]."""
-        layer -= self.cache.first_layer
-        kc, vc = self.cache.k[layer], self.cache.v[layer]
+        kc, vc = self.layer_cache(layer)
         q = kernels.rope_store(qkv, cos, sin, None if q_norm is None else q_norm.weight,
                                None if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.eps,
                                kc, vc, self.slots, self.positions, heads, kc.shape[1])

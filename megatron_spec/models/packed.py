@@ -16,6 +16,10 @@ GEMMs took 16.6 / 93.8 / 353 ms at 1 / 8 / 32 rows in bf16 `F.linear` against 34
 (scratch timing, not kept). The result is the same arithmetic (bf16 values are exact in fp32, products accumulate
 in fp32 either way, the output is rounded to bf16 once) in another order; the copy costs 4 bytes a weight.
 
+Where the CPU kernels are built (`megatron_spec.kernels`), inputs of up to KERNEL_ROWS rows take their `linear`
+on the concatenated weights as they are (`Pack.plain`) instead of the paths above, which then serve larger inputs,
+and every input where the kernels are off.
+
 The packed copy is rebuilt whenever a weight changes: the cache is keyed on each weight's storage pointer and
 version counter, which every in-place write bumps (optimizer steps, refit `copy_`, `load_state_dict`) and which a
 re-assigned parameter changes. It costs one or two extra copies of the weights in memory. Only the engine's
@@ -33,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import kernels
+
 PACK_FOR_ROWS = 8
 """Row count oneDNN picks its weight layout for (decode / verify batches are a few to a few dozen rows)."""
 
@@ -49,6 +55,15 @@ a 64-sequence rollout needs at most 8 + 384 / 8 row counts whatever k is; the pa
 most 7 extra rows."""
 
 
+KERNEL_ROWS = {torch.float32: 16, torch.bfloat16: 32}
+"""Inputs of at most this many rows take the CPU kernels' `linear` (which streams each weight once for all the
+rows) when the kernels are built. All of SmolLM2's GEMMs on the AVX2 EPYC, 2 threads, against this module's other
+paths: fp32 1.65 / 1.42 / 1.44 / 1.32x faster at 1 / 4 / 8 / 16 rows, 0.89x at 24; bf16 1.22 / 2.60 / 2.18 / 1.54 /
+1.04x at 1 / 4 / 8 / 16 / 32 rows (scratch timing, not kept; the engine-level figures are in docs/benchmarks.md).
+Every input up to these counts computes each row alone, in the same order, so its outputs are bitwise the same in
+a batch of any of these sizes."""
+
+
 @dataclass
 class Pack:
     key: tuple
@@ -56,6 +71,9 @@ class Pack:
     """The concatenated weights [sum(out), in]: in oneDNN's blocked layout where `onednn`, else as they are."""
     bias: Tensor | None
     sizes: list[int]
+    plain: Tensor | None
+    """The concatenated weights [sum(out), in] in the model's layout and dtype, for the kernels' `linear` (None in
+    an `upcast` pack, which only oneDNN reads)."""
     onednn: bool
     """oneDNN packs this dtype here; without it (bf16 on CPUs without a bf16 path) `F.linear` reads `weight`."""
     rows_weight: Tensor | None = None
@@ -83,7 +101,9 @@ def packed_linear(x: Tensor, layers: tuple[nn.Linear, ...]) -> Tensor:
     `packable(x, layers)`."""
     pack = packed(layers)
     rows = x.reshape(-1, x.shape[-1])
-    if pack.upcast is not None and rows.shape[0] > 1:  # see `Pack.upcast`
+    if kernel_takes(x, layers):
+        y = kernels.linear(rows, pack.plain, pack.bias)
+    elif pack.upcast is not None and rows.shape[0] > 1:  # see `Pack.upcast`
         y = onednn_rows(rows.float(), pack.upcast).to(x.dtype)
     elif not pack.onednn:
         y = F.linear(rows, pack.weight, pack.bias)
@@ -94,6 +114,12 @@ def packed_linear(x: Tensor, layers: tuple[nn.Linear, ...]) -> Tensor:
     else:
         y = onednn_rows(rows, pack)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def kernel_takes(x: Tensor, layers: tuple[nn.Linear, ...]) -> bool:
+    """Whether the kernels' `linear` computes `x` [..., in] through `layers` (see KERNEL_ROWS). Needs `packable`."""
+    rows = x.numel() // x.shape[-1]
+    return (rows <= KERNEL_ROWS[x.dtype] and all(m.in_features % 8 == 0 for m in layers) and kernels.usable(x))
 
 
 def onednn_rows(rows: Tensor, pack: Pack) -> Tensor:
@@ -135,13 +161,13 @@ def packed(layers: tuple[nn.Linear, ...]) -> Pack:
                               for m in layers])
         pack = make_pack(key, weight.detach(), bias, [m.weight.shape[0] for m in layers])
         if not pack.onednn and weight.dtype == torch.bfloat16 and torch.float32 in packed_dtypes():
-            pack.upcast = make_pack(key, weight.detach().float(), None if bias is None else bias.float(), pack.sizes)
+            pack.upcast = make_pack(key, weight.detach().float(), None if bias is None else bias.float(), pack.sizes,
+                                    keep_plain=False)
         PACKS[layers[0]] = pack
     return pack
 
 
-def make_pack(key: tuple, weight: Tensor, bias: Tensor | None, sizes: list[int]) -> Pack:
+def make_pack(key: tuple, weight: Tensor, bias: Tensor | None, sizes: list[int], keep_plain: bool = True) -> Pack:
     onednn = weight.dtype in packed_dtypes()
-    if onednn:
-        weight = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
-    return Pack(key, weight, bias, sizes, onednn)
+    blocked = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS) if onednn else weight
+    return Pack(key, blocked, bias, sizes, weight if keep_plain else None, onednn)

@@ -54,15 +54,15 @@ def test_bench_engine_against_hf_samples_and_pairs_its_repeats(tiny_model, tmp_p
 def test_bench_engine_no_kernels_peer_is_our_engine_without_them(tiny_model, tmp_path, monkeypatch):
     """`--peer no-kernels` times our engine against itself with the fused kernels off: the kernels run in our
     side's forwards only. Each generate of 6 tokens is 6 forwards (a prefill, 5 decodes) of 4 layers, and our side
-    runs a warm-up plus 3 repeats per batch size: 2 x 4 x 6 x 4 = 192 attention-kernel calls; had the peer used
-    them too, 384."""
+    runs a warm-up plus 3 repeats per batch size: 2 x 4 x 6 x 4 = 192 whole-layer kernel calls (every forward
+    here has at most 15 rows, so each layer is one `decoder_layer` call); had the peer used them too, 384."""
     from megatron_spec import kernels
     from megatron_spec.bench import engine as bench_engine
     from megatron_spec.models import save_pretrained
 
     calls = []
-    attention = kernels.attention
-    monkeypatch.setattr(kernels, "attention", lambda *args: calls.append(1) or attention(*args))
+    layer = kernels.decoder_layer
+    monkeypatch.setattr(kernels, "decoder_layer", lambda *args: calls.append(1) or layer(*args))
     save_pretrained(tiny_model, tmp_path / "tiny")
     result = bench_engine.run(str(tmp_path / "tiny"), [1, 3], new_tokens=6, prompt_len=5, repeats=3,
                               peer="no-kernels")

@@ -8,7 +8,8 @@ import torch
 
 from megatron_spec import kernels
 from megatron_spec.engine import LLMEngine, SamplingParams
-from megatron_spec.models import CausalLM, preset
+from megatron_spec.models import CausalLM, packed, preset
+from megatron_spec.models.decoder import DecoderLayer
 from megatron_spec.models.kv_cache import KVCache
 from megatron_spec.models.layers import RMSNorm, attend, rope_cos_sin
 
@@ -93,8 +94,10 @@ def cache_and_batch(dtype, qk_norm):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_attention_layer_matches_torch(dtype, qk_norm):
-    """One attention layer through the kernels against torch's path, each on its own copy of the same cache.
+def test_attention_layer_matches_torch(dtype, qk_norm, monkeypatch):
+    """One attention layer through the kernels against torch's path, each on its own copy of the same cache. Both
+    sides project q/k/v with the same GEMM (the kernels' `linear` is turned off here and tested on its own below),
+    so what differs is only what this test is about.
 
     The cache after the step: keys are normed (per-head RMSNorm, Qwen3 only) and rotated, values copied. The rotary
     rounds each product and the sum as torch's eager ops do (the library is built without fused multiply-adds), so
@@ -104,6 +107,7 @@ def test_attention_layer_matches_torch(dtype, qk_norm):
     path rounds scores and probabilities to bf16 (2^-8 relative each) where the kernel keeps fp32, so the outputs
     (O(1) averages of values) may differ by a few bf16 steps: 0.05 absolute; a wrong mask, key or head mapping moves
     them by O(1)."""
+    monkeypatch.setattr(packed, "KERNEL_ROWS", {torch.float32: 0, torch.bfloat16: 0})
     cfg, attn, cache, x, (slots, starts, T) = cache_and_batch(dtype, qk_norm)
     twin = KVCache(cfg.num_hidden_layers, 3, 64, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
     twin.k.copy_(cache.k)
@@ -179,6 +183,55 @@ def test_a_token_gets_the_same_bits_in_any_batch(dtype):
     assert torch.equal(row[0, 0], rows[1, 2])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_matches_float64_and_each_row_is_computed_alone(dtype):
+    """The kernels' `linear` for every row count it serves (1..KERNEL_ROWS) against a float64 reference, and each
+    row's outputs bitwise the same whatever batch it is in: row counts 1..KERNEL_ROWS go through different tiles
+    (4 rows x 2 weight rows, 2 x 2, 1 x 1 or 1 x 2), which must all sum in the one order. An odd output count (the
+    last weight row outside the pairs) and a bias are included.
+    Tolerance: inputs ~1 and weights ~0.05 over K = 192 give products summing to ~0.7, plus a bias ~1; fp32
+    accumulation of 192 such terms errs by well under 1e-5 absolute. bf16 adds one rounding of the output, at most
+    half a bf16 step: 2^-8 of |y|. A wrong row, weight row or a missing bias misses by ~0.1 or more."""
+    torch.manual_seed(0)
+    N, K = 101, 192
+    w = (torch.randn(N, K) * 0.05).to(dtype)
+    bias = torch.randn(N).to(dtype)
+    x = torch.randn(packed.KERNEL_ROWS[dtype], K).to(dtype)
+    rel = 0.0 if dtype == torch.float32 else 2.0**-8
+    with torch.inference_mode():
+        alone = [kernels.linear(x[i:i + 1], w, bias) for i in range(len(x))]
+        for rows in range(1, len(x) + 1):
+            y = kernels.linear(x[:rows], w, bias)
+            ref = x[:rows].double() @ w.double().T + bias.double()
+            assert ((y.double() - ref).abs() <= rel * ref.abs() + 1e-5).all()
+            for i in range(rows):
+                assert torch.equal(y[i], alone[i][0]), (rows, i)
+
+
+def test_linear_rejects_what_it_cannot_compute_and_the_packs_route_around_it(monkeypatch):
+    """`linear` needs the input size a multiple of 8 (its 8-lane sums) and one dtype: a clear error, not garbage.
+    The packed linears send inputs of up to KERNEL_ROWS rows to it and no others, and a layer whose input size
+    is not a multiple of 8 never reaches it (oneDNN / MKL take it, to the packed tests' tolerance)."""
+    with torch.inference_mode():
+        with pytest.raises(RuntimeError, match="multiple of 8"):
+            kernels.linear(torch.ones(1, 12), torch.ones(3, 12), None)
+        with pytest.raises(RuntimeError, match="share a dtype"):
+            kernels.linear(torch.ones(1, 16), torch.ones(3, 16).bfloat16(), None)
+    calls = []
+    saved = kernels.linear
+    monkeypatch.setattr(kernels, "linear", lambda *args: calls.append(args[0].shape[0]) or saved(*args))
+    torch.manual_seed(0)
+    layer, odd = torch.nn.Linear(64, 40), torch.nn.Linear(12, 40)
+    limit = packed.KERNEL_ROWS[torch.float32]
+    with torch.inference_mode():
+        for rows in (1, limit, limit + 1, 40):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(packed.linears(x, layer)[0], layer(x), rtol=1e-5, atol=1e-5)
+        x = torch.randn(3, 12)
+        torch.testing.assert_close(packed.linears(x, odd)[0], odd(x), rtol=1e-5, atol=1e-5)
+    assert calls == [1, limit]
+
+
 def test_bad_indices_fail_before_any_write():
     """A slot or position outside the cache is an error, and the cache is untouched (nothing written past it)."""
     k, v = torch.zeros(2, 1, 8, 16), torch.zeros(2, 1, 16, 8)
@@ -193,20 +246,58 @@ def test_bad_indices_fail_before_any_write():
     assert not k.any() and not v.any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qk_norm,bias", [(False, True), (True, False)])
+def test_a_whole_layer_in_one_call_is_the_modules_kernels_bit_for_bit(dtype, qk_norm, bias, monkeypatch):
+    """`kernels.decoder_layer` runs the kernels the layer's modules would call, in their order, so the layer's
+    output and the keys and values it stores are bitwise those of the modules' own (kernel) forwards, with and
+    without per-head norms (Qwen3 / Llama) and projection biases (Qwen2-style), in fp32 and bf16. The fused path
+    is taken exactly once per layer call."""
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(preset("tiny-qwen3"), qk_norm=qk_norm, attention_bias=bias)
+    model = CausalLM(cfg).to(dtype).eval()
+    model.reset_parameters(std=0.15)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)  # not the init's zeros / ones, which would hide a dropped bias or norm
+    layer = model.model.layers[1]
+    caches = [KVCache(cfg.num_hidden_layers, 3, 64, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
+              for _ in range(2)]
+    torch.manual_seed(1)
+    caches[0].k.normal_()
+    caches[0].v.normal_()
+    caches[1].k.copy_(caches[0].k)
+    caches[1].v.copy_(caches[0].v)
+    x = torch.randn(2, 3, cfg.hidden_size).to(dtype)
+    positions = torch.tensor([[5], [17]]) + torch.arange(3)
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
+    calls = []
+    saved = kernels.decoder_layer
+    monkeypatch.setattr(kernels, "decoder_layer", lambda *a: calls.append(1) or saved(*a))
+    with torch.inference_mode():
+        fused = layer(x, cos, sin, caches[0].view([2, 0], [5, 17], 3))
+        monkeypatch.setattr(DecoderLayer, "one_kernel", lambda self, x: False)
+        modules = layer(x, cos, sin, caches[1].view([2, 0], [5, 17], 3))
+    assert calls == [1]
+    assert torch.equal(fused, modules)
+    assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
 def test_engine_takes_the_kernels_and_decodes_as_torch_does(tiny_model):
-    """The engine's forwards (prefill, decode) go through the kernels: every attention layer of every forward
-    calls them. Greedy tokens equal torch's path, and the completions' log-probs agree to 1e-4 (the tiny model's
+    """The engine's forwards (prefill, decode) go through the kernels: every layer of every forward is one
+    `decoder_layer` call (all of them have at most KERNEL_ROWS rows). Greedy tokens equal torch's path, and the completions' log-probs agree to 1e-4 (the tiny model's
     logits are O(10): fp32 differences of ~1e-6 per layer stay far below that, and the peaked distributions leave
     no near-tie for them to flip)."""
     calls = []
-    saved = kernels.attention
-    kernels.attention = lambda *args: calls.append(1) or saved(*args)
+    saved = kernels.decoder_layer
+    kernels.decoder_layer = lambda *args: calls.append(1) or saved(*args)
     try:
         prompts = [[1, 5, 9, 2], [7, 7, 3]]
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         fused = LLMEngine(tiny_model, max_num_seqs=2).generate(prompts, params)
     finally:
-        kernels.attention = saved
+        kernels.decoder_layer = saved
     # one prefill + 11 decode forwards (the 12th token comes from the 11th decode's logits), 4 layers each
     assert len(calls) == 12 * tiny_model.config.num_hidden_layers
     plain = eager(lambda: LLMEngine(tiny_model, max_num_seqs=2).generate(prompts, params))

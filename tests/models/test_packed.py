@@ -1,10 +1,13 @@
 """The engine's packed CPU linears compute what `F.linear` computes, follow weight updates, and stay out of training."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_spec import kernels
 from megatron_spec.models.packed import linears, packed, packed_dtypes
 
 
@@ -45,12 +48,14 @@ def test_outside_inference_mode_it_is_f_linear_bit_for_bit():
             assert torch.equal(y, F.linear(x, m.weight, m.bias))
 
 
-def test_row_counts_reaching_onednn_are_bounded_and_padding_changes_no_output(monkeypatch):
+@pytest.mark.parametrize("with_kernels", [False, True])
+def test_row_counts_reaching_onednn_are_bounded_and_padding_changes_no_output(monkeypatch, with_kernels):
     """oneDNN builds a kernel per row count it meets (a deep tiny model forward at a new count: 6.8 ms against 4.1
     again, benchmarks/results/shape_costs.json), so inputs above ROW_MULTIPLE rows are padded to a multiple of it:
     feeding every row count 1..64 (what a 64-sequence speculative rollout's B x (k + 1) spans) reaches oneDNN with
-    1..8 and multiples of 8 only, 16 distinct counts instead of 64. The padding rows are dropped: each output
-    equals `F.linear` to the fp32 tolerance reasoned in the test above."""
+    1..8 and multiples of 8 only, 16 distinct counts instead of 64. With the CPU kernels, inputs of up to
+    KERNEL_ROWS rows go to their `linear` instead, and oneDNN meets only the padded counts above it. The padding
+    rows are dropped: each output equals `F.linear` to the fp32 tolerance reasoned in the test above."""
     import megatron_spec.models.packed as packed_mod
 
     if torch.float32 not in packed_dtypes():
@@ -61,10 +66,13 @@ def test_row_counts_reaching_onednn_are_bounded_and_padding_changes_no_output(mo
     group = layers(torch.float32)
     for n in range(1, 65):
         x = torch.randn(n, 64)
-        with torch.inference_mode():
+        with torch.inference_mode(), (contextlib.nullcontext() if with_kernels else kernels.disabled()):
             got = linears(x, *group)
         for y, m in zip(got, group):
             assert y.shape == (n, m.out_features)
             torch.testing.assert_close(y, F.linear(x, m.weight, m.bias), rtol=1e-5, atol=1e-5)
-    first = 1 if packed_mod.ONEDNN_ONE_ROW else 2  # without AVX-512 one row goes to MKL's GEMV, not to oneDNN
-    assert set(seen) == set(range(first, 9)) | set(range(16, 65, 8))
+    if with_kernels:
+        assert set(seen) == set(range(packed_mod.KERNEL_ROWS[torch.float32] + 8, 65, 8))
+    else:
+        first = 1 if packed_mod.ONEDNN_ONE_ROW else 2  # without AVX-512 one row goes to MKL's GEMV, not to oneDNN
+        assert set(seen) == set(range(first, 9)) | set(range(16, 65, 8))
