@@ -9,12 +9,13 @@ import time
 from pathlib import Path
 
 
-def machine() -> str:
-    """A one-line description of where a benchmark ran (CPU model, vector ISA and threads, or the GPU)."""
+def machine(device: str = "cpu") -> str:
+    """A one-line description of where a benchmark ran: the GPU for a `cuda` device, else the CPU model, vector ISA
+    and threads (also on a machine that has a GPU the benchmark did not use)."""
     import torch
 
-    if torch.cuda.is_available():
-        return f"GPU {torch.cuda.get_device_name()} (torch {torch.__version__})"
+    if device.startswith("cuda"):
+        return f"GPU {torch.cuda.get_device_name(device)} (torch {torch.__version__})"
     cpu = platform.processor() or "cpu"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -113,7 +113,8 @@ def run(args) -> dict:
     from .common import drafter_checkpoint, machine
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    target = from_pretrained(args.target, dtype=dtype)  # drafters are loaded in the target's dtype
+    # Drafters are loaded in the target's dtype, on its device.
+    target = from_pretrained(args.target, dtype=dtype, device=args.device)
     rows = []
     for method in args.drafters:
         ddir = drafter_checkpoint(args.target, method, args.draft_model)
@@ -147,7 +148,7 @@ def run(args) -> dict:
             rows.append(row)
             print(f"  {method:12s} RL rollout k={str(k):8s} x{row['speedup']:.2f}  acc.len {row['acceptance_length'] or 0:.2f}")
     return {"benchmark": "rollout", "target": args.target, "dtype": args.dtype, "draft_sampling": args.draft_sampling,
-            "machine": machine(),
+            "machine": machine(args.device), "device": args.device,
             "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows}
 
 
@@ -265,9 +266,17 @@ def run_peer(args) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ..rl.config import RunSection
     from .common import print_table, set_threads, write_json
 
     set_threads(args.threads)
+    if args.device != "cpu":  # checked before any model is loaded
+        if args.engine == "vllm":
+            raise SystemExit("bench rollout: --device applies to --engine ours (vLLM places its own engine)")
+        try:
+            RunSection(device=args.device).torch_device()
+        except ValueError as e:
+            raise SystemExit(f"bench rollout: {e}".replace("run.device", "--device")) from None
     if args.engine == "vllm":
         result = run_peer(args)
         print(f"bench rollout --engine vllm: {result['target']} ({result['dtype']}) on {result['machine']}")
@@ -304,4 +313,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "decodes in about the same time for 1 to 6 tokens per sequence (memory-bound), in float32 not")
     p.add_argument("--engine", choices=["ours", "vllm"], default="ours",
                    help="vllm: our engine and vLLM side by side, plain and speculative (needs the vllm extra)")
+    p.add_argument("--device", default="cpu",
+                   help="where target and drafters run (cpu, cuda, cuda:N); with --engine ours only")
     p.add_argument("--out", default="benchmarks/results/bench_rollout.json")

@@ -388,8 +388,8 @@ Tensor stream_linear(const Tensor& x_in, const Tensor& w_in, const c10::optional
 // A whole dense decoder layer of the engine's forwards, from the kernels above in the order the model's modules
 // call them (so its outputs are the same bits as theirs):
 //   h = x + o(attention(rope_store(qkv(norm(x)))));  out = h + down(silu_mul(gate_up(post_norm(h)))).
-// One call a layer instead of ~20 torch ops and as many Python calls: at one row (a batch of one) those cost more
-// than the layer's arithmetic apart from the weights' streaming.
+// One call a layer instead of ~20 torch ops and as many Python calls, which at one row (a batch of one) took about
+// a quarter of a SmolLM2 step on 2 cores.
 Tensor decoder_layer(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& in_norm,
                      const Tensor& post_norm, double eps, const Tensor& w_qkv, const c10::optional<Tensor>& b_qkv,
                      const Tensor& w_o, const c10::optional<Tensor>& b_o, const c10::optional<Tensor>& q_norm,

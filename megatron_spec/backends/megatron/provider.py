@@ -173,5 +173,10 @@ def build_model(
             rotary_percent=1.0,
             mtp_block_spec=mtp,
         )
+    if torch.cuda.is_available():
+        # Megatron-Core allocates its parallel linears on the current GPU, but a module it takes from torch (the
+        # RMSNorm it falls back to without Apex / Transformer Engine) is made on the CPU: move the whole stage, as
+        # Megatron's own training scripts do after building.
+        model.cuda(torch.cuda.current_device())
     model.hf_config = cfg  # what the importer and exporter map against
     return model

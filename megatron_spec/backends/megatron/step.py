@@ -185,6 +185,11 @@ def run_schedule(model, micros: list[Micro], spec: StepSpec, mtp: str | None, fo
         return out, partial(loss_func, spec, micro, mtp_logits)
 
     B, T = micros[0].batch.input_ids.shape
+    # The schedule sets the router losses' backward scale (a class attribute of Megatron-Core's
+    # `MoEAuxLossAutoScaler`) by copying a 1-element tensor into whatever an earlier step left there. A backward
+    # outside the schedule (a detached MTP step, another model in the same process) leaves a 0-dim tensor, maybe on
+    # another device, and the copy then fails; cleared, the schedule's first micro-batch sets a fresh one.
+    moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
     with on_cpu():
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(micros),

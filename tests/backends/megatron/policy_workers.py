@@ -136,6 +136,23 @@ def online_mtp_run(kind: str, steps: int = 6) -> list[float]:
     return losses
 
 
+def after_outside_backward_run(kind: str) -> dict:
+    """A backward through an MoE model's routers outside Megatron's schedule (a detached MTP loss on a model in
+    this process, as the GPU tier's MTP-only test does), then the TP1 steps of a fresh policy. Megatron-Core keeps
+    the router losses' backward scale in a class attribute, which such a backward leaves 0-dim and which the
+    schedule's next step cannot copy its 1-element scale into unless the step clears it first."""
+    from megatron_spec.backends.megatron.checks import Parallelism
+    from megatron_spec.backends.megatron.cpu import on_cpu
+    from megatron_spec.backends.megatron.forward import detached_mtp_logits, mtp_loss
+
+    ids = batches(tiny(kind), 1)[0].input_ids
+    model = megatron_policy(kind, Parallelism(), "detached").model.train()
+    with on_cpu():
+        logits, mtp = detached_mtp_logits(model, ids)
+        mtp_loss(logits, mtp, ids, soft=True).backward()
+    return megatron_run(kind, Parallelism())
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Spawn entries (module-level, importable by the spawned processes)
 # ---------------------------------------------------------------------------------------------------------------
@@ -158,6 +175,7 @@ def one_rank(rank: int, world: int) -> dict:
         out[kind, mtp, "tp1"] = megatron_run(kind, Parallelism(), mtp)
     out["coupling"] = coupling_run("dense")
     out["online"] = online_mtp_run("moe")
+    out["after_outside_backward"] = after_outside_backward_run("moe")
     return out
 
 
