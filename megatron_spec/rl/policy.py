@@ -85,17 +85,55 @@ class DrafterInputs(NamedTuple):
         return DrafterInputs(copy(self.input_ids), copy(self.mask), out, copy(self.logits))
 
 
-def minibatches(forwards: list[DrafterInputs], tokens: float, count: int) -> list[tuple[list[DrafterInputs], float]]:
+def join(parts: list[DrafterInputs]) -> DrafterInputs:
+    """The rows of `parts` as one batch, each right-padded with zeros (and a False mask) to the longest. Every
+    drafter attends causally and its loss reads only masked-in positions, so a row's predictions and loss are its
+    own whatever it is batched with, up to the order a matmul sums in."""
+    T = max(p.input_ids.shape[1] for p in parts)
+
+    def cat(tensors: list[Tensor]) -> Tensor:
+        out = tensors[0].new_zeros((sum(t.shape[0] for t in tensors), T, *tensors[0].shape[2:]))
+        row = 0
+        for t in tensors:
+            out[row : row + t.shape[0], : t.shape[1]] = t
+            row += t.shape[0]
+        return out
+
+    layers = {i: cat([p.out.layers[i] for p in parts]) for i in parts[0].out.layers}
+    return DrafterInputs(cat([p.input_ids for p in parts]), cat([p.mask for p in parts]),
+                         TrunkOutput(cat([p.out.hidden for p in parts]), layers), cat([p.logits for p in parts]))
+
+
+def pack(parts: list[DrafterInputs], budget: int) -> list[DrafterInputs]:
+    """`parts` joined, in order, into as few batches as keep rows x longest row within `budget` tokens (a part
+    alone may exceed it; 0: no limit). Dealing a step's micro-batches into minibatches leaves a few rows of each
+    micro-batch per minibatch; each drafter pass over a handful of rows costs a fixed overhead (on the tiny main
+    job, more than its arithmetic), so they are joined back up to the size the policy's own micro-batches have."""
+    out: list[list[DrafterInputs]] = []
+    rows = longest = 0
+    for p in parts:
+        b, t = p.input_ids.shape
+        if out and (not budget or (rows + b) * max(longest, t) <= budget):
+            out[-1].append(p)
+            rows, longest = rows + b, max(longest, t)
+        else:
+            out.append([p])
+            rows, longest = b, t
+    return [join(group) if len(group) > 1 else group[0] for group in out]
+
+
+def minibatches(forwards: list[DrafterInputs], tokens: float, count: int,
+                budget: int = 0) -> list[tuple[list[DrafterInputs], float]]:
     """One step's micro-batches (with `tokens` generated tokens) dealt into `count` minibatches, row i of each to
-    minibatch i mod count, each with its generated tokens; a minibatch with no rows is left out. With count 1: the
-    step's micro-batches as they are."""
+    minibatch i mod count, each with its generated tokens and its rows packed into batches of up to `budget` tokens
+    (`pack`); a minibatch with no rows is left out. With count 1: the step's micro-batches as they are."""
     if count == 1:
         return [(forwards, tokens)]
     out = []
     for j in range(count):
         part = [f.rows(slice(j, None, count)) for f in forwards if f.input_ids.shape[0] > j]
         if part:
-            out.append((part, float(sum(f.mask.sum() for f in part))))
+            out.append((pack(part, budget), float(sum(f.mask.sum() for f in part))))
     return out
 
 
@@ -312,7 +350,8 @@ class EmbeddedPolicy:
         batches = [(forwards, tokens)]
         if online:
             self.replay.append((forwards, tokens))
-            one_pass = [mb for f, t in self.replay for mb in minibatches(f, t, self.drafter_cfg.minibatches)]
+            one_pass = [mb for f, t in self.replay
+                        for mb in minibatches(f, t, self.drafter_cfg.minibatches, self.grpo.micro_batch_tokens)]
             batches = one_pass * self.drafter_cfg.updates
         measured = None if batches[0][0] is forwards else self.drafter_pass(forwards, tokens, learn=False, measure=True)
         passes = [self.drafter_pass(f, t, learn=online, measure=measured is None and i == 0)

@@ -11,6 +11,7 @@ import megatron_spec.rl.policy as policy_mod
 from megatron_spec.models import MTP, CausalLM, Eagle3Head, preset
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
 from megatron_spec.rl.policy import Batch, EmbeddedPolicy
+from megatron_spec.spec.drafter_loss import depth_pairs, pairs_loss
 
 SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)
 
@@ -210,7 +211,9 @@ def test_drafter_minibatches_deal_the_rows_and_step_on_each():
         counts = [float(sum(p.mask.sum() for p in part)) for part in parts]
         assert sum(counts) == tokens == float(batch.mask.sum())
         measured = ref.drafter_pass(forwards, tokens, learn=False, measure=True)
-        for part, count in zip(parts, counts):
+        packed = [policy_mod.pack(part, 160) for part in parts]  # the policy's micro_batch_tokens
+        assert sum(map(len, packed)) < sum(map(len, parts))  # some minibatch's rows were joined
+        for part, count in zip(packed, counts):
             ref.drafter_pass(part, count, learn=True, measure=False)
         return {"drafter_loss": measured[0], "drafter_agreement": measured[1]}
 
@@ -222,6 +225,44 @@ def test_drafter_minibatches_deal_the_rows_and_step_on_each():
     for (name, a), b in zip(three.drafter.named_parameters(), ref.drafter.parameters()):
         assert torch.equal(a, b), name
     assert any(not torch.equal(a, b) for a, b in zip(three.drafter.parameters(), plain.drafter.parameters()))
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_joined_rows_keep_their_own_drafter_predictions(method):
+    """`pack` joins rows of micro-batches of different lengths, right-padded. Each row's drafter logits at every
+    draft depth, and the target's beside them, equal those of its own micro-batch within 1e-5 (fp32: only the
+    order a batched matmul sums in may differ, ~1e-7 relative per op through one drafter layer and the head; a
+    row shifted or attending to padding moves them by far more), the joined mask holds exactly the parts'
+    generated tokens, and the token-weighted loss is the parts' within 1e-6. Packing keeps to its budget."""
+    policy, seen = make_policy(160, method), {}
+    real = policy.drafter_step
+    policy.drafter_step = lambda forwards, tokens: seen.update(forwards=forwards) or real(forwards, tokens)
+    run_step(policy, rollout_batch(seed=2), None)
+    parts = [f.rows(slice(0, None, 2)) for f in seen["forwards"]]
+    assert len({p.input_ids.shape[1] for p in parts}) > 1  # lengths differ, so rows are padded
+    (joined,) = policy_mod.pack(parts, 0)
+    assert int(joined.mask.sum()) == sum(int(p.mask.sum()) for p in parts)
+
+    def pairs(f):
+        with torch.no_grad():
+            return depth_pairs(method, policy.model, policy.drafter, f.input_ids, f.mask, f.out, f.logits)
+
+    together, row, tokens = pairs(joined), 0, float(joined.mask.sum())
+    weighted = 0.0
+    for p in parts:
+        alone, b = pairs(p), p.input_ids.shape[0]
+        weighted += float(p.mask.sum()) / tokens * float(pairs_loss(policy.drafter, alone))
+        for a, t in zip(alone, together):
+            n = a.student.shape[1]
+            torch.testing.assert_close(t.student[row : row + b, :n], a.student, rtol=0, atol=1e-5)
+            assert torch.equal(t.teacher[row : row + b, :n], a.teacher) and torch.equal(t.mask[row : row + b, :n], a.mask)
+            assert not t.mask[row : row + b, n:].any()
+        row += b
+    assert float(pairs_loss(policy.drafter, together)) == pytest.approx(weighted, abs=1e-6)
+    for budget in range(1, 400, 20):
+        for batch in policy_mod.pack(parts, budget) + policy_mod.pack(parts[::-1], budget):
+            b, t = batch.input_ids.shape
+            assert b * t <= budget or any(batch is p for p in parts)  # only a part alone may exceed it
 
 
 @pytest.mark.parametrize("budget", [0, 160])
