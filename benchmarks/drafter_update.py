@@ -1,0 +1,88 @@
+"""The online drafter update with a minibatch's rows joined (`rl.policy.pack`) against one pass per micro-batch
+slice (how it ran before), side by side in one process.
+
+The main job's policy and MTP head (`checkpoints/tiny-qwen3-deep-careful`, drafts 3, 4 minibatches): one RL step's
+64 rows (20-token prompts; responses of random lengths in a range, as the main job writes early and late in its
+run) are cut into the policy's micro-batches (`grpo.micro_batch_tokens` 1024), their trunk states computed, and
+one update's 4 minibatches (an optimizer step each) timed both ways, alternating which goes first; the main job
+runs 8 of these per RL step (`drafter_train.replay=8`). Prints and writes the median time of each and their ratio.
+
+    python benchmarks/drafter_update.py --out benchmarks/results/drafter_update_packing.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from megatron_spec.bench.common import machine, set_threads, write_json
+from megatron_spec.models import from_pretrained
+from megatron_spec.models.drafters import load_drafter
+from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
+from megatron_spec.rl.microbatch import micro_batches
+from megatron_spec.rl.policy import DrafterInputs, EmbeddedPolicy, minibatches
+
+BUDGET = 1024
+"""The main job's `grpo.micro_batch_tokens`; a budget of 1 makes `pack` join nothing (the path before it)."""
+
+
+def step_inputs(model, lengths: list[int], prompt: int) -> list[DrafterInputs]:
+    """One step's micro-batches as the policy's forward leaves them for the drafter."""
+    out = []
+    for group in micro_batches(lengths, BUDGET):
+        T = max(lengths[i] for i in group)
+        ids = torch.randint(3, model.config.vocab_size, (len(group), T))
+        mask = torch.zeros(len(group), T, dtype=torch.bool)
+        for row, i in enumerate(group):
+            mask[row, prompt : lengths[i]] = True
+        with torch.no_grad():
+            trunk = model.trunk(ids, capture=())
+            out.append(DrafterInputs(ids, mask, trunk, model.lm_head(trunk.hidden)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranges", nargs="+", default=["30-80", "30-160", "120-160"], help="response lengths, lo-hi")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default="benchmarks/results/drafter_update_packing.json")
+    args = p.parse_args(argv)
+    set_threads(args.threads)
+    torch.manual_seed(0)
+    model = from_pretrained("checkpoints/tiny-qwen3-deep-careful")
+    drafter = load_drafter("checkpoints/tiny-qwen3-deep-careful-mtp", model.config)
+    policy = EmbeddedPolicy(model, GRPOSection(lr=1e-4), dict(temperature=1.0, top_k=0, top_p=1.0), drafter, "mtp",
+                            DrafterTrainSection(drafts=3, replay=8, minibatches=4))
+    rng, rows = random.Random(0), []
+    for spec in args.ranges:
+        lo, hi = map(int, spec.split("-"))
+        forwards = step_inputs(model, [20 + rng.randint(lo, hi) for _ in range(64)], prompt=20)
+        tokens = float(sum(f.mask.sum() for f in forwards))
+        times: dict[int, list[float]] = {1: [], BUDGET: []}
+        for rep in range(args.repeats + 1):
+            for budget in (1, BUDGET) if rep % 2 else (BUDGET, 1):
+                batches = minibatches(forwards, tokens, 4, budget)
+                start = time.perf_counter()
+                for parts, count in batches:
+                    policy.drafter_pass(parts, count, learn=True, measure=False)
+                if rep:  # the first round warms both up
+                    times[budget].append(time.perf_counter() - start)
+        passes = {b: sum(len(parts) for parts, _ in minibatches(forwards, tokens, 4, b)) for b in times}
+        row = {"responses": spec, "micro_batches": len(forwards), "passes_unjoined": passes[1],
+               "passes_joined": passes[BUDGET], "unjoined_s": statistics.median(times[1]),
+               "joined_s": statistics.median(times[BUDGET])}
+        row["speedup"] = row["unjoined_s"] / row["joined_s"]
+        rows.append(row)
+        print(f"responses {spec}: {row['micro_batches']} micro-batches, passes {passes[1]} -> {passes[BUDGET]}, "
+              f"one update {row['unjoined_s']:.3f} s -> {row['joined_s']:.3f} s ({row['speedup']:.2f}x)")
+    print(f"wrote {write_json(args.out, {'benchmark': 'drafter_update_packing', 'machine': machine(), 'rows': rows})}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
