@@ -124,7 +124,7 @@ def pack(parts: list[DrafterInputs], budget: int) -> list[DrafterInputs]:
 
 
 def minibatches(forwards: list[DrafterInputs], tokens: float, count: int,
-                budget: int = 0) -> list[tuple[list[DrafterInputs], float]]:
+                budget: int) -> list[tuple[list[DrafterInputs], float]]:
     """One step's micro-batches (with `tokens` generated tokens) dealt into `count` minibatches, row i of each to
     minibatch i mod count, each with its generated tokens and its rows packed into batches of up to `budget` tokens
     (`pack`); a minibatch with no rows is left out. With count 1: the step's micro-batches as they are."""
