@@ -6,6 +6,7 @@ Reads top to bottom: embed -> N x (attention, MLP or MoE, both pre-norm residual
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -15,7 +16,8 @@ from .. import kernels
 from .config import ModelConfig
 from .kv_cache import BatchView
 from .layers import MLP, Attention, AttentionCache, MoE, RMSNorm, rope_cos_sin
-from .packed import kernel_takes, packable, packed
+from . import packed as packing
+from .packed import KERNEL_ROWS, packed
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
@@ -39,7 +41,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache | None) -> Tensor:
-        if isinstance(cache, BatchView) and isinstance(self.mlp, MLP) and self.one_kernel(x):
+        if isinstance(cache, BatchView) and self.one_kernel(x):
             return self.fused(x, cos, sin, cache)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -51,22 +53,70 @@ class DecoderLayer(nn.Module):
     def one_kernel(self, x: Tensor) -> bool:
         """Whether the engine's forward of `x` may run as `fused`: each of the modules' own forwards would take
         the kernels (the norms, the attention kernels, the kernels' linear for every projection)."""
-        groups = self.projections()
-        return (packable(x, groups[0]) and self.input_layernorm.weight.dtype == x.dtype
-                and all(kernel_takes(x, group) for group in groups))
+        return self.plan().takes(x)
+
+    def plan(self) -> FusedPlan:
+        """This layer's `FusedPlan`, rebuilt when any of its parameters changed (`params_key`)."""
+        plan = FUSED_PLANS.get(self)
+        if plan is None or plan.key != params_key(plan.params):
+            plan = FUSED_PLANS[self] = FusedPlan.of(self)
+        return plan
 
     def fused(self, x: Tensor, cos: Tensor, sin: Tensor, cache: BatchView) -> Tensor:
         """This layer in one kernel call (`kernels.decoder_layer`): the kernels its modules' forwards would call,
         in the same order, so the same bits, without the ~20 torch ops and Python calls between them (at a batch
         of one those cost about a quarter of a SmolLM2 step on 2 cores)."""
         attn = self.self_attn
-        qkv, o, gate_up, down = (packed(group) for group in self.projections())
-        q_norm, k_norm = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
-        return kernels.decoder_layer(
-            x, cos, sin, (self.input_layernorm.weight, self.post_attention_layernorm.weight), self.input_layernorm.eps,
-            (qkv.plain, qkv.bias), (o.plain, o.bias), (q_norm, k_norm), 0.0 if attn.q_norm is None else attn.q_norm.eps,
-            gate_up.plain, down.plain, *cache.layer_cache(attn.layer), cache.slots, cache.positions, attn.n_heads,
-            attn.n_kv)
+        return kernels.decoder_layer(x, cos, sin, *FUSED_PLANS[self].weights, *cache.layer_cache(attn.layer),
+                                     cache.slots, cache.positions, attn.n_heads, attn.n_kv)
+
+
+@dataclass
+class FusedPlan:
+    """What `DecoderLayer.fused` hands the kernel, worked out once per change of the layer's weights rather than on
+    every forward: finding the layer's packs through its modules' attributes and checking each group's kernel
+    conditions took longer than the fused kernel itself on the main job's tiny model (~100 us of Python a layer,
+    a third of a batch-1 decode step)."""
+
+    params: tuple[Tensor, ...]
+    """The layer's parameters when the plan was made."""
+    key: tuple
+    """Their `params_key` then: any in-place update (optimizer step, refit), new storage or re-assigned parameter
+    changes it, and the plan is made again."""
+    dtype: torch.dtype
+    max_rows: int
+    """The most input rows (B x T) the fused path takes: each group's `packed.kernel_takes` bound; 0 where it never
+    applies (an MoE layer, an input size that is not a multiple of 8, weights that are inference tensors or of
+    mixed dtypes)."""
+    weights: tuple
+    """`kernels.decoder_layer`'s arguments from the norms to the MLP's down projection."""
+
+    def takes(self, x: Tensor) -> bool:
+        return x.dtype == self.dtype and x.numel() <= self.max_rows * x.shape[-1] and kernels.usable(x)
+
+    @classmethod
+    def of(cls, layer: DecoderLayer) -> FusedPlan:
+        params = tuple(layer.parameters())
+        dtype, weights, max_rows = params[0].dtype, (), 0
+        if isinstance(layer.mlp, MLP) and dtype in KERNEL_ROWS and all(p.dtype == dtype for p in params) \
+                and not any(p.is_inference() for p in params) \
+                and all(m.in_features % 8 == 0 for group in layer.projections() for m in group):
+            attn, norm = layer.self_attn, layer.input_layernorm
+            qkv, o, gate_up, down = (packed(group) for group in layer.projections())
+            q_norm, k_norm = (None, None) if attn.q_norm is None else (attn.q_norm.weight, attn.k_norm.weight)
+            weights = ((norm.weight, layer.post_attention_layernorm.weight), norm.eps, (qkv.plain, qkv.bias),
+                       (o.plain, o.bias), (q_norm, k_norm), 0.0 if attn.q_norm is None else attn.q_norm.eps,
+                       gate_up.plain, down.plain)
+            max_rows = KERNEL_ROWS[dtype]
+        return cls(params, params_key(params), dtype, max_rows, weights)
+
+
+FUSED_PLANS: weakref.WeakKeyDictionary[DecoderLayer, FusedPlan] = weakref.WeakKeyDictionary()
+"""Plans by layer, kept beside the layers (as `packed.PACKS` is) so a model still deep-copies and pickles."""
+
+
+def params_key(params: tuple[Tensor, ...]) -> tuple:
+    return (packing.registrations(), *[(p.data_ptr(), p._version) for p in params])
 
 
 @dataclass

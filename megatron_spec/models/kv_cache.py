@@ -68,11 +68,12 @@ class BatchView:
         self.cache = cache
         device = cache.k.device
         B, T = len(slots), num_tokens
-        start = torch.tensor(starts, device=device)
         # Only padding can run past the end (the engine sizes the cache for every real token plus the drafts), so
-        # clamping parks padded writes on the last row, which no real token ever uses.
-        self.positions = (start[:, None] + torch.arange(T, device=device)).clamp_(max=cache.max_len - 1)
-        longest = int(self.positions.max()) + 1
+        # clamping parks padded writes on the last row, which no real token ever uses. Built in Python and made a
+        # tensor once: tensor arithmetic here (and reading the longest back) cost several small ops a forward.
+        last = cache.max_len - 1
+        self.positions = torch.tensor([[min(s + t, last) for t in range(T)] for s in starts], device=device)
+        longest = min(max(starts) + T - 1, last) + 1
         self.kv_len = min(longest + -longest % KV_BLOCK, cache.max_len)
         self.slots = torch.tensor(slots, device=device)
         contiguous = slots == list(range(slots[0], slots[0] + B))

@@ -88,6 +88,24 @@ PACKS: weakref.WeakKeyDictionary[nn.Module, Pack] = weakref.WeakKeyDictionary()
 pickles (oneDNN's blocked tensors have no storage to copy), and a pack goes when its layers go."""
 
 
+_registrations = 0
+
+
+def registrations() -> int:
+    """How many parameters any module has registered in this process (constructions, assignments such as
+    `module.weight = p`, `load_state_dict(..., assign=True)`): a cache keyed on parameters it found through their
+    modules is stale once this moves, even if the parameters it holds did not change."""
+    return _registrations
+
+
+def _count_registration(module: nn.Module, name: str, param) -> None:
+    global _registrations
+    _registrations += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+
+
 def linears(x: Tensor, *layers: nn.Linear) -> tuple[Tensor, ...]:
     """`x` through each of `layers` (all reading x's last dimension): one output per layer."""
     if not packable(x, layers):

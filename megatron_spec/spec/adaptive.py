@@ -57,6 +57,7 @@ PRIOR_SEQS = 4  # how many sequences' worth of evidence that prior counts as
 PROBE_STEPS = 2  # plain steps in a row per probe: the engine times only a plain step that follows a plain one
 CORRECTION_MIN = 3  # realized/predicted ratios a (batch octave, k) cell needs before they scale its predicted rate
 CORRECTION_HORIZON = 4  # probe periods (probe_every steps each) a realized/predicted ratio stays valid
+TRIAL_STEPS = CORRECTION_MIN + 2  # steps a trial of one k deeper holds its octave (a new shape's first is dropped)
 
 
 class AdaptiveController:
@@ -79,6 +80,7 @@ class AdaptiveController:
         self._step_fit = self._draft_fit = None
         self._realized: dict[tuple[int, int], deque] = {}  # (batch octave, k) -> (step, realized / predicted)
         self._outcome_shapes: set[tuple[int, int]] = set()  # (batch, k) whose first outcome was dropped
+        self._trials: dict[int, tuple[int, int]] = {}  # batch octave -> (k on trial, step the trial began)
 
     # -- measurements -----------------------------------------------------------------------------------------
     def record_step(self, batch: int, tokens: int, seconds: float) -> None:
@@ -158,6 +160,9 @@ class AdaptiveController:
         self.steps += 1
         if -self.steps % self.probe_every < PROBE_STEPS:  # the last steps of every probe_every
             return 0  # re-measure plain decoding so the comparison never goes stale (the engine times the second)
+        trial = self._trials.get(octave(batch))
+        if trial and self.steps - trial[1] < TRIAL_STEPS:
+            return trial[0]
         cached = self._decisions.get(batch)
         if cached is not None and self.steps - cached[1] < self.decide_every:
             return cached[0]
@@ -165,7 +170,25 @@ class AdaptiveController:
             return 1 if self.steps % 4 >= 2 else 0  # explore: pairs of k=1 probes (the engine times the second)
         k = self.best_k(batch)
         self._decisions[batch] = (k, self.steps)
-        return k
+        return self.try_deeper(batch, k)
+
+    def try_deeper(self, batch: int, k: int) -> int:
+        """k + 1 instead of the chosen k for the octave's next TRIAL_STEPS steps, where k >= 1 pays, k + 1 has no
+        outcomes of its own in the octave and no trial began there within a probe period; else k.
+
+        The fitted cost is linear in B * T, but a CPU's kernels do more rows per second the more rows they get, so
+        on a large batch the fit prices a deep verify dearer than it runs, and an untried k never gets the outcomes
+        that would correct it (main job's rollout at B=33-64: k=1 chosen, k=3 never tried, 1.21x where k=3 on
+        every step gave 1.34x). A trial only ever goes one deeper than a k that already pays, so where speculation
+        loses (k = 0) nothing is tried, and a deeper k that loses is tried again only after its outcomes expire
+        (CORRECTION_HORIZON probe periods)."""
+        cell = octave(batch)
+        trial = self._trials.get(cell)
+        if not 1 <= k < self.k_max or self._correction(batch, k + 1) is not None \
+                or (trial and self.steps - trial[1] < self.probe_every):
+            return k
+        self._trials[cell] = (k + 1, self.steps)
+        return k + 1
 
     def best_k(self, batch: int) -> int:
         self.refresh_fits()
