@@ -42,6 +42,11 @@ a new row count cost 6.8 ms against 4.1 ms again on the deep tiny model). Ratios
 probe periods: a cell the controller stopped choosing gets no new ones, and a stale low median (formed while the
 drafter was still catching up, say) would otherwise rule it out for the engine's whole life. In the main job that
 lock-in kept one seed at k=1 for all 50 RL steps (acceptance length 2.0 where k=3 gave 3.4).
+
+An outcome corrects only a k that runs, so where the model underprices a deeper k than the one it picks, nothing
+would ever show it. Once per probe period an octave whose choice already speculates tries one k deeper for
+TRIAL_STEPS steps (`try_deeper`); where plain decoding is the choice nothing is tried, so a setting where
+speculation cannot pay pays nothing for the trials.
 """
 
 from __future__ import annotations

@@ -284,6 +284,49 @@ def test_a_whole_layer_in_one_call_is_the_modules_kernels_bit_for_bit(dtype, qk_
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
 
 
+def test_the_fused_layer_sees_every_change_of_its_weights(monkeypatch):
+    """`DecoderLayer.fused` reads weights it looked up once per change of the layer's parameters (`FusedPlan`).
+    After an in-place update (what an optimizer step or a refit's `copy_` does), after re-assigning a parameter
+    (`module.weight = p`) and after `load_state_dict(..., assign=True)`, the fused layer computes what its modules
+    compute from the new weights, bit for bit, as it does before any change; each change moves the output, so a
+    plan that missed one (old packs) would differ by O(1), not by rounding."""
+    torch.manual_seed(0)
+    cfg = preset("tiny-qwen3")
+    model = CausalLM(cfg).eval()
+    model.reset_parameters(std=0.15)
+    layer = model.model.layers[0]
+    torch.manual_seed(1)
+    x = torch.randn(2, 3, cfg.hidden_size)
+    positions = torch.tensor([[5], [17]]) + torch.arange(3)
+    cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, torch.float32)
+
+    def forward(fused: bool) -> torch.Tensor:
+        cache = KVCache(cfg.num_hidden_layers, 3, 64, cfg.num_key_value_heads, cfg.head_dim)
+        with monkeypatch.context() as m, torch.inference_mode():
+            if not fused:
+                m.setattr(DecoderLayer, "one_kernel", lambda self, x: False)
+            return layer(x, cos, sin, cache.view([2, 0], [5, 17], 3))
+
+    def in_place():
+        with torch.no_grad():
+            layer.self_attn.q_proj.weight.mul_(1.5)
+
+    def reassigned():
+        layer.mlp.down_proj.weight = torch.nn.Parameter(2 * layer.mlp.down_proj.weight.detach())
+
+    def loaded():
+        layer.load_state_dict({name: 0.5 * t for name, t in layer.state_dict().items()}, assign=True)
+
+    before = forward(True)
+    assert torch.equal(before, forward(False))
+    for change in (in_place, reassigned, loaded):
+        change()
+        after = forward(True)
+        assert torch.equal(after, forward(False)), change.__name__
+        assert (after - before).abs().max() > 0.1, change.__name__
+        before = after
+
+
 def test_engine_takes_the_kernels_and_decodes_as_torch_does(tiny_model):
     """The engine's forwards (prefill, decode) go through the kernels: every layer of every forward is one
     `decoder_layer` call (all of them have at most KERNEL_ROWS rows). Greedy tokens equal torch's path, and the completions' log-probs agree to 1e-4 (the tiny model's

@@ -507,3 +507,39 @@ def test_adaptive_untried_k_shares_plain_decodings_correction():
     for _ in range(CORRECTION_MIN + 1):  # plain faster than the model at B=8: no boost for k=1, untried there
         outcome(8, 0, 1.3)
     assert ctl.correction(8, 0) == pytest.approx(1.3) and ctl.correction(8, 1) == 1.0
+
+
+def test_adaptive_tries_one_k_deeper_only_where_speculation_pays():
+    """The fitted costs (a step 4 ms + 0.1 ms a row) and acceptances 0.9 / 0.5 / 0.5 make k=1 the best choice at
+    B=64 (7.24 tokens/ms against 6.48 for k=2 and 6.15 plain), but a fit linear in rows can underprice a deep
+    verify on a CPU, and k=2 without outcomes would never be tried. So the first decision tries k=2 for
+    TRIAL_STEPS steps on the whole octave (B=40 too), then k=1 returns; once k=2's steps ran 1.3x faster than
+    predicted (CORRECTION_MIN outcomes after the first of its shape), k=2 is chosen. No second trial in the octave
+    within a probe period. Where speculation loses (acceptance 0.1: plain decoding is the choice) nothing deeper is
+    ever tried, so a setting where speculation cannot pay keeps paying nothing for the trials."""
+    from megatron_spec.spec.adaptive import CORRECTION_MIN, PROBE_STEPS, TRIAL_STEPS
+
+    def controller(accept):
+        ctl = AdaptiveController(k_max=3)
+        for b in (32, 64):
+            for t in (1, 2, 3, 4):
+                for _ in range(3):
+                    ctl.record_step(b, t, 0.004 + 0.0001 * b * t)
+        ctl.record_draft(64, 1, 0.0)
+        ctl.record_draft(64, 1, 0.0)
+        ctl.accept[:] = accept
+        return ctl
+
+    ctl = controller([0.9, 0.5, 0.5])
+    assert ctl.best_k(64) == 1
+    trial = [ctl.choose_k(64 if i % 2 else 40) for i in range(TRIAL_STEPS)]
+    assert trial == [2] * TRIAL_STEPS
+    assert ctl.choose_k(64) == 1
+    for _ in range(CORRECTION_MIN + 1):
+        ctl.record_outcome(64, 2, 10, 10 / (1.3 * ctl.rate(64, 2)))
+    assert ctl.best_k(64) == 2
+    rest_of_period = [ctl.choose_k(64) for _ in range(ctl.probe_every - TRIAL_STEPS - PROBE_STEPS - 2)]
+    assert rest_of_period[-1] == 2 and 3 not in rest_of_period  # k=2 decided; k=3 waits for the next period
+    assert 3 in [ctl.choose_k(64) for _ in range(2 * ctl.decide_every + PROBE_STEPS)]
+    ctl = controller([0.1, 0.1, 0.1])
+    assert set(ctl.choose_k(64) for _ in range(3 * ctl.probe_every)) == {0}
