@@ -309,7 +309,7 @@ def test_the_fused_layer_sees_every_change_of_its_weights(monkeypatch):
 
     def in_place():
         with torch.no_grad():
-            layer.self_attn.q_proj.weight.mul_(1.5)
+            layer.mlp.up_proj.weight.mul_(1.5)  # one of a concatenated pair: its pack is a copy
 
     def reassigned():
         layer.mlp.down_proj.weight = torch.nn.Parameter(2 * layer.mlp.down_proj.weight.detach())
