@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from .config import ModelConfig
 from .decoder import CausalLM, init_weights
 from .layers import MLP, Attention, AttentionCache, RMSNorm, rope_cos_sin
+from .packed import linears
 
 Embed = Callable[[Tensor], Tensor]
 """Token ids [B, T] -> the target's embeddings [B, T, H] (`CausalLM.embed`)."""
@@ -209,7 +210,7 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, captured: dict[int, Tensor]) -> Tensor:
         """[B, T, H] from the target's captured layer outputs (`TrunkOutput.layers`), low, mid, high in order."""
-        return self.fc(self.stack(captured))
+        return linears(self.stack(captured), self.fc)[0]
 
     def stack(self, captured: dict[int, Tensor]) -> Tensor:
         """The unfused input of `fuse`, [B, T, 3H] (the engine stores the captured layers side by side like this and
@@ -239,7 +240,7 @@ class Eagle3Head(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = rope_cos_sin(positions, self.target_config.head_dim, self.target_config.rope_theta, hidden.dtype)
         out = self.midlayer(hidden, embed(input_ids).detach(), cos, sin, cache)
-        return out, self.lm_head(self.norm(out))
+        return out, linears(self.norm(out), self.lm_head)[0]
 
 
 def captured_layers(drafter) -> tuple[int, ...]:

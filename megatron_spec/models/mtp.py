@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from .config import ModelConfig
 from .decoder import CausalLM, DecoderLayer, init_weights
 from .layers import AttentionCache, RMSNorm, rope_cos_sin
+from .packed import linears, packable
 
 Embed = Callable[[Tensor], Tensor]
 """Token ids [B, T] -> the target's embeddings [B, T, H] (`CausalLM.embed`)."""
@@ -68,7 +69,9 @@ class MTPLayer(nn.Module):
     def forward(
         self, hidden: Tensor, token_embeds: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache | None
     ) -> Tensor:
-        x = self.eh_proj(torch.cat((self.enorm(token_embeds), self.hnorm(hidden)), dim=-1))
+        # `linears`: packed for the engine's drafting, where an nn.Linear call cost ~50 us a draft on the main job's
+        # tiny head (as much as its whole decoder layer); F.linear, with gradients, anywhere else.
+        x = linears(torch.cat((self.enorm(token_embeds), self.hnorm(hidden)), dim=-1), self.eh_proj)[0]
         return self.final_layernorm(self.transformer_layer(x, cos, sin, cache))
 
 
@@ -123,6 +126,8 @@ class MTP(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = rope_cos_sin(positions, self.target_config.head_dim, self.target_config.rope_theta, hidden.dtype)
         out = self.layers[layer](hidden, embed(input_ids).detach(), cos, sin, cache)
+        if packable(out, (lm_head,)):  # the engine's drafting (no autograd): the packed head, as the target's forward
+            return out, linears(out, lm_head)[0]
         bias = None if lm_head.bias is None else lm_head.bias.detach()
         return out, F.linear(out, lm_head.weight.detach(), bias)
 

@@ -37,8 +37,8 @@ is a prior until a position is seen. So every steady step's realized tokens per 
 the model predicted for it, per (batch-size octave, k), and once a cell holds CORRECTION_MIN such ratios the
 model's rate for that cell is scaled by their median (a median, so one step stalled by the OS does not rule); a k
 with too few outcomes of its own shares plain decoding's scale in that octave when it is below 1 (`correction`). The
-first step of each (batch size, k) is not counted: it builds GEMM kernels for a row count never met (a forward at
-a new row count cost 6.8 ms against 4.1 ms again on the deep tiny model). Ratios expire after CORRECTION_HORIZON
+first step of each GEMM row count (`gemm_rows`) is not counted: it builds GEMM kernels for a row count never met (a
+forward at a new row count cost 6.8 ms against 4.1 ms again on the deep tiny model). Ratios expire after CORRECTION_HORIZON
 probe periods: a cell the controller stopped choosing gets no new ones, and a stale low median (formed while the
 drafter was still catching up, say) would otherwise rule it out for the engine's whole life. In the main job that
 lock-in kept one seed at k=1 for all 50 RL steps (acceptance length 2.0 where k=3 gave 3.4).
@@ -84,7 +84,7 @@ class AdaptiveController:
         self._fit_step = -refit_every  # when the fits were last refreshed
         self._step_fit = self._draft_fit = None
         self._realized: dict[tuple[int, int], deque] = {}  # (batch octave, k) -> (step, realized / predicted)
-        self._outcome_shapes: set[tuple[int, int]] = set()  # (batch, k) whose first outcome was dropped
+        self._outcome_shapes: set[int] = set()  # `gemm_rows` whose first outcome was dropped
         self._trials: dict[int, tuple[int, int]] = {}  # batch octave -> (k on trial, step the trial began)
 
     # -- measurements -----------------------------------------------------------------------------------------
@@ -127,8 +127,8 @@ class AdaptiveController:
         included: kept as a ratio to the rate the model predicts for it (see the module docstring)."""
         if self._step_fit is None or seconds <= 0:
             return  # nothing predicted yet to compare with
-        if (batch, k) not in self._outcome_shapes:
-            self._outcome_shapes.add((batch, k))  # a first step of its shape: one-off costs
+        if gemm_rows(batch * (k + 1)) not in self._outcome_shapes:
+            self._outcome_shapes.add(gemm_rows(batch * (k + 1)))  # a first step of its shape: one-off costs
             return
         ratio = tokens / seconds / self.rate(batch, k)
         self._realized.setdefault((octave(batch), k), deque(maxlen=self.window)).append((self.steps, ratio))
@@ -278,6 +278,14 @@ def physical(coef: tuple[float, ...]) -> bool:
     """A step-time fit (c0, c1[, c2]) whose step does not get cheaper with more tokens per sequence or more
     sequences: c1 >= 0 and c1 + c2 >= 0."""
     return len(coef) < 2 or (coef[1] >= 0 and coef[1] + (coef[2] if len(coef) > 2 else 0.0) >= 0)
+
+
+def gemm_rows(rows: int) -> int:
+    """The row count a step of `rows` input rows runs its GEMMs at: above 8, padded to a multiple of 8
+    (`models.packed.ROW_MULTIPLE`, which this pure module does not import). Only a count never met builds kernels,
+    so only its first outcome is dropped: keyed by (batch, k), the trials of a deeper k in a draining batch (a new
+    size nearly every step) lost most of their outcomes to it and could not correct the model."""
+    return rows if rows <= 8 else -(-rows // 8) * 8
 
 
 def octave(batch: int) -> int:
