@@ -58,9 +58,9 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dt
 
 @functools.lru_cache(maxsize=64)
 def inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> Tensor:
-    """theta^(-2i / head_dim) for i < head_dim / 2, made once per model shape and device: four small ops that were a
-    tenth of a drafting round of the main job's MTP head. Made outside inference mode, so the trainer's forwards
-    may read it too."""
+    """theta^(-2i / head_dim) for i < head_dim / 2, made once per model shape and device rather than in four small
+    ops on every forward (the trunk's and each drafting round's). Made outside inference mode, so the trainer's
+    forwards may read it too."""
     with torch.inference_mode(False):
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
         return 1.0 / (theta**exponents)

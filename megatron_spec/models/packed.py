@@ -136,8 +136,15 @@ def packed_linear(x: Tensor, layers: tuple[nn.Linear, ...]) -> Tensor:
 
 def kernel_takes(x: Tensor, layers: tuple[nn.Linear, ...]) -> bool:
     """Whether the kernels' `linear` computes `x` [..., in] through `layers` (see KERNEL_ROWS). Needs `packable`."""
-    rows = x.numel() // x.shape[-1]
-    return (rows <= KERNEL_ROWS[x.dtype] and all(m.in_features % 8 == 0 for m in layers) and kernels.usable(x))
+    return x.numel() // x.shape[-1] <= kernel_rows(layers) and kernels.usable(x)
+
+
+def kernel_rows(layers: tuple[nn.Linear, ...]) -> int:
+    """The most input rows the kernels' `linear` takes through `layers` in their dtype: KERNEL_ROWS, or 0 where
+    their input size is not a multiple of 8 (its 8-lane sums) or the dtype has no kernel."""
+    if not all(m.in_features % 8 == 0 for m in layers):
+        return 0
+    return KERNEL_ROWS.get(layers[0].weight.dtype, 0)
 
 
 def onednn_rows(rows: Tensor, pack: Pack) -> Tensor:

@@ -183,8 +183,8 @@ class AdaptiveController:
 
         The fitted cost is linear in B * T, but a CPU's kernels do more rows per second the more rows they get, so
         on a large batch the fit prices a deep verify dearer than it runs, and an untried k never gets the outcomes
-        that would correct it (main job's rollout at B=33-64: k=1 chosen, k=3 never tried, 1.21x where k=3 on
-        every step gave 1.34x). A trial only ever goes one deeper than a k that already pays, so where speculation
+        that would correct it (traced in the main job's rollouts: at B=33-64 k=1 or 2 chosen and k=3 never tried,
+        where k=3 on every step was faster). A trial only ever goes one deeper than a k that already pays, so where speculation
         loses (k = 0) nothing is tried, and a deeper k that loses is tried again only after its outcomes expire
         (CORRECTION_HORIZON probe periods)."""
         cell = octave(batch)
