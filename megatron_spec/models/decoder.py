@@ -16,8 +16,7 @@ from .. import kernels
 from .config import ModelConfig
 from .kv_cache import BatchView
 from .layers import MLP, Attention, AttentionCache, MoE, RMSNorm, rope_cos_sin
-from . import packed as packing
-from .packed import kernel_rows, packed
+from .packed import kernel_rows, packed, registrations
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
@@ -41,7 +40,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache | None) -> Tensor:
-        if isinstance(cache, BatchView) and self.one_kernel(x):
+        # The MLP check first: an MoE layer never fuses, and its plan's key would read every expert's weights.
+        if isinstance(cache, BatchView) and isinstance(self.mlp, MLP) and self.one_kernel(x):
             return self.fused(x, cos, sin, cache)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -114,7 +114,7 @@ FUSED_PLANS: weakref.WeakKeyDictionary[DecoderLayer, FusedPlan] = weakref.WeakKe
 
 
 def params_key(params: tuple[Tensor, ...]) -> tuple:
-    return (packing.registrations(), *[(p.data_ptr(), p._version) for p in params])
+    return (registrations(), *[(p.data_ptr(), p._version) for p in params])
 
 
 @dataclass
