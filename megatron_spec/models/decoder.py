@@ -86,7 +86,7 @@ class FusedPlan:
     dtype: torch.dtype
     max_rows: int
     """The most input rows (B x T) the fused path takes: the least of its groups' `packed.kernel_rows` (read when the
-    plan is made); 0 where it never applies (an MoE layer, weights that are inference tensors or of mixed dtypes)."""
+    plan is made); 0 where it never applies (an MoE layer, weights off the CPU, inference tensors or of mixed dtypes)."""
     weights: tuple
     """`kernels.decoder_layer`'s arguments from the norms to the MLP's down projection."""
 
@@ -97,7 +97,9 @@ class FusedPlan:
     def of(cls, layer: DecoderLayer) -> FusedPlan:
         params = tuple(layer.parameters())
         dtype, weights, max_rows = params[0].dtype, (), 0
-        if isinstance(layer.mlp, MLP) and all(p.dtype == dtype for p in params) \
+        # CPU weights only: the kernel and the packs (oneDNN's reorder) exist for the CPU alone, and a plan made for
+        # a layer on the GPU must not pack at all (the GPU tier found a plan that called oneDNN on CUDA weights).
+        if isinstance(layer.mlp, MLP) and all(p.dtype == dtype and p.device.type == "cpu" for p in params) \
                 and not any(p.is_inference() for p in params):
             attn, norm = layer.self_attn, layer.input_layernorm
             qkv, o, gate_up, down = (packed(group) for group in layer.projections())

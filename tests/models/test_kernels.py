@@ -327,6 +327,24 @@ def test_the_fused_layer_sees_every_change_of_its_weights(monkeypatch):
         before = after
 
 
+def test_a_layer_off_the_cpu_gets_a_plan_that_packs_nothing(monkeypatch):
+    """The fused kernel and the packs (oneDNN's weight reorder) are CPU-only: a layer whose weights live elsewhere
+    (the GPU tier's CUDA models; here the meta device, which needs no GPU) must get a plan that never fuses and
+    never packs. A plan that packed anyway called oneDNN on CUDA weights and failed every engine forward there;
+    without the device check this test fails twice over (a pack is made, and max_rows is the kernel bound)."""
+    from megatron_spec.models import decoder
+
+    def no_pack(group):
+        raise AssertionError("packed a layer off the CPU")
+
+    monkeypatch.setattr(decoder, "packed", no_pack)
+    layer = DecoderLayer(preset("tiny-qwen3"), 0).to("meta")
+    plan = layer.plan()
+    assert plan.max_rows == 0 and plan.weights == ()
+    with torch.inference_mode():
+        assert not layer.one_kernel(torch.empty(1, 1, layer.self_attn.q_proj.in_features, device="meta"))
+
+
 def test_engine_takes_the_kernels_and_decodes_as_torch_does(tiny_model):
     """The engine's forwards (prefill, decode) go through the kernels: every layer of every forward is one
     `decoder_layer` call (all of them have at most KERNEL_ROWS rows). Greedy tokens equal torch's path, and the completions' log-probs agree to 1e-4 (the tiny model's
