@@ -51,8 +51,8 @@ class DecoderLayer(nn.Module):
         return (attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj), (mlp.down_proj,)
 
     def one_kernel(self, x: Tensor) -> bool:
-        """Whether the engine's forward of `x` may run as `fused`: each of the modules' own forwards would take
-        the kernels (the norms, the attention kernels, the kernels' linear for every projection)."""
+        """Whether the engine's forward of `x` may run as `fused`: the kernels take it (CPU, inference mode, the
+        layer's dtype) and it has at most the plan's rows (`fused_rows`)."""
         return self.plan().takes(x)
 
     def plan(self) -> FusedPlan:
@@ -63,9 +63,11 @@ class DecoderLayer(nn.Module):
         return plan
 
     def fused(self, x: Tensor, cos: Tensor, sin: Tensor, cache: BatchView) -> Tensor:
-        """This layer in one kernel call (`kernels.decoder_layer`): the kernels its modules' forwards would call,
-        in the same order, so the same bits, without the ~20 torch ops and Python calls between them (at a batch
-        of one those cost about a quarter of a SmolLM2 step on 2 cores)."""
+        """This layer in one kernel call (`kernels.decoder_layer`): the kernels its modules' forwards call up to the
+        linear's row bound, in the same order, so the same bits there, without the ~20 torch ops and Python calls
+        between them (at a batch of one those cost about a quarter of a SmolLM2 step on 2 cores). Past that bound
+        (small layers, `FUSED_LAYER_MACS`) the modules would take oneDNN's GEMMs; the kernels still compute each
+        row alone, so a token's numbers stay the same in a batch of any size up to the plan's rows."""
         attn = self.self_attn
         return kernels.decoder_layer(x, cos, sin, *FUSED_PLANS[self].weights, *cache.layer_cache(attn.layer),
                                      cache.slots, cache.positions, attn.n_heads, attn.n_kv)
@@ -85,8 +87,8 @@ class FusedPlan:
     changes it, and the plan is made again."""
     dtype: torch.dtype
     max_rows: int
-    """The most input rows (B x T) the fused path takes: the least of its groups' `packed.kernel_rows` (read when the
-    plan is made); 0 where it never applies (an MoE layer, weights off the CPU, inference tensors or of mixed dtypes)."""
+    """The most input rows (B x T) the fused path takes (`fused_rows`, read when the plan is made); 0 where it never
+    applies (an MoE layer, weights off the CPU, inference tensors or of mixed dtypes)."""
     weights: tuple
     """`kernels.decoder_layer`'s arguments from the norms to the MLP's down projection."""
 
@@ -107,8 +109,27 @@ class FusedPlan:
             weights = ((norm.weight, layer.post_attention_layernorm.weight), norm.eps, (qkv.plain, qkv.bias),
                        (o.plain, o.bias), (q_norm, k_norm), 0.0 if attn.q_norm is None else attn.q_norm.eps,
                        gate_up.plain, down.plain)
-            max_rows = min(kernel_rows(group) for group in layer.projections())
+            max_rows = fused_rows(layer.projections())
         return cls(params, params_key(params), dtype, max_rows, weights)
+
+
+FUSED_LAYER_MACS = 1 << 25
+"""The fused layer takes inputs of up to this many multiply-adds in its projections (rows x MACs a row), also past the
+kernels' linear's own row bound (`packed.kernel_rows`): on a small layer, the ~20 torch ops and Python calls between
+the modules' kernels cost more than oneDNN's faster GEMMs save. The fused layer against the modules' path at 4
+tokens a sequence (a verify) and 1 (a decode), AVX2 EPYC, 2 threads, one process, alternating (scratch timing, not
+kept), on the main job's deep tiny model (107 K MACs a row; this bound: 312 rows): 1.96 / 1.53 / 1.19x faster at
+32 / 64 / 128 rows; after the linear learned to split rows between threads and sum in registers, 1.14 / 1.15x at
+192 / 256 rows and 0.90 / 0.87x at 320 / 512. On tiny-qwen3 (197 K, 170 rows): 1.09-1.26x at 128, 1.00x at 192.
+SmolLM2's layers (3.5 M MACs a row) keep the linear's bound."""
+
+
+def fused_rows(groups: tuple[tuple[nn.Linear, ...], ...]) -> int:
+    """The most input rows the fused layer over projection `groups` takes: 0 where a group has no kernel linear,
+    else the linear's row bound or FUSED_LAYER_MACS' worth of rows, whichever is more."""
+    bound = min(kernel_rows(group) for group in groups)
+    macs = sum(m.in_features * m.out_features for group in groups for m in group)
+    return max(bound, FUSED_LAYER_MACS // macs) if bound else 0
 
 
 FUSED_PLANS: weakref.WeakKeyDictionary[DecoderLayer, FusedPlan] = weakref.WeakKeyDictionary()

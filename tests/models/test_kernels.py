@@ -8,7 +8,7 @@ import torch
 
 from megatron_spec import kernels
 from megatron_spec.engine import LLMEngine, SamplingParams
-from megatron_spec.models import CausalLM, packed, preset
+from megatron_spec.models import CausalLM, decoder, packed, preset
 from megatron_spec.models.decoder import DecoderLayer
 from megatron_spec.models.kv_cache import KVCache
 from megatron_spec.models.layers import RMSNorm, attend, rope_cos_sin
@@ -327,13 +327,59 @@ def test_the_fused_layer_sees_every_change_of_its_weights(monkeypatch):
         before = after
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_small_layer_fuses_past_the_linears_row_bound_and_each_token_keeps_its_bits(dtype, monkeypatch):
+    """A small layer (tiny-qwen3: 197 K multiply-adds a row) takes the fused path up to FUSED_LAYER_MACS' worth of
+    rows (170), past the kernels' linear's own bound (16 fp32 / 32 bf16), while SmolLM2's layers keep that bound.
+    A decode of 64 sequences is one kernel call a layer, and each sequence's output is bitwise what it gets decoded
+    alone (the kernels compute each row alone); against the modules' path, which takes oneDNN's GEMMs at 64 rows,
+    it agrees to rounding. Tolerance: each sum has up to 384 terms of |w x| ~ 0.15, so |terms| add to ~60 and a
+    reordered fp32 sum differs by ~60 x 6e-8 ~ 4e-6; the layer's later projections scale that by their gain (~3
+    each, std 0.15 x sqrt(384)), so up to ~1e-4 (seen: 1.5e-5). bf16 outputs differ by up to a bf16 step of |y| ~ 4
+    (2^-6). A dropped weight, bias or row misses by O(0.1-1)."""
+    torch.manual_seed(0)
+    cfg = preset("tiny-qwen3")
+    layer = CausalLM(cfg).to(dtype).eval().model.layers[0]
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.15) if p.dim() > 1 else torch.nn.init.uniform_(p, 0.5, 1.5)
+    macs = sum(m.in_features * m.out_features for group in layer.projections() for m in group)
+    assert layer.plan().max_rows == decoder.FUSED_LAYER_MACS // macs == 170 > packed.KERNEL_ROWS[dtype]
+    smol = dataclasses.replace(cfg, hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                               num_key_value_heads=3, head_dim=64)
+    assert decoder.fused_rows(DecoderLayer(smol, 0).to(dtype).projections()) == packed.KERNEL_ROWS[dtype]
+
+    B = 64
+    torch.manual_seed(1)
+    x = torch.randn(B, 1, cfg.hidden_size).to(dtype)
+    starts = [3 + b % 7 for b in range(B)]
+    cos, sin = rope_cos_sin(torch.tensor(starts)[:, None], cfg.head_dim, cfg.rope_theta, dtype)
+    calls = []
+    saved = kernels.decoder_layer
+    monkeypatch.setattr(kernels, "decoder_layer", lambda *a: calls.append(a[0].shape[0]) or saved(*a))
+
+    def forward(rows: slice) -> torch.Tensor:
+        cache = KVCache(cfg.num_hidden_layers, B, 32, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype)
+        torch.manual_seed(2)
+        cache.k.normal_()
+        cache.v.normal_()
+        with torch.inference_mode():
+            return layer(x[rows], cos[rows], sin[rows], cache.view(list(range(B))[rows], starts[rows], 1))
+
+    batch = forward(slice(None))
+    assert calls == [B]
+    for b in (0, 17, 63):
+        assert torch.equal(forward(slice(b, b + 1))[0], batch[b])
+    monkeypatch.setattr(DecoderLayer, "one_kernel", lambda self, x: False)
+    modules = forward(slice(None))
+    tol = 1e-4 if dtype == torch.float32 else 2.0**-6
+    torch.testing.assert_close(batch.float(), modules.float(), rtol=tol, atol=tol)
+
+
 def test_a_layer_off_the_cpu_gets_a_plan_that_packs_nothing(monkeypatch):
     """The fused kernel and the packs (oneDNN's weight reorder) are CPU-only: a layer whose weights live elsewhere
     (the GPU tier's CUDA models; here the meta device, which needs no GPU) must get a plan that never fuses and
     never packs. A plan that packed anyway called oneDNN on CUDA weights and failed every engine forward there;
     without the device check this test fails twice over (a pack is made, and max_rows is the kernel bound)."""
-    from megatron_spec.models import decoder
-
     def no_pack(group):
         raise AssertionError("packed a layer off the CPU")
 
