@@ -110,6 +110,19 @@ def decoder_layer(x: Tensor, cos: Tensor, sin: Tensor, norms: tuple[Tensor, Tens
                                                  k_cache, v_cache, slots, positions, heads, kv_heads)
 
 
+def mtp_layer(hidden: Tensor, embeds: Tensor, norms: tuple[Tensor, Tensor], eps: float, eh: Tensor,
+              final_norm: Tensor, final_eps: float, cos: Tensor, sin: Tensor, layer: tuple, k_cache: Tensor,
+              v_cache: Tensor, slots: Tensor, positions: Tensor, heads: int, kv_heads: int) -> Tensor:
+    """An MTP depth's normed output state for the target's `hidden` and the next tokens' `embeds` [B, T, hidden]:
+    its embedding / hidden norm weights, its [embedding, hidden] projection `eh` [hidden, 2 hidden], its final
+    norm, and its decoder layer's arguments as `decoder_layer` takes them from the norms on (`layer`, a
+    `FusedPlan`'s weights)."""
+    norm_weights, layer_eps, qkv, o, qk_norms, qk_eps, gate_up, down = layer
+    return torch.ops.megatron_spec.mtp_layer(hidden, embeds, *norms, eps, eh, final_norm, final_eps, cos, sin,
+                                             *norm_weights, layer_eps, *qkv, *o, *qk_norms, qk_eps, gate_up, down,
+                                             k_cache, v_cache, slots, positions, heads, kv_heads)
+
+
 @functools.cache
 def loaded() -> bool:
     """Build (once) and load the library; False, with a warning, where it cannot be built."""

@@ -437,6 +437,26 @@ Tensor decoder_layer(const Tensor& x, const Tensor& cos, const Tensor& sin, cons
   return h + stream_linear(act, w_down, c10::nullopt).view({B, Tn, H});
 }
 
+// One MTP depth of the engine's drafting (`models/mtp.py`, MTPLayer), from the kernels its modules call, in their
+// order: out = final_norm(layer(eh([enorm(embeds), hnorm(hidden)]))). Drafting runs a depth per round, several
+// rounds a step, and on a tiny head the ~10 Python calls and torch ops around its decoder layer cost more than the
+// layer itself.
+Tensor mtp_layer(const Tensor& hidden, const Tensor& embeds, const Tensor& enorm, const Tensor& hnorm, double eps,
+                 const Tensor& w_eh, const Tensor& final_norm, double final_eps, const Tensor& cos, const Tensor& sin,
+                 const Tensor& in_norm, const Tensor& post_norm, double layer_eps, const Tensor& w_qkv,
+                 const c10::optional<Tensor>& b_qkv, const Tensor& w_o, const c10::optional<Tensor>& b_o,
+                 const c10::optional<Tensor>& q_norm, const c10::optional<Tensor>& k_norm, double qk_eps,
+                 const Tensor& w_gate_up, const Tensor& w_down, Tensor k_cache, Tensor v_cache, const Tensor& slots,
+                 const Tensor& positions, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(hidden.dim() == 3 && embeds.sizes() == hidden.sizes(), "mtp_layer: hidden and embeds are [B, T, hidden]");
+  const int64_t B = hidden.size(0), Tn = hidden.size(1), H = hidden.size(2);
+  const Tensor joined = at::cat({rms_norm(embeds, enorm, eps), rms_norm(hidden, hnorm, eps)}, -1);
+  const Tensor x = stream_linear(joined.reshape({-1, 2 * H}), w_eh, c10::nullopt).view({B, Tn, H});
+  const Tensor out = decoder_layer(x, cos, sin, in_norm, post_norm, layer_eps, w_qkv, b_qkv, w_o, b_o, q_norm, k_norm,
+                                   qk_eps, w_gate_up, w_down, k_cache, v_cache, slots, positions, heads, kv_heads);
+  return rms_norm(out, final_norm, final_eps);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(megatron_spec, m) {
@@ -452,4 +472,10 @@ TORCH_LIBRARY(megatron_spec, m) {
         "Tensor w_down, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor positions, int heads, "
         "int kv_heads) -> Tensor",
         decoder_layer);
+  m.def("mtp_layer(Tensor hidden, Tensor embeds, Tensor enorm, Tensor hnorm, float eps, Tensor w_eh, Tensor final_norm, "
+        "float final_eps, Tensor cos, Tensor sin, Tensor in_norm, Tensor post_norm, float layer_eps, Tensor w_qkv, "
+        "Tensor? b_qkv, Tensor w_o, Tensor? b_o, Tensor? q_norm, Tensor? k_norm, float qk_eps, Tensor w_gate_up, "
+        "Tensor w_down, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor positions, int heads, "
+        "int kv_heads) -> Tensor",
+        mtp_layer);
 }

@@ -64,12 +64,12 @@ def verify_sampled(
     p_n = target_probs[rows, n]
     rejected = n < draft_len
     if draft_probs is None:
-        q_n = torch.zeros_like(p_n)
-        q_n[rows[rejected], drafts[rows[rejected], n[rejected]]] = 1.0
+        # max(p - one-hot(x_n), 0) is p with x_n's mass removed: the same values, in a few ops and no boolean
+        # indexing (whose nonzero calls were a visible part of a ~1 ms step on the tiny models).
+        x_n = drafts.gather(1, n.clamp(max=k - 1)[:, None])
+        residual = p_n.scatter(1, x_n, torch.where(rejected[:, None], 0.0, p_n.gather(1, x_n)))
     else:
-        q_n = draft_probs[rows, n.clamp(max=k - 1)] * rejected[:, None]
-    residual = (p_n - q_n).clamp_min(0)
+        residual = (p_n - draft_probs[rows, n.clamp(max=k - 1)] * rejected[:, None]).clamp_min(0)
     # A residual that is all zero can only happen with probability zero (p == q and a rejection); fall back to p.
-    empty = residual.sum(-1) <= 0
-    residual[empty] = p_n[empty]
+    residual = torch.where(residual.sum(-1, keepdim=True) <= 0, p_n, residual)
     return Verdict(n, sample_inverse_cdf(residual, u_next))

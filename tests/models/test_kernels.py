@@ -11,6 +11,7 @@ from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.models import CausalLM, decoder, packed, preset
 from megatron_spec.models.decoder import DecoderLayer
 from megatron_spec.models.kv_cache import KVCache
+from megatron_spec.models.mtp import MTP, MTPConfig, MTPLayer
 from megatron_spec.models.layers import RMSNorm, attend, rope_cos_sin
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -282,6 +283,44 @@ def test_a_whole_layer_in_one_call_is_the_modules_kernels_bit_for_bit(dtype, qk_
     assert calls == [1]
     assert torch.equal(fused, modules)
     assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_mtp_depth_in_one_call_is_its_modules_kernels_bit_for_bit(dtype, monkeypatch):
+    """`kernels.mtp_layer` runs the kernels an MTP depth's modules call (its norms, the [embedding, hidden]
+    projection, its decoder layer, its final norm), so at row counts where each module takes the kernels (a
+    chained round of 2 sequences, a catch-up of 2 x 3 positions) its state and the keys and values it stores are
+    bitwise those of the modules' path, in fp32 and bf16, and the depth takes it exactly once per call. Norm
+    weights and the hidden state are not the init's ones, so a swapped or dropped norm would show."""
+    torch.manual_seed(0)
+    cfg = preset("tiny-qwen3")
+    head = MTP(cfg, MTPConfig(num_layers=1)).to(dtype).eval()
+    head.reset_parameters(std=0.15)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    depth = head.layers[0]
+    calls = []
+    saved = kernels.mtp_layer
+    monkeypatch.setattr(kernels, "mtp_layer", lambda *a: calls.append(1) or saved(*a))
+    for T in (1, 3):
+        torch.manual_seed(T)
+        hidden, embeds = (torch.randn(2, T, cfg.hidden_size).to(dtype) for _ in range(2))
+        positions = torch.tensor([[5], [17]]) + torch.arange(T)
+        cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
+        caches = [KVCache(1, 3, 64, cfg.num_key_value_heads, cfg.head_dim, dtype=dtype,
+                          first_layer=cfg.num_hidden_layers) for _ in range(2)]
+        outs = []
+        for cache, fused in zip(caches, (True, False)):
+            with monkeypatch.context() as m, torch.inference_mode():
+                if not fused:
+                    m.setattr(MTPLayer, "one_kernel", lambda self, x: False)
+                outs.append(depth(hidden, embeds, cos, sin, cache.view([2, 0], [5, 17], T)))
+        assert torch.equal(outs[0], outs[1]), T
+        assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+        assert caches[0].k.abs().sum() > 0
+    assert calls == [1, 1]
 
 
 def test_the_fused_layer_sees_every_change_of_its_weights(monkeypatch):
