@@ -82,8 +82,9 @@ class MTPLayer(nn.Module):
         """Whether the engine's drafting may run this depth as `fused`: its decoder layer fuses `x`'s rows, the
         projection has a kernel linear and every weight has `x`'s dtype."""
         layer = self.transformer_layer
+        own = (self.enorm, self.hnorm, self.eh_proj, self.final_layernorm)
         return (isinstance(layer.mlp, MLP) and layer.one_kernel(x) and kernel_rows((self.eh_proj,)) > 0
-                and all(m.weight.dtype == x.dtype for m in (self.enorm, self.hnorm, self.eh_proj, self.final_layernorm)))
+                and all(m.weight.dtype == x.dtype for m in own))
 
     def fused(self, hidden: Tensor, token_embeds: Tensor, cos: Tensor, sin: Tensor, cache: BatchView) -> Tensor:
         """This depth in one kernel call (`kernels.mtp_layer`): the kernels its modules call, in their order, so
