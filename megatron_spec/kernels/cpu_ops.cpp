@@ -418,7 +418,7 @@ Tensor stream_linear(const Tensor& x_in, const Tensor& w_in, const c10::optional
 }
 
 // A whole dense decoder layer of the engine's forwards, from the kernels above in the order the model's modules
-// call them (so its outputs are the same bits as theirs):
+// call them (so its outputs are the same bits as theirs wherever they take the kernels' linear):
 //   h = x + o(attention(rope_store(qkv(norm(x)))));  out = h + down(silu_mul(gate_up(post_norm(h)))).
 // One call a layer instead of ~20 torch ops and as many Python calls, which at one row (a batch of one) took about
 // a quarter of a SmolLM2 step on 2 cores.

@@ -40,8 +40,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache | None) -> Tensor:
-        # The MLP check first: an MoE layer never fuses, and its plan's key would read every expert's weights.
-        if isinstance(cache, BatchView) and isinstance(self.mlp, MLP) and self.one_kernel(x):
+        if isinstance(cache, BatchView) and self.one_kernel(x):
             return self.fused(x, cos, sin, cache)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -53,7 +52,8 @@ class DecoderLayer(nn.Module):
     def one_kernel(self, x: Tensor) -> bool:
         """Whether the engine's forward of `x` may run as `fused`: the kernels take it (CPU, inference mode, the
         layer's dtype) and it has at most the plan's rows (`fused_rows`)."""
-        return self.plan().takes(x)
+        # The MLP check first: an MoE layer never fuses, and its plan's key would read every expert's weights.
+        return isinstance(self.mlp, MLP) and self.plan().takes(x)
 
     def plan(self) -> FusedPlan:
         """This layer's `FusedPlan`, rebuilt when any of its parameters changed (`params_key`)."""

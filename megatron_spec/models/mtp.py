@@ -34,7 +34,7 @@ from .. import kernels
 from .config import ModelConfig
 from .decoder import FUSED_PLANS, CausalLM, DecoderLayer, init_weights
 from .kv_cache import BatchView
-from .layers import MLP, AttentionCache, RMSNorm, rope_cos_sin
+from .layers import AttentionCache, RMSNorm, rope_cos_sin
 from .packed import kernel_rows, linears, packable
 
 Embed = Callable[[Tensor], Tensor]
@@ -83,7 +83,7 @@ class MTPLayer(nn.Module):
         projection has a kernel linear and every weight has `x`'s dtype."""
         layer = self.transformer_layer
         own = (self.enorm, self.hnorm, self.eh_proj, self.final_layernorm)
-        return (isinstance(layer.mlp, MLP) and layer.one_kernel(x) and kernel_rows((self.eh_proj,)) > 0
+        return (layer.one_kernel(x) and kernel_rows((self.eh_proj,)) > 0
                 and all(m.weight.dtype == x.dtype for m in own))
 
     def fused(self, hidden: Tensor, token_embeds: Tensor, cos: Tensor, sin: Tensor, cache: BatchView) -> Tensor:
