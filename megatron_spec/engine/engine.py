@@ -55,7 +55,6 @@ class LLMEngine:
         else:
             after_drafting, started = self.drafted_last, time.perf_counter()
             drafts = self.propose(seqs)
-            verified = time.perf_counter()
             logits, out = self.runner.verify(seqs, drafts.tokens)
             emitted = self.accept(seqs, drafts, logits)
             valid = [len(tokens) for tokens, _ in emitted]  # the last token and the accepted drafts
@@ -63,7 +62,7 @@ class LLMEngine:
         for seq, (tokens, logprobs) in zip(seqs, emitted):
             self.append(seq, tokens, logprobs)
         if self.controller and not is_prefill:
-            self.time_step(len(seqs), logits.shape[1] - 1, sum(valid), after_drafting, started, verified)
+            self.time_step(len(seqs), logits.shape[1] - 1, after_drafting, started)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         seqs = self.start(prompts, params)
@@ -73,29 +72,22 @@ class LLMEngine:
         return [self.completion(s) for s in seqs]
 
     # -- speculation ----------------------------------------------------------------------------------------
-    def time_step(self, batch: int, k: int, tokens: int, after_drafting: bool, started: float, verified: float):
-        """Report a decode step (k drafts, 0: plain) that emitted `tokens` to the adaptive controller: the verify
-        part (target forward, sampling, rollback) and, for a steady step, the whole step and its yield. Steady means
-        like its predecessor: a drafting step right after a plain one includes the drafter catching up (see
-        `drafted_last`), and a plain step right after a drafting one runs with the drafter's weights and cache where
-        the target's were (a draft model on the deep tiny target at B=8: 2 % slower than after a plain step,
-        `benchmarks/shape_costs.py`), which would bias the controller, whose probes are short, towards speculating."""
-        end = time.perf_counter()
-        steady = (k > 0) == after_drafting
-        if steady or k:
-            self.controller.record_step(batch, k + 1, end - verified)
-        if steady:
-            self.controller.record_outcome(batch, k, tokens, end - started)
+    def time_step(self, batch: int, k: int, after_drafting: bool, started: float) -> None:
+        """Report a steady decode step (k drafts, 0: plain) to the adaptive controller: drafting, the target forward,
+        sampling, rollback and bookkeeping. Steady means like its predecessor: a drafting step right after a plain
+        one includes the drafter catching up (see `drafted_last`), and a plain step right after a drafting one runs
+        with the drafter's weights and cache where the target's were (a draft model on the deep tiny target at B=8:
+        2 % slower than after a plain step, `benchmarks/shape_costs.py`). Either would bias the ratios of the
+        controller's short blocks."""
+        if (k > 0) == after_drafting:
+            self.controller.record_step(batch, k, time.perf_counter() - started)
 
     def propose(self, seqs: list[Sequence]) -> Drafts:
         k = self.controller.choose_k(len(seqs)) if self.controller else self.k_max
         if k == 0:
             self.drafted_last = False
             return Drafts([[] for _ in seqs])
-        t0 = time.perf_counter()
         drafts = self.proposer.propose(seqs, k)
-        if self.controller and self.drafted_last:  # steady-state drafting only (see `drafted_last`)
-            self.controller.record_draft(len(seqs), k, time.perf_counter() - t0)
         self.drafted_last = True
         return drafts
 

@@ -1,57 +1,47 @@
-"""Adaptive speculation: pick k (0 = plain decoding) for each engine step so that expected tokens per second is
-highest.
+"""Adaptive speculation: pick k (0 = plain decoding) for each engine step so that tokens per second is highest.
 
-Cost model, calibrated online from the engine's own timings:
-  t_step(B, T)   everything a decode step of B sequences feeding T tokens each costs except drafting (T=1: plain
-                 decode, T=k+1: verify): the target forward, rejection sampling, rollback and bookkeeping, fitted
-                 as c0 + c1 * B * T (+ c2 * B once the batch sizes seen span a factor of 2) by least squares, and
-                 never so that a step gets cheaper with more sequences or tokens (`fit_step`);
-  t_draft(B, k)  the drafter's proposing cost, fitted as d0 + d1 * k + d2 * k * B (proportional to k until
-                 three distinct (B, k) points exist).
-Timing the whole step rather than the forward alone matters on small models, where sampling and bookkeeping of
-k+1 tokens per sequence are a visible share of a step: a model that left them out would speculate where it loses.
+For a batch of B sequences, k drafts each give E_k = 1 + sum_{j<=k} prod_{i<=j} a_i tokens per sequence per step
+(a_i: the chance draft i stands once drafts < i stood; Leviathan et al.'s (1-a^(k+1))/(1-a) when all are equal),
+at a step cost of rho_k(B) plain steps. Speculating at k pays E_k / rho_k(B) over plain decoding; the controller
+picks the k where that is highest, and plain decoding unless some k beats it by `margin` (1.1: an octave's ratios
+come from a few steps on a host whose step times wander by +-10 % over seconds, and on the main job's model at
+B = 16 ratios so measured put k = 5 at 1.04x where, timed on its own, it ran at about 0.9x).
 
-Gain model: per-position acceptance a_i (moving averages of P(draft i accepted | drafts < i accepted)), so
-E[tokens per sequence per verify] = 1 + sum_{j<=k} prod_{i<=j} a_i (Leviathan et al.'s (1-a^(k+1))/(1-a) when
-all a_i = a). Speculation runs only when B * E / (t_draft + t_step(B, k+1)) beats B / t_step(B, 1) by `margin`;
-that is what keeps it from ever being slower than plain decoding. At small B a verify pass costs about what a
-decode does (weights are read once either way), so the tail of a rollout gets the deepest k.
+Both factors are measured, not modelled:
+- a_i, per draft position, from every verify step (`record_acceptance`): what the drafter and the policy do now.
+- rho_k, per batch-size octave (1, 2, 3-4, 5-8, ..., 33-64), from the engine's own step timings: each steady step
+  at k (drafting, verify, sampling, rollback and bookkeeping included) divided by a plain step's time at the same B
+  (`plain_time`: the latest plain steps at that B, interpolated between the sizes seen), and the median of an
+  octave's ratios rules. It is the host's cost, so it does not go stale as the policy moves.
+The predecessor of this controller fitted one cost line in B * T to every step instead. On a CPU that cannot work:
+a ~1 ms step is mostly fixed costs, which differ between a plain and a verify step, and the line through a
+rollout's B = 64 and B = 1 steps priced a B = 1 step at 2-3.5 ms where it took ~1 ms, so it kept speculation off
+where k = 3 gave 1.26x. A ratio at the same B cancels what such a line gets wrong, and an octave's ratios, each taken
+at its own B, do not depend on which sizes of the octave a k happened to run at.
 
-The controller lives as long as its engine, so in RL it is calibrated after the first rollout. Until it is, it
-alternates pairs of plain steps with pairs of k=1 probes (cheap even where speculation cannot pay; the fit
-extrapolates to larger k). The engine reports drafting times only for a step that follows a drafting step: after
-plain steps a hidden-state drafter or a draft model first catches up over the positions it skipped (an MTP head on
-the tiny model at batch 1: ~860 us per draft token so timed, ~490 steady), and a fit from those would keep
-speculation off for good once it had been off for a while. Likewise plain-step times only for a plain step that
-follows a plain one (`LLMEngine.time_step`), so probes are PROBE_STEPS plain steps in a row. The first timing of
-each step size and the first drafting timing are dropped: they carry one-off costs (the first verify of a shape, the
-drafter catching up over every prompt) and a fit from one such outlier would rule for the rest of the run. The hot
-path (`choose_k` between decisions) is a dict lookup: decisions are refreshed every `decide_every` steps or when a
-new batch size appears, and the least-squares fits behind them at most every `refit_every` steps, because on a ~1 ms
-step a fit (~0.2 ms) every few steps would itself cost percents.
-
-Measured outcomes overrule the model where it has been tried. A linear fit dominated by a rollout's many small-
-batch steps mispredicts its few large ones (n-gram on the deep tiny model, RL rollout at B=64: k=1 predicted at
-par, measured 10.3 ms a step for 1.2 tokens against plain's 6.2 ms for one), and the acceptance it multiplies by
-is a prior until a position is seen. So every steady step's realized tokens per second is also compared with what
-the model predicted for it, per (batch-size octave, k), and once a cell holds CORRECTION_MIN such ratios the
-model's rate for that cell is scaled by their median (a median, so one step stalled by the OS does not rule); a k
-with too few outcomes of its own shares plain decoding's scale in that octave when it is below 1 (`correction`). The
-first step of each GEMM row count (`gemm_rows`) is not counted: it builds GEMM kernels for a row count never met (a
-forward at a new row count cost 6.8 ms against 4.1 ms again on the deep tiny model). Ratios expire after CORRECTION_HORIZON
-probe periods: a cell the controller stopped choosing gets no new ones, and a stale low median (formed while the
-drafter was still catching up, say) would otherwise rule it out for the engine's whole life. In the main job that
-lock-in kept one seed at k=1 for all 50 RL steps (acceptance length 2.0 where k=3 gave 3.4).
-
-An outcome corrects only a k that runs, so where the model underprices a deeper k than the one it picks, nothing
-would ever show it. Once per probe period an octave whose choice already speculates tries one k deeper for
-TRIAL_STEPS steps (`try_deeper`); where plain decoding is the choice nothing is tried, so a setting where
-speculation cannot pay pays nothing for the trials.
+What each octave does (`decide`), in blocks of steps so that switches are rare (the first step after a switch
+between plain and drafting is not timed, see `LLMEngine.time_step`):
+1. plain decoding until it has plain timings (the reference every ratio needs);
+2. one block at k = 1 and one at k_max (explored once: a ratio is the host's, not the policy's); a k between them
+   is priced on the line between theirs until it has timings of its own (the ratio grows about linearly in k: on
+   the main job's model at B = 16, 2.4, 3.2, 4.0, 5.0 and 5.8 plain steps for k = 1..5);
+3. the best k, re-decided every HOLD steps (between decisions `choose_k` is a counter: a decision costs ~0.1 ms of
+   Python, a step ~1 ms);
+4. now and then a block of a runner-up (`runner_up`): the ks next to the best and plain decoding in turn, or, where
+   plain decoding is best, the k it would speculate at, if that comes within PROBE_NEAR of it. This keeps the ratios,
+   the plain reference and the acceptance of positions the best k does not reach current. Acceptance is the one
+   thing that moves with the policy, and while speculation is off everywhere nothing else measures it (the
+   predecessor, once off, stayed off: 17 RL steps in which k = 3 drafted 3.7 tokens a step), so where no step
+   measured it within the probe interval the runner-up is chosen at the prior's acceptance. A probe that leaves the
+   choice as it was doubles the octave's interval (PROBE_EVERY up to PROBE_EVERY_MAX steps), and a changed choice
+   starts it over, so a setting that has settled pays for at most one block of 4 steps in 512.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
+from dataclasses import dataclass, field
 from statistics import median
 
 import numpy as np
@@ -59,46 +49,62 @@ import numpy as np
 
 PRIOR_ACCEPT = 0.7  # per-position acceptance assumed before any is measured: optimistic, so speculation gets tried
 PRIOR_SEQS = 4  # how many sequences' worth of evidence that prior counts as
-PROBE_STEPS = 2  # plain steps in a row per probe: the engine times only a plain step that follows a plain one
-CORRECTION_MIN = 3  # realized/predicted ratios a (batch octave, k) cell needs before they scale its predicted rate
-CORRECTION_HORIZON = 4  # probe periods (probe_every steps each) a realized/predicted ratio stays valid
-TRIAL_STEPS = CORRECTION_MIN + 2  # steps a trial of one k deeper holds its octave (a new shape's first is dropped)
+DECAY_SEQS = 8  # the acceptance estimate decays by 1 - ema per this many sequences offered
+MIN_SAMPLES = 3  # steady steps a k needs in an octave before its own ratio rules
+BLOCK = 4  # steps an explored or probed k holds its octave: one may be untimed (a switch), MIN_SAMPLES are left
+HOLD = 8  # steps a decision holds its octave before it is made again
+PROBE_EVERY = 64  # an octave's steps between probes of a runner-up, at first and whenever the choice changed
+PROBE_NEAR = 1.0  # where plain decoding is best, a probe only for a k predicted at least this fast (within the
+# margin); where no step anywhere measured acceptance within PROBE_EVERY_MAX steps, predicted at STALE_ACCEPT
+RISE = 0.1  # a probe whose first drafts stood this much more often than estimated is repeated: acceptance is rising
+STALE_ACCEPT = 0.9  # a good drafter's acceptance (a fresh MTP head on the main job's policy: 0.9-0.96)
+PROBE_EVERY_MAX = 512  # the interval doubles up to this while probes confirm the choice
+WINDOW = 16  # latest steady steps kept per (octave, k)
+PLAIN_WINDOW = 5  # latest plain steps kept per batch size
+
+
+@dataclass
+class Octave:
+    """One batch-size octave's state; `n` counts the steps taken in it, the other step numbers are in that count."""
+
+    k: int = 0  # the k its steps run at until step `until`
+    until: int = 0
+    n: int = 0
+    best: int | None = None  # the latest decision's k (None: not decided yet)
+    probing: bool = False  # the block now running is a probe
+    next_probe: int = PROBE_EVERY
+    interval: int = PROBE_EVERY
+    probes: int = 0  # probes so far (their runner-ups take turns)
+    probed_accept: float = 0.0  # the estimated acceptance of draft 1 when the probe began
+    rising: int = 0  # the k of the last probe if its drafts stood notably more often than estimated (0: not)
+    steps: dict[int, deque] = field(default_factory=dict)  # k >= 1 -> (B, seconds) of its latest steady steps
 
 
 class AdaptiveController:
-    def __init__(self, k_max: int, margin: float = 1.05, probe_every: int = 64, decide_every: int = 8,
-                 refit_every: int = 64, window: int = 32, ema: float = 0.1):
-        self.k_max, self.margin, self.probe_every = k_max, margin, probe_every
-        self.decide_every, self.ema = decide_every, ema
-        self.refit_every, self.window = refit_every, window
-        self._seen_sizes: set[int] = set()  # step sizes T timed at least once (their first timing is dropped)
-        self._seen_draft = False
-        self.step_obs: dict[int, deque] = {}  # T -> (B, seconds); a window per T so rare verify sizes stay in the fit
-        self.draft_obs: deque = deque(maxlen=4 * window)  # (B, k, seconds)
+    def __init__(self, k_max: int, margin: float = 1.1, ema: float = 0.1):
+        self.k_max, self.margin, self.ema = k_max, margin, ema
         self.accept = np.full(k_max, PRIOR_ACCEPT)  # optimistic prior so speculation gets measured at all
         self._hits = [PRIOR_ACCEPT * PRIOR_SEQS] * k_max  # decayed counts behind `accept` (`record_acceptance`)
         self._offered = [float(PRIOR_SEQS)] * k_max
-        self.steps = 0
         self.asked = k_max  # the k of the latest choice
-        self._decisions: dict[int, tuple[int, int]] = {}  # batch size -> (k, step decided)
-        self._fit_step = -refit_every  # when the fits were last refreshed
-        self._step_fit = self._draft_fit = None
-        self._realized: dict[tuple[int, int], deque] = {}  # (batch octave, k) -> (step, realized / predicted)
-        self._outcome_shapes: set[int] = set()  # `gemm_rows` whose first outcome was dropped
-        self._trials: dict[int, tuple[int, int]] = {}  # batch octave -> (k on trial, step the trial began)
+        self.octaves: dict[int, Octave] = {}
+        self.plain: dict[int, deque] = {}  # B -> seconds of its latest steady plain steps
+        self._plain_sizes: list[int] = []  # the keys of `plain`, sorted
+        self.steps = 0  # decode steps chosen for
+        self._measured_at = 0  # the step acceptance was last measured at
+        self._fresh = [0, 0]  # draft 1's hits and offers since the latest probe began
 
     # -- measurements -----------------------------------------------------------------------------------------
-    def record_step(self, batch: int, tokens: int, seconds: float) -> None:
-        if tokens not in self._seen_sizes:
-            self._seen_sizes.add(tokens)
-            return
-        self.step_obs.setdefault(tokens, deque(maxlen=self.window)).append((batch, seconds))
-
-    def record_draft(self, batch: int, k: int, seconds: float) -> None:
-        if not self._seen_draft:
-            self._seen_draft = True
-            return
-        self.draft_obs.append((batch, k, seconds))
+    def record_step(self, batch: int, k: int, seconds: float) -> None:
+        """A steady decode step of `batch` sequences with k drafts each (0: plain) took `seconds`, drafting
+        included. A row count never met before costs more once (kernels and plans for a new shape: 10 % over the
+        same sizes again, summed over a rollout of the deep tiny model at k = 0 and 3); medians absorb that."""
+        if k == 0:
+            if batch not in self.plain:
+                bisect.insort(self._plain_sizes, batch)
+            self.plain.setdefault(batch, deque(maxlen=PLAIN_WINDOW)).append(seconds)
+        else:
+            self._octave(batch).steps.setdefault(k, deque(maxlen=WINDOW)).append((batch, seconds))
 
     def record_acceptance(self, drafted: list[int], accepted: list[int]) -> None:
         """Per sequence: drafts offered and accepted this step; updates the per-position acceptance estimate.
@@ -109,212 +115,156 @@ class AdaptiveController:
         only sequences that drafted would price a lookup drafter as if it always had k tokens to offer, and the
         controller would speculate where most rows of the batch pay for a verify pass and get one token.
 
-        The estimate is a ratio of exponentially decayed counts (hits / sequences offered, decayed by 1 - ema per
-        step), so each step weighs as much as it has sequences, and the optimistic prior counts as PRIOR_SEQS
-        sequences: one step of 64 sequences replaces it. (A moving average with a weight per step took ~20 steps of
-        a 64-sequence batch to wear the prior off: a third of a rollout spent speculating at a loss.)"""
-        decay = 1.0 - self.ema
+        The estimate is a ratio of exponentially decayed counts (hits / sequences offered), decayed by 1 - ema for
+        every DECAY_SEQS sequences offered, so each step weighs as much as it has sequences and the estimate spans
+        about the same number of sequences whatever the batch size. The optimistic prior counts as PRIOR_SEQS
+        sequences: one step of 64 sequences all but replaces it. (A moving average with a weight per step took ~20
+        steps of a 64-sequence batch to wear the prior off, a third of a rollout spent speculating at a loss; a
+        decay per step made the estimate span ~10 sequences at B = 1, where it wandered between 0.67 and 1.0 for a
+        drafter at 0.9 and took speculation off and on.)"""
+        self._measured_at = self.steps
         for i in range(min(self.asked, self.k_max)):
             offered = sum(a >= i for a in accepted)
             if offered:
                 hits = sum(d > i and a > i for d, a in zip(drafted, accepted))
+                decay = (1.0 - self.ema) ** (offered / DECAY_SEQS)
                 self._hits[i] = decay * self._hits[i] + hits
                 self._offered[i] = decay * self._offered[i] + offered
                 self.accept[i] = self._hits[i] / self._offered[i]
-
-    def record_outcome(self, batch: int, k: int, tokens: int, seconds: float) -> None:
-        """A steady step of `batch` sequences with k drafts each (0: plain) emitted `tokens` in `seconds`, drafting
-        included: kept as a ratio to the rate the model predicts for it (see the module docstring)."""
-        if self._step_fit is None or seconds <= 0:
-            return  # nothing predicted yet to compare with
-        if gemm_rows(batch * (k + 1)) not in self._outcome_shapes:
-            self._outcome_shapes.add(gemm_rows(batch * (k + 1)))  # a first step of its shape: one-off costs
-            return
-        ratio = tokens / seconds / self.rate(batch, k)
-        self._realized.setdefault((octave(batch), k), deque(maxlen=self.window)).append((self.steps, ratio))
-
-    def correction(self, batch: int, k: int) -> float:
-        """The median realized/predicted ratio of the (batch octave, k) cell. A draft length without enough outcomes
-        of its own shares a slowdown that plain decoding shows in the same octave, not a speed-up: left at 1, an
-        untried k would be favoured whenever plain steps ran slower than the model predicts (a slower spell of the
-        host, say; seen at B=64 with plain corrected to 0.79, where k=2, never tried, kept its full predicted rate,
-        won the comparison and lost 27 % of a rollout), while plain steps running faster than predicted say nothing
-        about verify steps, and the lack of data must never tip a choice towards speculating."""
-        own = self._correction(batch, k)
-        if own is None and k:
-            own = min(1.0, self._correction(batch, 0) or 1.0)
-        return 1.0 if own is None else own
-
-    def _correction(self, batch: int, k: int) -> float | None:
-        since = self.steps - CORRECTION_HORIZON * self.probe_every
-        ratios = [r for step, r in self._realized.get((octave(batch), k), ()) if step > since]
-        return median(ratios) if len(ratios) >= CORRECTION_MIN else None
-
-    @property
-    def calibrated(self) -> bool:
-        """Two step sizes (B * T) and one drafting timing: the least a fit can extrapolate from."""
-        sizes = {b * t for t, obs in self.step_obs.items() for b, _ in obs}
-        return len(sizes) >= 2 and bool(self.draft_obs)
+                if i == 0:
+                    self._fresh = [self._fresh[0] + hits, self._fresh[1] + offered]
 
     # -- the choice -------------------------------------------------------------------------------------------
     def choose_k(self, batch: int) -> int:
-        self.asked = self._choose(batch)  # what `record_acceptance` counts positions up to
-        return self.asked
-
-    def _choose(self, batch: int) -> int:
         self.steps += 1
-        if -self.steps % self.probe_every < PROBE_STEPS:  # the last steps of every probe_every
-            return 0  # re-measure plain decoding so the comparison never goes stale (the engine times the second)
-        trial = self._trials.get(octave(batch))
-        if trial and self.steps - trial[1] < TRIAL_STEPS:
-            return trial[0]
-        cached = self._decisions.get(batch)
-        if cached is not None and self.steps - cached[1] < self.decide_every:
-            return cached[0]
-        if not self.calibrated:
-            return 1 if self.steps % 4 >= 2 else 0  # explore: pairs of k=1 probes (the engine times the second)
-        k = self.best_k(batch)
-        self._decisions[batch] = (k, self.steps)
-        return self.try_deeper(batch, k)
+        cell = self._octave(batch)
+        cell.n += 1
+        if cell.n > cell.until:
+            self.decide(cell, batch)
+        self.asked = cell.k  # what `record_acceptance` counts positions up to
+        return cell.k
 
-    def try_deeper(self, batch: int, k: int) -> int:
-        """k + 1 instead of the chosen k for the octave's next TRIAL_STEPS steps, where k >= 1 pays, k + 1 has no
-        outcomes of its own in the octave and no trial began there within a probe period; else k.
+    def decide(self, cell: Octave, batch: int) -> None:
+        """Set the octave's k for its next steps (the module docstring's steps 1-4)."""
+        if not self._has_plain(batch):
+            return self._hold(cell, 0, BLOCK)
+        unexplored = [k for k in dict.fromkeys((1, self.k_max)) if len(cell.steps.get(k, ())) < MIN_SAMPLES]
+        if unexplored:
+            return self._hold(cell, unexplored[0], BLOCK)
+        gains = self.speedups(cell)
+        best = max(range(self.k_max + 1), key=lambda k: gains[k] if k else self.margin)
+        self._pace_probes(cell, best)
+        cell.best = best
+        probe = self._probe(cell, best, gains) if cell.n >= cell.next_probe else None
+        if probe is not None:
+            return self._hold(cell, probe, BLOCK)
+        self._hold(cell, best, HOLD)
 
-        The fitted cost is linear in B * T, but a CPU's kernels do more rows per second the more rows they get, so
-        on a large batch the fit prices a deep verify dearer than it runs, and an untried k never gets the outcomes
-        that would correct it (traced in the main job's rollouts: at B=33-64 k=1 or 2 chosen and k=3 never tried,
-        where k=3 on every step was faster). A trial only ever goes one deeper than a k that already pays, so where speculation
-        loses (k = 0) nothing is tried, and a deeper k that loses is tried again only after its outcomes expire
-        (CORRECTION_HORIZON probe periods)."""
-        cell = octave(batch)
-        trial = self._trials.get(cell)
-        if not 1 <= k < self.k_max or self._correction(batch, k + 1) is not None \
-                or (trial and self.steps - trial[1] < self.probe_every):
-            return k
-        self._trials[cell] = (k + 1, self.steps)
-        return k + 1
+    def _pace_probes(self, cell: Octave, best: int) -> None:
+        """Set the interval to the octave's next probe: back to PROBE_EVERY where the choice switched between
+        speculating and not, or where a probe, made while speculation was off, found its first drafts standing RISE
+        more often than estimated (acceptance is rising: the probe is repeated, `rising`, until the estimate, which
+        spans ~80 sequences, catches up); doubled, up to PROBE_EVERY_MAX, after a probe that found nothing new."""
+        switched = cell.best is not None and (best > 0) != (cell.best > 0)
+        if cell.probing:
+            cell.probing = False
+            fresh = self._fresh[0] / self._fresh[1] if self._fresh[1] else 0.0
+            cell.rising = cell.k if best == 0 and fresh > cell.probed_accept + RISE else 0
+            cell.interval = PROBE_EVERY if switched or cell.rising else min(2 * cell.interval, PROBE_EVERY_MAX)
+            cell.next_probe = cell.n + cell.interval
+        elif switched:
+            cell.interval, cell.next_probe = PROBE_EVERY, cell.n + PROBE_EVERY
+        if best:
+            cell.rising = 0  # speculating measures acceptance anyway
 
-    def best_k(self, batch: int) -> int:
-        self.refresh_fits()
-        rates = [r * self.correction(batch, k) for k, r in enumerate(self.rates(batch))]
-        rates[0] *= self.margin  # speculate only for a clear gain: ties and noise go to plain decoding
-        return max(range(len(rates)), key=rates.__getitem__)
+    def _probe(self, cell: Octave, best: int, gains: list[float]) -> int | None:
+        """The k to probe now, or None where plain decoding is best and no k is worth a probe: none within
+        PROBE_NEAR of plain decoding, acceptance not rising, and measured within PROBE_EVERY_MAX steps (else it
+        may have moved unseen, and the k is chosen as if the drafter stood at STALE_ACCEPT)."""
+        pick = gains
+        if best == 0 and self.steps - self._measured_at >= PROBE_EVERY_MAX:
+            pick = self.speedups(cell, np.maximum(self.accept, STALE_ACCEPT))
+        if not (best or cell.rising or max(pick[1:]) >= PROBE_NEAR):
+            cell.next_probe = cell.n + cell.interval
+            return None
+        cell.probing, cell.probed_accept, self._fresh = True, float(self.accept[0]), [0, 0]
+        return cell.rising or self.runner_up(best, pick, cell)
 
-    def rates(self, batch: int) -> list[float]:
-        """Expected tokens per second for the batch at every draft length k = 0..k_max, from the fitted costs."""
-        gains = self.expected_tokens()
-        return [batch * gains[k] / self.cost(batch, k) for k in range(self.k_max + 1)]
+    def runner_up(self, best: int, gains: list[float], cell: Octave) -> int:
+        """The k a probe tries: where speculation is off, the k it would speculate at; else the ks next to the best
+        and plain decoding, in turn."""
+        cell.probes += 1
+        if best == 0:
+            return max(range(1, self.k_max + 1), key=gains.__getitem__)
+        others = sorted({best - 1, min(best + 1, self.k_max), 0} - {best})
+        return others[cell.probes % len(others)]
 
-    def rate(self, batch: int, k: int) -> float:
-        """`rates(batch)[k]` alone."""
-        return batch * self.expected_tokens()[k] / self.cost(batch, k)
+    def speedups(self, cell: Octave, accept: np.ndarray | None = None) -> list[float]:
+        """E_k / rho_k for k = 0..k_max in the octave (1.0 at k = 0), at the measured acceptance or `accept`; a k
+        without MIN_SAMPLES steps of its own takes rho from the line between the nearest ks that have them (the flat
+        extension past the last)."""
+        ratios = {}
+        for k, steps in cell.steps.items():
+            if len(steps) >= MIN_SAMPLES:
+                ratios[k] = median(seconds / self.plain_time(b) for b, seconds in steps)
+        known = sorted(ratios)
+        gains, tokens = [1.0], self.expected_tokens(accept)
+        for k in range(1, self.k_max + 1):
+            lo = max((j for j in known if j <= k), default=known[0])
+            hi = min((j for j in known if j >= k), default=known[-1])
+            rho = ratios[lo] if hi == lo else ratios[lo] + (ratios[hi] - ratios[lo]) * (k - lo) / (hi - lo)
+            gains.append(tokens[k] / rho)
+        return gains
 
-    def cost(self, batch: int, k: int) -> float:
-        """Fitted seconds of a step with k drafts per sequence, drafting included."""
-        return self.t_step(batch, k + 1) + (self.t_draft(batch, k) if k else 0.0)
-
-    def expected_tokens(self) -> list[float]:
-        """1 + sum_{j<=k} prod_{i<=j} a_i for k = 0..k_max."""
+    def expected_tokens(self, accept: np.ndarray | None = None) -> list[float]:
+        """1 + sum_{j<=k} prod_{i<=j} a_i for k = 0..k_max (a: the measured acceptance unless given)."""
         out, reach = [1.0], 1.0
-        for a in self.accept.tolist():
+        for a in (self.accept if accept is None else accept).tolist():
             reach *= a
             out.append(out[-1] + reach)
         return out
 
-    # -- the fitted costs -------------------------------------------------------------------------------------
-    # Plain Python on a handful of floats, not numpy: a decision runs between two ~1 ms engine steps, where a
-    # numpy call's fixed cost is not what a micro-benchmark shows (its code and data are out of cache by then):
-    # the numpy version of `best_k` took ~240 us per call inside a tiny-model rollout (30 us in a loop), and the
-    # refit ~490 us, which cost 5 % of every step while speculation was off.
-    def t_step(self, batch: int, tokens: int) -> float:
-        """Fitted step time of `batch` sequences feeding `tokens` each."""
-        coef, row = self._step_fit
-        return max(dot(coef, row(batch, tokens)), 1e-6)
+    def plain_time(self, batch: int) -> float:
+        """A plain step's seconds at `batch`: its latest ones' (`typical`), else the line between the nearest sizes
+        timed. Past the sizes timed it errs low (the largest's time above it, time proportional to B below the
+        smallest), which prices speculation dearer there, so plain decoding runs and fills the gap."""
+        sizes = self._plain_sizes
+        i = bisect.bisect_left(sizes, batch)
+        if i < len(sizes) and sizes[i] == batch:
+            return typical(self.plain[batch])
+        if i == len(sizes):
+            return typical(self.plain[sizes[-1]])
+        hi = typical(self.plain[sizes[i]])
+        if i == 0:
+            return hi * batch / sizes[0]
+        lo = typical(self.plain[sizes[i - 1]])
+        return lo + (hi - lo) * (batch - sizes[i - 1]) / (sizes[i] - sizes[i - 1])
 
-    def t_draft(self, batch: int, k: int) -> float:
-        if self._draft_fit is None:
-            return 0.0
-        coef, row = self._draft_fit
-        return max(dot(coef, row(batch, k)), 0.0)
+    # -- pieces -----------------------------------------------------------------------------------------------
+    def _octave(self, batch: int) -> Octave:
+        cell = self.octaves.get(octave(batch))
+        if cell is None:
+            cell = self.octaves[octave(batch)] = Octave()
+        return cell
 
-    def refresh_fits(self) -> None:
-        if self.steps - self._fit_step < self.refit_every and self._step_fit is not None:
-            return
-        self._fit_step = self.steps
-        self._step_fit, self._draft_fit = self.fit_step(), self.fit_draft()
+    def _has_plain(self, batch: int) -> bool:
+        """A plain step was timed at some batch size of this octave."""
+        o = octave(batch)
+        lo = bisect.bisect_left(self._plain_sizes, (1 << (o - 1)) + 1 if o else 1)
+        return lo < len(self._plain_sizes) and octave(self._plain_sizes[lo]) == o
 
-    def fit_step(self):
-        """t = c0 + c1 * B * T (+ c2 * B once the batch sizes seen span a factor of 2: a run whose batch never
-        shrank says nothing about that term). A fit in which a step gets cheaper with more sequences or more tokens
-        per sequence (c1 < 0, or c1 + c2 < 0) is noise, not physics: the next simpler one is used instead, down to
-        the mean step time. Seen on the deep tiny model at B=64 with max_tokens binding: three slow steps at
-        B=61-63 as the batch began to drain, fitted with the B term, priced a plain step at 60 ms at B=37 and 118 ms
-        at B=6 (against ~7 ms measured), and the controller chose k=5 there, since under a huge fixed cost the most
-        tokens per step wins."""
-        obs = [(b, t, s) for t, window in self.step_obs.items() for b, s in window]
-        sizes = [b for b, _, _ in obs]
-        rows = [lambda b, t: (1.0, b * t), lambda b, t: (1.0,)]
-        if max(sizes) >= 2 * min(sizes) and len({(b, t) for b, t, _ in obs}) >= 3:
-            rows.insert(0, lambda b, t: (1.0, b * t, b))
-        for row in rows:  # the last, a constant, is always physical
-            coef = least_squares([row(b, t) for b, t, _ in obs], [s for *_, s in obs])
-            if physical(coef):
-                break
-        return coef, row
-
-    def fit_draft(self):
-        """t = d * k until three distinct (B, k) were seen, then d0 + d1 * k + d2 * k * B."""
-        if not self.draft_obs:
-            return None
-        if len({(b, k) for b, k, _ in self.draft_obs}) < 3:
-            per_k = sum(t for *_, t in self.draft_obs) / sum(k for _, k, _ in self.draft_obs)
-            return (per_k,), lambda b, k: (k,)
-        row = lambda b, k: (1.0, k, k * b)  # noqa: E731
-        return least_squares([row(b, k) for b, k, _ in self.draft_obs], [t for *_, t in self.draft_obs]), row
+    @staticmethod
+    def _hold(cell: Octave, k: int, steps: int) -> None:
+        cell.k, cell.until = k, cell.n + steps - 1
 
 
-def physical(coef: tuple[float, ...]) -> bool:
-    """A step-time fit (c0, c1[, c2]) whose step does not get cheaper with more tokens per sequence or more
-    sequences: c1 >= 0 and c1 + c2 >= 0."""
-    return len(coef) < 2 or (coef[1] >= 0 and coef[1] + (coef[2] if len(coef) > 2 else 0.0) >= 0)
-
-
-def gemm_rows(rows: int) -> int:
-    """The row count a step of `rows` input rows runs its GEMMs at: above 8, padded to a multiple of 8
-    (`models.packed.ROW_MULTIPLE`, which this pure module does not import). Only a count never met builds kernels,
-    so only its first outcome is dropped: keyed by (batch, k), the trials of a deeper k in a draining batch (a new
-    size nearly every step) lost most of their outcomes to it and could not correct the model."""
-    return rows if rows <= 8 else -(-rows // 8) * 8
+def typical(seconds) -> float:
+    """The median of three or more timings, the least of two: a draining batch meets most sizes only once or twice,
+    and a step the OS stalled (5x its neighbours, seen) must not become the reference every ratio of its octave is
+    taken against. The least errs low, which prices speculation dearer, never cheaper."""
+    return median(seconds) if len(seconds) >= 3 else min(seconds)
 
 
 def octave(batch: int) -> int:
     """Batch sizes 1, 2, 3-4, 5-8, ..., 33-64: cells whose step costs are alike."""
     return (batch - 1).bit_length()
-
-
-def dot(a, b) -> float:
-    return sum(x * y for x, y in zip(a, b))
-
-
-def least_squares(rows: list[tuple[float, ...]], y: list[float]) -> tuple[float, ...]:
-    """argmin ||X c - y|| for a few columns, by the normal equations with a relative ridge of 1e-9 (so a rank-
-    deficient design, e.g. every observation at one k, gives a finite near-minimum-norm answer instead of failing),
-    solved by Gaussian elimination with partial pivoting."""
-    n = len(rows[0])
-    a = [[dot([r[i] for r in rows], [r[j] for r in rows]) for j in range(n)] for i in range(n)]
-    rhs = [dot([r[i] for r in rows], y) for i in range(n)]
-    ridge = 1e-9 * max(a[i][i] for i in range(n))
-    for i in range(n):
-        a[i][i] += ridge
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        a[col], a[pivot], rhs[col], rhs[pivot] = a[pivot], a[col], rhs[pivot], rhs[col]
-        for r in range(col + 1, n):
-            f = a[r][col] / a[col][col]
-            a[r] = [x - f * z for x, z in zip(a[r], a[col])]
-            rhs[r] -= f * rhs[col]
-    coef = [0.0] * n
-    for i in reversed(range(n)):
-        coef[i] = (rhs[i] - dot(a[i][i + 1 :], coef[i + 1 :])) / a[i][i]
-    return tuple(coef)

@@ -10,7 +10,6 @@ import torch
 
 from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.models import MTP, CausalLM, Eagle3Head, MTPConfig, preset
-from megatron_spec.spec.adaptive import AdaptiveController
 from megatron_spec.spec.config import SpecConfig
 from megatron_spec.spec.proposers import HiddenStateProposer
 from megatron_spec.spec.sampling import processed_logprobs
@@ -180,45 +179,6 @@ def _check_incremental(target, head, k):
         assert drafts == reference_hidden_drafts(target, head, tokens, len(drafts))[0]
 
 
-def test_adaptive_turns_speculation_off_when_it_cannot_pay():
-    """Compute-bound verify (cost grows with B*T) and poor acceptance: the fitted model picks k=0. Memory-bound
-    verify (flat in T) and high acceptance: it picks the deepest k."""
-    ctl = AdaptiveController(k_max=4)
-    for b in (8, 16, 32):
-        for t in (1, 3, 5):
-            ctl.record_step(b, t, 0.001 + 0.0005 * b * t)
-    ctl.record_draft(32, 4, 0.002)
-    ctl.record_draft(32, 4, 0.002)  # the first drafting timing is dropped as a one-off
-    ctl.accept[:] = 0.2
-    assert ctl.choose_k(32) == 0
-    ctl = AdaptiveController(k_max=4)
-    for b in (1, 2, 4):
-        for t in (1, 3, 5):
-            ctl.record_step(b, t, 0.050 + 0.0001 * b * t)
-    ctl.record_draft(1, 4, 0.004)
-    ctl.record_draft(1, 4, 0.004)
-    ctl.accept[:] = 0.8
-    assert ctl.choose_k(1) == 4
-
-
-def test_adaptive_drops_one_off_first_timings():
-    """The first drafting call of an engine catches the drafter up over every prompt, and the first verify of a new
-    shape pays one-off costs. Here the first draft of 3 tokens took 50 ms (80x the steady 0.6 ms) and the first
-    T=4 step 20 ms: counted, drafting would be priced at 4.3 ms per token and k=3 at 3.44 tokens per ~20 ms, far
-    below plain decoding's 1 token per 1 ms, so speculation would stay off for the whole run. Dropped, the steady
-    costs make k=3 the best choice: 3.44 tokens per 2.1 ms (1640 tok/s) against k=2's 2.71 per 1.73 ms (1560),
-    k=1's 1.9 per 1.37 ms (1390) and plain's 1000."""
-    ctl = AdaptiveController(k_max=3)
-    ctl.accept[:] = 0.9
-    ctl.record_step(1, 4, 0.020)
-    ctl.record_draft(1, 3, 0.050)
-    for _ in range(3):
-        ctl.record_step(1, 1, 0.001)  # the first of these is dropped too, the rest count
-        ctl.record_step(1, 4, 0.0015)
-        ctl.record_draft(1, 3, 0.0006)
-    assert ctl.choose_k(1) == 3
-
-
 def test_bad_spec_input(target):
     with pytest.raises(ValueError, match="unknown speculative method 'medusa'"):
         SpecConfig("medusa")
@@ -236,84 +196,6 @@ def test_bad_spec_input(target):
     wide = CausalLM(preset("smollm2-135m").__class__(**{**preset("tiny-qwen3").__dict__, "hidden_size": 96}))
     with pytest.raises(ValueError, match="hidden size"):
         LLMEngine(target, spec=SpecConfig("mtp", 3), drafter=MTP(wide.config))
-
-
-def test_adaptive_acceptance_estimate_is_conditional_per_position():
-    """Three sequences drafted (3, 3, 2) tokens and had (3, 1, 0) accepted. Position 0 was offered to all three and
-    taken by two (2/3); position 1 only reaches sequences whose first draft stood (0 and 1), one took it (1/2);
-    position 2 reached sequence 0 only, which took it (1/1). With ema=1 the estimate is exactly these ratios."""
-    ctl = AdaptiveController(k_max=4, ema=1.0)
-    ctl.accept[:] = 0.5
-    ctl.asked = 3  # the step asked for 3 drafts
-    ctl.record_acceptance([3, 3, 2], [3, 1, 0])
-    assert ctl.accept.tolist() == pytest.approx([2 / 3, 1 / 2, 1.0, 0.5])  # position 3 never offered: unchanged
-
-
-def test_adaptive_counts_missing_lookup_drafts_as_misses():
-    """A lookup drafter (n-gram, history) often has no match. Asked for k=3, one sequence drafted 3 tokens and had
-    all accepted, the other found nothing: position 0 was reached by both and taken by one (1/2), and a sequence
-    with 2 of 3 asked drafts, both accepted, misses at position 2. Counting only sequences that drafted (1.0 at
-    position 0) made the controller price a half-empty batch as full and speculate where it lost (n-gram, bf16
-    SmolLM2, RL row: 0.72x). The controller then prefers plain decoding for the half-empty drafter."""
-    ctl = AdaptiveController(k_max=3, ema=1.0)
-    ctl.asked = 3
-    ctl.record_acceptance([3, 0], [3, 0])
-    assert ctl.accept.tolist() == pytest.approx([1 / 2, 1.0, 1.0])
-    ctl.record_acceptance([2], [2])
-    assert ctl.accept.tolist() == pytest.approx([1.0, 1.0, 0.0])
-
-    def controller(accept):
-        ctl = AdaptiveController(k_max=3)
-        for _ in range(3):
-            for t in (1, 2, 4):  # a verify pass over 2 tokens costs 1.5x a decode step, over 4 tokens 2.4x
-                ctl.record_step(8, t, 0.010 + 0.0006 * 8 * (t - 1))
-            ctl.record_draft(8, 3, 0.0003)
-        ctl.accept[:] = accept
-        return ctl.choose_k(8)
-
-    assert controller([0.8, 0.8, 0.8]) > 0  # every row drafts: k=1 gives 1.8 tokens for 1.5 steps' time, pays
-    assert controller([0.4, 0.8, 0.8]) == 0  # half the rows draft: 1.4 tokens for 1.5 steps does not, nor deeper
-
-
-def test_adaptive_hot_path_refits_only_at_decisions():
-    """Between decisions `choose_k` is a lookup: over 64 steps of one batch size the cost model is refitted at
-    most once per `refit_every` steps (a fit per ~1 ms step would cost several percent of it)."""
-    ctl = AdaptiveController(k_max=3)
-    for b, t in ((8, 1), (8, 2), (8, 4)) * 2:
-        ctl.record_step(b, t, 0.001 * t)
-    ctl.record_draft(8, 3, 0.0003)
-    ctl.record_draft(8, 3, 0.0003)
-    fits = []
-    original = ctl.fit_step
-    ctl.fit_step = lambda: fits.append(1) or original()
-    for _ in range(64):
-        ctl.choose_k(8)
-        ctl.record_step(8, 1, 0.001)
-    assert 1 <= len(fits) <= 64 // ctl.refit_every + 1
-
-
-def test_adaptive_least_squares_matches_numpy_and_survives_rank_deficiency():
-    """The controller's pure-Python fit (numpy's fixed cost between engine steps was 5 % of a tiny-model step)
-    recovers an exact linear law and agrees with numpy's least squares on noisy data, both to 1e-4 relative (its
-    1e-9 ridge moves the coefficients by ~2e-6), and on a
-    rank-deficient design (every draft at the same k: columns 1 and k equal) returns finite coefficients whose
-    predictions still fit the data."""
-    import numpy as np
-
-    from megatron_spec.spec.adaptive import least_squares
-
-    rows = [(1.0, b * t, b) for b in (1, 4, 16) for t in (1, 2, 4)]
-    exact = [0.002 + 0.0005 * bt + 0.0001 * b for _, bt, b in rows]
-    assert least_squares(rows, exact) == pytest.approx((0.002, 0.0005, 0.0001), rel=1e-4)
-    rng = np.random.default_rng(0)
-    noisy = [y * (1 + 0.1 * rng.standard_normal()) for y in exact]
-    reference = np.linalg.lstsq(np.array(rows), np.array(noisy), rcond=None)[0]
-    assert least_squares(rows, noisy) == pytest.approx(tuple(reference), rel=1e-4)
-    flat = [(1.0, 3.0, 3.0 * b) for b in (1, 2, 4)]  # k = 3 throughout
-    times = [0.001 + 0.0002 * b for b in (1, 2, 4)]
-    coef = least_squares(flat, times)
-    assert all(np.isfinite(coef))
-    assert [sum(c * x for c, x in zip(coef, r)) for r in flat] == pytest.approx(times, rel=1e-6)
 
 
 @pytest.mark.parametrize("method,max_pending", [("mtp", 64 << 20), ("mtp", 10_000), ("eagle3", 64 << 20),
@@ -362,184 +244,15 @@ def test_feature_writes_apply_in_order():
 def test_adaptive_times_only_steady_state_drafting(target):
     """A draft right after a plain (or prefill) step includes the hidden-state drafter catching up over the positions
     it skipped, and a plain step right after a drafting one runs with the drafter's weights in cache, so only steady
-    steps (like their predecessor) are timed as what their kind costs. With the choices 0, 1, 1, 0, 1, 2, 1, 0, 0:
-    drafting times arrive for the three drafting steps after drafting (k = 1, 2, 1); verify timings (T = k + 1) for
-    every step but the two plain steps after drafting; whole-step outcomes for the steady steps only. Unpaired
-    probes would never calibrate the controller, so exploration probes come in pairs."""
+    steps (like their predecessor) are timed as what their kind costs. With the choices 0, 1, 1, 0, 1, 2, 1, 0, 0
+    the controller gets timings for the steps at k = 0 (after prefill, plain), 1, 2, 1 and 0: not the first draft
+    after a plain step, nor the first plain step after drafting."""
     engine = LLMEngine(target, spec=SpecConfig("mtp", 2, adaptive=True), drafter=MTP(target.config))
     script = iter([0, 1, 1, 0, 1, 2, 1, 0, 0] + [0] * 64)
     engine.controller.choose_k = lambda batch: next(script)
-    drafts, steps, outcomes = [], [], []
-    engine.controller.record_draft = lambda batch, k, seconds: drafts.append(k)
-    engine.controller.record_step = lambda batch, tokens, seconds: steps.append(tokens)
-    engine.controller.record_outcome = lambda batch, k, tokens, seconds: outcomes.append(k)
+    steps = []
+    engine.controller.record_step = lambda batch, k, seconds: steps.append(k)
     engine.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-    assert drafts == [1, 2, 1]
-    assert steps[:7] == [1, 2, 2, 2, 3, 2, 1]
-    assert outcomes[:5] == [0, 1, 2, 1, 0]
-    ctl = AdaptiveController(k_max=3)
-    assert [ctl.choose_k(8) for _ in range(8)] == [0, 1, 1, 0, 0, 1, 1, 0]  # uncalibrated: paired probes
+    assert steps[:5] == [0, 1, 2, 1, 0]
 
 
-def test_adaptive_realized_outcomes_overrule_the_model_per_batch_octave():
-    """The fitted costs say a verify over 2 tokens costs 1.25x a decode step and acceptance is 0.5: k=1 predicts
-    1.5 / 1.25 = 1.2x plain, beyond the 5 % margin, at every batch size. At B=64 the steps actually run at 0.7 of
-    the predicted rate with k=1 (a large verify the fit mispredicts) and at 1.0 plain: after CORRECTION_MIN such
-    outcomes the controller picks plain decoding at B=33..64 (0.84x), and still k=1 at B=8, whose octave has no
-    outcomes. Fewer are not enough to overrule it; the first outcome of each (batch, k) is not counted (it pays
-    one-off kernel builds: here 0.01x, which would otherwise pull the median down); and a single stalled step
-    (0.05x) among three k=1 outcomes of another octave does not rule either: the median does. Ratios expire after
-    CORRECTION_HORIZON probe periods, so a cell the controller stopped choosing is tried again."""
-    from megatron_spec.spec.adaptive import CORRECTION_HORIZON, CORRECTION_MIN
-
-    def controller():
-        ctl = AdaptiveController(k_max=1)
-        for b in (4, 8, 64):
-            for _ in range(3):
-                for t in (1, 2):
-                    ctl.record_step(b, t, 0.004 * (1 + 0.25 * (t - 1)))
-        ctl.record_draft(8, 1, 0.0)
-        ctl.record_draft(8, 1, 0.0)
-        ctl.accept[:] = 0.5
-        ctl.refresh_fits()
-        return ctl
-
-    def outcome(ctl, batch, k, ratio):
-        ctl.record_outcome(batch, k, 10, 10 / (ratio * ctl.rate(batch, k)))
-
-    ctl = controller()
-    assert ctl.best_k(64) == 1 and ctl.best_k(8) == 1
-    outcome(ctl, 64, 1, 0.01)  # first of (64, 1) and of (64, 0): dropped
-    outcome(ctl, 64, 0, 0.01)
-    for _ in range(CORRECTION_MIN - 1):
-        outcome(ctl, 64, 1, 0.7)
-        outcome(ctl, 64, 0, 1.0)
-    assert ctl.best_k(64) == 1
-    outcome(ctl, 64, 1, 0.7)
-    outcome(ctl, 64, 0, 1.0)
-    assert ctl.best_k(64) == 0 and ctl.best_k(40) == 0 and ctl.best_k(8) == 1
-    ctl.steps += CORRECTION_HORIZON * ctl.probe_every
-    assert ctl.best_k(64) == 1  # the ratios expired: k=1 is tried again
-    ctl = controller()
-    for ratio in (1.0, 1.0, 0.05, 1.0):
-        outcome(ctl, 8, 1, ratio)
-    assert ctl.best_k(8) == 1
-
-
-def test_adaptive_acceptance_weighs_each_sequence():
-    """The acceptance estimate is decayed hits over decayed sequences offered, the prior (0.7) worth 4 sequences:
-    one verify step of 64 sequences of which 6 accepted their draft brings position 0 to (0.9 x 2.8 + 6) /
-    (0.9 x 4 + 64) = 0.126, where a per-step moving average (weight 0.1) would still say 0.64 and keep
-    speculating; a single sequence's miss moves it only to (0.9 x 2.8) / (0.9 x 4 + 1) = 0.548."""
-    ctl = AdaptiveController(k_max=2)
-    ctl.asked = 1
-    ctl.record_acceptance([1] * 64, [1] * 6 + [0] * 58)
-    assert ctl.accept[0] == pytest.approx((0.9 * 2.8 + 6) / (0.9 * 4 + 64))
-    assert ctl.accept[1] == pytest.approx(0.7)  # not asked for: unchanged
-    one = AdaptiveController(k_max=2)
-    one.asked = 1
-    one.record_acceptance([1], [0])
-    assert one.accept[0] == pytest.approx(0.9 * 2.8 / (0.9 * 4 + 1))
-
-
-def test_adaptive_step_fit_stays_physical():
-    """Step times seen only at B=61-64 (a lockstep batch starting to drain), the few at B=61-63 slow: a fit with a
-    per-sequence term would make a step dearer the fewer sequences it holds (here 0.14 s at B=6 against ~0.007 s
-    measured) and push the controller to the deepest k in the drain. The B term needs batch sizes a factor of 2
-    apart, and a fit whose step gets cheaper with more sequences or tokens falls back to a simpler one: at B=6 the
-    prediction stays within the times seen. Where the sizes do span 2x but the fit is still unphysical (slow
-    small-batch steps), it falls back as well."""
-    from megatron_spec.spec.adaptive import least_squares, physical
-
-    ctl = AdaptiveController(k_max=2)
-    for _ in range(6):
-        ctl.record_step(64, 1, 0.007)
-        ctl.record_step(64, 2, 0.011)
-    ctl.record_step(63, 1, 0.012)
-    ctl.record_step(61, 1, 0.014)
-    ctl.record_step(61, 1, 0.014)
-    coef, row = ctl.fit_step()
-    assert len(coef) == 2 and physical(coef)
-    ctl._step_fit = (coef, row)
-    assert 0.006 < ctl.t_step(6, 1) <= 0.014 and ctl.t_step(64, 2) > ctl.t_step(64, 1)
-    wide = AdaptiveController(k_max=2)
-    for _ in range(6):
-        wide.record_step(64, 1, 0.007)
-        wide.record_step(64, 2, 0.011)
-        wide.record_step(8, 1, 0.012)
-    coef, row = wide.fit_step()
-    assert physical(coef) and len(coef) < 3
-    obs = [(b, t, s) for t, window in wide.step_obs.items() for b, s in window]
-    assert not physical(least_squares([(1.0, b * t, b) for b, t, _ in obs], [s for *_, s in obs]))  # with B: unphysical
-
-
-def test_adaptive_untried_k_shares_plain_decodings_correction():
-    """The model prices k=1 at 0.95x plain (a verify step 1.52x as dear, 1.45 tokens), so plain decoding. Plain steps
-    then run at 0.79 of the predicted rate, as in a slower spell of the host, and k=1 has no outcomes: it takes
-    plain decoding's correction instead of none, and the choice stays plain. Left uncorrected, k=1 would look 1.21x
-    plain and win (the kind of choice that lost 27 % of a rollout). Once k=1 has outcomes of its own, they rule. A
-    plain decoding faster than the model predicts lends an untried k nothing."""
-    from megatron_spec.spec.adaptive import CORRECTION_MIN
-
-    ctl = AdaptiveController(k_max=1)
-    for b in (8, 64):
-        for _ in range(3):
-            for t in (1, 2):
-                ctl.record_step(b, t, 0.0001 * b * (1 + 0.52 * (t - 1)))
-    ctl.record_draft(64, 1, 0.0)
-    ctl.record_draft(64, 1, 0.0)
-    ctl.accept[:] = 0.45
-    ctl.refresh_fits()
-    rates = ctl.rates(64)
-    assert rates[1] / rates[0] == pytest.approx(1.45 / 1.52, rel=1e-3) and ctl.best_k(64) == 0
-
-    def outcome(batch, k, ratio):
-        ctl.record_outcome(batch, k, 10, 10 / (ratio * ctl.rate(batch, k)))
-
-    for _ in range(CORRECTION_MIN + 1):  # the first of a shape is dropped
-        outcome(64, 0, 0.79)
-    assert ctl.correction(64, 1) == ctl.correction(64, 0) == pytest.approx(0.79)
-    assert ctl.correction(8, 1) == 1.0  # another octave: no outcomes there
-    assert ctl.best_k(64) == 0
-    for _ in range(CORRECTION_MIN + 1):
-        outcome(64, 1, 1.0)
-    assert ctl.correction(64, 1) == pytest.approx(1.0) and ctl.best_k(64) == 1
-    for _ in range(CORRECTION_MIN + 1):  # plain faster than the model at B=8: no boost for k=1, untried there
-        outcome(8, 0, 1.3)
-    assert ctl.correction(8, 0) == pytest.approx(1.3) and ctl.correction(8, 1) == 1.0
-
-
-def test_adaptive_tries_one_k_deeper_only_where_speculation_pays():
-    """The fitted costs (a step 4 ms + 0.1 ms a row) and acceptances 0.9 / 0.5 / 0.5 make k=1 the best choice at
-    B=64 (7.24 tokens/ms against 6.48 for k=2 and 6.15 plain), but a fit linear in rows can underprice a deep
-    verify on a CPU, and k=2 without outcomes would never be tried. So the first decision tries k=2 for
-    TRIAL_STEPS steps on the whole octave (B=40 too), then k=1 returns; once k=2's steps ran 1.3x faster than
-    predicted (CORRECTION_MIN outcomes after the first of its shape), k=2 is chosen. No second trial in the octave
-    within a probe period. Where speculation loses (acceptance 0.1: plain decoding is the choice) nothing deeper is
-    ever tried, so a setting where speculation cannot pay keeps paying nothing for the trials."""
-    from megatron_spec.spec.adaptive import CORRECTION_MIN, PROBE_STEPS, TRIAL_STEPS
-
-    def controller(accept):
-        ctl = AdaptiveController(k_max=3)
-        for b in (32, 64):
-            for t in (1, 2, 3, 4):
-                for _ in range(3):
-                    ctl.record_step(b, t, 0.004 + 0.0001 * b * t)
-        ctl.record_draft(64, 1, 0.0)
-        ctl.record_draft(64, 1, 0.0)
-        ctl.accept[:] = accept
-        return ctl
-
-    ctl = controller([0.9, 0.5, 0.5])
-    assert ctl.best_k(64) == 1
-    trial = [ctl.choose_k(64 if i % 2 else 40) for i in range(TRIAL_STEPS)]
-    assert trial == [2] * TRIAL_STEPS
-    assert ctl.choose_k(64) == 1
-    for _ in range(CORRECTION_MIN + 1):
-        ctl.record_outcome(64, 2, 10, 10 / (1.3 * ctl.rate(64, 2)))
-    assert ctl.best_k(64) == 2
-    rest_of_period = [ctl.choose_k(64) for _ in range(ctl.probe_every - TRIAL_STEPS - PROBE_STEPS - 2)]
-    assert rest_of_period[-1] == 2 and 3 not in rest_of_period  # k=2 decided; k=3 waits for the next period
-    assert 3 in [ctl.choose_k(64) for _ in range(2 * ctl.decide_every + PROBE_STEPS)]
-    ctl = controller([0.1, 0.1, 0.1])
-    assert set(ctl.choose_k(64) for _ in range(3 * ctl.probe_every)) == {0}

@@ -1,0 +1,120 @@
+"""The adaptive controller against plain decoding on the main job's rollouts, in one process, and what its
+speculative steps cost.
+
+Three engines on one policy and MTP head (the shipped pair, or a main-job checkpoint's with `--checkpoint`): plain
+decoding; the speculative engine with the controller forced to plain decoding on every step (what holding the
+head's states costs while speculation is off); the speculative engine under the adaptive controller (k_max 3). One
+untimed round, then `--rounds` rounds of the main job's rollout shape (8 prompts x 8 samples, T = 1, up to 160
+tokens, stopping at EOS, new prompts each round), every engine once a round, the order reversing each round.
+
+For the adaptive engine every step is also timed by kind: plain, speculative, and the first drafting step after
+plain ones (`catch-up`: the head runs over every position it skipped, for every sequence alive), which the
+controller does not time as a speculative step. Printed and written: total seconds per engine, their ratios to
+plain decoding, per-round ratios, the steps of each kind and their seconds, and the controller's choices per
+batch-size octave.
+
+    python benchmarks/adaptive_ab.py --checkpoint runs/tiny/checkpoints/step_000029/state.pt --rounds 8 \\
+        --out benchmarks/results/adaptive_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from megatron_spec.bench.common import machine
+from megatron_spec.engine import LLMEngine, SamplingParams
+from megatron_spec.models import from_pretrained, load_drafter
+from megatron_spec.spec.adaptive import octave
+from megatron_spec.spec.config import SpecConfig
+from megatron_spec.spec.train_drafter import task_prompts
+
+TARGET, DRAFTER = "checkpoints/tiny-qwen3-deep-careful", "checkpoints/tiny-qwen3-deep-careful-mtp"
+ENGINES = ("plain", "held_plain", "adaptive")
+
+
+def engines(policy, head) -> dict[str, LLMEngine]:
+    out = {"plain": LLMEngine(policy, max_num_seqs=64)}
+    for name in ENGINES[1:]:
+        out[name] = LLMEngine(policy, max_num_seqs=64, spec=SpecConfig("mtp", 3, adaptive=True), drafter=head)
+    out["held_plain"].controller.choose_k = lambda batch: 0
+    return out
+
+
+def watch(engine: LLMEngine, steps: list) -> None:
+    """Append (batch, k, kind, seconds) for each of the engine's decode steps to `steps`."""
+    step, choose = engine.step, engine.controller.choose_k
+    chosen = []
+    engine.controller.choose_k = lambda batch: chosen.append((batch, choose(batch))) or chosen[-1][1]
+
+    def timed():
+        before, caught_up, t0 = len(chosen), engine.drafted_last, time.perf_counter()
+        step()
+        if len(chosen) > before:  # a decode step (prefill chooses nothing)
+            batch, k = chosen[-1]
+            kind = "plain" if k == 0 else ("speculative" if caught_up else "catch-up")
+            steps.append((batch, k, kind, time.perf_counter() - t0))
+
+    engine.step = timed
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", default=None, help="a main-job state.pt whose policy and drafter to load")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    policy = from_pretrained(TARGET)
+    head = load_drafter(DRAFTER, policy.config)
+    if args.checkpoint:
+        state = torch.load(args.checkpoint, weights_only=False)["state"]
+        policy.load_state_dict(state["model"])
+        head.load_state_dict(state["drafter"])
+    runs = engines(policy, head)
+    steps: list = []
+    watch(runs["adaptive"], steps)
+    seconds, rounds = Counter(), []
+    for r in range(args.rounds + 1):
+        prompts = [q for q in task_prompts(TARGET, 8, seed=100 + r) for _ in range(8)]
+        params = SamplingParams(temperature=1.0, max_tokens=160, seed=r)
+        this = {}
+        for name in ENGINES if r % 2 else ENGINES[::-1]:
+            start = time.perf_counter()
+            runs[name].generate(prompts, params)
+            this[name] = time.perf_counter() - start
+        if r == 0:
+            steps.clear()  # the untimed round: the controller's first exploration is in it
+            continue
+        seconds.update(this)
+        rounds.append({name: this["plain"] / this[name] for name in ENGINES[1:]})
+        print(f"round {r}: " + " ".join(f"{n} {t:.3f}s" for n, t in this.items()), flush=True)
+    kinds = Counter(kind for *_, kind, _ in steps)
+    kind_seconds = Counter()
+    for *_, kind, t in steps:
+        kind_seconds[kind] += t
+    choices = Counter((octave(b), k) for b, k, _, _ in steps)
+    result = {
+        "benchmark": "adaptive_ab", "machine": machine(), "target": TARGET, "drafter": DRAFTER,
+        "checkpoint": args.checkpoint, "rollout": "8 prompts x 8 samples, T=1, max 160 tokens, EOS stops",
+        "rounds": args.rounds, "seconds": dict(seconds),
+        "over_plain": {n: seconds["plain"] / seconds[n] for n in ENGINES[1:]},
+        "per_round_over_plain": rounds,
+        "adaptive_steps": {k: {"steps": kinds[k], "seconds": kind_seconds[k]} for k in kinds},
+        "adaptive_choices_per_octave": {o: [choices[(o, k)] for k in range(4)] for o in sorted({o for o, _ in choices})},
+    }
+    print(json.dumps({k: result[k] for k in ("over_plain", "adaptive_steps", "adaptive_choices_per_octave")},
+                     indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
