@@ -73,14 +73,14 @@ class LLMEngine:
 
     # -- speculation ----------------------------------------------------------------------------------------
     def time_step(self, batch: int, k: int, after_drafting: bool, started: float) -> None:
-        """Report a steady decode step (k drafts, 0: plain) to the adaptive controller: drafting, the target forward,
-        sampling, rollback and bookkeeping. Steady means like its predecessor: a drafting step right after a plain
-        one includes the drafter catching up (see `drafted_last`), and a plain step right after a drafting one runs
-        with the drafter's weights and cache where the target's were (a draft model on the deep tiny target at B=8:
-        2 % slower than after a plain step, `benchmarks/shape_costs.py`). Either would bias the ratios of the
-        controller's short blocks."""
-        if (k > 0) == after_drafting:
-            self.controller.record_step(batch, k, time.perf_counter() - started)
+        """Report a decode step (k drafts, 0: plain) to the adaptive controller: drafting, the target forward,
+        sampling, rollback and bookkeeping. A drafting step right after a plain one includes the drafter catching
+        up over the positions it skipped (see `drafted_last`): that is what switching to speculation costs, so it
+        counts. A plain step right after a drafting one is not reported: it runs with the drafter's weights and cache
+        where the target's were (a draft model on the deep tiny target at B=8: 2 % slower than after a plain step,
+        `benchmarks/shape_costs.py`), which is not what plain decoding costs."""
+        if k or not after_drafting:
+            self.controller.record_step(batch, k, time.perf_counter() - started, catch_up=k > 0 and not after_drafting)
 
     def propose(self, seqs: list[Sequence]) -> Drafts:
         k = self.controller.choose_k(len(seqs)) if self.controller else self.k_max

@@ -9,18 +9,23 @@ B = 16 ratios so measured put k = 5 at 1.04x where, timed on its own, it ran at 
 
 Both factors are measured, not modelled:
 - a_i, per draft position, from every verify step (`record_acceptance`): what the drafter and the policy do now.
-- rho_k, per batch-size octave (1, 2, 3-4, 5-8, ..., 33-64), from the engine's own step timings: each steady step
-  at k (drafting, verify, sampling, rollback and bookkeeping included) divided by a plain step's time at the same B
-  (`plain_time`: the latest plain steps at that B, interpolated between the sizes seen), and the median of an
-  octave's ratios rules. It is the host's cost, so it does not go stale as the policy moves.
+- rho_k, per batch-size octave (1, 2, 3-4, 5-8, ..., 33-64), from the engine's own step timings: each step at k
+  (drafting, verify, sampling, rollback and bookkeeping included) divided by a plain step's time at the same B
+  (`plain_time`: the latest plain steps at that B, interpolated between the sizes seen), averaged over the octave's
+  latest WINDOW by their median (one step the OS stalled does not rule), plus what switching costs: on the first
+  step after plain ones a hidden-state drafter runs over every position it skipped, for every sequence alive. On
+  the main job's rollouts such catch-ups took 5-37 ms against ~3 ms a plain step, and left out of the cost they
+  made the controller speculate where it lost 8 % (`benchmarks/adaptive_ab.py`). So a catch-up's time beyond its
+  k's ratio is spread over the octave's speculative steps (decayed sums over about CATCH_UP_STEPS of them). It is
+  the host's cost, so it does not go stale as the policy moves.
 The predecessor of this controller fitted one cost line in B * T to every step instead. On a CPU that cannot work:
 a ~1 ms step is mostly fixed costs, which differ between a plain and a verify step, and the line through a
 rollout's B = 64 and B = 1 steps priced a B = 1 step at 2-3.5 ms where it took ~1 ms, so it kept speculation off
 where k = 3 gave 1.26x. A ratio at the same B cancels what such a line gets wrong, and an octave's ratios, each taken
 at its own B, do not depend on which sizes of the octave a k happened to run at.
 
-What each octave does (`decide`), in blocks of steps so that switches are rare (the first step after a switch
-between plain and drafting is not timed, see `LLMEngine.time_step`):
+What each octave does (`decide`), in blocks of steps so that switches are rare (`LLMEngine.time_step` says which
+steps are timed):
 1. plain decoding until it has plain timings (the reference every ratio needs);
 2. one block at k = 1 and one at k_max (explored once: a ratio is the host's, not the policy's); a k between them
    is priced on the line between theirs until it has timings of its own (the ratio grows about linearly in k: on
@@ -32,9 +37,11 @@ between plain and drafting is not timed, see `LLMEngine.time_step`):
    the plain reference and the acceptance of positions the best k does not reach current. Acceptance is the one
    thing that moves with the policy, and while speculation is off everywhere nothing else measures it (the
    predecessor, once off, stayed off: 17 RL steps in which k = 3 drafted 3.7 tokens a step), so where no step
-   measured it within the probe interval the runner-up is chosen at the prior's acceptance. A probe that leaves the
-   choice as it was doubles the octave's interval (PROBE_EVERY up to PROBE_EVERY_MAX steps), and a changed choice
-   starts it over, so a setting that has settled pays for at most one block of 4 steps in 512.
+   measured it within PROBE_EVERY_MAX steps the runner-up is the k a drafter at STALE_ACCEPT would pay at, and a
+   probe whose first drafts stood RISE more often than estimated is repeated until the estimate catches up. A probe
+   that finds nothing new doubles the octave's interval (PROBE_EVERY up to PROBE_EVERY_MAX steps), and a switch
+   between speculating and not starts it over, so a setting that has settled pays for at most one block of 4 steps
+   (and a catch-up) in 512.
 """
 
 from __future__ import annotations
@@ -50,16 +57,17 @@ import numpy as np
 PRIOR_ACCEPT = 0.7  # per-position acceptance assumed before any is measured: optimistic, so speculation gets tried
 PRIOR_SEQS = 4  # how many sequences' worth of evidence that prior counts as
 DECAY_SEQS = 8  # the acceptance estimate decays by 1 - ema per this many sequences offered
-MIN_SAMPLES = 3  # steady steps a k needs in an octave before its own ratio rules
+MIN_SAMPLES = 3  # steps a k needs in an octave before its own ratio rules
 BLOCK = 4  # steps an explored or probed k holds its octave: one may be untimed (a switch), MIN_SAMPLES are left
 HOLD = 8  # steps a decision holds its octave before it is made again
 PROBE_EVERY = 64  # an octave's steps between probes of a runner-up, at first and whenever the choice changed
-PROBE_NEAR = 1.0  # where plain decoding is best, a probe only for a k predicted at least this fast (within the
+PROBE_NEAR = 1.05  # where plain decoding is best, a probe only for a k predicted at least this fast (within the
 # margin); where no step anywhere measured acceptance within PROBE_EVERY_MAX steps, predicted at STALE_ACCEPT
 RISE = 0.1  # a probe whose first drafts stood this much more often than estimated is repeated: acceptance is rising
 STALE_ACCEPT = 0.9  # a good drafter's acceptance (a fresh MTP head on the main job's policy: 0.9-0.96)
 PROBE_EVERY_MAX = 512  # the interval doubles up to this while probes confirm the choice
-WINDOW = 16  # latest steady steps kept per (octave, k)
+WINDOW = 16  # latest steps kept per (octave, k)
+CATCH_UP_STEPS = 64  # about how many speculative steps an octave's catch-up cost is spread over
 PLAIN_WINDOW = 5  # latest plain steps kept per batch size
 
 
@@ -77,7 +85,9 @@ class Octave:
     probes: int = 0  # probes so far (their runner-ups take turns)
     probed_accept: float = 0.0  # the estimated acceptance of draft 1 when the probe began
     rising: int = 0  # the k of the last probe if its drafts stood notably more often than estimated (0: not)
-    steps: dict[int, deque] = field(default_factory=dict)  # k >= 1 -> (B, seconds) of its latest steady steps
+    steps: dict[int, deque] = field(default_factory=dict)  # k >= 1 -> (B, seconds) of its latest steps
+    catch_up: float = 0.0  # decayed sum of catch-ups' plain steps beyond their k's ratio
+    drafted: float = 0.0  # decayed count of speculative steps, catch-ups included
 
 
 class AdaptiveController:
@@ -88,23 +98,30 @@ class AdaptiveController:
         self._offered = [float(PRIOR_SEQS)] * k_max
         self.asked = k_max  # the k of the latest choice
         self.octaves: dict[int, Octave] = {}
-        self.plain: dict[int, deque] = {}  # B -> seconds of its latest steady plain steps
+        self.plain: dict[int, deque] = {}  # B -> seconds of its latest plain steps
         self._plain_sizes: list[int] = []  # the keys of `plain`, sorted
         self.steps = 0  # decode steps chosen for
         self._measured_at = 0  # the step acceptance was last measured at
         self._fresh = [0, 0]  # draft 1's hits and offers since the latest probe began
 
     # -- measurements -----------------------------------------------------------------------------------------
-    def record_step(self, batch: int, k: int, seconds: float) -> None:
-        """A steady decode step of `batch` sequences with k drafts each (0: plain) took `seconds`, drafting
-        included. A row count never met before costs more once (kernels and plans for a new shape: 10 % over the
-        same sizes again, summed over a rollout of the deep tiny model at k = 0 and 3); medians absorb that."""
+    def record_step(self, batch: int, k: int, seconds: float, catch_up: bool = False) -> None:
+        """A decode step of `batch` sequences with k drafts each (0: plain) took `seconds`, drafting included;
+        `catch_up`: the first drafting step after plain ones (the module docstring says how it counts). A row count
+        never met before costs more once (kernels and plans for a new shape: 10 % over the same sizes again, summed
+        over a rollout of the deep tiny model at k = 0 and 3); the medians absorb that."""
         if k == 0:
             if batch not in self.plain:
                 bisect.insort(self._plain_sizes, batch)
             self.plain.setdefault(batch, deque(maxlen=PLAIN_WINDOW)).append(seconds)
-        else:
-            self._octave(batch).steps.setdefault(k, deque(maxlen=WINDOW)).append((batch, seconds))
+            return
+        cell = self._octave(batch)
+        decay = 1.0 - 1.0 / CATCH_UP_STEPS
+        cell.catch_up, cell.drafted = decay * cell.catch_up, decay * cell.drafted + 1.0
+        if not catch_up:
+            cell.steps.setdefault(k, deque(maxlen=WINDOW)).append((batch, seconds))
+        elif self._plain_sizes and (rho := self._ratio(cell, k)) is not None:
+            cell.catch_up += max(seconds / self.plain_time(batch) - rho, 0.0)
 
     def record_acceptance(self, drafted: list[int], accepted: list[int]) -> None:
         """Per sequence: drafts offered and accepted this step; updates the per-position acceptance estimate.
@@ -200,13 +217,12 @@ class AdaptiveController:
         return others[cell.probes % len(others)]
 
     def speedups(self, cell: Octave, accept: np.ndarray | None = None) -> list[float]:
-        """E_k / rho_k for k = 0..k_max in the octave (1.0 at k = 0), at the measured acceptance or `accept`; a k
-        without MIN_SAMPLES steps of its own takes rho from the line between the nearest ks that have them (the flat
-        extension past the last)."""
-        ratios = {}
-        for k, steps in cell.steps.items():
-            if len(steps) >= MIN_SAMPLES:
-                ratios[k] = median(seconds / self.plain_time(b) for b, seconds in steps)
+        """E_k / rho_k for k = 0..k_max in the octave (1.0 at k = 0), at the measured acceptance or `accept`; rho is
+        the k's `_ratio` plus the octave's catch-ups spread over its speculative steps, and a k without MIN_SAMPLES
+        steps of its own takes rho from the line between the nearest ks that have them (the flat extension past the
+        last)."""
+        switching = cell.catch_up / cell.drafted if cell.drafted else 0.0
+        ratios = {k: rho + switching for k in cell.steps if (rho := self._ratio(cell, k)) is not None}
         known = sorted(ratios)
         gains, tokens = [1.0], self.expected_tokens(accept)
         for k in range(1, self.k_max + 1):
@@ -215,6 +231,12 @@ class AdaptiveController:
             rho = ratios[lo] if hi == lo else ratios[lo] + (ratios[hi] - ratios[lo]) * (k - lo) / (hi - lo)
             gains.append(tokens[k] / rho)
         return gains
+
+    def _ratio(self, cell: Octave, k: int) -> float | None:
+        """The median of the k's latest steps in the octave, each over a plain step's time at its own B; None with
+        fewer than MIN_SAMPLES."""
+        steps = cell.steps.get(k, ())
+        return median(seconds / self.plain_time(b) for b, seconds in steps) if len(steps) >= MIN_SAMPLES else None
 
     def expected_tokens(self, accept: np.ndarray | None = None) -> list[float]:
         """1 + sum_{j<=k} prod_{i<=j} a_i for k = 0..k_max (a: the measured acceptance unless given)."""

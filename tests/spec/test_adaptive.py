@@ -58,8 +58,8 @@ class World:
                 if ctl is not None:
                     if k:
                         ctl.record_acceptance([k] * batch, accepted.tolist())
-                    if (k > 0) == drafting:  # the engine times steady steps only
-                        ctl.record_step(batch, k, t)
+                    if k or not drafting:  # as the engine: not a plain step right after drafting
+                        ctl.record_step(batch, k, t, catch_up=k > 0 and not drafting)
                 drafting = k > 0
                 if log is not None:
                     log.append((batch, k))
@@ -78,7 +78,7 @@ def test_adaptive_earns_what_the_best_k_per_batch_size_earns():
     0.06 ms a sequence), acceptance 0.9, long-tailed lengths (20 + exponential with mean 60, up to 400 tokens: the
     batch spends many steps at a few sequences). The best choice is k = 3 at B <= 12 and plain decoding above,
     worth 1.10x plain decoding; k = 3 on every step gets 0.84 of that best, plain decoding 0.91. Over 40 rollouts
-    (one engine, its controller living across them, as in RL) the controller reaches 0.994 of it (0.973-0.994 over
+    (one engine, its controller living across them, as in RL) the controller reaches 1.00 of it (0.964-1.00 over
     four seeds of the host's noise): bounded at 0.96, which both fixed choices miss by far, so the bound tells a
     controller that adapts from one that does not."""
     def cost(batch: int, k: int) -> float:
@@ -95,9 +95,9 @@ def test_adaptive_earns_what_the_best_k_per_batch_size_earns():
 def test_adaptive_costs_little_where_speculation_cannot_pay():
     """Acceptance 0.4 on the CPU host: plain decoding is best at every batch size (k = 1 at B = 1 gives 1.4 tokens
     for 1.9 plain steps' time). The controller must find out, which costs its exploration blocks and its probes,
-    and stay within 2 % of plain decoding over 40 rollouts (0.984 seen; 0.983-0.990 over four seeds of the host's
+    and stay within 2 % of plain decoding over 40 rollouts (0.983 seen; 0.982-0.990 over four seeds of the host's
     noise). Without the backoff of its probes and with every k probed however hopeless (PROBE_NEAR 0,
-    PROBE_EVERY_MAX = PROBE_EVERY), the same run costs more than the 2 % (0.964 seen; 0.954-0.965), so the bound
+    PROBE_EVERY_MAX = PROBE_EVERY), the same run costs more than the 2 % (0.953 seen; 0.946-0.957), so the bound
     holds the schedule, not only the choice. The run is exact (seeded, pure Python and numpy's generator), so the
     small margin over 0.98 is not at the mercy of the CPU."""
     world = World(accept=0.4)
@@ -169,6 +169,28 @@ def test_adaptive_ratios_are_taken_at_each_steps_own_batch_size():
     assert ctl.plain_time(40) == pytest.approx(0.003)
     gains = ctl.speedups(ctl.octaves[adaptive.octave(40)])
     assert gains == pytest.approx([1.0, 1.8 / 1.5, expected(2, 0.8) / 2.0, expected(3, 0.8) / 2.5])
+
+
+def test_adaptive_spreads_a_catch_up_over_the_octaves_speculative_steps():
+    """k = 1 steps at B = 8 run at 1.5 plain steps, so at acceptance 0.8 k = 1 earns 1.8 / 1.5 = 1.2x. A catch-up
+    (the first drafting step after plain ones) of 10 plain steps is 8.5 beyond that; it is not one of k = 1's
+    steps (their median stays 1.5) but is spread over the octave's speculative steps, decayed by 1 - 1 /
+    CATCH_UP_STEPS a step: after the three steps and the catch-up, rho = 1.5 + 8.5 / (1 + d + d^2 + d^3) = 3.65 and
+    k = 1 earns 0.49x. Each further speculative step without one dilutes it: 200 steps later k = 1 is back above
+    the margin."""
+    ctl = AdaptiveController(k_max=1)
+    ctl.accept[:] = 0.8
+    for _ in range(3):
+        ctl.record_step(8, 0, 0.001)
+        ctl.record_step(8, 1, 0.0015)
+    cell = ctl.octaves[adaptive.octave(8)]
+    assert ctl.speedups(cell)[1] == pytest.approx(1.8 / 1.5)
+    ctl.record_step(8, 1, 0.010, catch_up=True)
+    d = 1 - 1 / adaptive.CATCH_UP_STEPS
+    assert ctl.speedups(cell)[1] == pytest.approx(1.8 / (1.5 + 8.5 / (1 + d + d ** 2 + d ** 3)))
+    for _ in range(200):
+        ctl.record_step(8, 1, 0.0015)
+    assert ctl.speedups(cell)[1] > ctl.margin
 
 
 def test_adaptive_plain_reference_resists_stalls():
