@@ -33,9 +33,9 @@ steps are timed):
 3. the best k, re-decided every HOLD steps (between decisions `choose_k` is a counter: a decision costs ~0.1 ms of
    Python, a step ~1 ms);
 4. now and then a block of a runner-up (`runner_up`): the ks next to the best and plain decoding in turn, or, where
-   plain decoding is best, the k it would speculate at, if that comes within PROBE_NEAR of it. This keeps the ratios,
-   the plain reference and the acceptance of positions the best k does not reach current. Acceptance is the one
-   thing that moves with the policy, and while speculation is off everywhere nothing else measures it (the
+   plain decoding is best, the k it would speculate at, if that is predicted at PROBE_NEAR x or more. This keeps
+   the ratios, the plain reference and the acceptance of positions the best k does not reach current. Acceptance
+   is the one thing that moves with the policy, and while speculation is off everywhere nothing else measures it (the
    predecessor, once off, stayed off: 17 RL steps in which k = 3 drafted 3.7 tokens a step), so where no step
    measured it within PROBE_EVERY_MAX steps the runner-up is the k a drafter at STALE_ACCEPT would pay at, and a
    probe whose first drafts stood RISE more often than estimated is repeated until the estimate catches up. A probe
@@ -195,9 +195,9 @@ class AdaptiveController:
             cell.rising = 0  # speculating measures acceptance anyway
 
     def _probe(self, cell: Octave, best: int, gains: list[float]) -> int | None:
-        """The k to probe now, or None where plain decoding is best and no k is worth a probe: none within
-        PROBE_NEAR of plain decoding, acceptance not rising, and measured within PROBE_EVERY_MAX steps (else it
-        may have moved unseen, and the k is chosen as if the drafter stood at STALE_ACCEPT)."""
+        """The k to probe now, or None where plain decoding is best and no k is worth a probe: none predicted at
+        PROBE_NEAR x plain decoding or more, acceptance not rising, and measured within PROBE_EVERY_MAX steps (else
+        it may have moved unseen, and the k is chosen as if the drafter stood at STALE_ACCEPT)."""
         pick = gains
         if best == 0 and self.steps - self._measured_at >= PROBE_EVERY_MAX:
             pick = self.speedups(cell, np.maximum(self.accept, STALE_ACCEPT))
