@@ -74,7 +74,7 @@ def main() -> int:
     policy = from_pretrained(TARGET)
     head = load_drafter(DRAFTER, policy.config)
     if args.checkpoint:
-        state = torch.load(args.checkpoint, weights_only=False)["state"]
+        state = torch.load(args.checkpoint, map_location="cpu", weights_only=False)["state"]  # as `load_latest`
         policy.load_state_dict(state["model"])
         head.load_state_dict(state["drafter"])
     runs = engines(policy, head)
@@ -107,7 +107,8 @@ def main() -> int:
         "over_plain": {n: seconds["plain"] / seconds[n] for n in ENGINES[1:]},
         "per_round_over_plain": rounds,
         "adaptive_steps": {k: {"steps": kinds[k], "seconds": kind_seconds[k]} for k in kinds},
-        "adaptive_choices_per_octave": {o: [choices[(o, k)] for k in range(4)] for o in sorted({o for o, _ in choices})},
+        "adaptive_choices_per_octave": {o: [choices[(o, k)] for k in range(4)]
+                                        for o in sorted({o for o, _ in choices})},
     }
     print(json.dumps({k: result[k] for k in ("over_plain", "adaptive_steps", "adaptive_choices_per_octave")},
                      indent=1))
