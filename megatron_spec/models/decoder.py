@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from .. import kernels
 from .config import ModelConfig
 from .kv_cache import BatchView
-from .layers import MLP, Attention, AttentionCache, MoE, RMSNorm, rope_cos_sin
+from .layers import MLP, Attention, AttentionCache, MoE, RMSNorm, rotary
 from .packed import kernel_rows, packed, registrations
 
 
@@ -193,7 +193,7 @@ class CausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = rotary(positions, self.config.head_dim, self.config.rope_theta, x.dtype, cache)
         captured = {}
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache)

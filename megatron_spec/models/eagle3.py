@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from .config import ModelConfig
 from .decoder import CausalLM, init_weights
-from .layers import MLP, Attention, AttentionCache, RMSNorm, rope_cos_sin
+from .layers import MLP, Attention, AttentionCache, RMSNorm, rotary
 from .packed import linears
 
 Embed = Callable[[Tensor], Tensor]
@@ -238,7 +238,7 @@ class Eagle3Head(nn.Module):
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        cos, sin = rope_cos_sin(positions, self.target_config.head_dim, self.target_config.rope_theta, hidden.dtype)
+        cos, sin = rotary(positions, self.target_config.head_dim, self.target_config.rope_theta, hidden.dtype, cache)
         out = self.midlayer(hidden, embed(input_ids).detach(), cos, sin, cache)
         return out, linears(self.norm(out), self.lm_head)[0]
 

@@ -23,6 +23,7 @@ through `.detach()` so a drafter loss can never move the policy (only the RL los
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,9 +33,9 @@ from torch import Tensor, nn
 
 from .. import kernels
 from .config import ModelConfig
-from .decoder import FUSED_PLANS, CausalLM, DecoderLayer, init_weights
+from .decoder import CausalLM, DecoderLayer, init_weights, params_key
 from .kv_cache import BatchView
-from .layers import AttentionCache, RMSNorm, rope_cos_sin
+from .layers import AttentionCache, RMSNorm, rotary
 from .packed import kernel_rows, linears, packable
 
 Embed = Callable[[Tensor], Tensor]
@@ -80,22 +81,65 @@ class MTPLayer(nn.Module):
 
     def one_kernel(self, x: Tensor) -> bool:
         """Whether the engine's drafting may run this depth as `fused`: its decoder layer fuses `x`'s rows, the
-        projection has a kernel linear and every weight has `x`'s dtype."""
-        layer = self.transformer_layer
-        own = (self.enorm, self.hnorm, self.eh_proj, self.final_layernorm)
-        return (layer.one_kernel(x) and kernel_rows((self.eh_proj,)) > 0
-                and all(m.weight.dtype == x.dtype for m in own))
+        projection has a kernel linear and every weight has `x`'s dtype (`MTPPlan`)."""
+        return self.plan().takes(x)
+
+    def plan(self) -> MTPPlan:
+        """This depth's `MTPPlan`, made again when any of its parameters changed (as `DecoderLayer.plan`)."""
+        plan = MTP_PLANS.get(self)
+        if plan is None or plan.key != params_key(plan.params):
+            plan = MTP_PLANS[self] = MTPPlan.of(self)
+        return plan
 
     def fused(self, hidden: Tensor, token_embeds: Tensor, cos: Tensor, sin: Tensor, cache: BatchView) -> Tensor:
         """This depth in one kernel call (`kernels.mtp_layer`): the kernels its modules call, in their order, so
         the same bits wherever they would take the kernels' linear, without the ~10 Python calls and torch ops
         around the decoder layer (on the main job's tiny head those cost more than the layer: a drafting round at
         B=1 took ~0.56 ms, its decoder layer ~0.07 ms)."""
-        attn = self.transformer_layer.self_attn
-        return kernels.mtp_layer(hidden, token_embeds, (self.enorm.weight, self.hnorm.weight), self.enorm.eps,
-                                 self.eh_proj.weight, self.final_layernorm.weight, self.final_layernorm.eps, cos, sin,
-                                 FUSED_PLANS[self.transformer_layer].weights, *cache.layer_cache(attn.layer),
-                                 cache.slots, cache.positions, attn.n_heads, attn.n_kv)
+        plan = MTP_PLANS[self]
+        return kernels.mtp_layer(hidden, token_embeds, *plan.head_args, cos, sin, plan.layer_args,
+                                 *cache.layer_cache(plan.cache_layer), cache.slots, cache.positions, *plan.heads)
+
+
+@dataclass
+class MTPPlan:
+    """What `MTPLayer.fused` hands the kernel, worked out once per change of the depth's weights: finding them
+    through the modules and checking the kernel's conditions on every drafting round cost ~28 us of a ~340 us round
+    on the main job's tiny head at B=4 (nn.Module attribute lookups, the decoder layer's plan, dtype checks)."""
+
+    params: tuple
+    key: tuple
+    """`params_key(params)` when the plan was made."""
+    dtype: torch.dtype
+    max_rows: int
+    """The most input rows the fused path takes: the decoder layer's (`FusedPlan.max_rows`), 0 where it never
+    applies (the layer does not fuse, the projection has no kernel linear, or the weights' dtypes differ)."""
+    head_args: tuple = ()
+    """`kernels.mtp_layer`'s arguments from the norms to the final norm's eps."""
+    layer_args: tuple = ()
+    """The decoder layer's `FusedPlan.weights`."""
+    cache_layer: int = 0
+    heads: tuple = ()
+    """(query heads, KV heads) of the layer's attention."""
+
+    def takes(self, x: Tensor) -> bool:
+        return x.dtype == self.dtype and x.numel() <= self.max_rows * x.shape[-1] and kernels.usable(x)
+
+    @classmethod
+    def of(cls, depth: MTPLayer) -> MTPPlan:
+        params = tuple(depth.parameters())
+        key, dtype = params_key(params), params[0].dtype
+        layer, own = depth.transformer_layer.plan(), (depth.enorm, depth.hnorm, depth.eh_proj, depth.final_layernorm)
+        if not layer.max_rows or kernel_rows((depth.eh_proj,)) == 0 or any(m.weight.dtype != dtype for m in own):
+            return cls(params, key, dtype, 0)
+        attn = depth.transformer_layer.self_attn
+        head_args = ((depth.enorm.weight, depth.hnorm.weight), depth.enorm.eps, depth.eh_proj.weight,
+                     depth.final_layernorm.weight, depth.final_layernorm.eps)
+        return cls(params, key, dtype, layer.max_rows, head_args, layer.weights, attn.layer, (attn.n_heads, attn.n_kv))
+
+
+MTP_PLANS: weakref.WeakKeyDictionary[MTPLayer, MTPPlan] = weakref.WeakKeyDictionary()
+"""Plans by MTP depth, kept beside the modules (as `decoder.FUSED_PLANS`)."""
 
 
 class MTP(nn.Module):
@@ -147,7 +191,7 @@ class MTP(nn.Module):
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        cos, sin = rope_cos_sin(positions, self.target_config.head_dim, self.target_config.rope_theta, hidden.dtype)
+        cos, sin = rotary(positions, self.target_config.head_dim, self.target_config.rope_theta, hidden.dtype, cache)
         out = self.layers[layer](hidden, embed(input_ids).detach(), cos, sin, cache)
         if packable(out, (lm_head,)):  # the engine's drafting (no autograd): the packed head, as the target's forward
             return out, linears(out, lm_head)[0]

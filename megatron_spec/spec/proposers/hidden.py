@@ -157,7 +157,7 @@ class HiddenStateProposer(Proposer):
                 state, logits = hidden[rows_b, last], logits[rows_b, last]
             else:  # chain the last depth one position further, on its own previous state
                 pos = [c + n + (j - self.depths) for c, n in zip(starts, counts)]
-                ids = torch.tensor([[e[p + depth + 1]] for e, p in zip(ext, pos)], device=device)
+                ids = tokens[:, None]  # the token after position pos + depth is the previous round's draft
                 view = self.cache.view(slots, pos, 1)
                 state, logits = self.step(depth, state[:, None], ids, view.positions, view)
                 state, logits = state[:, 0], logits[:, 0]
