@@ -13,8 +13,8 @@ def test_table_rows_are_the_per_forward_values(head_dim, theta, dtype):
     """Bit for bit, for the head sizes of the shipped and supported models (multiples of 16), at ragged starts and
     T = 1 and 4 (a decode and a verify): a row read from the table is the same products and the same cos / sin as
     one computed per forward. Equality is the bound because greedy speculative decoding, whose first step after a
-    plain one may mix rows from different forwards, is held to token identity; a table built with another formula
-    (float64 angles, or positions not cast first) differs in the last bits of most rows and fails here."""
+    plain one may mix rows from different forwards, is held to token identity. A table read one row off, or built
+    with the halves laid out otherwise, fails at every row but position 0."""
     cache = KVCache(1, 8, 700, 1, head_dim, dtype)
     for starts, T in (([0, 5, 17, 99], 1), ([3, 250, 600, 40, 41], 4), ([695], 4)):
         view = cache.view(list(range(len(starts))), starts, T)
