@@ -235,12 +235,21 @@ class Eagle3Head(nn.Module):
         [B, T] holding token t+1 -> (state [B, T, H] before `norm`, feed it to the next step; logits [B, T, V] for
         token t+2; over the draft vocabulary when the head has one, map with `d2t`). `positions` default to 0..T-1;
         `embed` maps (target) ids to the target's embeddings."""
+        out = self.state(hidden, input_ids, positions, embed, cache)
+        return out, self.logits(out)
+
+    def state(self, hidden: Tensor, input_ids: Tensor, positions: Tensor | None, embed: Embed,
+              cache: AttentionCache | None = None) -> Tensor:
+        """The state half of `forward`, without the logits (drafting needs them only at each sequence's last row)."""
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = rotary(positions, self.target_config.head_dim, self.target_config.rope_theta, hidden.dtype, cache)
-        out = self.midlayer(hidden, embed(input_ids).detach(), cos, sin, cache)
-        return out, linears(self.norm(out), self.lm_head)[0]
+        return self.midlayer(hidden, embed(input_ids).detach(), cos, sin, cache)
+
+    def logits(self, state: Tensor) -> Tensor:
+        """Logits of a `state` (over the draft vocabulary when the head has one)."""
+        return linears(self.norm(state), self.lm_head)[0]
 
 
 def captured_layers(drafter) -> tuple[int, ...]:

@@ -186,17 +186,29 @@ class MTP(nn.Module):
         `embed` maps ids to the target's embeddings and `lm_head` is the target's head. Returns the depth's normed
         state [B, T, H] (what the next depth reads) and logits [B, T, V] for token t+i+2.
         """
+        out = self.state(hidden, input_ids, positions, embed, cache, layer)
+        return out, self.logits(out, lm_head)
+
+    def state(self, hidden: Tensor, input_ids: Tensor, positions: Tensor | None, embed: Embed,
+              cache: AttentionCache | None = None, layer: int = 0) -> Tensor:
+        """The state half of `forward` (what the next depth reads), without the logits: drafting needs logits only
+        at each sequence's last row, and on a real vocabulary the head over every catch-up row costs more than the
+        depth itself."""
         if not 0 <= layer < len(self.layers):
             raise ValueError(f"MTP layer {layer} out of range: this drafter has {len(self.layers)} depth(s)")
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = rotary(positions, self.target_config.head_dim, self.target_config.rope_theta, hidden.dtype, cache)
-        out = self.layers[layer](hidden, embed(input_ids).detach(), cos, sin, cache)
-        if packable(out, (lm_head,)):  # the engine's drafting (no autograd): the packed head, as the target's forward
-            return out, linears(out, lm_head)[0]
+        return self.layers[layer](hidden, embed(input_ids).detach(), cos, sin, cache)
+
+    @staticmethod
+    def logits(state: Tensor, lm_head: nn.Linear) -> Tensor:
+        """Logits of a depth's `state` through the target's head (read detached: only the RL loss trains it)."""
+        if packable(state, (lm_head,)):  # the engine's drafting (no autograd): the packed head, as the target's
+            return linears(state, lm_head)[0]
         bias = None if lm_head.bias is None else lm_head.bias.detach()
-        return out, F.linear(out, lm_head.weight.detach(), bias)
+        return F.linear(state, lm_head.weight.detach(), bias)
 
     def forward_all(
         self, hidden: Tensor, input_ids: Tensor, positions: Tensor | None, embed: Embed, lm_head: nn.Linear

@@ -121,10 +121,14 @@ class HiddenStateProposer(Proposer):
             write_rows(self.features, self.pending)
         self.pending, self.pending_bytes = [], 0
 
-    def step(self, depth: int, hidden: Tensor, ids: Tensor, positions: Tensor, view) -> tuple[Tensor, Tensor]:
+    def step(self, depth: int, hidden: Tensor, ids: Tensor, positions: Tensor, view) -> Tensor:
         if self.is_mtp:
-            return self.head(hidden, ids, positions, self.target.embed, self.target.lm_head, view, layer=depth)
-        return self.head(hidden, ids, positions, self.target.embed, view)
+            return self.head.state(hidden, ids, positions, self.target.embed, view, layer=depth)
+        return self.head.state(hidden, ids, positions, self.target.embed, view)
+
+    def logits(self, state: Tensor) -> Tensor:
+        """The head's logits for the rows it drafts from (each sequence's last): not for every catch-up row."""
+        return self.head.logits(state, self.target.lm_head) if self.is_mtp else self.head.logits(state)
 
     def propose(self, seqs, k: int) -> Drafts:
         self.flush()
@@ -153,14 +157,14 @@ class HiddenStateProposer(Proposer):
                 ids = torch.tensor([e[c + j + 1 : c + j + 1 + T] + [0] * (T - len(e[c + j + 1 : c + j + 1 + T]))
                                     for e, c in zip(ext, starts)], device=device)
                 view = self.cache.view(slots, starts, T)
-                hidden, logits = self.step(depth, hidden, ids, view.positions, view)
-                state, logits = hidden[rows_b, last], logits[rows_b, last]
+                hidden = self.step(depth, hidden, ids, view.positions, view)
+                state = hidden[rows_b, last]
             else:  # chain the last depth one position further, on its own previous state
                 pos = [c + n + (j - self.depths) for c, n in zip(starts, counts)]
                 ids = tokens[:, None]  # the token after position pos + depth is the previous round's draft
                 view = self.cache.view(slots, pos, 1)
-                state, logits = self.step(depth, state[:, None], ids, view.positions, view)
-                state, logits = state[:, 0], logits[:, 0]
+                state = self.step(depth, state[:, None], ids, view.positions, view)[:, 0]
+            logits = self.logits(state)
             tokens, q = choose_mapped(logits, self.d2t, self.target.config.vocab_size,
                                       self.params, seqs, self.sample)
             if j < max(budget):
