@@ -188,8 +188,9 @@ def test_a_token_gets_the_same_bits_in_any_batch(dtype):
 def test_linear_matches_float64_and_each_row_is_computed_alone(dtype):
     """The kernels' `linear` for every row count it serves (1..KERNEL_ROWS) against a float64 reference, and each
     row's outputs bitwise the same whatever batch it is in: row counts 1..KERNEL_ROWS go through different tiles
-    (4 rows x 2 weight rows, 2 x 2, 1 x 1 or 1 x 2), which must all sum in the one order. An odd output count (the
-    last weight row outside the pairs) and a bias are included.
+    (4 rows x 2 weight rows, 2 x 2, 1 x 1 or 1 x 2, and 1 x 8 for a single fp32 row, whose 101 outputs end in
+    pairs past the last eight), which must all sum in the one order. An odd output count (the last weight row
+    outside the pairs) and a bias are included.
     Tolerance: inputs ~1 and weights ~0.05 over K = 192 give products summing to ~0.7, plus a bias ~1; fp32
     accumulation of 192 such terms errs by well under 1e-5 absolute. bf16 adds one rounding of the output, at most
     half a bf16 step: 2^-8 of |y|. A wrong row, weight row or a missing bias misses by ~0.1 or more."""
