@@ -75,7 +75,7 @@ def rope_table(head_dim: int, theta: float, dtype: torch.dtype, device: torch.de
     """cos / sin [length, head_dim] of positions 0..length-1, by `rope_cos_sin` itself: the same products and the
     same cos / sin. torch computes the last (numel mod 16) elements of a tensor with scalar cos / sin, which may
     differ from the vectorised ones by an ulp, so with head_dim a multiple of 16 (every shipped model) a row has the
-    same bits as computed per forward (`tests/models/test_kernels.py`); otherwise the table is at least the same
+    same bits as computed per forward (`tests/models/test_rotary.py`); otherwise the table is at least the same
     whatever the batch's shape, which per-forward values were not."""
     cos, sin = rope_cos_sin(torch.arange(length, device=device)[None], head_dim, theta, dtype)
     return cos.view(length, head_dim), sin.view(length, head_dim)
