@@ -27,14 +27,13 @@ from pathlib import Path
 
 import torch
 
-from megatron_spec.bench.common import machine
+from megatron_spec.bench.common import MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, machine, main_job_models
 from megatron_spec.engine import LLMEngine, SamplingParams
-from megatron_spec.models import from_pretrained, load_drafter
 from megatron_spec.spec.adaptive import octave
 from megatron_spec.spec.config import SpecConfig
 from megatron_spec.spec.train_drafter import task_prompts
 
-TARGET, DRAFTER = "checkpoints/tiny-qwen3-deep-careful", "checkpoints/tiny-qwen3-deep-careful-mtp"
+TARGET, DRAFTER = MAIN_JOB_POLICY, MAIN_JOB_DRAFTER
 ENGINES = ("plain", "held_plain", "adaptive")
 
 
@@ -70,9 +69,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    policy = from_pretrained(TARGET)
-    head = load_drafter(DRAFTER, policy.config)
+    policy, head = main_job_models(args.threads)
     if args.checkpoint:
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=False)["state"]  # as `load_latest`
         policy.load_state_dict(state["model"])

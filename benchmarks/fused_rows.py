@@ -19,16 +19,14 @@ import json
 import time
 from pathlib import Path
 
-import torch
-
-from megatron_spec.bench.common import machine
+from megatron_spec.bench.common import MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, machine, main_job_models
 from megatron_spec.engine import LLMEngine, SamplingParams
-from megatron_spec.models import decoder, from_pretrained, load_drafter
+from megatron_spec.models import decoder
 from megatron_spec.models.mtp import MTPLayer
 from megatron_spec.spec.config import SpecConfig
 from megatron_spec.spec.train_drafter import task_prompts
 
-TARGET, DRAFTER = "checkpoints/tiny-qwen3-deep-careful", "checkpoints/tiny-qwen3-deep-careful-mtp"
+TARGET, DRAFTER = MAIN_JOB_POLICY, MAIN_JOB_DRAFTER
 KINDS = {"plain": None, "k3": SpecConfig("mtp", 3, adaptive=False), "adaptive": SpecConfig("mtp", 3, adaptive=True)}
 
 
@@ -53,9 +51,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    target = from_pretrained(TARGET)
-    head = load_drafter(DRAFTER, target.config)
+    target, head = main_job_models(args.threads)
     prompts = [q for q in task_prompts(TARGET, 8, seed=7, split="bench") for _ in range(8)]
     engines = {(s, k): LLMEngine(target, max_num_seqs=64, spec=spec, drafter=head if spec else None)
                for s in ("before", "after") for k, spec in KINDS.items()}

@@ -22,15 +22,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import torch
-
-from megatron_spec.bench.common import machine
+from megatron_spec.bench.common import MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, machine, main_job_models
 from megatron_spec.engine import LLMEngine, SamplingParams
-from megatron_spec.models import from_pretrained, load_drafter
 from megatron_spec.spec.config import SpecConfig
 from megatron_spec.spec.train_drafter import task_prompts
 
-TARGET, DRAFTER = "checkpoints/tiny-qwen3-deep-careful", "checkpoints/tiny-qwen3-deep-careful-mtp"
+TARGET, DRAFTER = MAIN_JOB_POLICY, MAIN_JOB_DRAFTER
 PARTS = ("propose", "verify", "accept")
 
 
@@ -73,8 +70,8 @@ def timed_parts(engine: LLMEngine, seconds: Counter) -> None:
 
 def measure(policy, head, batch: int, k: int, tokens: int, repeats: int) -> dict:
     spec = SpecConfig("mtp", k, adaptive=False) if k else None
-    engine = LLMEngine(policy, max_num_seqs=max(batch, 1), spec=spec, drafter=head if k else None)
-    prompts = [q for q in task_prompts(TARGET, batch, seed=7)][:batch]
+    engine = LLMEngine(policy, max_num_seqs=batch, spec=spec, drafter=head if k else None)
+    prompts = task_prompts(TARGET, batch, seed=7)
     engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=tokens, seed=0, ignore_eos=True))
     seconds = Counter()
     timed_parts(engine, seconds)
@@ -97,9 +94,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    policy = from_pretrained(TARGET)
-    head = load_drafter(DRAFTER, policy.config)
+    policy, head = main_job_models(args.threads)
     rows = []
     for batch in args.batch:
         plain = None

@@ -78,3 +78,17 @@ def drafter_checkpoint(target: str, method: str, draft_model: str) -> Path | Non
     target = Path(target)
     parent = target.parent if target.exists() else Path("checkpoints")
     return parent / f"{target.name}-{method}"
+
+
+MAIN_JOB_POLICY, MAIN_JOB_DRAFTER = "checkpoints/tiny-qwen3-deep-careful", "checkpoints/tiny-qwen3-deep-careful-mtp"
+"""The main job's shipped policy and MTP head (`recipes/tiny_grpo_spec.py`), from the repository root."""
+
+
+def main_job_models(threads: int | None):
+    """(policy, MTP head) of the main job, loaded on the CPU with torch at `threads` threads (None: as it is), for
+    the benchmarks that time its rollouts."""
+    from megatron_spec.models import from_pretrained, load_drafter
+
+    set_threads(threads)
+    policy = from_pretrained(MAIN_JOB_POLICY)
+    return policy, load_drafter(MAIN_JOB_DRAFTER, policy.config)
