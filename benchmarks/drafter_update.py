@@ -8,6 +8,12 @@ one update's 4 minibatches (an optimizer step each) timed both ways, alternating
 runs 8 of these per RL step (`drafter_train.replay=8`). Prints and writes the median time of each and their ratio.
 
     python benchmarks/drafter_update.py --out benchmarks/results/drafter_update_packing.json
+
+`--compare attention` times the same update (rows joined) with the chained drafts' attention as it is now
+(`layers.attend_unrolled`: a later step's keys scored on the diagonal only) against `attend` over every step's
+keys under the full mask (how it ran before), alternating likewise:
+
+    python benchmarks/drafter_update.py --compare attention --out benchmarks/results/drafter_update_unrolled.json
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ from megatron_spec.models import from_pretrained
 from megatron_spec.models.drafters import load_drafter
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
 from megatron_spec.rl.microbatch import micro_batches
+from megatron_spec.models.layers import attend
+from megatron_spec.models.masks import causal_mask
 from megatron_spec.rl.policy import DrafterInputs, EmbeddedPolicy, minibatches
+from megatron_spec.spec import drafter_loss
 
 BUDGET = 1024
 """The main job's `grpo.micro_batch_tokens`; a budget of 1 makes `pack` join nothing (the path before it)."""
@@ -45,11 +54,25 @@ def step_inputs(model, lengths: list[int], prompt: int) -> list[DrafterInputs]:
     return out
 
 
+class MaskedUnrolled(drafter_loss.UnrolledAttention):
+    """The chained drafts' attention before `attend_unrolled`: every step's keys, the mask [causal | eye ...]."""
+
+    def attention(self, layer, q, k, v):
+        self.keys.append(k)
+        self.values.append(v)
+        n = q.shape[2]
+        eye = torch.eye(n, dtype=torch.bool)
+        mask = torch.cat([causal_mask(n)[0, 0]] + [eye] * (len(self.keys) - 1), 1)[None, None]
+        return attend(q, torch.cat([x[:, :, :n] for x in self.keys], 2),
+                      torch.cat([x[:, :, :n] for x in self.values], 2), mask)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranges", nargs="+", default=["30-80", "30-160", "120-160"], help="response lengths, lo-hi")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compare", choices=["packing", "attention"], default="packing")
     p.add_argument("--out", default="benchmarks/results/drafter_update_packing.json")
     args = p.parse_args(argv)
     set_threads(args.threads)
@@ -58,29 +81,36 @@ def main(argv: list[str] | None = None) -> int:
     drafter = load_drafter("checkpoints/tiny-qwen3-deep-careful-mtp", model.config)
     policy = EmbeddedPolicy(model, GRPOSection(lr=1e-4), dict(temperature=1.0, top_k=0, top_p=1.0), drafter, "mtp",
                             DrafterTrainSection(drafts=3, replay=8, minibatches=4))
+    unrolled = drafter_loss.UnrolledAttention
+    # Per variant: the packing budget and the chained drafts' attention.
+    variants = {"before": (1, unrolled) if args.compare == "packing" else (BUDGET, MaskedUnrolled),
+                "after": (BUDGET, unrolled)}
     rng, rows = random.Random(0), []
     for spec in args.ranges:
         lo, hi = map(int, spec.split("-"))
         forwards = step_inputs(model, [20 + rng.randint(lo, hi) for _ in range(64)], prompt=20)
         tokens = float(sum(f.mask.sum() for f in forwards))
-        times: dict[int, list[float]] = {1: [], BUDGET: []}
+        times: dict[str, list[float]] = {"before": [], "after": []}
         for rep in range(args.repeats + 1):
-            for budget in (1, BUDGET) if rep % 2 else (BUDGET, 1):
+            for variant in ("before", "after") if rep % 2 else ("after", "before"):
+                budget, drafter_loss.UnrolledAttention = variants[variant]
                 batches = minibatches(forwards, tokens, 4, budget)
                 start = time.perf_counter()
                 for parts, count in batches:
                     policy.drafter_pass(parts, count, learn=True, measure=False)
                 if rep:  # the first round warms both up
-                    times[budget].append(time.perf_counter() - start)
-        passes = {b: sum(len(parts) for parts, _ in minibatches(forwards, tokens, 4, b)) for b in times}
-        row = {"responses": spec, "micro_batches": len(forwards), "passes_unjoined": passes[1],
-               "passes_joined": passes[BUDGET], "unjoined_s": statistics.median(times[1]),
-               "joined_s": statistics.median(times[BUDGET])}
-        row["speedup"] = row["unjoined_s"] / row["joined_s"]
+                    times[variant].append(time.perf_counter() - start)
+        drafter_loss.UnrolledAttention = unrolled
+        passes = {v: sum(len(parts) for parts, _ in minibatches(forwards, tokens, 4, b)) for v, (b, _) in variants.items()}
+        row = {"responses": spec, "micro_batches": len(forwards), "passes_before": passes["before"],
+               "passes_after": passes["after"], "before_s": statistics.median(times["before"]),
+               "after_s": statistics.median(times["after"])}
+        row["speedup"] = row["before_s"] / row["after_s"]
         rows.append(row)
-        print(f"responses {spec}: {row['micro_batches']} micro-batches, passes {passes[1]} -> {passes[BUDGET]}, "
-              f"one update {row['unjoined_s']:.3f} s -> {row['joined_s']:.3f} s ({row['speedup']:.2f}x)")
-    print(f"wrote {write_json(args.out, {'benchmark': 'drafter_update_packing', 'machine': machine(), 'rows': rows})}")
+        print(f"responses {spec}: {row['micro_batches']} micro-batches, passes {passes['before']} -> "
+              f"{passes['after']}, one update {row['before_s']:.3f} s -> {row['after_s']:.3f} s ({row['speedup']:.2f}x)")
+    record = {"benchmark": f"drafter_update_{args.compare}", "machine": machine(), "repeats": args.repeats, "rows": rows}
+    print(f"wrote {write_json(args.out, record)}")
     return 0
 
 

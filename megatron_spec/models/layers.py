@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from .. import kernels
 from .config import ModelConfig
 from .kv_cache import BatchView
+from .masks import causal_mask
 from .packed import linears, packable, packed_linear
 
 
@@ -23,10 +24,12 @@ class AttentionCache(Protocol):
     """What attention needs from a KV cache (the engine's `KVCache` batch views implement it).
 
     `update` stores this step's keys/values for `layer` and returns all keys/values the step's queries may attend
-    to, plus the additive or boolean attention mask for them (None means plain causal over the inputs).
+    to, plus the additive or boolean attention mask for them. A cache whose mask has a shape worth exploiting may
+    instead attend itself: `attention(layer, q, k, v)` -> the attention's output [B, H, T, D] (drafter training's
+    unrolled steps, `drafter_loss.UnrolledAttention`).
     """
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]: ...
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
 class RMSNorm(nn.Module):
@@ -130,6 +133,8 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv != self.n_heads)
+        elif hasattr(cache, "attention"):
+            out = cache.attention(self.layer, q, k, v)
         else:
             k, v, mask = cache.update(self.layer, k, v)
             out = attend(q, k, v, mask)
@@ -154,6 +159,28 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
         scores.add_(mask[:, :, None])
     probs = scores.float().softmax(-1).to(q.dtype).view(B, KV, group * T, L)
     return (probs @ v).view(B, H, T, D)
+
+
+def attend_unrolled(q: Tensor, keys: list[Tensor], values: list[Tensor]) -> Tensor:
+    """Attention of q [B, H, n, D] over the keys / values of unrolled steps ([B, KV, >= n, D] each, the first n
+    rows read): causal over step 0's, and over each later step's on the diagonal only (row t sees row t).
+
+    `attend` with the mask [causal | eye | eye ...] gives the same up to rounding (`tests/models/test_attention.py`),
+    but scores all (s + 1) n keys of a step s, of which a row sees at most n + s: here each later step's scores
+    are one dot product a row. An update of the main job's MTP head on its three chained drafts ran 1.10-1.21x
+    faster this way, more for longer rows (`benchmarks/results/drafter_update_unrolled.json`)."""
+    B, H, n, D = q.shape
+    KV = keys[0].shape[1]
+    group, scale = H // KV, D**-0.5
+    scores = (q.reshape(B, KV, group * n, D) @ keys[0][:, :, :n].transpose(-1, -2)).mul_(scale)
+    scores = scores.view(B, KV, group, n, n).masked_fill(~causal_mask(n, q.device)[:, :, None], float("-inf"))
+    heads = q.reshape(B, KV, group, n, D)
+    diagonal = [(heads * k[:, :, None, :n]).sum(-1, keepdim=True).mul_(scale) for k in keys[1:]]
+    probs = torch.cat([scores, *diagonal], -1).float().softmax(-1).to(q.dtype)
+    out = (probs[..., :n].reshape(B, KV, group * n, n) @ values[0][:, :, :n]).view(B, KV, group, n, D)
+    for j, v in enumerate(values[1:]):
+        out = out + probs[..., n + j, None] * v[:, :, None, :n]
+    return out.reshape(B, H, n, D)
 
 
 class MLP(nn.Module):

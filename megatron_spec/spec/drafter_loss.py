@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..models.decoder import CausalLM, TrunkOutput
 from ..models.eagle3 import Eagle3Head, captured_layers
-from ..models.masks import causal_mask
+from ..models.layers import attend_unrolled
 from ..models.mtp import MTP
 from .sampling import processed_logprobs
 
@@ -72,16 +72,10 @@ class UnrolledAttention:
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.keys.append(k)
         self.values.append(v)
-        n, device = k.shape[2], k.device
-        later = len(self.keys) - 1
-        causal = causal_mask(n, device)[0, 0]
-        diagonal = torch.eye(n, dtype=torch.bool, device=device)
-        mask = torch.cat([causal] + [diagonal] * later, 1)[None, None]  # row t of every step is row t of step 0
-        return (torch.cat([x[:, :, :n] for x in self.keys], 2), torch.cat([x[:, :, :n] for x in self.values], 2),
-                mask)
+        return attend_unrolled(q, self.keys, self.values)  # row t of every step is row t of step 0
 
 
 def mtp_pairs(target: CausalLM, mtp: MTP, input_ids: Tensor, out: TrunkOutput, logits: Tensor,
