@@ -23,14 +23,14 @@ def tiny_grpo_spec() -> RLConfig:
     """The main job: the deep tiny policy on addition chains of 2-8 terms, pretrained on a corpus where a hurried
     writer drops 90 % of carries and a rare careful one (2 %) works each units column first and is right. GRPO at
     lr 1e-4 moves the policy to the careful style within the run (its text changes, so a drafter trained before RL
-    goes stale), and the online MTP head keeps up by training its three chained drafts every step on the last 8
-    steps' rollouts in 4 minibatches each. 160 tokens hold the longest careful solution; 128 held-out problems give
+    goes stale), and the online MTP head keeps up by training its three chained drafts every step on the last 4
+    steps' rollouts in 8 minibatches each. 160 tokens hold the longest careful solution; 128 held-out problems give
     +-4.4 points of standard error."""
     return RLConfig(
         model=ModelSection(policy="checkpoints/tiny-qwen3-deep-careful",
                            drafter="checkpoints/tiny-qwen3-deep-careful-mtp"),
         grpo=GRPOSection(max_tokens=160, lr=1e-4),
-        drafter_train=DrafterTrainSection(drafts=3, replay=8, minibatches=4),
+        drafter_train=DrafterTrainSection(drafts=3, replay=4, minibatches=8),
         run=RunSection(eval_prompts=128),
     )
 
