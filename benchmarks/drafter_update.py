@@ -5,7 +5,8 @@ The main job's policy and MTP head (`checkpoints/tiny-qwen3-deep-careful`, draft
 64 rows (20-token prompts; responses of random lengths in a range, as the main job writes early and late in its
 run) are cut into the policy's micro-batches (`grpo.micro_batch_tokens` 1024), their trunk states computed, and
 one update's 4 minibatches (an optimizer step each) timed both ways, alternating which goes first; the main job
-runs 8 of these per RL step (`drafter_train.replay=8`). Prints and writes the median time of each and their ratio.
+ran 8 of these per RL step when they were measured (`drafter_train.replay=8`, `minibatches=4`; it now replays 4
+steps in 8 minibatches each). Prints and writes the median time of each and their ratio.
 
     python benchmarks/drafter_update.py --out benchmarks/results/drafter_update_packing.json
 
