@@ -1,9 +1,10 @@
 """The adaptive controller against plain decoding on the main job's rollouts, in one process, and what its
 speculative steps cost.
 
-Three engines on one policy and MTP head (the shipped pair, or a main-job checkpoint's with `--checkpoint`): plain
+Four engines on one policy and MTP head (the shipped pair, or a main-job checkpoint's with `--checkpoint`): plain
 decoding; the speculative engine with the controller forced to plain decoding on every step (what holding the
-head's states costs while speculation is off); the speculative engine under the adaptive controller (k_max 3). One
+head's states costs while speculation is off); the speculative engine under the adaptive controller (k_max 3); and
+k = 3 on every step, no controller (`k3`). One
 untimed round, then `--rounds` rounds of the main job's rollout shape (8 prompts x 8 samples, T = 1, up to 160
 tokens, stopping at EOS, new prompts each round), every engine once a round, the order reversing each round.
 
@@ -34,13 +35,13 @@ from megatron_spec.spec.config import SpecConfig
 from megatron_spec.spec.train_drafter import task_prompts
 
 TARGET, DRAFTER = MAIN_JOB_POLICY, MAIN_JOB_DRAFTER
-ENGINES = ("plain", "held_plain", "adaptive")
+ENGINES = ("plain", "held_plain", "adaptive", "k3")
 
 
 def engines(policy, head) -> dict[str, LLMEngine]:
     out = {"plain": LLMEngine(policy, max_num_seqs=64)}
     for name in ENGINES[1:]:
-        out[name] = LLMEngine(policy, max_num_seqs=64, spec=SpecConfig("mtp", 3, adaptive=True), drafter=head)
+        out[name] = LLMEngine(policy, max_num_seqs=64, spec=SpecConfig("mtp", 3, adaptive=name != "k3"), drafter=head)
     out["held_plain"].controller.choose_k = lambda batch: 0
     return out
 
