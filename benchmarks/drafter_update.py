@@ -29,10 +29,10 @@ import torch
 from megatron_spec.bench.common import machine, set_threads, write_json
 from megatron_spec.models import from_pretrained
 from megatron_spec.models.drafters import load_drafter
-from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
-from megatron_spec.rl.microbatch import micro_batches
 from megatron_spec.models.layers import attend
 from megatron_spec.models.masks import causal_mask
+from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
+from megatron_spec.rl.microbatch import micro_batches
 from megatron_spec.rl.policy import DrafterInputs, EmbeddedPolicy, minibatches
 from megatron_spec.spec import drafter_loss
 
@@ -102,14 +102,16 @@ def main(argv: list[str] | None = None) -> int:
                 if rep:  # the first round warms both up
                     times[variant].append(time.perf_counter() - start)
         drafter_loss.UnrolledAttention = unrolled
-        passes = {v: sum(len(parts) for parts, _ in minibatches(forwards, tokens, 4, b)) for v, (b, _) in variants.items()}
+        passes = {v: sum(len(parts) for parts, _ in minibatches(forwards, tokens, 4, budget))
+                  for v, (budget, _) in variants.items()}
         row = {"responses": spec, "micro_batches": len(forwards), "passes_before": passes["before"],
                "passes_after": passes["after"], "before_s": statistics.median(times["before"]),
                "after_s": statistics.median(times["after"])}
         row["speedup"] = row["before_s"] / row["after_s"]
         rows.append(row)
         print(f"responses {spec}: {row['micro_batches']} micro-batches, passes {passes['before']} -> "
-              f"{passes['after']}, one update {row['before_s']:.3f} s -> {row['after_s']:.3f} s ({row['speedup']:.2f}x)")
+              f"{passes['after']}, one update {row['before_s']:.3f} s -> {row['after_s']:.3f} s "
+              f"({row['speedup']:.2f}x)")
     record = {"benchmark": f"drafter_update_{args.compare}", "machine": machine(), "repeats": args.repeats, "rows": rows}
     print(f"wrote {write_json(args.out, record)}")
     return 0
