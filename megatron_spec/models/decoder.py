@@ -57,10 +57,7 @@ class DecoderLayer(nn.Module):
 
     def plan(self) -> FusedPlan:
         """This layer's `FusedPlan`, rebuilt when any of its parameters changed (`params_key`)."""
-        plan = FUSED_PLANS.get(self)
-        if plan is None or plan.key != params_key(plan.params):
-            plan = FUSED_PLANS[self] = FusedPlan.of(self)
-        return plan
+        return current_plan(FUSED_PLANS, self, FusedPlan.of)
 
     def fused(self, x: Tensor, cos: Tensor, sin: Tensor, cache: BatchView) -> Tensor:
         """This layer in one kernel call (`kernels.decoder_layer`): the kernels its modules' forwards call up to the
@@ -138,6 +135,15 @@ FUSED_PLANS: weakref.WeakKeyDictionary[DecoderLayer, FusedPlan] = weakref.WeakKe
 
 def params_key(params: tuple[Tensor, ...]) -> tuple:
     return (registrations(), *[(p.data_ptr(), p._version) for p in params])
+
+
+def current_plan(plans: weakref.WeakKeyDictionary, module: nn.Module, make):
+    """`plans[module]` (a `FusedPlan` or one built on it), made again by `make(module)` when it is missing or any of
+    the parameters it was made from changed since (`params_key`)."""
+    plan = plans.get(module)
+    if plan is None or plan.key != params_key(plan.params):
+        plan = plans[module] = make(module)
+    return plan
 
 
 @dataclass

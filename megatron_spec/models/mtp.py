@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from .. import kernels
 from .config import ModelConfig
-from .decoder import CausalLM, DecoderLayer, init_weights, params_key
+from .decoder import CausalLM, DecoderLayer, FusedPlan, current_plan, init_weights, params_key
 from .kv_cache import BatchView
 from .layers import AttentionCache, RMSNorm, rotary
 from .packed import kernel_rows, linears, packable
@@ -86,10 +86,7 @@ class MTPLayer(nn.Module):
 
     def plan(self) -> MTPPlan:
         """This depth's `MTPPlan`, made again when any of its parameters changed (as `DecoderLayer.plan`)."""
-        plan = MTP_PLANS.get(self)
-        if plan is None or plan.key != params_key(plan.params):
-            plan = MTP_PLANS[self] = MTPPlan.of(self)
-        return plan
+        return current_plan(MTP_PLANS, self, MTPPlan.of)
 
     def fused(self, hidden: Tensor, token_embeds: Tensor, cos: Tensor, sin: Tensor, cache: BatchView) -> Tensor:
         """This depth in one kernel call (`kernels.mtp_layer`): the kernels its modules call, in their order, so
@@ -97,33 +94,25 @@ class MTPLayer(nn.Module):
         around the decoder layer (on the main job's tiny head those cost more than the layer: a drafting round at
         B=1 took ~0.56 ms, its decoder layer ~0.07 ms)."""
         plan = MTP_PLANS[self]
-        return kernels.mtp_layer(hidden, token_embeds, *plan.head_args, cos, sin, plan.layer_args,
+        return kernels.mtp_layer(hidden, token_embeds, *plan.head_args, cos, sin, plan.weights,
                                  *cache.layer_cache(plan.cache_layer), cache.slots, cache.positions, *plan.heads)
 
 
 @dataclass
-class MTPPlan:
+class MTPPlan(FusedPlan):
     """What `MTPLayer.fused` hands the kernel, worked out once per change of the depth's weights: finding them
     through the modules and checking the kernel's conditions on every drafting round cost ~28 us of a ~340 us round
-    on the main job's tiny head at B=4 (nn.Module attribute lookups, the decoder layer's plan, dtype checks)."""
+    on the main job's tiny head at B=4 (nn.Module attribute lookups, the decoder layer's plan, dtype checks).
 
-    params: tuple
-    key: tuple
-    """`params_key(params)` when the plan was made."""
-    dtype: torch.dtype
-    max_rows: int
-    """The most input rows the fused path takes: the decoder layer's (`FusedPlan.max_rows`), 0 where it never
-    applies (the layer does not fuse, the projection has no kernel linear, or the weights' dtypes differ)."""
+    A `FusedPlan` of the whole depth: `params` / `key` are the depth's, `max_rows` is its decoder layer's (0 where the
+    layer does not fuse, the projection has no kernel linear, or the weights' dtypes differ), `weights` are its
+    decoder layer's `FusedPlan.weights`."""
+
     head_args: tuple = ()
     """`kernels.mtp_layer`'s arguments from the norms to the final norm's eps."""
-    layer_args: tuple = ()
-    """The decoder layer's `FusedPlan.weights`."""
     cache_layer: int = 0
     heads: tuple = ()
     """(query heads, KV heads) of the layer's attention."""
-
-    def takes(self, x: Tensor) -> bool:
-        return x.dtype == self.dtype and x.numel() <= self.max_rows * x.shape[-1] and kernels.usable(x)
 
     @classmethod
     def of(cls, depth: MTPLayer) -> MTPPlan:
@@ -131,11 +120,11 @@ class MTPPlan:
         key, dtype = params_key(params), params[0].dtype
         layer, own = depth.transformer_layer.plan(), (depth.enorm, depth.hnorm, depth.eh_proj, depth.final_layernorm)
         if not layer.max_rows or kernel_rows((depth.eh_proj,)) == 0 or any(m.weight.dtype != dtype for m in own):
-            return cls(params, key, dtype, 0)
+            return cls(params, key, dtype, 0, ())
         attn = depth.transformer_layer.self_attn
         head_args = ((depth.enorm.weight, depth.hnorm.weight), depth.enorm.eps, depth.eh_proj.weight,
                      depth.final_layernorm.weight, depth.final_layernorm.eps)
-        return cls(params, key, dtype, layer.max_rows, head_args, layer.weights, attn.layer, (attn.n_heads, attn.n_kv))
+        return cls(params, key, dtype, layer.max_rows, layer.weights, head_args, attn.layer, (attn.n_heads, attn.n_kv))
 
 
 MTP_PLANS: weakref.WeakKeyDictionary[MTPLayer, MTPPlan] = weakref.WeakKeyDictionary()
