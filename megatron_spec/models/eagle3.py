@@ -130,9 +130,15 @@ class Eagle3Layer(nn.Module):
         self, hidden: Tensor, token_embeds: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache | None
     ) -> Tensor:
         # The residual is the un-normed hidden state: the embedding only informs attention, as in EAGLE-3.
-        x = torch.cat((self.input_layernorm(token_embeds), self.hidden_norm(hidden)), dim=-1)
-        h = hidden + self.self_attn(x, cos, sin, cache)
+        h = hidden + self.self_attn(self.attention_input(hidden, token_embeds), cos, sin, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def attention_input(self, hidden: Tensor, token_embeds: Tensor) -> Tensor:
+        return torch.cat((self.input_layernorm(token_embeds), self.hidden_norm(hidden)), dim=-1)
+
+    def store(self, hidden: Tensor, token_embeds: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache) -> None:
+        """Only the keys and values `forward` writes into `cache` (`Attention.store`)."""
+        self.self_attn.store(self.attention_input(hidden, token_embeds), cos, sin, cache)
 
 
 class Eagle3Head(nn.Module):
@@ -239,17 +245,31 @@ class Eagle3Head(nn.Module):
         return out, self.logits(out)
 
     def state(self, hidden: Tensor, input_ids: Tensor, positions: Tensor | None, embed: Embed,
-              cache: AttentionCache | None = None) -> Tensor:
-        """The state half of `forward`, without the logits (drafting needs them only at each sequence's last row)."""
+              cache: AttentionCache | None = None, layer: int = 0) -> Tensor:
+        """The state half of `forward`, without the logits (drafting needs them only at each sequence's last row).
+        `layer`: the depth, always 0 (one depth; the argument lets drafting call every head alike)."""
+        one_depth(layer)
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = rotary(positions, self.target_config.head_dim, self.target_config.rope_theta, hidden.dtype, cache)
         return self.midlayer(hidden, embed(input_ids).detach(), cos, sin, cache)
 
+    def store(self, hidden: Tensor, input_ids: Tensor, positions: Tensor, embed: Embed, cache: AttentionCache,
+              layer: int = 0) -> None:
+        """What `state` writes into `cache` (its keys and values at `positions`), without the state."""
+        one_depth(layer)
+        cos, sin = rotary(positions, self.target_config.head_dim, self.target_config.rope_theta, hidden.dtype, cache)
+        self.midlayer.store(hidden, embed(input_ids).detach(), cos, sin, cache)
+
     def logits(self, state: Tensor) -> Tensor:
         """Logits of a `state` (over the draft vocabulary when the head has one)."""
         return linears(self.norm(state), self.lm_head)[0]
+
+
+def one_depth(layer: int) -> None:
+    if layer != 0:
+        raise ValueError(f"an EAGLE-3 head has one depth (layer 0), got layer {layer}")
 
 
 def captured_layers(drafter) -> tuple[int, ...]:

@@ -135,7 +135,14 @@ class BatchView:
         `k_norm`: RMSNorm modules or None) and the rotary (`cos`, `sin`); returns the attention output
         [B, T, heads * head_dim]."""
         kc, vc = self.layer_cache(layer)
-        q = kernels.rope_store(qkv, cos, sin, None if q_norm is None else q_norm.weight,
-                               None if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.eps,
-                               kc, vc, self.slots, self.positions, heads, kc.shape[1])
+        q = self.store(layer, qkv, cos, sin, q_norm, k_norm, heads)
         return kernels.attention(q, kc, vc, self.slots, self.positions)
+
+    def store(self, layer: int, qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: nn.Module | None,
+              k_norm: nn.Module | None, heads: int) -> Tensor:
+        """The first of `attend`'s kernels alone: store this step's keys and values; returns the queries, normed and
+        rotated [B, T, heads, head_dim]."""
+        kc, vc = self.layer_cache(layer)
+        return kernels.rope_store(qkv, cos, sin, None if q_norm is None else q_norm.weight,
+                                  None if k_norm is None else k_norm.weight, 0.0 if q_norm is None else q_norm.eps,
+                                  kc, vc, self.slots, self.positions, heads, kc.shape[1])

@@ -140,6 +140,21 @@ class Attention(nn.Module):
             out = attend(q, k, v, mask)
         return linears(out.transpose(1, 2).reshape(B, T, -1), self.o_proj)[0]
 
+    def store(self, x: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache) -> None:
+        """Only what `forward` writes into `cache` for `x`'s positions (their keys and values), for positions whose
+        outputs nobody reads: a drafter catching up reads its state at each sequence's last position only."""
+        B, T, _ = x.shape
+        qkv_proj = (self.q_proj, self.k_proj, self.v_proj)
+        if isinstance(cache, BatchView) and kernels.usable(x) and packable(x, qkv_proj):
+            cache.store(self.layer, packed_linear(x, qkv_proj), cos, sin, self.q_norm, self.k_norm, self.n_heads)
+            return
+        k, v = linears(x, self.k_proj, self.v_proj)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        cache.update(self.layer, apply_rope(k.transpose(1, 2), cos, sin),
+                     v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2))
+
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """Grouped-query attention of q [B, H, T, D] over k, v [B, KV, L, D] with a mask [B, 1, T, L], boolean (True:

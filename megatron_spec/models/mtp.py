@@ -79,6 +79,13 @@ class MTPLayer(nn.Module):
         x = linears(torch.cat((self.enorm(token_embeds), self.hnorm(hidden)), dim=-1), self.eh_proj)[0]
         return self.final_layernorm(self.transformer_layer(x, cos, sin, cache))
 
+    def store(self, hidden: Tensor, token_embeds: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache) -> None:
+        """Only the keys and values `forward` writes into `cache` (`Attention.store`): a one-layer depth's keys at a
+        position depend on that position's inputs alone, so they need neither the attention nor the MLP."""
+        x = linears(torch.cat((self.enorm(token_embeds), self.hnorm(hidden)), dim=-1), self.eh_proj)[0]
+        layer = self.transformer_layer
+        layer.self_attn.store(layer.input_layernorm(x), cos, sin, cache)
+
     def one_kernel(self, x: Tensor) -> bool:
         """Whether the engine's drafting may run this depth as `fused`: its decoder layer fuses `x`'s rows, the
         projection has a kernel linear and every weight has `x`'s dtype (`MTPPlan`)."""
@@ -189,6 +196,12 @@ class MTP(nn.Module):
             positions = torch.arange(T, device=input_ids.device).expand(B, T)
         cos, sin = rotary(positions, self.target_config.head_dim, self.target_config.rope_theta, hidden.dtype, cache)
         return self.layers[layer](hidden, embed(input_ids).detach(), cos, sin, cache)
+
+    def store(self, hidden: Tensor, input_ids: Tensor, positions: Tensor, embed: Embed, cache: AttentionCache,
+              layer: int = 0) -> None:
+        """What `state` writes into `cache` (depth `layer`'s keys and values at `positions`), without the state."""
+        cos, sin = rotary(positions, self.target_config.head_dim, self.target_config.rope_theta, hidden.dtype, cache)
+        self.layers[layer].store(hidden, embed(input_ids).detach(), cos, sin, cache)
 
     @staticmethod
     def logits(state: Tensor, lm_head: nn.Linear) -> Tensor:

@@ -22,6 +22,7 @@ into a distribution over the full target vocabulary, zero off the map, which is 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -51,31 +52,49 @@ def write_rows(buffer: Tensor, writes: list[tuple[list[int], list[int], list[int
     for the first valid[b] positions t of each sequence b (padding positions past valid[b] are dropped). Where two
     writes land on one place (a slot reused by a new sequence) the later one stands.
 
-    One `index_copy_` into the flattened buffer with indices built in Python, however many writes: on a ~1 ms decode
-    step a tensor-built advanced-index write cost several times as much (100 us against 17 us at batch 64)."""
+    One `index_copy_` into the flattened buffer, however many writes: on a ~1 ms decode step a tensor-built
+    advanced-index write cost several times as much (100 us against 17 us at batch 64). The places are worked out
+    in numpy, a write at a time: the ~100 decode steps a rollout of the main job holds before its first draft took
+    ~6 ms as one Python list of places (B x steps integers), about half of that first drafting step."""
     length = buffer.shape[1]
-    dest: list[int] = []
+    slots, starts = [], []
+    for rows, first, _, _ in writes:
+        slots += rows
+        starts += first
+    first = np.asarray(slots, dtype=np.int64) * length + np.asarray(starts, dtype=np.int64)  # each sequence's first
+    dest: list[np.ndarray] = []
     columns: list[list[Tensor]] = [[] for _ in writes[0][3]]
-    for rows, starts, valid, parts in writes:
+    at = 0
+    for _, _, valid, parts in writes:
         B, T = parts[0].shape[:2]
-        dest += [r * length + s + t for r, s, n in zip(rows, starts, valid) for t in range(n)]
-        keep = None
+        places, keep = first[at : at + B, None] + np.arange(T), None
+        at += B
         if sum(valid) < B * T:
-            keep = torch.tensor([b * T + t for b, n in enumerate(valid) for t in range(n)], device=buffer.device)
+            keep = np.arange(T) < np.asarray(valid)[:, None]
+            places, keep = places[keep], torch.from_numpy(np.flatnonzero(keep)).to(buffer.device)
+        dest.append(places.reshape(-1))
         for column, part in zip(columns, parts):
             flat = part.reshape(B * T, -1)
             column.append(flat if keep is None else flat[keep])
     src = joined([joined(column) for column in columns], -1)
-    if len(set(dest)) < len(dest):  # index_copy_ leaves duplicates unordered: keep each place's last write only
-        last = sorted({d: i for i, d in enumerate(dest)}.values())
-        dest, src = [dest[i] for i in last], src[torch.tensor(last, device=buffer.device)]
-    buffer.view(-1, buffer.shape[-1]).index_copy_(0, torch.tensor(dest, device=buffer.device), src)
+    places = np.concatenate(dest)
+    # index_copy_ leaves duplicates unordered: keep each place's last write only (np.unique's first of the reversed)
+    if np.bincount(places).max() > 1:
+        last = np.sort(places.size - 1 - np.unique(places[::-1], return_index=True)[1])
+        places, src = places[last], src[torch.from_numpy(last).to(buffer.device)]
+    buffer.view(-1, buffer.shape[-1]).index_copy_(0, torch.from_numpy(places).to(buffer.device), src)
 
 
 def joined(tensors: list[Tensor], dim: int = 0) -> Tensor:
     """torch.cat without the copy when there is only one."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim)
 
+
+STORE_ONLY_FROM = 8
+"""A catch-up over at least this many positions runs the last depth only as far as its keys and values (`store`:
+its keys at a position depend on that position's inputs alone) and the whole layer on each sequence's last row,
+the one the chain reads on; a shorter one, as in a round right after a drafting one (1 to k + 1 positions), keeps
+one call. On the main job's MTP head the other rows' attention and MLP were most of a catch-up."""
 
 MAX_PENDING_BYTES = 64 << 20  # target states a hidden-state proposer holds before writing them (`observe`)
 
@@ -122,9 +141,7 @@ class HiddenStateProposer(Proposer):
         self.pending, self.pending_bytes = [], 0
 
     def step(self, depth: int, hidden: Tensor, ids: Tensor, positions: Tensor, view) -> Tensor:
-        if self.is_mtp:
-            return self.head.state(hidden, ids, positions, self.target.embed, view, layer=depth)
-        return self.head.state(hidden, ids, positions, self.target.embed, view)
+        return self.head.state(hidden, ids, positions, self.target.embed, view, layer=depth)
 
     def logits(self, state: Tensor) -> Tensor:
         """The head's logits for the rows it drafts from (each sequence's last): not for every catch-up row."""
@@ -157,8 +174,16 @@ class HiddenStateProposer(Proposer):
                 ids = torch.tensor([e[c + j + 1 : c + j + 1 + T] + [0] * (T - len(e[c + j + 1 : c + j + 1 + T]))
                                     for e, c in zip(ext, starts)], device=device)
                 view = self.cache.view(slots, starts, T)
-                hidden = self.step(depth, hidden, ids, view.positions, view)
-                state = hidden[rows_b, last]
+                if depth == self.depths - 1 and T >= STORE_ONLY_FROM:
+                    # Only the last rows' states are read on (the chain starts there): keys and values for every
+                    # row, then the layer on the last rows alone (`STORE_ONLY_FROM`).
+                    self.head.store(hidden, ids, view.positions, self.target.embed, view, layer=depth)
+                    one = self.cache.view(slots, [c + n - 1 for c, n in zip(starts, counts)], 1)
+                    state = self.step(depth, hidden[rows_b, last, None], ids[rows_b, last, None], one.positions,
+                                      one)[:, 0]
+                else:
+                    hidden = self.step(depth, hidden, ids, view.positions, view)
+                    state = hidden[rows_b, last]
             else:  # chain the last depth one position further, on its own previous state
                 pos = [c + n + (j - self.depths) for c, n in zip(starts, counts)]
                 ids = tokens[:, None]  # the token after position pos + depth is the previous round's draft
