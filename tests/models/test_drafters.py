@@ -12,6 +12,7 @@ from safetensors import safe_open
 from megatron_spec.models.config import ModelConfig
 from megatron_spec.models.decoder import CausalLM
 from megatron_spec.models.drafters import check_draft_model, load_drafter, save_drafter
+from megatron_spec.models.kv_cache import KVCache
 from megatron_spec.models.eagle3 import Eagle3Config, Eagle3Head, default_capture_layers
 from megatron_spec.models.layers import MLP, MoE
 from megatron_spec.models.mtp import MTP, MTPConfig
@@ -305,6 +306,39 @@ def test_eagle3_stepwise_through_cache_equals_full_sequence():
     torch.testing.assert_close(torch.cat([st for st, _ in steps], 1), full_state, atol=1e-5, rtol=0)
     torch.testing.assert_close(torch.cat([lg for _, lg in steps], 1), full_logits, atol=1e-5, rtol=0)
     assert sorted(cache.k) == [4] and cache.k[4].shape[2] == T - 1
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+@pytest.mark.parametrize("engine_cache", [False, True], ids=["torch", "engine"])
+def test_store_writes_the_keys_and_values_state_writes(kind, engine_cache):
+    """A drafter catching up runs `store` on the rows whose states nobody reads (`proposers.hidden`): it must leave
+    in the cache what `state` leaves, through torch's ops (a test cache) and through the engine's slotted cache and
+    CPU kernels alike; a store that skipped a norm, the rotary or the embedding half would be off by whole units.
+    The same products summed over the same 2H or H inputs, the k/v projections possibly without q beside them in
+    one GEMM: fp32 rounding of a 64-term sum, far under 1e-5."""
+    target = make_target()
+    head = make_drafter(kind, target)
+    ids = token_ids()
+    context = torch.inference_mode() if engine_cache else torch.no_grad()
+    with context:
+        hidden = target.trunk(ids).hidden if kind == "mtp" else head.fuse(
+            target.trunk(ids, capture=head.capture_layers).layers)
+        layer = target.config.num_hidden_layers
+        written = []
+        for write in (head.state, head.store):
+            if engine_cache:
+                cache = KVCache(head.num_cache_layers, B, T, 2, 8, torch.float32, torch.device("cpu"), first_layer=layer)
+                view = cache.view(list(range(B)), [0] * B, T - 1)
+                write(hidden[:, :-1], ids[:, 1:], view.positions, target.embed, view)
+                written.append([t[:, :, :, : T - 1] if i == 0 else t[:, :, : T - 1] for i, t in
+                                enumerate(view.layer_cache(layer))])
+            else:
+                cache = AppendCache()
+                write(hidden[:, :-1], ids[:, 1:], positions(0, T - 1), target.embed, cache)
+                written.append([cache.k[layer], cache.v[layer]])
+    for got, want in zip(written[1], written[0]):
+        assert got.abs().max() > 0.1
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------ gradient isolation
