@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -9,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from megatron_spec import kernels
 from megatron_spec.models.config import ModelConfig
 from megatron_spec.models.decoder import CausalLM
 from megatron_spec.models.drafters import check_draft_model, load_drafter, save_drafter
-from megatron_spec.models.kv_cache import KVCache
 from megatron_spec.models.eagle3 import Eagle3Config, Eagle3Head, default_capture_layers
+from megatron_spec.models.kv_cache import KVCache
 from megatron_spec.models.layers import MLP, MoE
 from megatron_spec.models.mtp import MTP, MTPConfig
 
@@ -309,18 +311,19 @@ def test_eagle3_stepwise_through_cache_equals_full_sequence():
 
 
 @pytest.mark.parametrize("kind", ["mtp", "eagle3"])
-@pytest.mark.parametrize("engine_cache", [False, True], ids=["torch", "engine"])
-def test_store_writes_the_keys_and_values_state_writes(kind, engine_cache):
+@pytest.mark.parametrize("engine_cache,use_kernels", [(False, False), (True, True), (True, False)],
+                         ids=["test-cache", "engine-kernels", "engine-torch-ops"])
+def test_store_writes_the_keys_and_values_state_writes(kind, engine_cache, use_kernels):
     """A drafter catching up runs `store` on the rows whose states nobody reads (`proposers.hidden`): it must leave
-    in the cache what `state` leaves, through torch's ops (a test cache) and through the engine's slotted cache and
-    CPU kernels alike; a store that skipped a norm, the rotary or the embedding half would be off by whole units.
-    The same products summed over the same 2H or H inputs, the k/v projections possibly without q beside them in
-    one GEMM: fp32 rounding of a 64-term sum, far under 1e-5."""
+    in the cache what `state` leaves, through a test cache, and through the engine's slotted cache with the CPU
+    kernels and with torch's ops (as on a GPU) alike; a store that skipped a norm, the rotary or the embedding half
+    would be off by whole units. The same products summed over the same 2H or H inputs, the k/v projections
+    possibly without q beside them in one GEMM: fp32 rounding of a 64-term sum, far under 1e-5."""
     target = make_target()
     head = make_drafter(kind, target)
     ids = token_ids()
     context = torch.inference_mode() if engine_cache else torch.no_grad()
-    with context:
+    with context, contextlib.nullcontext() if use_kernels else kernels.disabled():
         hidden = target.trunk(ids).hidden if kind == "mtp" else head.fuse(
             target.trunk(ids, capture=head.capture_layers).layers)
         layer = target.config.num_hidden_layers
