@@ -74,17 +74,19 @@ class MTPLayer(nn.Module):
     ) -> Tensor:
         if isinstance(cache, BatchView) and self.one_kernel(hidden):
             return self.fused(hidden, token_embeds, cos, sin, cache)
+        return self.final_layernorm(self.transformer_layer(self.joined(hidden, token_embeds), cos, sin, cache))
+
+    def joined(self, hidden: Tensor, token_embeds: Tensor) -> Tensor:
+        """eh_proj([enorm(embeds), hnorm(hidden)]): the decoder layer's input."""
         # `linears`: packed for the engine's drafting, where an nn.Linear call cost ~50 us a draft on the main job's
         # tiny head (as much as its whole decoder layer); F.linear, with gradients, anywhere else.
-        x = linears(torch.cat((self.enorm(token_embeds), self.hnorm(hidden)), dim=-1), self.eh_proj)[0]
-        return self.final_layernorm(self.transformer_layer(x, cos, sin, cache))
+        return linears(torch.cat((self.enorm(token_embeds), self.hnorm(hidden)), dim=-1), self.eh_proj)[0]
 
     def store(self, hidden: Tensor, token_embeds: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache) -> None:
         """Only the keys and values `forward` writes into `cache` (`Attention.store`): a one-layer depth's keys at a
         position depend on that position's inputs alone, so they need neither the attention nor the MLP."""
-        x = linears(torch.cat((self.enorm(token_embeds), self.hnorm(hidden)), dim=-1), self.eh_proj)[0]
         layer = self.transformer_layer
-        layer.self_attn.store(layer.input_layernorm(x), cos, sin, cache)
+        layer.self_attn.store(layer.input_layernorm(self.joined(hidden, token_embeds)), cos, sin, cache)
 
     def one_kernel(self, x: Tensor) -> bool:
         """Whether the engine's drafting may run this depth as `fused`: its decoder layer fuses `x`'s rows, the

@@ -330,7 +330,9 @@ def test_store_writes_the_keys_and_values_state_writes(kind, engine_cache, use_k
         written = []
         for write in (head.state, head.store):
             if engine_cache:
-                cache = KVCache(head.num_cache_layers, B, T, 2, 8, torch.float32, torch.device("cpu"), first_layer=layer)
+                cfg = target.config
+                cache = KVCache(head.num_cache_layers, B, T, cfg.num_key_value_heads, cfg.head_dim, torch.float32,
+                                torch.device("cpu"), first_layer=layer)
                 view = cache.view(list(range(B)), [0] * B, T - 1)
                 write(hidden[:, :-1], ids[:, 1:], view.positions, target.embed, view)
                 written.append([t[:, :, :, : T - 1] if i == 0 else t[:, :, : T - 1] for i, t in

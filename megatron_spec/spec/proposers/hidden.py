@@ -58,9 +58,9 @@ def write_rows(buffer: Tensor, writes: list[tuple[list[int], list[int], list[int
     ~6 ms as one Python list of places (B x steps integers), about half of that first drafting step."""
     length = buffer.shape[1]
     slots, starts = [], []
-    for rows, first, _, _ in writes:
+    for rows, begin, _, _ in writes:
         slots += rows
-        starts += first
+        starts += begin
     first = np.asarray(slots, dtype=np.int64) * length + np.asarray(starts, dtype=np.int64)  # each sequence's first
     dest: list[np.ndarray] = []
     columns: list[list[Tensor]] = [[] for _ in writes[0][3]]
