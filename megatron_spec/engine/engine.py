@@ -13,7 +13,7 @@ import time
 import torch
 
 from ..models.config import token_id_tuple
-from ..models.decoder import CausalLM
+from ..models.decoder import CausalLM, weights_fixed
 from ..spec.adaptive import AdaptiveController
 from ..spec.config import SpecConfig
 from ..spec.proposers import Drafts, Proposer, build_proposer
@@ -66,7 +66,7 @@ class LLMEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         seqs = self.start(prompts, params)
-        with torch.inference_mode():
+        with torch.inference_mode(), weights_fixed():
             while not self.scheduler.is_finished():
                 self.step()
         return [self.completion(s) for s in seqs]

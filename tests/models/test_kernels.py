@@ -1,6 +1,7 @@
 """The fused CPU kernels (`megatron_spec.kernels`) against torch's eager path they replace, their batch invariance
 (what keeps greedy speculative decoding token-identical to plain), their bounds checks, and the engine using them."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -365,6 +366,31 @@ def test_the_fused_layer_sees_every_change_of_its_weights(monkeypatch):
         assert torch.equal(after, forward(False)), change.__name__
         assert (after - before).abs().max() > 0.1, change.__name__
         before = after
+
+
+def test_a_generate_call_checks_each_plan_once_and_the_next_call_sees_new_weights(monkeypatch):
+    """Inside `generate` (a `decoder.weights_fixed` block) a layer's plan is checked against its parameters on its
+    first forward only: with 12 forwards of 4 layers, `params_key` runs 4 times, not 48. Weights changed between two
+    calls (a refit's in-place `copy_`) reach the next call: its log-probs are a fresh engine's on a copy of the
+    changed model, bit for bit; with plans never checked again the second call would compute with the old packed copies,
+    whose log-probs differ by O(0.1) (the change scales every MLP weight by 1.5)."""
+    torch.manual_seed(0)
+    model = CausalLM(preset("tiny-qwen3")).eval()
+    model.reset_parameters(std=0.15)
+    prompts, params = [[1, 5, 9, 2], [7, 7, 3]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine = LLMEngine(model, max_num_seqs=2)
+    checks = []
+    real_key = decoder.params_key
+    monkeypatch.setattr(decoder, "params_key", lambda p: checks.append(1) or real_key(p))
+    before = engine.generate(prompts, params)
+    assert len(checks) == model.config.num_hidden_layers
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.up_proj.weight.copy_(1.5 * layer.mlp.up_proj.weight)
+    after = engine.generate(prompts, params)
+    fresh = LLMEngine(copy.deepcopy(model), max_num_seqs=2).generate(prompts, params)  # new modules, new plans
+    assert [a.logprobs for a in after] == [f.logprobs for f in fresh]
+    assert max(abs(a - b) for x, y in zip(after, before) for a, b in zip(x.logprobs, y.logprobs)) > 0.1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
