@@ -32,6 +32,7 @@ from megatron_spec.bench.common import machine
 from megatron_spec.engine import LLMEngine, SamplingParams
 import megatron_spec.models.layers as layers
 from megatron_spec.models import from_pretrained
+from megatron_spec.models.decoder import weights_fixed
 from megatron_spec.models.kv_cache import BatchView
 
 
@@ -120,7 +121,7 @@ def profile_batch(model, batch: int, steps: int, greedy: bool) -> dict:
     prompts = torch.randint(3, model.config.vocab_size, (batch, 32), generator=g).tolist()
     params = SamplingParams(temperature=0.0 if greedy else 1.0, max_tokens=steps * 2 + 16, ignore_eos=True)
     engine = LLMEngine(model, max_num_seqs=batch)
-    with torch.inference_mode():
+    with torch.inference_mode(), weights_fixed():  # as in `LLMEngine.generate`
         engine.start(prompts, params)
         for _ in range(8):  # prefill + warm-up decode steps
             engine.step()

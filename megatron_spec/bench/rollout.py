@@ -86,6 +86,8 @@ def interleaved(engines: list, prompts, params) -> tuple[list[float], list[list]
 
     import torch
 
+    from ..models.decoder import weights_fixed
+
     spent = [0.0] * len(engines)
     seqs = []
     for i, e in enumerate(engines):
@@ -93,7 +95,7 @@ def interleaved(engines: list, prompts, params) -> tuple[list[float], list[list]
         seqs.append(e.start(prompts, params))
         spent[i] += time.perf_counter() - t0
     order = list(range(len(engines)))
-    with torch.inference_mode():
+    with torch.inference_mode(), weights_fixed():  # as in `generate`
         while not all(e.scheduler.is_finished() for e in engines):
             for i in order:
                 if not engines[i].scheduler.is_finished():
