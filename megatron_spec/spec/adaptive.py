@@ -8,7 +8,8 @@ come from a few steps on a host whose step times wander by +-10 % over seconds, 
 B = 16 ratios so measured put k = 5 at 1.04x where, timed on its own, it ran at about 0.9x).
 
 Both factors are measured, not modelled:
-- a_i, per draft position, from every verify step (`record_acceptance`): what the drafter and the policy do now.
+- a_i, per draft position, from every verify step (`record_acceptance`): what the drafter and the policy do now
+  (over ~80 sequences, or the last ~16 where those lie far from it: `moved`).
 - rho_k, per batch-size octave (1, 2, 3-4, 5-8, ..., 33-64), from the engine's own step timings: each step at k
   (drafting, verify, sampling, rollback and bookkeeping included) divided by a plain step's time at the same B
   (`plain_time`: the latest plain steps at that B, interpolated between the sizes seen), averaged over the octave's
@@ -69,6 +70,8 @@ PROBE_EVERY_MAX = 512  # the interval doubles up to this while probes confirm th
 WINDOW = 16  # latest steps kept per (octave, k)
 CATCH_UP_STEPS = 64  # about how many speculative steps an octave's catch-up cost is spread over
 PLAIN_WINDOW = 5  # latest plain steps kept per batch size
+RECENT_SEQS = 16  # about how many sequences offered the recent acceptance spans (`moved`)
+MOVED_SE = 3.0  # a recent acceptance this many standard errors off the estimate replaces it
 
 
 @dataclass
@@ -96,6 +99,7 @@ class AdaptiveController:
         self.accept = np.full(k_max, PRIOR_ACCEPT)  # optimistic prior so speculation gets measured at all
         self._hits = [PRIOR_ACCEPT * PRIOR_SEQS] * k_max  # decayed counts behind `accept` (`record_acceptance`)
         self._offered = [float(PRIOR_SEQS)] * k_max
+        self._recent = [[0.0, 0.0] for _ in range(k_max)]  # the same over about RECENT_SEQS sequences
         self.asked = k_max  # the k of the latest choice
         self.octaves: dict[int, Octave] = {}
         self.plain: dict[int, deque] = {}  # B -> seconds of its latest plain steps
@@ -138,7 +142,8 @@ class AdaptiveController:
         sequences: one step of 64 sequences all but replaces it. (A moving average with a weight per step took ~20
         steps of a 64-sequence batch to wear the prior off, a third of a rollout spent speculating at a loss; a
         decay per step made the estimate span ~10 sequences at B = 1, where it wandered between 0.67 and 1.0 for a
-        drafter at 0.9 and took speculation off and on.)"""
+        drafter at 0.9 and took speculation off and on.) Beside it the same counts decay over about RECENT_SEQS
+        sequences; where they lie far from it (`moved`), the drafter meets other text, and they replace it."""
         self._measured_at = self.steps
         for i in range(min(self.asked, self.k_max)):
             offered = sum(a >= i for a in accepted)
@@ -147,6 +152,11 @@ class AdaptiveController:
                 decay = (1.0 - self.ema) ** (offered / DECAY_SEQS)
                 self._hits[i] = decay * self._hits[i] + hits
                 self._offered[i] = decay * self._offered[i] + offered
+                recent = self._recent[i]
+                fast = (1.0 - 1.0 / RECENT_SEQS) ** offered
+                recent[:] = fast * recent[0] + hits, fast * recent[1] + offered
+                if moved(self._hits[i] / self._offered[i], *recent):
+                    self._hits[i], self._offered[i] = recent
                 self.accept[i] = self._hits[i] / self._offered[i]
                 if i == 0:
                     self._fresh = [self._fresh[0] + hits, self._fresh[1] + offered]
@@ -278,6 +288,19 @@ class AdaptiveController:
     @staticmethod
     def _hold(cell: Octave, k: int, steps: int) -> None:
         cell.k, cell.until = k, cell.n + steps - 1
+
+
+def moved(estimate: float, hits: float, offered: float) -> bool:
+    """Whether the acceptance of about the last RECENT_SEQS sequences (`hits` / `offered`, decayed counts) lies
+    MOVED_SE standard errors or more (of `offered` draws at the estimate's rate) from the long `estimate`: the
+    drafter meets other text (a new prompt, the policy's style moved), which the estimate, spanning ~80 sequences so
+    that noise does not switch speculation on and off, would take as long to follow. Over 16 sequences that is a
+    move of 0.23 from 0.9 (a drafter at 0.9 shows 10 or fewer of 16 in 0.3 % of windows), 0.37 from 0.4: large
+    moves only, found within ~16 sequences instead of ~80 (`test_adaptive_follows_a_drafter_that_meets_other_text`)."""
+    if offered < RECENT_SEQS / 2:
+        return False
+    rate = min(max(estimate, 0.05), 0.95)  # a standard error however close to 0 or 1 the estimate is
+    return abs(hits / offered - estimate) > MOVED_SE * (rate * (1.0 - rate) / offered) ** 0.5
 
 
 def typical(seconds) -> float:

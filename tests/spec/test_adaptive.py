@@ -130,6 +130,32 @@ def test_adaptive_speculates_again_once_acceptance_rises():
     assert sum(k > 0 for k in after) >= 0.95 * len(after)
 
 
+def test_adaptive_follows_a_drafter_that_meets_other_text():
+    """One sequence at a time (64 tokens each) on the CPU host; the drafter's acceptance is 0.9 for 1000 steps (k = 3
+    pays) and then 0.15, as when the text changes under it (k = 3 then gives 1.18 tokens for ~2.6 steps' time). The
+    long estimate spans ~80 sequences, which at B = 1 is ~80 steps; the recent one (`moved`) replaces it once it
+    lies 3 standard errors off. Over the first 100 steps after the change the controller speculates in 20 (all
+    four seeds); with the recent estimate ignored (MOVED_SE infinite) in 36-44, so the bound of 30 tells the two
+    apart. Before the change it speculates in 95 % of steps or more (98.5-99 % seen): the recent estimate does not
+    switch a good drafter off. The runs are exact (seeded)."""
+    world = World(accept=lambda step: 0.9 if step < 1000 else 0.15, seqs=1, lengths=lambda rng, n: np.full(n, 64))
+
+    def speculating(log) -> tuple[float, int]:
+        ks = [k for _, k in log]
+        return sum(k > 0 for k in ks[200:1000]) / 800, sum(k > 0 for k in ks[1000:1100])
+
+    log: list = []
+    world.adaptive(80, log=log)
+    assert len(log) >= 1100
+    before, after = speculating(log)
+    assert before >= 0.95 and after <= 30
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(adaptive, "MOVED_SE", math.inf)
+        log = []
+        world.adaptive(80, log=log)
+        assert speculating(log)[1] > 30
+
+
 def test_adaptive_schedule_plain_then_k1_then_kmax_then_holds_its_choice():
     """A new octave first decodes plainly for a block (the reference every ratio needs), then explores k = 1 and
     k = k_max for a block each, then holds its best k for HOLD steps between decisions: the hot path between them
