@@ -4,9 +4,10 @@ speculative steps cost.
 Four engines on one policy and MTP head (the shipped pair, or a main-job checkpoint's with `--checkpoint`): plain
 decoding; the speculative engine with the controller forced to plain decoding on every step (what holding the
 head's states costs while speculation is off); the speculative engine under the adaptive controller (k_max 3); and
-k = 3 on every step, no controller (`k3`). One
-untimed round, then `--rounds` rounds of the main job's rollout shape (8 prompts x 8 samples, T = 1, up to 160
-tokens, stopping at EOS, new prompts each round), every engine once a round, the order reversing each round.
+k = 3 on every step, no controller (`k3`). One untimed round, then `--rounds` rounds of the main job's rollout
+shape (8 prompts x 8 samples, T = 1, up to 160 tokens, stopping at EOS, new prompts each round; `--prompts`,
+`--samples`, `--max-tokens` and `--ignore-eos` change it), every engine once a round, the order reversing each
+round. `--device cuda` runs it on a GPU (`benchmarks/gpu_checks.sh`, part `trace`).
 
 For the adaptive engine every step is also timed by kind: plain, speculative, and the first drafting step after
 plain ones (`catch-up`: the head runs over every position it skipped, for every sequence alive), which the
@@ -68,6 +69,11 @@ def main() -> int:
     p.add_argument("--checkpoint", default=None, help="a main-job state.pt whose policy and drafter to load")
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (a GPU session traces the controller there)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=8, help="rollouts per prompt")
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--ignore-eos", action="store_true", help="every rollout runs to --max-tokens (a fixed batch)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     policy, head = main_job_models(args.threads)
@@ -75,13 +81,14 @@ def main() -> int:
         state = torch.load(args.checkpoint, map_location="cpu", weights_only=False)["state"]  # as `load_latest`
         policy.load_state_dict(state["model"])
         head.load_state_dict(state["drafter"])
+    policy, head = policy.to(args.device), head.to(args.device)
     runs = engines(policy, head)
     steps: list = []
     watch(runs["adaptive"], steps)
     seconds, rounds = Counter(), []
     for r in range(args.rounds + 1):
-        prompts = [q for q in task_prompts(TARGET, 8, seed=100 + r) for _ in range(8)]
-        params = SamplingParams(temperature=1.0, max_tokens=160, seed=r)
+        prompts = [q for q in task_prompts(TARGET, args.prompts, seed=100 + r) for _ in range(args.samples)]
+        params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=r, ignore_eos=args.ignore_eos)
         this = {}
         for name in ENGINES if r % 2 else ENGINES[::-1]:
             start = time.perf_counter()
@@ -100,7 +107,9 @@ def main() -> int:
     choices = Counter((octave(b), k) for b, k, _, _ in steps)
     result = {
         "benchmark": "adaptive_ab", "machine": machine(), "target": TARGET, "drafter": DRAFTER,
-        "checkpoint": args.checkpoint, "rollout": "8 prompts x 8 samples, T=1, max 160 tokens, EOS stops",
+        "checkpoint": args.checkpoint, "device": args.device,
+        "rollout": f"{args.prompts} prompts x {args.samples} samples, T=1, max {args.max_tokens} tokens, "
+                   + ("EOS ignored" if args.ignore_eos else "EOS stops"),
         "rounds": args.rounds, "seconds": dict(seconds),
         "over_plain": {n: seconds["plain"] / seconds[n] for n in ENGINES[1:]},
         "per_round_over_plain": rounds,
