@@ -118,19 +118,12 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache | None) -> Tensor:
         B, T, _ = x.shape
-        qkv_proj = (self.q_proj, self.k_proj, self.v_proj)
-        if isinstance(cache, BatchView) and kernels.usable(x) and packable(x, qkv_proj):
+        qkv = self.kernel_qkv(x, cache)
+        if qkv is not None:
             # The engine's forwards: two fused kernels do the norms, rotary, cache store and attention below.
-            out = cache.attend(self.layer, packed_linear(x, qkv_proj), cos, sin, self.q_norm, self.k_norm, self.n_heads)
+            out = cache.attend(self.layer, qkv, cos, sin, self.q_norm, self.k_norm, self.n_heads)
             return linears(out, self.o_proj)[0]
-        q, k, v = linears(x, *qkv_proj)
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv, self.head_dim)
-        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
+        q, k, v = self.rotated(x, cos, sin)
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv != self.n_heads)
         elif hasattr(cache, "attention"):
@@ -143,17 +136,31 @@ class Attention(nn.Module):
     def store(self, x: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache) -> None:
         """Only what `forward` writes into `cache` for `x`'s positions (their keys and values), for positions whose
         outputs nobody reads: a drafter catching up reads its state at each sequence's last position only."""
-        B, T, _ = x.shape
+        qkv = self.kernel_qkv(x, cache)
+        if qkv is not None:
+            cache.store(self.layer, qkv, cos, sin, self.q_norm, self.k_norm, self.n_heads)
+        else:
+            cache.update(self.layer, *self.rotated(x, cos, sin)[1:])
+
+    def kernel_qkv(self, x: Tensor, cache: AttentionCache | None) -> Tensor | None:
+        """The q/k/v projections [B, T, (heads + 2 kv_heads) head_dim] in one packed GEMM, where the engine's CPU
+        kernels do the rest (per-head norms, rotary, cache store: `BatchView.attend` / `store`); None elsewhere."""
         qkv_proj = (self.q_proj, self.k_proj, self.v_proj)
         if isinstance(cache, BatchView) and kernels.usable(x) and packable(x, qkv_proj):
-            cache.store(self.layer, packed_linear(x, qkv_proj), cos, sin, self.q_norm, self.k_norm, self.n_heads)
-            return
-        k, v = linears(x, self.k_proj, self.v_proj)
+            return packed_linear(x, qkv_proj)
+        return None
+
+    def rotated(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B, heads, T, head_dim], k and v [B, kv_heads, T, head_dim] with torch's ops: projected, q and k
+        normed per head (Qwen3) and rotated."""
+        B, T, _ = x.shape
+        q, k, v = linears(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv, self.head_dim)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        cache.update(self.layer, apply_rope(k.transpose(1, 2), cos, sin),
-                     v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2))
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:

@@ -317,8 +317,8 @@ def test_store_writes_the_keys_and_values_state_writes(kind, engine_cache, use_k
     """A drafter catching up runs `store` on the rows whose states nobody reads (`proposers.hidden`): it must leave
     in the cache what `state` leaves, through a test cache, and through the engine's slotted cache with the CPU
     kernels and with torch's ops (as on a GPU) alike; a store that skipped a norm, the rotary or the embedding half
-    would be off by whole units. The same products summed over the same 2H or H inputs, the k/v projections
-    possibly without q beside them in one GEMM: fp32 rounding of a 64-term sum, far under 1e-5."""
+    would be off by whole units. The same products summed over the same 2H or H inputs, though perhaps blocked
+    differently for the rows of one call: fp32 rounding of a 64-term sum, far under 1e-5."""
     target = make_target()
     head = make_drafter(kind, target)
     ids = token_ids()
