@@ -66,9 +66,9 @@ class DecoderLayer(nn.Module):
         between them (at a batch of one those cost about a quarter of a SmolLM2 step on 2 cores). Past that bound
         (small layers, `FUSED_LAYER_MACS`) the modules would take oneDNN's GEMMs; the kernels still compute each
         row alone, so a token's numbers stay the same in a batch of any size up to the plan's rows."""
-        attn = self.self_attn
-        return kernels.decoder_layer(x, cos, sin, *FUSED_PLANS[self].weights, *cache.layer_cache(attn.layer),
-                                     cache.slots, cache.positions, attn.n_heads, attn.n_kv)
+        plan = FUSED_PLANS[self]
+        return kernels.decoder_layer(x, cos, sin, *plan.weights, *cache.layer_cache(plan.cache_layer), cache.slots,
+                                     cache.positions, *plan.heads)
 
 
 @dataclass
@@ -89,6 +89,10 @@ class FusedPlan:
     applies (an MoE layer, weights off the CPU, inference tensors or of mixed dtypes)."""
     weights: tuple
     """`kernels.decoder_layer`'s arguments from the norms to the MLP's down projection."""
+    cache_layer: int = 0
+    """The KV-cache layer its attention reads and writes."""
+    heads: tuple = ()
+    """(query heads, KV heads) of its attention."""
     checked: int = field(default=0, kw_only=True)
     """The `weights_fixed` block in which the key was last found current (0: none)."""
 
@@ -110,7 +114,8 @@ class FusedPlan:
                        (o.plain, o.bias), (q_norm, k_norm), 0.0 if attn.q_norm is None else attn.q_norm.eps,
                        gate_up.plain, down.plain)
             max_rows = fused_rows(layer.projections())
-        return cls(params, params_key(params), dtype, max_rows, weights)
+        attn = layer.self_attn
+        return cls(params, params_key(params), dtype, max_rows, weights, attn.layer, (attn.n_heads, attn.n_kv))
 
 
 FUSED_LAYER_MACS = 1 << 25

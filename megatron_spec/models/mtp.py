@@ -115,13 +115,10 @@ class MTPPlan(FusedPlan):
 
     A `FusedPlan` of the whole depth: `params` / `key` are the depth's, `max_rows` is its decoder layer's (0 where the
     layer does not fuse, the projection has no kernel linear, or the weights' dtypes differ), `weights` are its
-    decoder layer's `FusedPlan.weights`."""
+    decoder layer's `FusedPlan.weights`, and so are `cache_layer` and `heads`."""
 
     head_args: tuple = ()
     """`kernels.mtp_layer`'s arguments from the norms to the final norm's eps."""
-    cache_layer: int = 0
-    heads: tuple = ()
-    """(query heads, KV heads) of the layer's attention."""
 
     @classmethod
     def of(cls, depth: MTPLayer) -> MTPPlan:
@@ -130,10 +127,9 @@ class MTPPlan(FusedPlan):
         layer, own = depth.transformer_layer.plan(), (depth.enorm, depth.hnorm, depth.eh_proj, depth.final_layernorm)
         if not layer.max_rows or kernel_rows((depth.eh_proj,)) == 0 or any(m.weight.dtype != dtype for m in own):
             return cls(params, key, dtype, 0, ())
-        attn = depth.transformer_layer.self_attn
         head_args = ((depth.enorm.weight, depth.hnorm.weight), depth.enorm.eps, depth.eh_proj.weight,
                      depth.final_layernorm.weight, depth.final_layernorm.eps)
-        return cls(params, key, dtype, layer.max_rows, layer.weights, head_args, attn.layer, (attn.n_heads, attn.n_kv))
+        return cls(params, key, dtype, layer.max_rows, layer.weights, layer.cache_layer, layer.heads, head_args)
 
 
 MTP_PLANS: weakref.WeakKeyDictionary[MTPLayer, MTPPlan] = weakref.WeakKeyDictionary()
