@@ -26,9 +26,7 @@ import time
 
 import torch
 
-from megatron_spec.bench.common import machine, set_threads, write_json
-from megatron_spec.models import from_pretrained
-from megatron_spec.models.drafters import load_drafter
+from megatron_spec.bench.common import machine, main_job_models, write_json
 from megatron_spec.models.layers import attend
 from megatron_spec.models.masks import causal_mask
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
@@ -76,10 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", choices=["packing", "attention"], default="packing")
     p.add_argument("--out", default="benchmarks/results/drafter_update_packing.json")
     args = p.parse_args(argv)
-    set_threads(args.threads)
     torch.manual_seed(0)
-    model = from_pretrained("checkpoints/tiny-qwen3-deep-careful")
-    drafter = load_drafter("checkpoints/tiny-qwen3-deep-careful-mtp", model.config)
+    model, drafter = main_job_models(args.threads)
     policy = EmbeddedPolicy(model, GRPOSection(lr=1e-4), dict(temperature=1.0, top_k=0, top_p=1.0), drafter, "mtp",
                             DrafterTrainSection(drafts=3, replay=8, minibatches=4))
     unrolled = drafter_loss.UnrolledAttention
