@@ -11,7 +11,8 @@ Three measurements per batch size, after a prefill and a few warm-up steps:
 2. the torch profiler's per-op table over the same steps (self CPU time, top ops);
 3. the weight-streaming bound at batch 1: the bytes of the weights (each tensor once, tied ones once) over the
    memory bandwidth measured here (a large tensor sum, reading only), i.e. the fastest a step that reads every
-   weight once could be.
+   weight once could be; held to the step as the engine runs it (`step_ms`, timed before anything is
+   instrumented), block by block beside the bandwidth (`bound_over_step`).
 
     python benchmarks/profile_decode.py --dtype float32 --out benchmarks/results/profile_decode_smollm2_fp32.json
 
@@ -96,6 +97,10 @@ def split(clock: Clock) -> dict[str, float]:
     return {k: round(1000 * statistics.median(p[k] for p in parts), 3) for k in parts[0]}
 
 
+BLOCKS = 5
+"""Blocks of uninstrumented steps, each timed beside its own bandwidth measurement."""
+
+
 def memory_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 7) -> float:
     """Read bandwidth: a sum over a tensor far larger than the caches (best of `repeats`)."""
     x = torch.ones(nbytes // 4, dtype=torch.float32)
@@ -119,12 +124,25 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def profile_batch(model, batch: int, steps: int, greedy: bool) -> dict:
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(3, model.config.vocab_size, (batch, 32), generator=g).tolist()
-    params = SamplingParams(temperature=0.0 if greedy else 1.0, max_tokens=steps * 2 + 16, ignore_eos=True)
+    params = SamplingParams(temperature=0.0 if greedy else 1.0, max_tokens=steps * 3 + 16, ignore_eos=True)
     engine = LLMEngine(model, max_num_seqs=batch)
     with torch.inference_mode(), weights_fixed():  # as in `LLMEngine.generate`
         engine.start(prompts, params)
         for _ in range(8):  # prefill + warm-up decode steps
             engine.step()
+        # The step as the engine runs it, before anything is instrumented, in blocks that alternate with the
+        # bandwidth measurement: this host's speed drifts by 10-20 % between runs and within one, so the bound is
+        # held to the steps timed beside it, block by block.
+        plain, held = [], []
+        for _ in range(BLOCKS):
+            bound = weight_bytes(model) / (memory_bandwidth_gbs(repeats=3) * 1e9)
+            block = []
+            for _ in range(steps // BLOCKS):
+                t0 = time.perf_counter()
+                engine.step()
+                block.append(time.perf_counter() - t0)
+            plain += block
+            held.append(bound / statistics.median(block))
         # Instrumented wall-clock split.
         clock = Clock()
         instrument(engine, clock)
@@ -145,7 +163,9 @@ def profile_batch(model, batch: int, steps: int, greedy: bool) -> dict:
         table.append({"op": e.key, "calls_per_step": e.count / steps,
                       "self_ms_per_step": round(e.self_cpu_time_total / 1000 / steps, 3),
                       "share": round(e.self_cpu_time_total / total, 4)})
-    return {"batch": batch, "greedy": greedy, "wall_split": split(clock),
+    return {"batch": batch, "greedy": greedy, "step_ms": round(1000 * statistics.median(plain), 3),
+            "bound_over_step": round(statistics.median(held), 3), "bound_over_step_blocks": [round(h, 3) for h in held],
+            "wall_split": split(clock),
             "ops_per_step": sum(e.count for e in events) / steps,
             "profiler_self_ms_per_step": round(total / 1000 / steps, 3), "top_ops": table}
 
@@ -180,7 +200,13 @@ def main() -> None:
         for op in row["top_ops"][:12]:
             print(f"    {op['op']:40s} {op['calls_per_step']:7.1f} calls  {op['self_ms_per_step']:8.3f} ms  "
                   f"{100 * op['share']:5.1f} %")
-    print(f"weights {wb / 1e6:.0f} MB, read bandwidth {bw:.1f} GB/s -> bound {result['weight_streaming_bound_ms_b1']} ms")
+    bound = result["weight_streaming_bound_ms_b1"]
+    print(f"weights {wb / 1e6:.0f} MB, read bandwidth {bw:.1f} GB/s -> bound {bound} ms")
+    for row in result["rows"]:
+        if row["batch"] == 1:
+            print(f"B=1 step {row['step_ms']} ms (not instrumented); bound / step, median of {BLOCKS} blocks each "
+                  f"held to the bandwidth measured beside it: {100 * row['bound_over_step']:.1f} % "
+                  f"({', '.join(f'{100 * h:.1f}' for h in row['bound_over_step_blocks'])})")
 
 
 if __name__ == "__main__":
