@@ -328,12 +328,12 @@ inline void linear_tile(const float* x, const T* w, int64_t K, int64_t n, float 
     for (int r = 0; r < R; ++r) xs[r] = _mm256_loadu_ps(x + r * K + k);
     for (int j = 0; j < NB; ++j) {
       const T* wk = w + (n + j) * K + k;
-      // fp32: one prefetch for every four weight rows, into the next tile. A prefetch for each row at every step
-      // (the bf16 rule below) mostly asked for lines that the tile's own loads were already bringing in, and the
-      // instructions were the cost: SmolLM2's layers and head read 1.25 / 1.18 / 1.20 / 1.17 / 1.11x faster this
-      // way at 1 / 2 / 4 / 8 / 16 rows (one process, alternating, 15 pairs each; scratch timing). For bf16, whose
-      // widening is the limit on AVX2, the same change was 0.95-0.98x, so it keeps its own.
-      if constexpr (std::is_same<T, float>::value) {
+      // One prefetch for every four weight rows, into the next tile. A prefetch for each row at every step (what
+      // bf16 pairs keep) mostly asked for lines that the tile's own loads were already bringing in, and the
+      // instructions were the cost: SmolLM2's fp32 layers and head read 1.25 / 1.18 / 1.20 / 1.17 / 1.11x faster
+      // this way at 1 / 2 / 4 / 8 / 16 rows, and bf16's single row, eight weight rows at once, 1.19x (one process,
+      // alternating, 15 pairs each; scratch timing). bf16 pairs (2 to 32 rows) were 0.95-0.98x, so keep their own.
+      if constexpr (std::is_same<T, float>::value || NB == 8) {
         if (j % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(wk + NB * K) + PREFETCH_BYTES, _MM_HINT_T0);
       } else {
         _mm_prefetch(reinterpret_cast<const char*>(wk) + PREFETCH_BYTES, _MM_HINT_T0);
@@ -382,12 +382,12 @@ void linear_impl(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y
   // Rows [r0, r1) against weight rows [2 * p0, 2 * p1): pairs of weight rows, so NB = 2 tiles fit.
   auto block = [&](int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
     int64_t n = 2 * p0;
-    // One fp32 row (a batch of one) streams eight weight rows at once into eight independent sums: SmolLM2's 30
+    // One row (a batch of one) streams eight weight rows at once into eight independent sums: SmolLM2's 30 fp32
     // layers and head read at 1.19x the speed of one or two rows at a time (27.6 against 23.3 GB/s, 31.4 GB/s for
     // a plain sum of memory; 2 threads, alternating in one process, scratch timing). 4 / 6 / 12 / 16 rows at once
-    // were slower than 8, and so were prefetch distances other than 2048 bytes; bf16 weights, whose widening is
-    // the limit here, were 0.90x with 8 and keep pairs.
-    if (r1 - r0 == 1 && std::is_same<T, float>::value)
+    // were slower than 8, and so were prefetch distances other than 2048 bytes. bf16 weights were 0.90x with 8
+    // until the tile prefetched into the next one (above); since then 1.19x.
+    if (r1 - r0 == 1)
       for (; n + 8 <= 2 * p1; n += 8) linear_rows<T, 1, 8>(xp + r0 * K, wp, bp, K, N, n, yp + r0 * N);
     for (; n < 2 * p1; n += 2) {
       int64_t r = r0;
