@@ -1,6 +1,7 @@
 """The kernels' `linear` of two versions of `megatron_spec/kernels/cpu_ops.cpp` side by side in one process: this
 tree's and the one at `--before` (a git revision), each built under its own operator namespace, run alternately
-over SmolLM2-135M's decoder projections and output head (the weights a decode step streams) at each `--rows`.
+over a model's decoder projections and output head (the weights a decode step streams; SmolLM2-135M unless
+`--model` names another) at each `--rows`.
 Both must give the same bits; the ratio is the time at `--before` over this tree's, the median of `--repeats` pairs.
 
     python benchmarks/kernel_ab.py --before edb51cc~1 --rows 1 2 4 8 16 --out benchmarks/results/kernel_ab_X.json
@@ -37,8 +38,8 @@ def linear_of(source: str, namespace: str, workdir: Path):
     return getattr(torch.ops, namespace).linear
 
 
-def streamed_weights(dtype: torch.dtype) -> list[torch.Tensor]:
-    model = from_pretrained("smollm2-135m", dtype=dtype)
+def streamed_weights(model_name: str, dtype: torch.dtype) -> list[torch.Tensor]:
+    model = from_pretrained(model_name, dtype=dtype)
     return [packed(group).plain for layer in model.model.layers for group in layer.projections()] + \
         [model.lm_head.weight]
 
@@ -67,6 +68,7 @@ def pairs(before, after, weights, rows: int, repeats: int) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", required=True, help="git revision of the kernel source to compare against")
+    p.add_argument("--model", default="smollm2-135m", help="a model name or checkpoint directory")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--repeats", type=int, default=15)
@@ -80,10 +82,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         before = linear_of(old, "ms_before", Path(tmp))
         after = linear_of(kernels.SOURCE.read_text(), "ms_after", Path(tmp))
-    weights = streamed_weights(getattr(torch, args.dtype))
+    weights = streamed_weights(args.model, getattr(torch, args.dtype))
     cells = [pairs(before, after, weights, rows, args.repeats) for rows in args.rows]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout
-    result = {"benchmark": "kernel_ab", "machine": machine(), "model": "smollm2-135m", "dtype": args.dtype,
+    result = {"benchmark": "kernel_ab", "machine": machine(), "model": args.model, "dtype": args.dtype,
               "before": args.before, "after": commit.strip(), "cells": cells}
     for cell in cells:
         print(f"{cell['rows']:>3} rows: before {cell['before_ms']} ms, after {cell['after_ms']} ms, "
