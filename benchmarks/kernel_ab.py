@@ -25,6 +25,11 @@ from megatron_spec.models import from_pretrained
 from megatron_spec.models.packed import packed
 
 
+def git(*args: str) -> str:
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True).stdout.strip()
+
+
 def linear_of(source: str, namespace: str, workdir: Path):
     """`linear` built from `source` with its operators registered under `namespace` (two versions cannot share
     one), through the kernels' own build (same flags, cache keyed by the source)."""
@@ -75,18 +80,15 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    root = Path(__file__).resolve().parents[1]
-    old = subprocess.run(["git", "show", f"{args.before}:megatron_spec/kernels/cpu_ops.cpp"], cwd=root, check=True,
-                         capture_output=True, text=True).stdout
+    old = git("show", f"{args.before}:megatron_spec/kernels/cpu_ops.cpp")
     set_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         before = linear_of(old, "ms_before", Path(tmp))
         after = linear_of(kernels.SOURCE.read_text(), "ms_after", Path(tmp))
     weights = streamed_weights(args.model, getattr(torch, args.dtype))
     cells = [pairs(before, after, weights, rows, args.repeats) for rows in args.rows]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout
     result = {"benchmark": "kernel_ab", "machine": machine(), "model": args.model, "dtype": args.dtype,
-              "before": args.before, "after": commit.strip(), "cells": cells}
+              "before": git("rev-parse", "--short", args.before), "after": git("rev-parse", "--short", "HEAD"), "cells": cells}
     for cell in cells:
         print(f"{cell['rows']:>3} rows: before {cell['before_ms']} ms, after {cell['after_ms']} ms, "
               f"{cell['median']:.3f}x ({cell['ratios'][0]:.3f}-{cell['ratios'][-1]:.3f})")
