@@ -25,9 +25,10 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_spec.bench.common import MAIN_JOB_DRAFTER, MAIN_JOB_POLICY
+
 ROOT = Path(__file__).resolve().parents[1]
-POLICY = ROOT / "checkpoints" / "tiny-qwen3-deep-careful"
-HEAD = ROOT / "checkpoints" / "tiny-qwen3-deep-careful-mtp"
+POLICY, HEAD = ROOT / MAIN_JOB_POLICY, ROOT / MAIN_JOB_DRAFTER
 K, MAX_TOKENS = 3, 160  # the main job's draft length and rollout length
 
 

@@ -27,8 +27,10 @@ from pathlib import Path
 
 import torch
 
+from megatron_spec.bench.common import MAIN_JOB_POLICY
+
 ROOT = Path(__file__).resolve().parents[1]
-TARGET = str(ROOT / "checkpoints" / "tiny-qwen3-deep-careful")
+TARGET = str(ROOT / MAIN_JOB_POLICY)
 
 
 def new_row_count(model, padded: bool) -> dict:

@@ -18,8 +18,10 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_spec.bench.common import MAIN_JOB_POLICY
+
 ROOT = Path(__file__).resolve().parents[1]
-POLICY = ROOT / "checkpoints" / "tiny-qwen3-deep-careful"
+POLICY = ROOT / MAIN_JOB_POLICY
 
 
 def styles(model, problems, samples: int, temperature: float, seed: int) -> dict:
