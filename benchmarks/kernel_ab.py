@@ -10,7 +10,6 @@ Both must give the same bits; the ratio is the time at `--before` over this tree
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import tempfile
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 from megatron_spec import kernels
-from megatron_spec.bench.common import machine, set_threads
+from megatron_spec.bench.common import machine, set_threads, write_json
 from megatron_spec.models import from_pretrained
 from megatron_spec.models.packed import packed
 
@@ -88,12 +87,13 @@ def main() -> int:
     weights = streamed_weights(args.model, getattr(torch, args.dtype))
     cells = [pairs(before, after, weights, rows, args.repeats) for rows in args.rows]
     result = {"benchmark": "kernel_ab", "machine": machine(), "model": args.model, "dtype": args.dtype,
-              "before": git("rev-parse", "--short", args.before), "after": git("rev-parse", "--short", "HEAD"), "cells": cells}
+              "before": git("rev-parse", "--short", args.before), "after": git("rev-parse", "--short", "HEAD"),
+              "cells": cells}
     for cell in cells:
         print(f"{cell['rows']:>3} rows: before {cell['before_ms']} ms, after {cell['after_ms']} ms, "
               f"{cell['median']:.3f}x ({cell['ratios'][0]:.3f}-{cell['ratios'][-1]:.3f})")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.out, result)
     return 0
 
 
