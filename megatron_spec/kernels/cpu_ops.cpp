@@ -330,9 +330,10 @@ inline void linear_tile(const float* x, const T* w, int64_t K, int64_t n, float 
       const T* wk = w + (n + j) * K + k;
       // One prefetch for every four weight rows, into the next tile. A prefetch for each row at every step (what
       // bf16 pairs keep) mostly asked for lines that the tile's own loads were already bringing in, and the
-      // instructions were the cost: SmolLM2's fp32 layers and head read 1.25 / 1.18 / 1.20 / 1.17 / 1.11x faster
-      // this way at 1 / 2 / 4 / 8 / 16 rows, and bf16's single row, eight weight rows at once, 1.19x (one process,
-      // alternating, 15 pairs each; scratch timing). bf16 pairs (2 to 32 rows) were 0.95-0.98x, so keep their own.
+      // instructions were the cost: SmolLM2's fp32 layers and head read 1.14 / 1.11 / 1.14 / 1.18 / 1.10x faster
+      // this way at 1 / 2 / 4 / 8 / 16 rows, and bf16's single row, eight weight rows at once, 1.23x
+      // (`benchmarks/kernel_ab.py`; results/kernel_ab_prefetch_fp32.json, kernel_ab_bf16_eight_rows.json). bf16
+      // pairs (2 to 32 rows) were 0.95-0.98x in scratch runs, so they keep their own.
       if constexpr (std::is_same<T, float>::value || NB == 8) {
         if (j % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(wk + NB * K) + PREFETCH_BYTES, _MM_HINT_T0);
       } else {
@@ -386,7 +387,7 @@ void linear_impl(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y
     // layers and head read at 1.19x the speed of one or two rows at a time (27.6 against 23.3 GB/s, 31.4 GB/s for
     // a plain sum of memory; 2 threads, alternating in one process, scratch timing). 4 / 6 / 12 / 16 rows at once
     // were slower than 8, and so were prefetch distances other than 2048 bytes. bf16 weights were 0.90x with 8
-    // until the tile prefetched into the next one (above); since then 1.19x.
+    // until the tile prefetched into the next one (above); since then 1.23x.
     if (r1 - r0 == 1)
       for (; n + 8 <= 2 * p1; n += 8) linear_rows<T, 1, 8>(xp + r0 * K, wp, bp, K, N, n, yp + r0 * N);
     for (; n < 2 * p1; n += 2) {
