@@ -133,9 +133,9 @@ def profile_batch(model, batch: int, steps: int, greedy: bool) -> dict:
         # The step as the engine runs it, before anything is instrumented, in blocks that alternate with the
         # bandwidth measurement: this host's speed drifts by 10-20 % between runs and within one, so the bound is
         # held to the steps timed beside it, block by block.
-        plain, held = [], []
+        plain, held, nbytes = [], [], weight_bytes(model)
         for _ in range(BLOCKS):
-            bound = weight_bytes(model) / (memory_bandwidth_gbs(repeats=3) * 1e9)
+            bound = nbytes / (memory_bandwidth_gbs(repeats=3) * 1e9)
             block = []
             for _ in range(steps // BLOCKS):
                 t0 = time.perf_counter()
