@@ -22,6 +22,7 @@ Timings on a shared machine are noisy; the split is a median over steps, and the
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -101,9 +102,16 @@ BLOCKS = 5
 """Blocks of uninstrumented steps, each timed beside its own bandwidth measurement."""
 
 
-def memory_bandwidth_gbs(nbytes: int = 1 << 30, repeats: int = 7) -> float:
+@functools.cache
+def far_past_the_caches(nbytes: int = 1 << 30) -> torch.Tensor:
+    """The tensor the bandwidth is read from, made (and its pages touched) once for every measurement."""
+    return torch.ones(nbytes // 4, dtype=torch.float32)
+
+
+def memory_bandwidth_gbs(repeats: int = 7) -> float:
     """Read bandwidth: a sum over a tensor far larger than the caches (best of `repeats`)."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x = far_past_the_caches()
+    nbytes = x.numel() * x.element_size()
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
