@@ -47,6 +47,10 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fo
 GCC vectorise the loops that call the kernels' exp (it changes no value, only what may raise FP exceptions)."""
 
 
+ops = torch.ops.megatron_spec
+"""The operators the functions below call: this source's build. `benchmarks/kernel_ab.py` points it at another
+version's build (registered under another namespace) to time the engine on both in one process."""
+
 _disabled = 0
 """Depth of `disabled()` blocks being run (the setting is process-wide, like torch's thread count)."""
 
@@ -73,30 +77,30 @@ def disabled():
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return torch.ops.megatron_spec.rms_norm(x, weight, eps)
+    return ops.rms_norm(x, weight, eps)
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) * up for `gate_up` = [gate | up] on the last axis."""
-    return torch.ops.megatron_spec.silu_mul(gate_up)
+    return ops.silu_mul(gate_up)
 
 
 def rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, eps: float,
                k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor, heads: int, kv_heads: int) -> Tensor:
     """Rotated queries [B, T, H, D] of `qkv` [B, T, (H + 2 KV) D]; the rotated keys and the values are stored in
     one layer's cache (keys [slots, KV, D, L], values [slots, KV, L, D]) at (slots[b], :, positions[b, t])."""
-    return torch.ops.megatron_spec.rope_store(qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots,
+    return ops.rope_store(qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots,
                                               positions, heads, kv_heads)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """`x` [R, K] times `weight` [N, K] transposed, plus `bias`: [R, N], each row computed alone (see the source)."""
-    return torch.ops.megatron_spec.linear(x, weight, bias)
+    return ops.linear(x, weight, bias)
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor) -> Tensor:
     """[B, T, H * D]: query (b, t) of `q` [B, T, H, D] over its slot's keys and values 0..positions[b, t]."""
-    return torch.ops.megatron_spec.attention(q, k_cache, v_cache, slots, positions)
+    return ops.attention(q, k_cache, v_cache, slots, positions)
 
 
 def decoder_layer(x: Tensor, cos: Tensor, sin: Tensor, norms: tuple[Tensor, Tensor], eps: float,
@@ -106,7 +110,7 @@ def decoder_layer(x: Tensor, cos: Tensor, sin: Tensor, norms: tuple[Tensor, Tens
     """A dense decoder layer's output for `x` [B, T, hidden] from its input / post-attention norm weights, its
     projections (weight, bias) [out, in] with q/k/v and gate/up concatenated, and its per-head q/k norms (or
     None); this step's keys and values are stored as `rope_store` stores them."""
-    return torch.ops.megatron_spec.decoder_layer(x, cos, sin, *norms, eps, *qkv, *o, *qk_norms, qk_eps, gate_up, down,
+    return ops.decoder_layer(x, cos, sin, *norms, eps, *qkv, *o, *qk_norms, qk_eps, gate_up, down,
                                                  k_cache, v_cache, slots, positions, heads, kv_heads)
 
 
@@ -118,7 +122,7 @@ def mtp_layer(hidden: Tensor, embeds: Tensor, norms: tuple[Tensor, Tensor], eps:
     norm, and its decoder layer's arguments as `decoder_layer` takes them from the norms on (`layer`, a
     `FusedPlan`'s weights)."""
     norm_weights, layer_eps, qkv, o, qk_norms, qk_eps, gate_up, down = layer
-    return torch.ops.megatron_spec.mtp_layer(hidden, embeds, *norms, eps, eh, final_norm, final_eps, cos, sin,
+    return ops.mtp_layer(hidden, embeds, *norms, eps, eh, final_norm, final_eps, cos, sin,
                                              *norm_weights, layer_eps, *qkv, *o, *qk_norms, qk_eps, gate_up, down,
                                              k_cache, v_cache, slots, positions, heads, kv_heads)
 

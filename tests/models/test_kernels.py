@@ -186,6 +186,27 @@ def test_a_token_gets_the_same_bits_in_any_batch(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 40, 64])
+def test_attention_of_each_query_is_the_same_alone_or_paired(dtype, head_dim):
+    """The attention kernel works on pairs of query rows that share a KV head (3 query heads over 1 here, so a pair
+    can join two tokens of a verify, whose key counts differ) and on 32 keys / 32 channels at a time in vector
+    registers, with scalar code for the rest (head_dim 40: 32 channels in registers, 8 not). Every query of a
+    B = 3, T = 4 batch, its key counts straddling the 32-key blocks (30-33, 62-65, 1-4 keys), is computed again
+    alone (B = 1, T = 1, where it is paired with another head or with none) and must come out bitwise equal."""
+    torch.manual_seed(0)
+    H, KV, L = 3, 1, 72
+    k, v = torch.randn(3, KV, head_dim, L).to(dtype), torch.randn(3, KV, L, head_dim).to(dtype)
+    q = torch.randn(3, 4, H, head_dim).to(dtype)
+    slots, positions = torch.tensor([2, 0, 1]), torch.tensor([[29, 30, 31, 32], [61, 62, 63, 64], [0, 1, 2, 3]])
+    with torch.inference_mode():
+        batch = kernels.attention(q, k, v, slots, positions)
+        for b in range(3):
+            for t in range(4):
+                alone = kernels.attention(q[b : b + 1, t : t + 1], k, v, slots[b : b + 1], positions[b : b + 1, t : t + 1])
+                assert torch.equal(alone[0, 0], batch[b, t]), (b, t)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_matches_float64_and_each_row_is_computed_alone(dtype):
     """The kernels' `linear` for every row count it serves (1..KERNEL_ROWS) against a float64 reference, and each
     row's outputs bitwise the same whatever batch it is in: row counts 1..KERNEL_ROWS go through different tiles
