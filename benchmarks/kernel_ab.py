@@ -75,11 +75,16 @@ def pairs(before, after, weights, rows: int, repeats: int) -> dict:
 
     seconds(before), seconds(after)  # warm
     times = [(seconds(before), seconds(after)) for _ in range(repeats)]
-    ratios = sorted(b / a for b, a in times)
     mb = sum(w.numel() * w.element_size() for w in weights) / 1e6
-    return {"rows": rows, "ratios": [round(r, 4) for r in ratios], "median": round(statistics.median(ratios), 4),
+    return {"rows": rows, **paired_ratios(times),
             "before_ms": round(1e3 * statistics.median(b for b, _ in times), 2),
             "after_ms": round(1e3 * statistics.median(a for _, a in times), 2), "weight_mb": round(mb, 1)}
+
+
+def paired_ratios(times: list[tuple[float, float]]) -> dict:
+    """The (before, after) pairs' ratios, sorted, and their median."""
+    ratios = sorted(b / a for b, a in times)
+    return {"ratios": [round(r, 4) for r in ratios], "median": round(statistics.median(ratios), 4)}
 
 
 def alternate(before, after, repeats: int, what: str) -> dict:
@@ -98,9 +103,7 @@ def alternate(before, after, repeats: int, what: str) -> dict:
         return time.perf_counter() - start
 
     times = [(seconds(before), seconds(after)) for _ in range(repeats)]
-    ratios = sorted(b / a for b, a in times)
-    return {"ratios": [round(r, 4) for r in ratios], "median": round(statistics.median(ratios), 4),
-            "after_us": round(1e6 * statistics.median(a for _, a in times) / calls, 1)}
+    return {**paired_ratios(times), "after_us": round(1e6 * statistics.median(a for _, a in times) / calls, 1)}
 
 
 def op_cells(before, after, model: str, rows: list[int], repeats: int) -> list[dict]:
@@ -129,6 +132,7 @@ def op_cells(before, after, model: str, rows: list[int], repeats: int) -> list[d
 
 
 def engine_rounds(before, after, checkpoint: str | None, repeats: int) -> dict:
+    """The main job's rollouts on plain and k = 3 engines under both builds' kernels in turn (see the top)."""
     from megatron_spec.bench.common import MAIN_JOB_POLICY, main_job_models
     from megatron_spec.engine import LLMEngine, SamplingParams
     from megatron_spec.spec.config import SpecConfig
@@ -159,10 +163,9 @@ def engine_rounds(before, after, checkpoint: str | None, repeats: int) -> dict:
                 raise SystemExit(f"the two versions generated different tokens ({name}, round {r})")
     cells = {}
     for name in engines:
-        ratios = sorted(b / a for b, a in zip(seconds[name, "before"], seconds[name, "after"]))
         cells[name] = {"before_s": round(sum(seconds[name, "before"]), 3),
                        "after_s": round(sum(seconds[name, "after"]), 3),
-                       "ratios": [round(x, 4) for x in ratios], "median": round(statistics.median(ratios), 4)}
+                       **paired_ratios(list(zip(seconds[name, "before"], seconds[name, "after"])))}
     for version in ("before", "after"):
         cells[f"plain_over_k3_{version}"] = round(sum(seconds["plain", version]) / sum(seconds["k3", version]), 4)
     return cells

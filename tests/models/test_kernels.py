@@ -202,7 +202,8 @@ def test_attention_of_each_query_is_the_same_alone_or_paired(dtype, head_dim):
         batch = kernels.attention(q, k, v, slots, positions)
         for b in range(3):
             for t in range(4):
-                alone = kernels.attention(q[b : b + 1, t : t + 1], k, v, slots[b : b + 1], positions[b : b + 1, t : t + 1])
+                one = (slice(b, b + 1), slice(t, t + 1))
+                alone = kernels.attention(q[one], k, v, slots[b : b + 1], positions[one])
                 assert torch.equal(alone[0, 0], batch[b, t]), (b, t)
 
 
