@@ -208,24 +208,27 @@ def test_attention_of_each_query_is_the_same_alone_or_paired(dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_matches_float64_and_each_row_is_computed_alone(dtype):
-    """The kernels' `linear` for every row count it serves (1..KERNEL_ROWS) against a float64 reference, and each
-    row's outputs bitwise the same whatever batch it is in: row counts 1..KERNEL_ROWS go through different tiles
-    (4 rows x 2 weight rows, 2 x 2, 1 x 1 or 1 x 2, and 1 x 8 for a single fp32 row, whose 101 outputs end in
-    pairs past the last eight), which must all sum in the one order. An odd output count (the last weight row
-    outside the pairs) and a bias are included.
+@pytest.mark.parametrize("N", [101, 161])
+def test_linear_matches_float64_and_each_row_is_computed_alone(dtype, N):
+    """The kernels' `linear` for every row count it serves (1..KERNEL_ROWS, and 32 / 33 / 41 rows, which the fused
+    layers of small models give it) against a float64 reference, and each row's outputs bitwise the same whatever
+    batch it is in: the row counts go through different tiles (4 rows x 2 weight rows, 2 x 2, 1 x 1 or 1 x 2, 1 x 8
+    for a single fp32 row, and from 32 rows on a cache-resident weight 2 x 6 and 1 x 6, ending in pairs), which
+    must all sum in the one order. N = 101 splits the rows between the threads, N = 161 the weight rows; an odd
+    output count (the last weight row outside the pairs) and a bias are included.
     Tolerance: inputs ~1 and weights ~0.05 over K = 192 give products summing to ~0.7, plus a bias ~1; fp32
     accumulation of 192 such terms errs by well under 1e-5 absolute. bf16 adds one rounding of the output, at most
     half a bf16 step: 2^-8 of |y|. A wrong row, weight row or a missing bias misses by ~0.1 or more."""
     torch.manual_seed(0)
-    N, K = 101, 192
+    K = 192
     w = (torch.randn(N, K) * 0.05).to(dtype)
     bias = torch.randn(N).to(dtype)
-    x = torch.randn(packed.KERNEL_ROWS[dtype], K).to(dtype)
+    counts = [*range(1, packed.KERNEL_ROWS[dtype] + 1), 32, 33, 41]
+    x = torch.randn(max(counts), K).to(dtype)
     rel = 0.0 if dtype == torch.float32 else 2.0**-8
     with torch.inference_mode():
         alone = [kernels.linear(x[i:i + 1], w, bias) for i in range(len(x))]
-        for rows in range(1, len(x) + 1):
+        for rows in counts:
             y = kernels.linear(x[:rows], w, bias)
             ref = x[:rows].double() @ w.double().T + bias.double()
             assert ((y.double() - ref).abs() <= rel * ref.abs() + 1e-5).all()
