@@ -507,8 +507,9 @@ void linear_impl(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y
       for (; n + 8 <= 2 * p1; n += 8) linear_rows<T, 1, 8>(xp + r0 * K, wp, bp, K, N, n, yp + r0 * N);
     // Many rows against a weight that stays in the cache (the tiny models' layers in a batch's decode or verify):
     // there loads and FMAs, not memory, are the limit, and 2 rows x 6 weight rows load 8 vectors for 12 FMAs where
-    // 4 x 2 load 6 for 8. The deep tiny model's layers and head at 32 / 64 / 128 / 256 rows: 1.10 / 1.17 / 1.24 /
-    // 1.23x faster (`benchmarks/kernel_ab.py`, results/kernel_ab_tile_2x6_tiny.json). Streaming a large weight it
+    // 4 x 2 load 6 for 8. The deep tiny model's layers and head at 64 / 128 / 256 rows: 1.17 / 1.22 / 1.22x faster
+    // (`benchmarks/kernel_ab.py`, results/kernel_ab_tile_2x6_tiny.json; 16 rows, unchanged, read 1.07x there, so
+    // 32 rows' 1.09x is within the method's bias). Streaming a large weight it
     // was slower (SmolLM2: bf16 at 32 rows 0.93x, fp32 at 8 rows 0.91x; scratch), so those keep the tiles below.
     if (R >= MANY_ROWS && N * K * static_cast<int64_t>(sizeof(T)) <= CACHE_RESIDENT_BYTES)
       for (; n + 6 <= 2 * p1; n += 6) {
