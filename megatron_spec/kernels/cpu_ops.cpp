@@ -244,6 +244,26 @@ Tensor rope_store(const Tensor& qkv_in, const Tensor& cos_in, const Tensor& sin_
 // the same keys and values (a KV head's query heads, a verify's tokens of one sequence): each key and value is
 // loaded once for them, and NR x 4 independent sums keep the adds from waiting on each other.
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The one inner loop of both products: acc[r][m] += x[r][i] * row_i[8m .. 8m + 8) for i = i0, i0 + 1, .. i1 - 1 in
+// turn, row_i = base + i * stride (32 values), each product rounded before its add.
+template <typename T, int NR>
+inline void accumulate32(const float* const* x, const T* base, int64_t stride, int64_t i0, int64_t i1,
+                         __m256 (&acc)[NR][4]) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const T* row = base + i * stride;
+    const __m256 v0 = load8(row), v1 = load8(row + 8), v2 = load8(row + 16), v3 = load8(row + 24);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 xi = _mm256_set1_ps(x[r][i]);
+      acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_mul_ps(xi, v0));
+      acc[r][1] = _mm256_add_ps(acc[r][1], _mm256_mul_ps(xi, v1));
+      acc[r][2] = _mm256_add_ps(acc[r][2], _mm256_mul_ps(xi, v2));
+      acc[r][3] = _mm256_add_ps(acc[r][3], _mm256_mul_ps(xi, v3));
+    }
+  }
+}
+#endif
+
 // scores[r][j] for keys j0 <= j < n of NR queries [r][D] (keys transposed, [D, L]).
 template <typename T, int NR>
 inline void query_scores(const float* const* query, const T* keys, int64_t D, int64_t L, int64_t j0, int64_t n,
@@ -254,17 +274,7 @@ inline void query_scores(const float* const* query, const T* keys, int64_t D, in
     __m256 s[NR][4];
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < 4; ++m) s[r][m] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < D; ++c) {
-      const T* kr = keys + c * L + j;
-      const __m256 k0 = load8(kr), k1 = load8(kr + 8), k2 = load8(kr + 16), k3 = load8(kr + 24);
-      for (int r = 0; r < NR; ++r) {
-        const __m256 qc = _mm256_set1_ps(query[r][c]);
-        s[r][0] = _mm256_add_ps(s[r][0], _mm256_mul_ps(qc, k0));
-        s[r][1] = _mm256_add_ps(s[r][1], _mm256_mul_ps(qc, k1));
-        s[r][2] = _mm256_add_ps(s[r][2], _mm256_mul_ps(qc, k2));
-        s[r][3] = _mm256_add_ps(s[r][3], _mm256_mul_ps(qc, k3));
-      }
-    }
+    accumulate32<T, NR>(query, keys + j, L, 0, D, s);
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < 4; ++m) _mm256_storeu_ps(scores[r] + j + 8 * m, s[r][m]);
   }
@@ -292,17 +302,7 @@ inline void weighted_values(const float* const* w, const T* values, int64_t D, i
     __m256 a[NR][4];
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < 4; ++m) a[r][m] = _mm256_loadu_ps(acc[r] + c + 8 * m);
-    for (int64_t j = j0; j < n; ++j) {
-      const T* vr = values + j * D + c;
-      const __m256 v0 = load8(vr), v1 = load8(vr + 8), v2 = load8(vr + 16), v3 = load8(vr + 24);
-      for (int r = 0; r < NR; ++r) {
-        const __m256 wj = _mm256_set1_ps(w[r][j]);
-        a[r][0] = _mm256_add_ps(a[r][0], _mm256_mul_ps(wj, v0));
-        a[r][1] = _mm256_add_ps(a[r][1], _mm256_mul_ps(wj, v1));
-        a[r][2] = _mm256_add_ps(a[r][2], _mm256_mul_ps(wj, v2));
-        a[r][3] = _mm256_add_ps(a[r][3], _mm256_mul_ps(wj, v3));
-      }
-    }
+    accumulate32<T, NR>(w, values + c, D, j0, n, a);
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < 4; ++m) _mm256_storeu_ps(acc[r] + c + 8 * m, a[r][m]);
   }
