@@ -63,6 +63,14 @@ paths: fp32 1.65 / 1.42 / 1.44 / 1.32x faster at 1 / 4 / 8 / 16 rows, 0.89x at 2
 Every input up to these counts computes each row alone, in the same order, so its outputs are bitwise the same in
 a batch of any of these sizes."""
 
+SMALL_LINEAR_MACS = 1 << 21
+"""A small weight takes the kernels' `linear` past KERNEL_ROWS, for inputs of up to this many multiply-adds (rows x
+MACs a row): there oneDNN's cost per call outweighs its faster GEMM. The main job's policy head (96 x 64, so up to
+341 rows) at 64 rows took 21 us in the kernel against 47 us in oneDNN, alone and warm; inside a B = 64 decode step
+oneDNN's call took ~250 us (AVX2 EPYC, 2 threads; scratch timing, not kept). On that model's layers the crossing
+was at 1.8-3.9 M MACs for q/k/v and gate/up; their down projection kept the kernel's lead to 7 M. The main job's
+rollouts in one process, alternating this bound with 0: plain decoding 1.08x faster, k = 3 1.04x (scratch)."""
+
 
 @dataclass
 class Pack:
@@ -140,11 +148,14 @@ def kernel_takes(x: Tensor, layers: tuple[nn.Linear, ...]) -> bool:
 
 
 def kernel_rows(layers: tuple[nn.Linear, ...]) -> int:
-    """The most input rows the kernels' `linear` takes through `layers` in their dtype: KERNEL_ROWS, or 0 where
-    their input size is not a multiple of 8 (its 8-lane sums) or the dtype has no kernel."""
+    """The most input rows the kernels' `linear` takes through `layers` in their dtype: KERNEL_ROWS, or
+    SMALL_LINEAR_MACS' worth of rows where that is more, or 0 where their input size is not a multiple of 8 (its
+    8-lane sums) or the dtype has no kernel."""
     if not all(m.in_features % 8 == 0 for m in layers):
         return 0
-    return KERNEL_ROWS.get(layers[0].weight.dtype, 0)
+    bound = KERNEL_ROWS.get(layers[0].weight.dtype, 0)
+    macs = sum(m.in_features * m.out_features for m in layers)
+    return max(bound, SMALL_LINEAR_MACS // macs) if bound else 0
 
 
 def onednn_rows(rows: Tensor, pack: Pack) -> Tensor:

@@ -54,12 +54,14 @@ def test_row_counts_reaching_onednn_are_bounded_and_padding_changes_no_output(mo
     again, benchmarks/results/shape_costs.json), so inputs above ROW_MULTIPLE rows are padded to a multiple of it:
     feeding every row count 1..64 (what a 64-sequence speculative rollout's B x (k + 1) spans) reaches oneDNN with
     1..8 and multiples of 8 only, 16 distinct counts instead of 64. With the CPU kernels, inputs of up to
-    KERNEL_ROWS rows go to their `linear` instead, and oneDNN meets only the padded counts above it. The padding
-    rows are dropped: each output equals `F.linear` to the fp32 tolerance reasoned in the test above."""
+    KERNEL_ROWS rows go to their `linear` instead (SMALL_LINEAR_MACS off here: it would take all 64 rows of this
+    small group, see the next test), and oneDNN meets only the padded counts above it. The padding rows are dropped:
+    each output equals `F.linear` to the fp32 tolerance reasoned in the test above."""
     import megatron_spec.models.packed as packed_mod
 
     if torch.float32 not in packed_dtypes():
         pytest.skip("no oneDNN on this build")
+    monkeypatch.setattr(packed_mod, "SMALL_LINEAR_MACS", 0)
     seen = []
     real = packed_mod.onednn_linear
     monkeypatch.setattr(packed_mod, "onednn_linear", lambda rows, pack: seen.append(rows.shape[0]) or real(rows, pack))
@@ -76,3 +78,34 @@ def test_row_counts_reaching_onednn_are_bounded_and_padding_changes_no_output(mo
     else:
         first = 1 if packed_mod.ONEDNN_ONE_ROW else 2  # without AVX-512 one row goes to MKL's GEMV, not to oneDNN
         assert set(seen) == set(range(first, 9)) | set(range(16, 65, 8))
+
+
+def test_a_small_weight_takes_the_kernels_linear_past_kernel_rows(monkeypatch):
+    """A weight whose GEMM is cheaper than oneDNN's cost per call (a tiny model's output head: SMALL_LINEAR_MACS)
+    takes the kernels' `linear` up to SMALL_LINEAR_MACS' worth of rows, bitwise each row alone, and oneDNN above
+    that; a large one (SmolLM2's head, 576 x 49152) keeps KERNEL_ROWS. The bound is computed, not assumed: 64 x 96
+    is 6144 MACs a row, so 341 rows."""
+    import megatron_spec.models.packed as packed_mod
+
+    if not kernels.loaded() or torch.float32 not in packed_dtypes():
+        pytest.skip("needs the CPU kernels and oneDNN")
+    torch.manual_seed(0)
+    head = nn.Linear(96, 64, bias=False)
+    assert packed_mod.kernel_rows((head,)) == packed_mod.SMALL_LINEAR_MACS // (96 * 64) == 341
+    with torch.device("meta"):
+        big = nn.Linear(576, 49152, bias=False)
+    assert packed_mod.kernel_rows((big,)) == packed_mod.KERNEL_ROWS[torch.float32]
+    onednn, kernel = [], []
+    real_onednn, real_kernel = packed_mod.onednn_linear, kernels.linear
+    monkeypatch.setattr(packed_mod, "onednn_linear",
+                        lambda rows, pack: onednn.append(rows.shape[0]) or real_onednn(rows, pack))
+    monkeypatch.setattr(kernels, "linear", lambda x, *a: kernel.append(x.shape[0]) or real_kernel(x, *a))
+    x = torch.randn(342, 96)
+    with torch.inference_mode():
+        alone = linears(x[:1], head)[0]
+        for rows in (64, 341, 342):
+            y = linears(x[:rows], head)[0]
+            torch.testing.assert_close(y, F.linear(x[:rows], head.weight), rtol=1e-5, atol=1e-5)
+            if rows <= 341:
+                assert torch.equal(y[0], alone[0])
+    assert kernel == [1, 64, 341] and onednn == [344]  # 342 rows padded to a multiple of ROW_MULTIPLE
