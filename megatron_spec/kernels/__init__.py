@@ -89,8 +89,7 @@ def rope_store(qkv: Tensor, cos: Tensor, sin: Tensor, q_norm: Tensor | None, k_n
                k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor, heads: int, kv_heads: int) -> Tensor:
     """Rotated queries [B, T, H, D] of `qkv` [B, T, (H + 2 KV) D]; the rotated keys and the values are stored in
     one layer's cache (keys [slots, KV, D, L], values [slots, KV, L, D]) at (slots[b], :, positions[b, t])."""
-    return ops.rope_store(qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots,
-                                              positions, heads, kv_heads)
+    return ops.rope_store(qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slots, positions, heads, kv_heads)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -110,8 +109,8 @@ def decoder_layer(x: Tensor, cos: Tensor, sin: Tensor, norms: tuple[Tensor, Tens
     """A dense decoder layer's output for `x` [B, T, hidden] from its input / post-attention norm weights, its
     projections (weight, bias) [out, in] with q/k/v and gate/up concatenated, and its per-head q/k norms (or
     None); this step's keys and values are stored as `rope_store` stores them."""
-    return ops.decoder_layer(x, cos, sin, *norms, eps, *qkv, *o, *qk_norms, qk_eps, gate_up, down,
-                                                 k_cache, v_cache, slots, positions, heads, kv_heads)
+    return ops.decoder_layer(x, cos, sin, *norms, eps, *qkv, *o, *qk_norms, qk_eps, gate_up, down, k_cache, v_cache,
+                             slots, positions, heads, kv_heads)
 
 
 def mtp_layer(hidden: Tensor, embeds: Tensor, norms: tuple[Tensor, Tensor], eps: float, eh: Tensor,
@@ -122,9 +121,9 @@ def mtp_layer(hidden: Tensor, embeds: Tensor, norms: tuple[Tensor, Tensor], eps:
     norm, and its decoder layer's arguments as `decoder_layer` takes them from the norms on (`layer`, a
     `FusedPlan`'s weights)."""
     norm_weights, layer_eps, qkv, o, qk_norms, qk_eps, gate_up, down = layer
-    return ops.mtp_layer(hidden, embeds, *norms, eps, eh, final_norm, final_eps, cos, sin,
-                                             *norm_weights, layer_eps, *qkv, *o, *qk_norms, qk_eps, gate_up, down,
-                                             k_cache, v_cache, slots, positions, heads, kv_heads)
+    return ops.mtp_layer(hidden, embeds, *norms, eps, eh, final_norm, final_eps, cos, sin, *norm_weights, layer_eps,
+                         *qkv, *o, *qk_norms, qk_eps, gate_up, down, k_cache, v_cache, slots, positions, heads,
+                         kv_heads)
 
 
 @functools.cache

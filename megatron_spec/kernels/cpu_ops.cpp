@@ -328,6 +328,21 @@ inline float exp_weights(float* scores, int64_t n) {
   return lane_sum(n, [scores](int64_t j) { return scores[j]; });
 }
 
+// NR query rows (scores, query, sums) that read the same keys and values: together over the keys all of them see,
+// then each on its own over the rest (a later token of a verify sees more).
+template <typename T, int NR>
+inline void attend_rows(float* const* scores, float* const* query, float* const* acc, const int64_t* n,
+                        const T* keys, const T* values, int64_t D, int64_t L, float* total) {
+  const int64_t shared = *std::min_element(n, n + NR);
+  query_scores<T, NR>(query, keys, D, L, 0, shared, scores);
+  if (NR > 1)
+    for (int r = 0; r < NR; ++r) query_scores<T, 1>(query + r, keys, D, L, shared, n[r], scores + r);
+  for (int r = 0; r < NR; ++r) total[r] = exp_weights(scores[r], n[r]);
+  weighted_values<T, NR>(scores, values, D, 0, shared, acc);
+  if (NR > 1)
+    for (int r = 0; r < NR; ++r) weighted_values<T, 1>(scores + r, values, D, shared, n[r], acc + r);
+}
+
 template <typename T>
 void attention_impl(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& slots,
                     const Tensor& positions, Tensor& out) {
@@ -359,20 +374,9 @@ void attention_impl(const Tensor& q, const Tensor& k_cache, const Tensor& v_cach
         scores[r] = buffer.data() + r * (L + 2 * D), query[r] = scores[r] + L, acc[r] = query[r] + D;
         for (int64_t c = 0; c < D; ++c) query[r][c] = f(qp[index[r] * D + c]) * scale;
       }
-      // Together over the keys both rows see, then each row on its own over the rest (a later token sees more).
-      const int64_t shared = nr == 2 ? std::min(n[0], n[1]) : n[0];
       float total[2];
-      if (nr == 2) {
-        query_scores<T, 2>(query, keys, D, L, 0, shared, scores);
-        for (int r = 0; r < 2; ++r) query_scores<T, 1>(query + r, keys, D, L, shared, n[r], scores + r);
-        for (int r = 0; r < 2; ++r) total[r] = exp_weights(scores[r], n[r]);
-        weighted_values<T, 2>(scores, values, D, 0, shared, acc);
-        for (int r = 0; r < 2; ++r) weighted_values<T, 1>(scores + r, values, D, shared, n[r], acc + r);
-      } else {
-        query_scores<T, 1>(query, keys, D, L, 0, n[0], scores);
-        total[0] = exp_weights(scores[0], n[0]);
-        weighted_values<T, 1>(scores, values, D, 0, n[0], acc);
-      }
+      if (nr == 2) attend_rows<T, 2>(scores, query, acc, n, keys, values, D, L, total);
+      else attend_rows<T, 1>(scores, query, acc, n, keys, values, D, L, total);
       for (int r = 0; r < nr; ++r)
         for (int64_t c = 0; c < D; ++c) op[index[r] * D + c] = static_cast<T>(acc[r][c] / total[r]);
     }
