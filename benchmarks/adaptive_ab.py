@@ -27,8 +27,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import torch
-
 from megatron_spec.bench.common import MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, machine, main_job_models
 from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.spec.adaptive import octave
@@ -76,11 +74,7 @@ def main() -> int:
     p.add_argument("--ignore-eos", action="store_true", help="every rollout runs to --max-tokens (a fixed batch)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    policy, head = main_job_models(args.threads)
-    if args.checkpoint:
-        state = torch.load(args.checkpoint, map_location="cpu", weights_only=False)["state"]  # as `load_latest`
-        policy.load_state_dict(state["model"])
-        head.load_state_dict(state["drafter"])
+    policy, head = main_job_models(args.threads, args.checkpoint)
     policy, head = policy.to(args.device), head.to(args.device)
     runs = engines(policy, head)
     steps: list = []

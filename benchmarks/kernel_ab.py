@@ -138,11 +138,7 @@ def engine_rounds(before, after, checkpoint: str | None, repeats: int) -> dict:
     from megatron_spec.spec.config import SpecConfig
     from megatron_spec.spec.train_drafter import task_prompts
 
-    policy, head = main_job_models(None)
-    if checkpoint:
-        state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state"]  # as `load_latest`
-        policy.load_state_dict(state["model"])
-        head.load_state_dict(state["drafter"])
+    policy, head = main_job_models(None, checkpoint)
     engines = {"plain": LLMEngine(policy, max_num_seqs=64),
                "k3": LLMEngine(policy, max_num_seqs=64, spec=SpecConfig("mtp", 3, adaptive=False), drafter=head)}
     runs = [(name, version) for name in engines for version in ("before", "after")]

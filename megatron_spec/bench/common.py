@@ -84,11 +84,19 @@ MAIN_JOB_POLICY, MAIN_JOB_DRAFTER = "checkpoints/tiny-qwen3-deep-careful", "chec
 """The main job's shipped policy and MTP head (`recipes/tiny_grpo_spec.py`), from the repository root."""
 
 
-def main_job_models(threads: int | None):
+def main_job_models(threads: int | None, checkpoint: str | None = None):
     """(policy, MTP head) of the main job, loaded on the CPU with torch at `threads` threads (None: as it is), for
-    the benchmarks that time its rollouts."""
+    the benchmarks that time its rollouts: the shipped pair, or the policy and drafter a main-job `checkpoint`
+    (a run's `state.pt`) holds."""
+    import torch
+
     from megatron_spec.models import from_pretrained, load_drafter
 
     set_threads(threads)
     policy = from_pretrained(MAIN_JOB_POLICY)
-    return policy, load_drafter(MAIN_JOB_DRAFTER, policy.config)
+    head = load_drafter(MAIN_JOB_DRAFTER, policy.config)
+    if checkpoint:
+        state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state"]  # as `load_latest`
+        policy.load_state_dict(state["model"])
+        head.load_state_dict(state["drafter"])
+    return policy, head
