@@ -126,6 +126,21 @@ def mtp_layer(hidden: Tensor, embeds: Tensor, norms: tuple[Tensor, Tensor], eps:
                          kv_heads)
 
 
+
+def mtp_draft(hidden: Tensor, ids: Tensor, positions: Tensor, last: Tensor, rounds: int,
+              head: tuple[Tensor, Tensor | None], embeddings: Tensor, rope: tuple[Tensor, Tensor],
+              norms: tuple[Tensor, Tensor], eps: float, eh: Tensor, final_norm: Tensor, final_eps: float, layer: tuple,
+              k_cache: Tensor, v_cache: Tensor, slots: Tensor, heads: int, kv_heads: int) -> Tensor:
+    """Greedy drafts [B, rounds] (int64) of an MTP depth: its catch-up over `hidden` [B, T, hidden] and the tokens
+    `ids` [B, T] at `positions` [B, T], read on from each sequence's row `last` [B]; then draft r is the argmax of
+    the target's `head` (weight, bias) on the state, and the depth reads that state and the draft at the next
+    position. `embeddings` is the target's table, `rope` its cos / sin tables [positions, head_dim]; the depth's
+    other arguments are `mtp_layer`'s."""
+    norm_weights, layer_eps, qkv, o, qk_norms, qk_eps, gate_up, down = layer
+    return ops.mtp_draft(hidden, ids, positions, last, rounds, *head, embeddings, *rope, *norms, eps, eh, final_norm,
+                         final_eps, *norm_weights, layer_eps, *qkv, *o, *qk_norms, qk_eps, gate_up, down, k_cache,
+                         v_cache, slots, heads, kv_heads)
+
 @functools.cache
 def loaded() -> bool:
     """Build (once) and load the library; False, with a warning, where it cannot be built."""

@@ -35,8 +35,8 @@ from .. import kernels
 from .config import ModelConfig
 from .decoder import CausalLM, DecoderLayer, FusedPlan, current_plan, init_weights, params_key
 from .kv_cache import BatchView
-from .layers import AttentionCache, RMSNorm, rotary
-from .packed import kernel_rows, linears, packable
+from .layers import AttentionCache, RMSNorm, rope_table, rotary
+from .packed import kernel_rows, kernel_takes, linears, packable, packed
 
 Embed = Callable[[Tensor], Tensor]
 """Token ids [B, T] -> the target's embeddings [B, T, H] (`CausalLM.embed`)."""
@@ -208,6 +208,25 @@ class MTP(nn.Module):
             return linears(state, lm_head)[0]
         bias = None if lm_head.bias is None else lm_head.bias.detach()
         return F.linear(state, lm_head.weight.detach(), bias)
+
+    def draft(self, hidden: Tensor, input_ids: Tensor, last: Tensor, rounds: int, lm_head: nn.Linear,
+              embeddings: Tensor, cache: BatchView) -> Tensor | None:
+        """Greedy drafts [B, rounds] of the last depth in one kernel call (`kernels.mtp_draft`): its catch-up over
+        `hidden` [B, T, H] and `input_ids` [B, T] through `cache` (as `state`), read on from each sequence's row
+        `last` [B]; draft r is then the argmax of the target's `lm_head` on the state, and the depth reads that state
+        and draft r's row of the target's `embeddings` at the next position (as `state` again). The same kernels in
+        the same order as those calls and an argmax a round, so the same drafts. None where they would not all take
+        the kernels (the depth's fused path, the head's kernel linear): the caller then runs the rounds itself."""
+        depth, head, rows = self.layers[-1], (lm_head,), hidden[:, 0]
+        plan = depth.plan()
+        if not (plan.takes(rows) and packable(rows, head) and kernel_takes(rows, head)
+                and embeddings.dtype == hidden.dtype):
+            return None
+        pack, cfg = packed(head), self.target_config
+        rope = rope_table(cfg.head_dim, cfg.rope_theta, hidden.dtype, hidden.device, cache.cache.max_len)
+        return kernels.mtp_draft(hidden, input_ids, cache.positions, last, rounds, (pack.plain, pack.bias), embeddings,
+                                 rope, *plan.head_args, plan.weights, *cache.layer_cache(plan.cache_layer),
+                                 cache.slots, *plan.heads)
 
     def forward_all(
         self, hidden: Tensor, input_ids: Tensor, positions: Tensor | None, embed: Embed, lm_head: nn.Linear

@@ -143,6 +143,10 @@ class HiddenStateProposer(Proposer):
     def step(self, depth: int, hidden: Tensor, ids: Tensor, positions: Tensor, view) -> Tensor:
         return self.head.state(hidden, ids, positions, self.target.embed, view, layer=depth)
 
+    def greedy_mtp(self) -> bool:
+        """Drafts are an MTP head's argmax (q one-hot): what `MTP.chain` computes."""
+        return self.is_mtp and (not self.sample or self.params.greedy)
+
     def logits(self, state: Tensor) -> Tensor:
         """The head's logits for the rows it drafts from (each sequence's last): not for every catch-up row."""
         return self.head.logits(state, self.target.lm_head) if self.is_mtp else self.head.logits(state)
@@ -166,14 +170,25 @@ class HiddenStateProposer(Proposer):
         last = torch.tensor([n - 1 for n in counts], device=device)
         rows_b = torch.arange(B, device=device)
         drafts, probs = [[] for _ in seqs], []
+        rounds = max(max(budget), self.depths)
         # Every depth runs its catch-up even when k is below the number of depths (adaptive k=1 on a 2-layer MTP):
         # the frontier below moves for all depths, and a depth skipped here would miss its keys from then on.
-        for j in range(max(max(budget), self.depths)):
+        for j in range(rounds):
             depth = min(j, self.depths - 1)
             if j < self.depths:  # catch-up rows c..L-2 for this depth, tokens j+1 ahead
                 ids = torch.tensor([e[c + j + 1 : c + j + 1 + T] + [0] * (T - len(e[c + j + 1 : c + j + 1 + T]))
                                     for e, c in zip(ext, starts)], device=device)
                 view = self.cache.view(slots, starts, T)
+                if depth == self.depths - 1 and self.greedy_mtp():
+                    # The last depth's catch-up and every round after it in one kernel call, where it applies.
+                    chained = self.head.draft(hidden, ids, last, rounds - j, self.target.lm_head,
+                                              self.target.model.embed_tokens.weight, view)
+                    if chained is not None:
+                        for b, row in enumerate(chained.tolist()):
+                            ext[b] += row
+                            drafts[b] += row[: max(0, budget[b] - j)]
+                        probs += [None] * (max(budget) - j)
+                        break
                 if depth == self.depths - 1 and T >= STORE_ONLY_FROM:
                     # Only the last rows' states are read on (the chain starts there): keys and values for every
                     # row, then the layer on the last rows alone (`STORE_ONLY_FROM`).
