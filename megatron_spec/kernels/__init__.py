@@ -1,6 +1,6 @@
 """Fused CPU kernels for the engine's forwards (`cpu_ops.cpp`), compiled here on first use: RMSNorm, SiLU-times-up,
 rotary-plus-cache-store, attention over the KV cache, a linear for a few rows that streams each weight once, and a
-whole dense decoder layer built from those in one call.
+whole dense decoder layer built from those in one call, an MTP depth, and a greedy MTP head's whole drafting.
 
 Why: after oneDNN took the GEMMs, most of a SmolLM2 decode step on 2 CPU cores was ~80 small torch ops a layer
 (norms in five ops each, rotary in seven, the cache's index copies, the attention's matmuls, masks and casts), each

@@ -94,7 +94,8 @@ STORE_ONLY_FROM = 8
 """A catch-up over at least this many positions runs the last depth only as far as its keys and values (`store`:
 its keys at a position depend on that position's inputs alone) and the whole layer on each sequence's last row,
 the one the chain reads on; a shorter one, as in a round right after a drafting one (1 to k + 1 positions), keeps
-one call. On the main job's MTP head the other rows' attention and MLP were most of a catch-up."""
+one call. On the main job's MTP head the other rows' attention and MLP were most of a catch-up. A greedy MTP head's
+last depth takes `MTP.draft` instead where the kernels apply, which stores the other rows at any length."""
 
 MAX_PENDING_BYTES = 64 << 20  # target states a hidden-state proposer holds before writing them (`observe`)
 
