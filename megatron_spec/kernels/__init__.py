@@ -126,7 +126,6 @@ def mtp_layer(hidden: Tensor, embeds: Tensor, norms: tuple[Tensor, Tensor], eps:
                          kv_heads)
 
 
-
 def mtp_draft(hidden: Tensor, ids: Tensor, positions: Tensor, last: Tensor, rounds: int,
               head: tuple[Tensor, Tensor | None], embeddings: Tensor, rope: tuple[Tensor, Tensor],
               norms: tuple[Tensor, Tensor], eps: float, eh: Tensor, final_norm: Tensor, final_eps: float, layer: tuple,
@@ -140,6 +139,7 @@ def mtp_draft(hidden: Tensor, ids: Tensor, positions: Tensor, last: Tensor, roun
     return ops.mtp_draft(hidden, ids, positions, last, rounds, *head, embeddings, *rope, *norms, eps, eh, final_norm,
                          final_eps, *norm_weights, layer_eps, *qkv, *o, *qk_norms, qk_eps, gate_up, down, k_cache,
                          v_cache, slots, heads, kv_heads)
+
 
 @functools.cache
 def loaded() -> bool:

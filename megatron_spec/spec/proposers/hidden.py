@@ -145,7 +145,7 @@ class HiddenStateProposer(Proposer):
         return self.head.state(hidden, ids, positions, self.target.embed, view, layer=depth)
 
     def greedy_mtp(self) -> bool:
-        """Drafts are an MTP head's argmax (q one-hot): what `MTP.chain` computes."""
+        """Drafts are an MTP head's argmax (q one-hot): what `MTP.draft` computes."""
         return self.is_mtp and (not self.sample or self.params.greedy)
 
     def logits(self, state: Tensor) -> Tensor:
@@ -186,7 +186,6 @@ class HiddenStateProposer(Proposer):
                                               self.target.model.embed_tokens.weight, view)
                     if chained is not None:
                         for b, row in enumerate(chained.tolist()):
-                            ext[b] += row
                             drafts[b] += row[: max(0, budget[b] - j)]
                         probs += [None] * (max(budget) - j)
                         break
