@@ -566,6 +566,17 @@ Tensor stream_linear(const Tensor& x_in, const Tensor& w_in, const c10::optional
   return y;
 }
 
+// A layer's rotated queries [B, T, heads, D] for its input x [B, T, hidden]: q/k/v of norm(x) through `rope_store`,
+// which stores this step's keys and values.
+Tensor layer_queries(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& in_norm, double eps,
+                     const Tensor& w_qkv, const c10::optional<Tensor>& b_qkv, const c10::optional<Tensor>& q_norm,
+                     const c10::optional<Tensor>& k_norm, double qk_eps, Tensor k_cache, Tensor v_cache,
+                     const Tensor& slots, const Tensor& positions, int64_t heads, int64_t kv_heads) {
+  const Tensor normed = rms_norm(x, in_norm, eps);
+  const Tensor qkv = stream_linear(normed.reshape({-1, x.size(-1)}), w_qkv, b_qkv).view({x.size(0), x.size(1), -1});
+  return rope_store(qkv, cos, sin, q_norm, k_norm, qk_eps, k_cache, v_cache, slots, positions, heads, kv_heads);
+}
+
 // A whole dense decoder layer of the engine's forwards, from the kernels above in the order the model's modules
 // call them (so its outputs are the same bits as theirs wherever they take the kernels' linear):
 //   h = x + o(attention(rope_store(qkv(norm(x)))));  out = h + down(silu_mul(gate_up(post_norm(h)))).
@@ -580,12 +591,19 @@ Tensor decoder_layer(const Tensor& x, const Tensor& cos, const Tensor& sin, cons
   TORCH_CHECK(x.dim() == 3, "decoder_layer: x is [B, T, hidden]");
   const int64_t B = x.size(0), Tn = x.size(1), H = x.size(2);
   auto rows = [](const Tensor& t) { return t.reshape({-1, t.size(-1)}); };
-  const Tensor qkv = stream_linear(rows(rms_norm(x, in_norm, eps)), w_qkv, b_qkv).view({B, Tn, -1});
-  const Tensor q = rope_store(qkv, cos, sin, q_norm, k_norm, qk_eps, k_cache, v_cache, slots, positions, heads,
-                              kv_heads);
+  const Tensor q = layer_queries(x, cos, sin, in_norm, eps, w_qkv, b_qkv, q_norm, k_norm, qk_eps, k_cache, v_cache,
+                                 slots, positions, heads, kv_heads);
   const Tensor h = x + stream_linear(rows(attention(q, k_cache, v_cache, slots, positions)), w_o, b_o).view({B, Tn, H});
   const Tensor act = silu_mul(stream_linear(rows(rms_norm(h, post_norm, eps)), w_gate_up, c10::nullopt));
   return h + stream_linear(act, w_down, c10::nullopt).view({B, Tn, H});
+}
+
+// An MTP depth's decoder-layer input [B, T, hidden]: eh([enorm(embeds), hnorm(hidden)]).
+Tensor mtp_input(const Tensor& hidden, const Tensor& embeds, const Tensor& enorm, const Tensor& hnorm, double eps,
+                 const Tensor& w_eh) {
+  const int64_t B = hidden.size(0), Tn = hidden.size(1), H = hidden.size(2);
+  const Tensor joined = at::cat({rms_norm(embeds, enorm, eps), rms_norm(hidden, hnorm, eps)}, -1);
+  return stream_linear(joined.reshape({-1, 2 * H}), w_eh, c10::nullopt).view({B, Tn, H});
 }
 
 // One MTP depth of the engine's drafting (`models/mtp.py`, MTPLayer), from the kernels its modules call, in their
@@ -600,9 +618,7 @@ Tensor mtp_layer(const Tensor& hidden, const Tensor& embeds, const Tensor& enorm
                  const Tensor& w_gate_up, const Tensor& w_down, Tensor k_cache, Tensor v_cache, const Tensor& slots,
                  const Tensor& positions, int64_t heads, int64_t kv_heads) {
   TORCH_CHECK(hidden.dim() == 3 && embeds.sizes() == hidden.sizes(), "mtp_layer: hidden and embeds are [B, T, hidden]");
-  const int64_t B = hidden.size(0), Tn = hidden.size(1), H = hidden.size(2);
-  const Tensor joined = at::cat({rms_norm(embeds, enorm, eps), rms_norm(hidden, hnorm, eps)}, -1);
-  const Tensor x = stream_linear(joined.reshape({-1, 2 * H}), w_eh, c10::nullopt).view({B, Tn, H});
+  const Tensor x = mtp_input(hidden, embeds, enorm, hnorm, eps, w_eh);
   const Tensor out = decoder_layer(x, cos, sin, in_norm, post_norm, layer_eps, w_qkv, b_qkv, w_o, b_o, q_norm, k_norm,
                                    qk_eps, w_gate_up, w_down, k_cache, v_cache, slots, positions, heads, kv_heads);
   return rms_norm(out, final_norm, final_eps);
@@ -641,11 +657,8 @@ Tensor mtp_draft(const Tensor& hidden, const Tensor& ids, const Tensor& position
   };
   Tensor h = hidden.contiguous(), e = embed.index_select(0, ids.reshape(-1)).view({B, Tn, H}), pos = positions;
   if (Tn > 1) {
-    const Tensor joined = at::cat({rms_norm(e, enorm, eps), rms_norm(h, hnorm, eps)}, -1).reshape({-1, 2 * H});
-    const Tensor x = stream_linear(joined, w_eh, c10::nullopt);
-    const Tensor qkv = stream_linear(rms_norm(x, in_norm, layer_eps), w_qkv, b_qkv).view({B, Tn, -1});
-    rope_store(qkv, rope(pos, cos_table), rope(pos, sin_table), q_norm, k_norm, qk_eps, k_cache, v_cache, slots, pos,
-               heads, kv_heads);
+    layer_queries(mtp_input(h, e, enorm, hnorm, eps, w_eh), rope(pos, cos_table), rope(pos, sin_table), in_norm,
+                  layer_eps, w_qkv, b_qkv, q_norm, k_norm, qk_eps, k_cache, v_cache, slots, pos, heads, kv_heads);
     const Tensor rows = at::arange(B, last.options()) * Tn + last;
     h = h.view({B * Tn, H}).index_select(0, rows).view({B, 1, H});
     e = e.view({B * Tn, H}).index_select(0, rows).view({B, 1, H});
