@@ -54,6 +54,15 @@ class KVCache:
     def release(self, slot: int) -> None:
         self.free_slots.append(slot)
 
+    def copy_prefix(self, sources: list[int], targets: list[int], length: int) -> None:
+        """Copy positions 0 .. length - 1 of slot sources[i] into slot targets[i], in every layer: sequences that
+        share a prompt share its keys and values (`ModelRunner.prefill`). Past a shorter prompt's end the copy
+        carries the source's padding, which lies beyond the target's length as it did beyond the source's."""
+        src = torch.tensor(sources, device=self.k.device)
+        dst = torch.tensor(targets, device=self.k.device)
+        self.k[..., :length].index_copy_(1, dst, self.k[:, src, ..., :length])
+        self.v[:, :, :, :length].index_copy_(1, dst, self.v[:, src, :, :length])
+
     def view(self, slots: list[int], starts: list[int], num_tokens: int) -> "BatchView":
         """A view for one forward that feeds `num_tokens` new tokens to each sequence, starting at `starts`."""
         return BatchView(self, slots, starts, num_tokens)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megatron_spec.engine import LLMEngine, SamplingParams
+from megatron_spec.models.decoder import weights_fixed
 from megatron_spec.spec import processed_logprobs
 
 from .conftest import naive_greedy
@@ -51,6 +52,48 @@ def test_sampling_is_seeded_and_batch_invariant(tiny_model):
     c = LLMEngine(tiny_model, max_num_seqs=6).generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=10, seed=12))
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
+
+
+def test_sequences_that_share_a_prompt_share_its_prefill(tiny_model):
+    """Two prompts, each asked for three times in mixed order (a GRPO group need not be adjacent), with a third
+    prompt once: the prefill forward runs 3 rows, not 7; every copy's slot holds its leader's keys and values
+    bitwise over the prompt, with the same length; and every sampled token's logprob equals one full forward's over
+    prompt + completion (1e-5, fp32, as above), which fails where a copy's cache or hidden-state row is another
+    prompt's. The copies' samples differ (each sequence draws from its own stream: 10 tokens at T = 1 from the
+    tiny model agreeing three times over has a chance far below 1e-6), and greedy decoding gives each copy what
+    the prompt gives alone. The distribution test below samples 3000 copies of one prompt through the same path."""
+    a, b, c = [5, 6, 7], [8, 9, 10, 11, 12], [3]
+    prompts = [a, b, a, c, b, a, b]
+    engine = LLMEngine(tiny_model, max_num_seqs=8)
+    rows, trunk = [], tiny_model.trunk
+
+    def counted(ids, *args, **kwargs):
+        rows.append(ids.shape[0])
+        return trunk(ids, *args, **kwargs)
+
+    tiny_model.trunk = counted
+    try:
+        seqs = engine.start(prompts, SamplingParams(temperature=1.0, max_tokens=10, seed=4))
+        with torch.inference_mode(), weights_fixed():
+            engine.step()  # the prefill
+        assert rows == [3]
+        for s in seqs:
+            leader = seqs[prompts.index(s.prompt)]
+            n = len(s.prompt)
+            assert s.num_cached == n
+            assert torch.equal(engine.cache.k[:, s.slot, ..., :n], engine.cache.k[:, leader.slot, ..., :n])
+            assert torch.equal(engine.cache.v[:, s.slot, :, :n], engine.cache.v[:, leader.slot, :, :n])
+        outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=10, seed=4))
+    finally:
+        del tiny_model.trunk
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            lp = processed_logprobs(tiny_model(torch.tensor([prompt + out.token_ids]))[0, len(prompt) - 1 : -1], 1.0)
+        assert np.allclose(out.logprobs, lp.gather(-1, torch.tensor(out.token_ids)[:, None]).squeeze(-1), atol=1e-5)
+    assert len({tuple(outs[i].token_ids) for i in (0, 2, 5)}) > 1 and len({tuple(outs[i].token_ids) for i in (1, 4, 6)}) > 1
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    shared = engine.generate(prompts, greedy)
+    assert [o.token_ids for o in shared] == [naive_greedy(tiny_model, p, 10) for p in prompts]
 
 
 def test_first_token_distribution_matches_model(tiny_model):
