@@ -132,8 +132,12 @@ def choose_k(engine: Engine, spec: Speculation | None, n_seqs: float, ctx: float
 
 
 def simulate_generation(engine: Engine, n_seqs: float, prompt_len: float, lengths: list[float],
-                        spec: Speculation | None = None, max_events: int = 200_000) -> GenResult:
-    """Generate `n_seqs` sequences on one engine; `lengths` are equally likely response lengths."""
+                        spec: Speculation | None = None, max_events: int = 200_000,
+                        prompt_share: int = 1) -> GenResult:
+    """Generate `n_seqs` sequences on one engine; `lengths` are equally likely response lengths. `prompt_share`
+    sequences share each prompt (the GRPO group), and share its prefill: our engine runs a prompt once for all its
+    sequences in a prefill step, vLLM's prefix cache reuses its blocks. So a sequence's first prefill costs
+    1 / prompt_share of its prompt's; a recompute after preemption (prompt and generated tokens) is its own."""
     if n_seqs <= 0:
         return GenResult()
     longest = prompt_len + max(lengths)
@@ -163,8 +167,9 @@ def simulate_generation(engine: Engine, n_seqs: float, prompt_len: float, length
             running.append([rem, fit, ctx])
             used += fit * ctx
             batch += fit
-            wave += fit
-            wave_tokens += fit * ctx
+            forwarded = fit / prompt_share if ctx == prompt_len else fit  # a fresh prompt or a recompute
+            wave += forwarded
+            wave_tokens += forwarded * ctx
             if fit >= count - 1e-12:
                 queue.pop(0)
             else:

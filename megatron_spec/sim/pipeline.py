@@ -80,7 +80,8 @@ def generation(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape
                     mem.kv_capacity_tokens, cfg.max_num_seqs)
     w = cfg.workload
     n = w.rollouts / cfg.engines * steps_in_flight
-    return simulate_generation(engine, n, w.prompt_len, w.response.quantiles(), cfg.spec)
+    return simulate_generation(engine, n, w.prompt_len, w.response.quantiles(), cfg.spec,
+                               prompt_share=w.group_size)
 
 
 def compose(cfg: SimConfig, stages: dict[str, float], gen_side_s: float) -> tuple[float, float]:

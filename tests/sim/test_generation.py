@@ -23,6 +23,18 @@ def test_steps_follow_the_longest_sequence():
     assert ar.mean_batch == pytest.approx(30 * 1500 / 3 / 1000)  # sequence-steps / steps
 
 
+def test_a_group_shares_its_prompts_prefill():
+    """64 sequences, 8 to a prompt, admitted in one wave (no preemption): the prefill is that of the 8 prompts, the
+    decode steps are those of 64 sequences either way. Fails where the share is dropped or applied to decoding."""
+    lengths = [100.0, 400.0]
+    alone = simulate_generation(ENGINE, 64, 500, lengths)
+    shared = simulate_generation(ENGINE, 64, 500, lengths, prompt_share=8)
+    assert alone.prefill_s == pytest.approx(ENGINE.prefill_time(64, 500))
+    assert shared.prefill_s == pytest.approx(ENGINE.prefill_time(8, 500))
+    assert shared.prefill_s < 0.5 * alone.prefill_s
+    assert shared.time_s - shared.prefill_s == pytest.approx(alone.time_s - alone.prefill_s)
+
+
 def test_long_tail_costs_more_than_its_tokens():
     """Same mean length, longer tail (sigma 1.2 vs 0.2): fewer tokens per step on average, so a slower step."""
     tight = LengthDist(mean=2000, max_tokens=16384, sigma=0.2).quantiles()

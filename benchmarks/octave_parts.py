@@ -1,0 +1,141 @@
+"""Where the main job's rollout time goes, per batch-size octave, with and without k = 3: how much of the gen stage
+each octave holds, what a k = 3 step costs there in plain steps, and its parts.
+
+Two engines on one policy and MTP head (the shipped pair, or a main-job checkpoint's with `--checkpoint`): plain
+decoding and k = 3 on every step. One untimed round, then `--rounds` rounds of the main job's rollout shape
+(8 prompts x 8 samples, T = 1, up to 160 tokens, stopping at EOS, new prompts each round), both engines once a
+round, the order reversing each round. Every step is timed whole; a decode step also in its parts (`propose`, the
+target's `verify` forward, `accept`) and by its batch size's octave (1, 2, 3-4, ..., 33-64 sequences).
+
+Per octave, printed and written: the plain run's decode seconds and their share of its gen stage; a plain step's
+ms; a k = 3 step's ms and parts; `rho`, the median over k = 3 steps of each step's time over the plain steps' median
+at the same batch size (what `AdaptiveController` measures); tokens a sequence a k = 3 step emits; and their
+quotient, what k = 3 gains there over plain decoding. Prefill steps are reported on their own line. k = 3 and plain
+decoding sample different tokens, so the two runs' batches drain along different paths: compare octaves, not steps.
+
+    python benchmarks/octave_parts.py --checkpoint runs/tiny/checkpoints/step_000029/state.pt --rounds 8 \\
+        --out benchmarks/results/octave_parts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from statistics import median
+
+from megatron_spec.bench.common import MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, machine, main_job_models
+from megatron_spec.engine import LLMEngine, SamplingParams
+from megatron_spec.spec.adaptive import octave
+from megatron_spec.spec.config import SpecConfig
+from megatron_spec.spec.train_drafter import task_prompts
+
+PARTS = ("propose", "verify", "accept")
+
+
+def timed_steps(engine: LLMEngine, steps: list) -> None:
+    """Append (batch or None for a prefill, seconds, {part: seconds}, tokens emitted) for each step to `steps`."""
+    parts: dict = {}
+
+    def wrap(owner, name):
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = inner(*args, **kwargs)
+            parts[name] = time.perf_counter() - t0
+            if name == "accept":
+                parts["tokens"] = sum(len(tokens) for tokens, _ in out)
+            return out
+
+        setattr(owner, name, timed)
+
+    wrap(engine, "propose")
+    wrap(engine, "accept")
+    start, step = engine.start, engine.step
+
+    def started(*args, **kwargs):
+        seqs = start(*args, **kwargs)
+        wrap(engine.runner, "verify")  # the runner is made per generate call
+        return seqs
+
+    def stepped():
+        parts.clear()
+        batch = len(engine.scheduler.running)
+        t0 = time.perf_counter()
+        step()
+        decode = "propose" in parts
+        steps.append((batch if decode else None, time.perf_counter() - t0, {p: parts.get(p, 0.0) for p in PARTS},
+                      parts["tokens"]))
+
+    engine.start, engine.step = started, stepped
+
+
+def summary(plain: list, spec: list) -> dict:
+    by_size = defaultdict(list)
+    for batch, seconds, _, _ in plain:
+        if batch:
+            by_size[batch].append(seconds)
+    plain_median = {b: median(s) for b, s in by_size.items()}
+    gen = sum(s for _, s, _, _ in plain)
+    out = {"prefill": {"plain_s": sum(s for b, s, _, _ in plain if b is None),
+                       "k3_s": sum(s for b, s, _, _ in spec if b is None)}}
+    out["prefill"]["share_of_plain_gen"] = out["prefill"]["plain_s"] / gen
+    for o in sorted({octave(b) for b, *_ in plain + spec if b}):
+        mine = [(b, s, p, t) for b, s, p, t in plain if b and octave(b) == o]
+        theirs = [(b, s, p, t) for b, s, p, t in spec if b and octave(b) == o]
+        if not mine or not theirs:
+            continue
+        ratios = [s / plain_median[b] for b, s, _, _ in theirs if b in plain_median]
+        tokens = sum(t for *_, t in theirs) / sum(b for b, *_ in theirs)
+        rho = median(ratios) if ratios else None
+        out[f"octave_{o}"] = {
+            "batch": f"{(1 << (o - 1)) + 1 if o else 1}-{1 << o}",
+            "plain_s": sum(s for _, s, _, _ in mine), "share_of_plain_gen": sum(s for _, s, _, _ in mine) / gen,
+            "plain_step_ms": 1e3 * sum(s for _, s, _, _ in mine) / len(mine), "k3_steps": len(theirs),
+            "k3_step_ms": 1e3 * sum(s for _, s, _, _ in theirs) / len(theirs),
+            **{f"k3_{p}_ms": 1e3 * sum(parts[p] for _, _, parts, _ in theirs) / len(theirs) for p in PARTS},
+            "plain_verify_ms": 1e3 * sum(parts["verify"] for _, _, parts, _ in mine) / len(mine),
+            "rho": rho, "k3_tokens_per_seq_step": tokens, "k3_gain": tokens / rho if rho else None,
+        }
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", default=None, help="a main-job state.pt whose policy and drafter to load")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    policy, head = main_job_models(args.threads, args.checkpoint)
+    runs = {"plain": LLMEngine(policy, max_num_seqs=64),
+            "k3": LLMEngine(policy, max_num_seqs=64, spec=SpecConfig("mtp", 3, adaptive=False), drafter=head)}
+    steps = {name: [] for name in runs}
+    seconds = Counter()
+    for r in range(args.rounds + 1):
+        if r == 1:
+            for name, engine in runs.items():
+                timed_steps(engine, steps[name])
+        prompts = [q for q in task_prompts(MAIN_JOB_POLICY, 8, seed=100 + r) for _ in range(8)]
+        params = SamplingParams(temperature=1.0, max_tokens=160, seed=r)
+        for name in runs if r % 2 else list(runs)[::-1]:
+            start = time.perf_counter()
+            runs[name].generate(prompts, params)
+            seconds[name] += (time.perf_counter() - start) if r else 0.0
+    result = {
+        "benchmark": "octave_parts", "machine": machine(), "target": MAIN_JOB_POLICY, "drafter": MAIN_JOB_DRAFTER,
+        "checkpoint": args.checkpoint, "rollout": "8 prompts x 8 samples, T=1, max 160 tokens, EOS stops",
+        "rounds": args.rounds, "seconds": dict(seconds), "k3_over_plain": seconds["plain"] / seconds["k3"],
+        "octaves": summary(steps["plain"], steps["k3"]),
+    }
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
