@@ -12,13 +12,14 @@ import time
 
 import torch
 
+from .. import kernels
 from ..models.config import token_id_tuple
 from ..models.decoder import CausalLM, weights_fixed
 from ..spec.adaptive import AdaptiveController
 from ..spec.config import SpecConfig
 from ..spec.proposers import Drafts, Proposer, build_proposer
 from ..spec.sampling import processed_logprobs, sample_tokens
-from ..spec.verify import verify_greedy, verify_sampled
+from ..spec.verify import Verdict, emitted_logprobs, verify_greedy, verify_sampled
 from ..models.kv_cache import KVCache
 from .params import Completion, SamplingParams
 from .runner import ModelRunner
@@ -109,14 +110,16 @@ class LLMEngine:
                               device=dev).view(len(seqs), k)
         if p.greedy:
             verdict = verify_greedy(logprobs, padded, draft_len)
+            lps = emitted_logprobs(logprobs, padded, verdict)
         else:
             u = torch.tensor([s.uniforms(k + 1) for s in seqs], device=dev)
-            verdict = verify_sampled(logprobs.exp(), padded, draft_len, u[:, :k], u[:, k], drafts.probs)
-        # Emitted token j of sequence b is draft j for j < n and the verdict's next token at j = n; one gather
-        # then yields every log-prob (per-sequence tensor ops would cost more than the forward at small sizes).
-        emitted_ids = torch.cat([padded, padded.new_zeros(len(seqs), 1)], 1)
-        emitted_ids.scatter_(1, verdict.num_accepted[:, None], verdict.next_token[:, None])
-        all_lps = logprobs.gather(-1, emitted_ids[..., None]).squeeze(-1).tolist()
+            if drafts.probs is None and kernels.usable(logprobs):  # the same verdict in one call, on the CPU
+                num_accepted, next_token, lps = kernels.verify_onehot(logprobs, padded, draft_len, u)
+                verdict = Verdict(num_accepted, next_token)
+            else:
+                verdict = verify_sampled(logprobs.exp(), padded, draft_len, u[:, :k], u[:, k], drafts.probs)
+                lps = emitted_logprobs(logprobs, padded, verdict)
+        all_lps = lps.tolist()
         accepted, nxt = verdict.num_accepted.tolist(), verdict.next_token.tolist()
         emitted = []
         for b, seq in enumerate(seqs):

@@ -141,6 +141,14 @@ def mtp_draft(hidden: Tensor, ids: Tensor, positions: Tensor, last: Tensor, roun
                          v_cache, slots, heads, kv_heads)
 
 
+
+def verify_onehot(logprobs: Tensor, drafts: Tensor, draft_len: Tensor, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Rejection sampling of a deterministic drafter's `drafts` [B, k] (`draft_len` [B] of them stand per sequence)
+    against processed `logprobs` [B, k + 1, V] (fp32) with uniforms `u` [B, k + 1] (u[:, :k] accept, u[:, k] draws
+    the next token): what `spec.verify.verify_sampled` computes with no draft distribution. Returns the accepted
+    counts [B], the next tokens [B] and the emitted tokens' log-probs [B, k + 1] (0 past the next token)."""
+    return ops.verify_onehot(logprobs, drafts, draft_len, u)
+
 @functools.cache
 def loaded() -> bool:
     """Build (once) and load the library; False, with a warning, where it cannot be built."""

@@ -73,3 +73,12 @@ def verify_sampled(
     # A residual that is all zero can only happen with probability zero (p == q and a rejection); fall back to p.
     residual = torch.where(residual.sum(-1, keepdim=True) <= 0, p_n, residual)
     return Verdict(n, sample_inverse_cdf(residual, u_next))
+
+
+def emitted_logprobs(logprobs: Tensor, drafts: Tensor, verdict: Verdict) -> Tensor:
+    """Log-probs [B, k + 1] of the emitted tokens under `logprobs` [B, k + 1, V]: draft j for j < n, the verdict's
+    next token at j = n (columns past it are not emitted). One gather for the batch: per-sequence tensor ops would
+    cost more than the forward at small sizes."""
+    emitted = torch.cat([drafts, drafts.new_zeros(drafts.shape[0], 1)], 1)
+    emitted.scatter_(1, verdict.num_accepted[:, None], verdict.next_token[:, None])
+    return logprobs.gather(-1, emitted[..., None]).squeeze(-1)
