@@ -15,11 +15,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <tuple>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -679,7 +679,6 @@ Tensor mtp_draft(const Tensor& hidden, const Tensor& ids, const Tensor& position
   }
   return tokens;
 }
-
 
 // A processed distribution's CDF as `sample_inverse_cdf` builds it (torch's cumsum: a double running sum, each
 // prefix rounded to float), of e^lp with token `drop` (a rejected draft; -1: none) taken out. Returns the total.
