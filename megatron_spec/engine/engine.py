@@ -15,6 +15,7 @@ import torch
 from .. import kernels
 from ..models.config import token_id_tuple
 from ..models.decoder import CausalLM, weights_fixed
+from ..models.host import float_tensor, long_tensor
 from ..spec.adaptive import AdaptiveController
 from ..spec.config import SpecConfig
 from ..spec.proposers import Drafts, Proposer, build_proposer
@@ -99,20 +100,19 @@ class LLMEngine:
         logprobs = processed_logprobs(logits, p.temperature, p.top_k, p.top_p)
         k = logits.shape[1] - 1
         if k == 0:  # plain decoding (or prefill): sampling from p is all there is to it
-            u = torch.tensor([s.uniforms(1)[0] for s in seqs], device=logits.device)
+            u = float_tensor([s.uniforms(1)[0] for s in seqs], logits.device)
             tokens, lps = sample_tokens(logprobs[:, 0], u, p.greedy)
             return [([t], [lp]) for t, lp in zip(tokens.tolist(), lps.tolist())]
         # Everything the verifier reads lives where the logits do (the model's device); only the per-sequence
         # Python lists below come back to the host, once per step.
         dev = logits.device
-        draft_len = torch.tensor([len(d) for d in drafts.tokens], device=dev)
-        padded = torch.tensor([d + [0] * (k - len(d)) for d in drafts.tokens], dtype=torch.long,
-                              device=dev).view(len(seqs), k)
+        draft_len = long_tensor([len(d) for d in drafts.tokens], dev)
+        padded = long_tensor([d + [0] * (k - len(d)) for d in drafts.tokens], dev)
         if p.greedy:
             verdict = verify_greedy(logprobs, padded, draft_len)
             lps = emitted_logprobs(logprobs, padded, verdict)
         else:
-            u = torch.tensor([s.uniforms(k + 1) for s in seqs], device=dev)
+            u = float_tensor([s.uniforms(k + 1) for s in seqs], dev)
             if drafts.probs is None and kernels.usable(logprobs):  # the same verdict in one call, on the CPU
                 num_accepted, next_token, lps = kernels.verify_onehot(logprobs, padded, draft_len, u)
                 verdict = Verdict(num_accepted, next_token)

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ..models.decoder import CausalLM, TrunkOutput
+from ..models.host import long_tensor
 from ..models.kv_cache import KVCache
 from ..models.packed import linears
 from .sequence import Sequence
@@ -21,7 +22,7 @@ class ModelRunner:
     def forward(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> TrunkOutput:
         """Feed each sequence its `new_tokens` (ragged, right-padded) after its cached ones; advance its cache."""
         T = max(len(t) for t in new_tokens)
-        ids = torch.tensor([t + [0] * (T - len(t)) for t in new_tokens], device=self.model.device)
+        ids = long_tensor([t + [0] * (T - len(t)) for t in new_tokens], self.model.device)
         view = self.cache.view([s.slot for s in seqs], [s.num_cached for s in seqs], T)
         out = self.model.trunk(ids, view.positions, view, capture=self.capture)
         for seq, toks in zip(seqs, new_tokens):

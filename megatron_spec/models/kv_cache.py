@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from functools import cached_property
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from .. import kernels
+from .host import long_tensor
 
 
 KV_BLOCK = 16
@@ -81,13 +83,14 @@ class BatchView:
         device = cache.k.device
         B, T = len(slots), num_tokens
         # Only padding can run past the end (the engine sizes the cache for every real token plus the drafts), so
-        # clamping parks padded writes on the last row, which no real token ever uses. Built in Python and made a
-        # tensor once: tensor arithmetic here (and reading the longest back) cost several small ops a forward.
+        # clamping parks padded writes on the last row, which no real token ever uses. Built in numpy and made a
+        # tensor once: tensor arithmetic here (and reading the longest back) cost several small ops a forward, and
+        # a Python list of lists through `torch.tensor` ~0.2 ms at 64 sequences x 4 tokens (`host`).
         last = cache.max_len - 1
-        self.positions = torch.tensor([[min(s + t, last) for t in range(T)] for s in starts], device=device)
+        self.positions = long_tensor(np.minimum(np.add.outer(np.asarray(starts), np.arange(T)), last), device)
         longest = min(max(starts) + T - 1, last) + 1
         self.kv_len = min(longest + -longest % KV_BLOCK, cache.max_len)
-        self.slots = torch.tensor(slots, device=device)
+        self.slots = long_tensor(slots, device)
         contiguous = slots == list(range(slots[0], slots[0] + B))
         self.rows = slice(slots[0], slots[0] + B) if contiguous else self.slots
 

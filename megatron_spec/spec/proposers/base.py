@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ...models.decoder import TrunkOutput
+from ...models.host import float_tensor
 from ..sampling import processed_logprobs, sample_inverse_cdf
 
 
@@ -44,5 +45,5 @@ def choose_drafts(logits: Tensor, params, seqs, sample: bool) -> tuple[Tensor, T
     if not sample or params.greedy:
         return logits.argmax(-1), None
     q = processed_logprobs(logits, params.temperature, params.top_k, params.top_p).exp()
-    u = torch.tensor([s.uniforms(1)[0] for s in seqs], device=q.device)
+    u = float_tensor([s.uniforms(1)[0] for s in seqs], q.device)
     return sample_inverse_cdf(q, u), q

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ...models.host import long_tensor
 from ...models.kv_cache import KVCache
 from ...models.decoder import CausalLM, TrunkOutput
 from ...models.eagle3 import Eagle3Head
@@ -163,12 +164,12 @@ class HiddenStateProposer(Proposer):
         counts = [len(e) - 1 - c for e, c in zip(ext, starts)]  # positions c .. L-2
         T = max(counts)
         slots = [s.slot for s in seqs]
-        rows = (torch.tensor(starts, device=device)[:, None] + torch.arange(T, device=device)).clamp_(
-            max=self.features.shape[1] - 1)  # rows past a sequence's count are padding
-        hidden = self.features[torch.tensor(slots, device=device)[:, None], rows]
+        rows = long_tensor(np.minimum(np.add.outer(np.asarray(starts), np.arange(T)), self.features.shape[1] - 1),
+                           device)  # rows past a sequence's count are padding
+        hidden = self.features[long_tensor(slots, device)[:, None], rows]
         if not self.is_mtp:
             hidden = self.head.fc(hidden)
-        last = torch.tensor([n - 1 for n in counts], device=device)
+        last = long_tensor([n - 1 for n in counts], device)
         rows_b = torch.arange(B, device=device)
         drafts, probs = [[] for _ in seqs], []
         rounds = max(max(budget), self.depths)
@@ -177,8 +178,8 @@ class HiddenStateProposer(Proposer):
         for j in range(rounds):
             depth = min(j, self.depths - 1)
             if j < self.depths:  # catch-up rows c..L-2 for this depth, tokens j+1 ahead
-                ids = torch.tensor([e[c + j + 1 : c + j + 1 + T] + [0] * (T - len(e[c + j + 1 : c + j + 1 + T]))
-                                    for e, c in zip(ext, starts)], device=device)
+                ids = long_tensor([e[c + j + 1 : c + j + 1 + T] + [0] * (T - len(e[c + j + 1 : c + j + 1 + T]))
+                                   for e, c in zip(ext, starts)], device)
                 view = self.cache.view(slots, starts, T)
                 if depth == self.depths - 1 and self.greedy_mtp():
                     # The last depth's catch-up and every round after it in one kernel call, where it applies.
