@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...models.host import long_tensor
 from ...models.kv_cache import KVCache
 from ...models.decoder import CausalLM
 from .base import Drafts, Proposer, choose_drafts
@@ -55,8 +56,8 @@ class DraftModelProposer(Proposer):
     def forward(self, seqs, starts: list[int], feeds: list[list[int]]) -> torch.Tensor:
         """Draft logits [B, V] after feeding each sequence its pending tokens (ragged, right-padded)."""
         T = max(len(f) for f in feeds)
-        ids = torch.tensor([f + [0] * (T - len(f)) for f in feeds], device=self.model.device)
+        ids = long_tensor([f + [0] * (T - len(f)) for f in feeds], self.model.device)
         view = self.cache.view([s.slot for s in seqs], starts, T)
         hidden = self.model.trunk(ids, view.positions, view).hidden
-        last = torch.tensor([len(f) - 1 for f in feeds], device=ids.device)
+        last = long_tensor([len(f) - 1 for f in feeds], ids.device)
         return self.model.lm_head(hidden[torch.arange(len(seqs), device=ids.device), last])
