@@ -21,17 +21,16 @@ batch-size octave.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections import Counter
 from pathlib import Path
 
-from megatron_spec.bench.common import MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, machine, main_job_models
-from megatron_spec.engine import LLMEngine, SamplingParams
+from megatron_spec.bench.common import (MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, alternating_rounds, machine,
+                                        main_job_models, main_job_parser)
+from megatron_spec.engine import LLMEngine
 from megatron_spec.spec.adaptive import octave
 from megatron_spec.spec.config import SpecConfig
-from megatron_spec.spec.train_drafter import task_prompts
 
 TARGET, DRAFTER = MAIN_JOB_POLICY, MAIN_JOB_DRAFTER
 ENGINES = ("plain", "held_plain", "adaptive", "k3")
@@ -63,16 +62,12 @@ def watch(engine: LLMEngine, steps: list) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=None, help="a main-job state.pt whose policy and drafter to load")
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--threads", type=int, default=2)
+    p = main_job_parser(__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu", help="cpu or cuda (a GPU session traces the controller there)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--samples", type=int, default=8, help="rollouts per prompt")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--ignore-eos", action="store_true", help="every rollout runs to --max-tokens (a fixed batch)")
-    p.add_argument("--out", default=None)
     args = p.parse_args()
     policy, head = main_job_models(args.threads, args.checkpoint)
     policy, head = policy.to(args.device), head.to(args.device)
@@ -80,14 +75,7 @@ def main() -> int:
     steps: list = []
     watch(runs["adaptive"], steps)
     seconds, rounds = Counter(), []
-    for r in range(args.rounds + 1):
-        prompts = [q for q in task_prompts(TARGET, args.prompts, seed=100 + r) for _ in range(args.samples)]
-        params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=r, ignore_eos=args.ignore_eos)
-        this = {}
-        for name in ENGINES if r % 2 else ENGINES[::-1]:
-            start = time.perf_counter()
-            runs[name].generate(prompts, params)
-            this[name] = time.perf_counter() - start
+    for r, this in alternating_rounds(runs, args.rounds, args.prompts, args.samples, args.max_tokens, args.ignore_eos):
         if r == 0:
             steps.clear()  # the untimed round: the controller's first exploration is in it
             continue

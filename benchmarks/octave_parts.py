@@ -19,59 +19,16 @@ decoding sample different tokens, so the two runs' batches drain along different
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from statistics import median
 
-from megatron_spec.bench.common import MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, machine, main_job_models
-from megatron_spec.engine import LLMEngine, SamplingParams
+from megatron_spec.bench.common import (MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, STEP_PARTS as PARTS, alternating_rounds,
+                                        machine, main_job_models, main_job_parser, time_step_parts)
+from megatron_spec.engine import LLMEngine
 from megatron_spec.spec.adaptive import octave
 from megatron_spec.spec.config import SpecConfig
-from megatron_spec.spec.train_drafter import task_prompts
-
-PARTS = ("propose", "verify", "accept")
-
-
-def timed_steps(engine: LLMEngine, steps: list) -> None:
-    """Append (batch or None for a prefill, seconds, {part: seconds}, tokens emitted) for each step to `steps`."""
-    parts: dict = {}
-
-    def wrap(owner, name):
-        inner = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = inner(*args, **kwargs)
-            parts[name] = time.perf_counter() - t0
-            if name == "accept":
-                parts["tokens"] = sum(len(tokens) for tokens, _ in out)
-            return out
-
-        setattr(owner, name, timed)
-
-    wrap(engine, "propose")
-    wrap(engine, "accept")
-    start, step = engine.start, engine.step
-
-    def started(*args, **kwargs):
-        seqs = start(*args, **kwargs)
-        wrap(engine.runner, "verify")  # the runner is made per generate call
-        return seqs
-
-    def stepped():
-        parts.clear()
-        batch = len(engine.scheduler.running)
-        t0 = time.perf_counter()
-        step()
-        decode = "propose" in parts
-        steps.append((batch if decode else None, time.perf_counter() - t0, {p: parts.get(p, 0.0) for p in PARTS},
-                      parts["tokens"]))
-
-    engine.start, engine.step = started, stepped
-
 
 def summary(plain: list, spec: list) -> dict:
     by_size = defaultdict(list)
@@ -104,27 +61,18 @@ def summary(plain: list, spec: list) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=None, help="a main-job state.pt whose policy and drafter to load")
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = main_job_parser(__doc__.splitlines()[0]).parse_args()
     policy, head = main_job_models(args.threads, args.checkpoint)
     runs = {"plain": LLMEngine(policy, max_num_seqs=64),
             "k3": LLMEngine(policy, max_num_seqs=64, spec=SpecConfig("mtp", 3, adaptive=False), drafter=head)}
     steps = {name: [] for name in runs}
     seconds = Counter()
-    for r in range(args.rounds + 1):
-        if r == 1:
+    for r, this in alternating_rounds(runs, args.rounds):
+        if r == 0:  # time the steps of the rounds after the warm-up
             for name, engine in runs.items():
-                timed_steps(engine, steps[name])
-        prompts = [q for q in task_prompts(MAIN_JOB_POLICY, 8, seed=100 + r) for _ in range(8)]
-        params = SamplingParams(temperature=1.0, max_tokens=160, seed=r)
-        for name in runs if r % 2 else list(runs)[::-1]:
-            start = time.perf_counter()
-            runs[name].generate(prompts, params)
-            seconds[name] += (time.perf_counter() - start) if r else 0.0
+                time_step_parts(engine, steps[name])
+        else:
+            seconds.update(this)
     result = {
         "benchmark": "octave_parts", "machine": machine(), "target": MAIN_JOB_POLICY, "drafter": MAIN_JOB_DRAFTER,
         "checkpoint": args.checkpoint, "rollout": "8 prompts x 8 samples, T=1, max 160 tokens, EOS stops",

@@ -14,18 +14,16 @@ shared prefill's speed-up per decoding mode, and each speculative mode over plai
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from megatron_spec.bench.common import MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, machine, main_job_models
-from megatron_spec.engine import LLMEngine, SamplingParams
+from megatron_spec.bench.common import (MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, alternating_rounds, machine,
+                                        main_job_models, main_job_parser)
+from megatron_spec.engine import LLMEngine
 from megatron_spec.spec.config import SpecConfig
-from megatron_spec.spec.train_drafter import task_prompts
 
 MODES = ("plain", "k3", "adaptive")
 
@@ -57,26 +55,14 @@ def engine(policy, head, mode: str) -> LLMEngine:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--checkpoint", default=None, help="a main-job state.pt whose policy and drafter to load")
-    p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = main_job_parser(__doc__.splitlines()[0]).parse_args()
     policy, head = main_job_models(args.threads, args.checkpoint)
     runs = {}
     for mode in MODES:
         runs[mode] = engine(policy, head, mode)
         runs[f"{mode}_unshared"] = unshared(engine(policy, head, mode))
-    names, seconds = list(runs), Counter()
-    for r in range(args.rounds + 1):
-        prompts = [q for q in task_prompts(MAIN_JOB_POLICY, 8, seed=100 + r) for _ in range(8)]
-        params = SamplingParams(temperature=1.0, max_tokens=160, seed=r)
-        this = {}
-        for name in names if r % 2 else names[::-1]:
-            start = time.perf_counter()
-            runs[name].generate(prompts, params)
-            this[name] = time.perf_counter() - start
+    seconds = Counter()
+    for r, this in alternating_rounds(runs, args.rounds):
         if r:
             seconds.update(this)
             print(f"round {r}: " + " ".join(f"{n} {t:.3f}s" for n, t in this.items()), flush=True)

@@ -18,70 +18,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections import Counter
 from pathlib import Path
 
-from megatron_spec.bench.common import MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, machine, main_job_models
+from megatron_spec.bench.common import (MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, STEP_PARTS as PARTS, machine,
+                                        main_job_models, time_step_parts)
 from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.spec.config import SpecConfig
 from megatron_spec.spec.train_drafter import task_prompts
 
 TARGET, DRAFTER = MAIN_JOB_POLICY, MAIN_JOB_DRAFTER
-PARTS = ("propose", "verify", "accept")
-
-
-def timed_parts(engine: LLMEngine, seconds: Counter) -> None:
-    """Add each decode step's time, and that of its parts, to `seconds` (prefill steps are not counted)."""
-
-    def wrap(owner, name):
-        inner = getattr(owner, name)
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = inner(*args, **kwargs)
-            step_parts[name] = time.perf_counter() - t0
-            return out
-
-        setattr(owner, name, timed)
-
-    step_parts: dict[str, float] = {}
-    wrap(engine, "propose")
-    wrap(engine, "accept")
-    start, step = engine.start, engine.step
-
-    def started(*args, **kwargs):
-        seqs = start(*args, **kwargs)
-        wrap(engine.runner, "verify")  # the runner is made per generate call
-        return seqs
-
-    def stepped():
-        step_parts.clear()
-        t0 = time.perf_counter()
-        step()
-        if "propose" in step_parts:  # a decode step (prefill proposes nothing)
-            seconds["step"] += time.perf_counter() - t0
-            seconds["steps"] += 1
-            for part in PARTS:
-                seconds[part] += step_parts[part]
-
-    engine.start, engine.step = started, stepped
-
-
 def measure(policy, head, batch: int, k: int, tokens: int, repeats: int) -> dict:
     spec = SpecConfig("mtp", k, adaptive=False) if k else None
     engine = LLMEngine(policy, max_num_seqs=batch, spec=spec, drafter=head if k else None)
     prompts = task_prompts(TARGET, batch, seed=7)
     engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=tokens, seed=0, ignore_eos=True))
-    seconds = Counter()
-    timed_parts(engine, seconds)
+    steps: list = []
+    time_step_parts(engine, steps)
     emitted = 0
     for r in range(repeats):
         outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=tokens, seed=1 + r, ignore_eos=True))
         emitted += sum(len(o.token_ids) for o in outs) - len(outs)  # the first token of each comes from prefill
-    n = seconds["steps"]
-    parts = {p: 1e3 * seconds[p] / n for p in PARTS}
-    step_ms = 1e3 * seconds["step"] / n
+    decodes = [(seconds, parts) for batch_size, seconds, parts, _ in steps if batch_size]  # prefill steps left out
+    n = len(decodes)
+    parts = {p: 1e3 * sum(step[p] for _, step in decodes) / n for p in PARTS}
+    step_ms = 1e3 * sum(seconds for seconds, _ in decodes) / n
     return {"batch": batch, "k": k, "steps": n, "step_ms": step_ms, **{f"{p}_ms": v for p, v in parts.items()},
             "rest_ms": step_ms - sum(parts.values()), "tokens_per_step": emitted / n / batch}
 

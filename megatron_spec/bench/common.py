@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -100,3 +101,77 @@ def main_job_models(threads: int | None, checkpoint: str | None = None):
         policy.load_state_dict(state["model"])
         head.load_state_dict(state["drafter"])
     return policy, head
+
+
+def main_job_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments the in-process benchmarks on the main job's rollouts share: `--checkpoint`, `--rounds`,
+    `--threads`, `--out`."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--checkpoint", default=None, help="a main-job state.pt whose policy and drafter to load")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None)
+    return p
+
+
+def alternating_rounds(runs: dict, rounds: int, prompts: int = 8, samples: int = 8, max_tokens: int = 160,
+                       ignore_eos: bool = False):
+    """Rounds of the main job's rollout shape (`prompts` x `samples` rollouts, T = 1, new prompts and seed each
+    round), every engine of `runs` once a round, the order reversing each round so that no engine always runs
+    first on a host whose speed drifts. Round 0 is the untimed warm-up. Yields (round, {name: seconds}) after
+    each round, round 0 included, so a caller can set up its timers between rounds."""
+    from megatron_spec.engine import SamplingParams
+    from megatron_spec.spec.train_drafter import task_prompts
+
+    names = list(runs)
+    for r in range(rounds + 1):
+        batch = [q for q in task_prompts(MAIN_JOB_POLICY, prompts, seed=100 + r) for _ in range(samples)]
+        params = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=r, ignore_eos=ignore_eos)
+        seconds = {}
+        for name in names if r % 2 else names[::-1]:
+            start = time.perf_counter()
+            runs[name].generate(batch, params)
+            seconds[name] = time.perf_counter() - start
+        yield r, seconds
+
+
+STEP_PARTS = ("propose", "verify", "accept")
+
+
+def time_step_parts(engine, steps: list) -> None:
+    """Append (batch size, or None for a prefill step; seconds; {part: seconds} for STEP_PARTS; tokens emitted) to
+    `steps` for each of the engine's steps: drafting (`propose`), the target's `verify` forward and `accept`."""
+    parts: dict = {}
+
+    def wrap(owner, name):
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = inner(*args, **kwargs)
+            parts[name] = time.perf_counter() - t0
+            if name == "accept":
+                parts["tokens"] = sum(len(tokens) for tokens, _ in out)
+            return out
+
+        setattr(owner, name, timed)
+
+    wrap(engine, "propose")
+    wrap(engine, "accept")
+    start, step = engine.start, engine.step
+
+    def started(*args, **kwargs):
+        seqs = start(*args, **kwargs)
+        wrap(engine.runner, "verify")  # the runner is made per generate call
+        return seqs
+
+    def stepped():
+        parts.clear()
+        batch = len(engine.scheduler.running)
+        t0 = time.perf_counter()
+        step()
+        decode = "propose" in parts  # a prefill step proposes nothing
+        steps.append((batch if decode else None, time.perf_counter() - t0,
+                      {p: parts.get(p, 0.0) for p in STEP_PARTS}, parts["tokens"]))
+
+    engine.start, engine.step = started, stepped
