@@ -30,6 +30,7 @@ from megatron_spec.engine import LLMEngine
 from megatron_spec.spec.adaptive import octave
 from megatron_spec.spec.config import SpecConfig
 
+
 def summary(plain: list, spec: list) -> dict:
     by_size = defaultdict(list)
     for batch, seconds, _, _ in plain:

@@ -23,5 +23,10 @@ def float_tensor(values, device: torch.device | str = "cpu") -> Tensor:
     return on(torch.from_numpy(np.asarray(values, dtype=np.float32)), device)
 
 
+def spans(starts: list[int], length: int, last: int, device: torch.device | str = "cpu") -> Tensor:
+    """[B, length] int64: start, start + 1, ... for each of `starts`, clamped at `last` (padding past an end)."""
+    return long_tensor(np.minimum(np.add.outer(np.asarray(starts), np.arange(length)), last), device)
+
+
 def on(tensor: Tensor, device: torch.device | str) -> Tensor:
     return tensor if torch.device(device).type == "cpu" else tensor.to(device)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from functools import cached_property
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from .. import kernels
-from .host import long_tensor
+from .host import long_tensor, spans
 
 
 KV_BLOCK = 16
@@ -87,7 +86,7 @@ class BatchView:
         # tensor once: tensor arithmetic here (and reading the longest back) cost several small ops a forward, and
         # a Python list of lists through `torch.tensor` ~0.2 ms at 64 sequences x 4 tokens (`host`).
         last = cache.max_len - 1
-        self.positions = long_tensor(np.minimum(np.add.outer(np.asarray(starts), np.arange(T)), last), device)
+        self.positions = spans(starts, T, last, device)
         longest = min(max(starts) + T - 1, last) + 1
         self.kv_len = min(longest + -longest % KV_BLOCK, cache.max_len)
         self.slots = long_tensor(slots, device)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...models.host import long_tensor
+from ...models.host import long_tensor, spans
 from ...models.kv_cache import KVCache
 from ...models.decoder import CausalLM, TrunkOutput
 from ...models.eagle3 import Eagle3Head
@@ -164,8 +164,7 @@ class HiddenStateProposer(Proposer):
         counts = [len(e) - 1 - c for e, c in zip(ext, starts)]  # positions c .. L-2
         T = max(counts)
         slots = [s.slot for s in seqs]
-        rows = long_tensor(np.minimum(np.add.outer(np.asarray(starts), np.arange(T)), self.features.shape[1] - 1),
-                           device)  # rows past a sequence's count are padding
+        rows = spans(starts, T, self.features.shape[1] - 1, device)  # rows past a sequence's count are padding
         hidden = self.features[long_tensor(slots, device)[:, None], rows]
         if not self.is_mtp:
             hidden = self.head.fc(hidden)
