@@ -215,28 +215,43 @@ def test_bad_spec_input(target):
         LLMEngine(target, spec=SpecConfig("mtp", 3), drafter=MTP(wide.config))
 
 
-@pytest.mark.parametrize("method,max_pending", [("mtp", 64 << 20), ("mtp", 10_000), ("eagle3", 64 << 20),
-                                                ("eagle3", 10_000)])
-def test_hidden_drafters_after_spans_without_speculation(target, method, max_pending, monkeypatch):
+@pytest.mark.parametrize("method,depths,max_pending", [("mtp", 2, 64 << 20), ("mtp", 2, 10_000), ("mtp", 1, 64 << 20),
+                                                       ("eagle3", 1, 64 << 20), ("eagle3", 1, 10_000)])
+def test_hidden_drafters_after_spans_without_speculation(target, method, depths, max_pending, monkeypatch):
     """A hidden-state drafter holds the target states of steps that do not speculate and writes them in one batch
-    before its next draft (or once it holds `MAX_PENDING_BYTES`, here also a few steps' worth). Under a schedule of
-    k with spans of plain steps, and sequences joining freed slots (6 prompts, 4 slots), every draft equals the one
-    full forwards over the sequence give, and the greedy tokens equal plain decoding's. A state left unwritten or
-    written to the wrong place changes the drafts, and so does a depth of a 2-layer MTP head left out of a round
-    whose k is 1 (its keys would be missing from then on)."""
+    before its next draft (or once it holds `MAX_PENDING_BYTES`, here also a few steps' worth); a one-depth head
+    right after a drafting step reads the verify forward's rows directly instead (`catch_up_rows`). Under a schedule
+    of k with spans of plain steps, and sequences joining freed slots (6 prompts, 4 slots), every draft equals the
+    one full forwards over the sequence give, and the greedy tokens equal plain decoding's. A state left unwritten,
+    written to the wrong place or read from the wrong row of the verify forward changes the drafts, and so does a
+    depth of a 2-layer MTP head left out of a round whose k is 1 (its keys would be missing from then on). Both
+    routes must run: the direct one on every one-depth draft after a drafting step, the other on the rest."""
     from itertools import cycle
 
     from megatron_spec.spec.proposers import hidden
+    from megatron_spec.spec.proposers.hidden import write_rows
 
     monkeypatch.setattr(hidden, "MAX_PENDING_BYTES", max_pending)
     torch.manual_seed(7)
-    head = MTP(target.config, MTPConfig(2)) if method == "mtp" else Eagle3Head.from_target(target)
+    head = MTP(target.config, MTPConfig(depths)) if method == "mtp" else Eagle3Head.from_target(target)
     head.reset_parameters(std=0.15)
     engine = LLMEngine(target, max_num_seqs=4, spec=SpecConfig(method, 3, adaptive=True), drafter=head)
     script = cycle([0, 0, 0, 0, 0, 2, 3, 0, 0, 1])
     engine.controller.choose_k = lambda batch: next(script)
+    writes, routes, proposer = [], [], engine.proposer
+    monkeypatch.setattr(hidden, "write_rows", lambda *a: (writes.append(1), write_rows(*a)))
+    catch_up_rows = proposer.catch_up_rows
+
+    def route(*args):  # "direct": the held forward was read without a write
+        held, written = bool(proposer.pending), len(writes)
+        rows = catch_up_rows(*args)
+        routes.append("direct" if held and len(writes) == written else "written" if held else "none held")
+        return rows
+
+    proposer.catch_up_rows = route
     for tokens, drafts in incremental_drafts(engine, PROMPTS, 30):
         assert drafts == reference_hidden_drafts(target, head, tokens, len(drafts))[0]
+    assert ("direct" in routes) == (depths == 1) and "written" in routes
     params = SamplingParams(temperature=0, max_tokens=30)
     plain = LLMEngine(target, max_num_seqs=4).generate(PROMPTS, params)
     script = cycle([0, 0, 0, 0, 0, 2, 3, 0, 0, 1])
