@@ -39,10 +39,18 @@ VARIANTS = {
 """Overrides of the main command per variant; `online` is `frozen`'s pair (same fixed k, drafter trained)."""
 
 
-def run(variant: str, seed: int, runs_dir: Path, extra: list[str]) -> dict:
+def run(variant: str, seed: int, runs_dir: Path, extra: list[str], reuse: bool = False) -> dict:
+    """One run of the plan; with `reuse`, a run directory that already holds every step of the run is read instead
+    (its wall time is then unknown: None)."""
+    import yaml
+
     from megatron_spec.rl.logging import read_metrics
 
     out = runs_dir / f"{variant}-s{seed}"
+    if reuse and (out / "config.yaml").exists():
+        rows = read_metrics(out)
+        if len(rows) == yaml.safe_load((out / "config.yaml").read_text())["run"]["steps"]:
+            return {"variant": variant, "seed": seed, "wall_s": None, "dir": str(out), "rows": rows}
     argv = [sys.executable, str(ROOT / "recipes" / "tiny_grpo_spec.py"), f"run.seed={seed}", f"run.out_dir={out}",
             "run.resume=false", "run.report=false", *VARIANTS[variant], *extra]
     start = time.perf_counter()
@@ -86,10 +94,11 @@ def per_token(spec: list[dict], plain: list[dict]) -> dict:
         steps = [i for i, tau in enumerate(sp["tau_curve"]) if tau is None]
         sums = {name: [sum(r[key][i] for i in steps) for key in ("gen_curve", "gen_tokens_curve")]
                 for name, r in (("spec", sp), ("plain", pl))}
+        some = bool(steps)  # a spec run that drafted in every step has no such steps
         out["without_drafting"].append({
             "seed": sp["seed"], "steps": len(steps), "gen_s_spec": sums["spec"][0], "gen_s_plain": sums["plain"][0],
-            "plain_over_spec": sums["plain"][0] / sums["spec"][0],
-            "per_token": (sums["spec"][1] / sums["spec"][0]) / (sums["plain"][1] / sums["plain"][0])})
+            "plain_over_spec": sums["plain"][0] / sums["spec"][0] if some else None,
+            "per_token": (sums["spec"][1] / sums["spec"][0]) / (sums["plain"][1] / sums["plain"][0]) if some else None})
     return out
 
 
@@ -127,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=10, help="steps averaged at the start and at the end")
     p.add_argument("--runs-dir", default="runs/main_job_bench")
     p.add_argument("--out", default=None, help="JSON to write")
+    p.add_argument("--reuse", action="store_true",
+                   help="read the runs of the plan already finished under --runs-dir instead of running them again")
     p.add_argument("--summarize", nargs="+", metavar="RUN_DIR",
                    help="summarize finished runs (their metrics.jsonl and config.yaml) instead of running the plan")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
@@ -142,10 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     plan += [(v, s) for s in args.drafter_seeds for v in ("online", "frozen")]
     runs = []
     for variant, seed in plan:
-        summary = summarize(run(variant, seed, runs_dir, args.overrides), args.window)
+        summary = summarize(run(variant, seed, runs_dir, args.overrides, args.reuse), args.window)
         runs.append(summary)
+        wall = "-" if summary["wall_s"] is None else f"{summary['wall_s']:.0f}s"
         print(f"{variant:>6} seed {seed}: eval {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}  "
-              f"gen {summary['gen_s']:.1f}s train {summary['train_s']:.1f}s wall {summary['wall_s']:.0f}s  "
+              f"gen {summary['gen_s']:.1f}s train {summary['train_s']:.1f}s wall {wall}  "
               f"tau {summary['tau_first'] or float('nan'):.2f} -> {summary['tau_last'] or float('nan'):.2f}",
               flush=True)
 
