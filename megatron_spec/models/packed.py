@@ -63,20 +63,27 @@ paths: fp32 1.65 / 1.42 / 1.44 / 1.32x faster at 1 / 4 / 8 / 16 rows, 0.89x at 2
 Every input up to these counts computes each row alone, in the same order, so its outputs are bitwise the same in
 a batch of any of these sizes."""
 
-SMALL_LINEAR_MACS = 1 << 21
-"""A small weight takes the kernels' `linear` past KERNEL_ROWS, for inputs of up to this many multiply-adds (rows x
-MACs a row): there oneDNN's cost per call outweighs its faster GEMM. The main job's policy head (96 x 64, so up to
-341 rows) at 64 rows took 21 us in the kernel against 47 us in oneDNN, alone and warm; inside a B = 64 decode step
-oneDNN's call took ~250 us (AVX2 EPYC, 2 threads; scratch timing, not kept). On that model's layers the crossing
-was at 1.8-3.9 M MACs for q/k/v and gate/up; their down projection kept the kernel's lead to 7 M. The main job's
-rollouts in one process, alternating this bound with 0: plain decoding 1.08x faster, k = 3 1.04x (scratch)."""
+SMALL_OUTPUT = 1 << 15
+"""A weight small enough to stay in a core's L2 (CACHE_RESIDENT_BYTES, as the kernels' tiles assume) takes the
+kernels' `linear` past KERNEL_ROWS, for inputs of up to this many outputs (rows x the group's output width): there
+oneDNN's cost per call outweighs its faster GEMM. What sets the crossing is the output width, not the
+multiply-adds: the main job's policy (hidden 96, AVX2 EPYC, 2 threads, each call alone and warm, scratch timing)
+had gate/up (576 x 96) at 50 / 73 / 138 us in the kernel against 66 / 69 / 103 us in oneDNN at 40 / 64 / 128 rows,
+q/k/v (160 x 96) at 73 / 89 us against 70 / 81 us at 200 / 256 rows, while down (96 x 288: three times the
+multiply-adds of q/k/v a row) and o (96 x 96) stayed 1.3x faster in the kernel up to 256 rows. 32768 outputs put
+the crossing at 56 rows for gate/up, 204 for q/k/v and 341 for down and o. (The bound before this one, 2 M
+multiply-adds, sent down past 75 rows and o past 227 to oneDNN, and a k = 3 verify at 64 sequences is 256 rows.)"""
+
+CACHE_RESIDENT_BYTES = 512 << 10
+"""The kernels' own bound (`cpu_ops.cpp`) for a weight that stays in a core's L2 between calls."""
 
 
 @dataclass
 class Pack:
     key: tuple
     weight: Tensor
-    """The concatenated weights [sum(out), in]: in oneDNN's blocked layout where `onednn`, else as they are."""
+    """The concatenated weights [sum(out), in] as they are: what `F.linear` reads where oneDNN is not used, and what
+    `blocked` is made from."""
     bias: Tensor | None
     sizes: list[int]
     plain: Tensor | None
@@ -89,6 +96,16 @@ class Pack:
     upcast: Pack | None = None
     """bf16 weights where oneDNN has no bf16 path: an fp32 copy packed for oneDNN, which inputs of several rows
     take (upcast, then the output rounded back to bf16). See the module docstring."""
+    _blocked: Tensor | None = None
+
+    def blocked(self) -> Tensor:
+        """`weight` in oneDNN's blocked layout, made on the first oneDNN call. A reorder costs ~0.27 ms whatever
+        the weight's size (AVX2 EPYC, scratch), and an RL run refits every step: the main job's 33 groups took
+        9.6 ms a rollout of ~240 ms to repack, most of them groups that, under SMALL_OUTPUT, only the kernels'
+        `linear` reads."""
+        if self._blocked is None:
+            self._blocked = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_FOR_ROWS)
+        return self._blocked
 
 
 PACKS: weakref.WeakKeyDictionary[nn.Module, Pack] = weakref.WeakKeyDictionary()
@@ -148,14 +165,15 @@ def kernel_takes(x: Tensor, layers: tuple[nn.Linear, ...]) -> bool:
 
 
 def kernel_rows(layers: tuple[nn.Linear, ...]) -> int:
-    """The most input rows the kernels' `linear` takes through `layers` in their dtype: KERNEL_ROWS, or
-    SMALL_LINEAR_MACS' worth of rows where that is more, or 0 where their input size is not a multiple of 8 (its
-    8-lane sums) or the dtype has no kernel."""
+    """The most input rows the kernels' `linear` takes through `layers` in their dtype: KERNEL_ROWS, or for a
+    cache-resident group SMALL_OUTPUT's worth of rows where that is more, or 0 where their input size is not a
+    multiple of 8 (its 8-lane sums) or the dtype has no kernel."""
     if not all(m.in_features % 8 == 0 for m in layers):
         return 0
     bound = KERNEL_ROWS.get(layers[0].weight.dtype, 0)
-    macs = sum(m.in_features * m.out_features for m in layers)
-    return max(bound, SMALL_LINEAR_MACS // macs) if bound else 0
+    width = sum(m.out_features for m in layers)
+    resident = width * layers[0].in_features * layers[0].weight.element_size() <= CACHE_RESIDENT_BYTES
+    return max(bound, SMALL_OUTPUT // width if resident else 0) if bound else 0
 
 
 def onednn_rows(rows: Tensor, pack: Pack) -> Tensor:
@@ -167,7 +185,7 @@ def onednn_rows(rows: Tensor, pack: Pack) -> Tensor:
 
 
 def onednn_linear(rows: Tensor, pack: Pack) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(rows, pack.weight, pack.bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(rows, pack.blocked(), pack.bias, "none", [], "")
 
 
 def packable(x: Tensor, layers: tuple[nn.Linear, ...]) -> bool:
@@ -204,6 +222,4 @@ def packed(layers: tuple[nn.Linear, ...]) -> Pack:
 
 
 def make_pack(key: tuple, weight: Tensor, bias: Tensor | None, sizes: list[int], keep_plain: bool = True) -> Pack:
-    onednn = weight.dtype in packed_dtypes()
-    blocked = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS) if onednn else weight
-    return Pack(key, blocked, bias, sizes, weight if keep_plain else None, onednn)
+    return Pack(key, weight, bias, sizes, weight if keep_plain else None, weight.dtype in packed_dtypes())

@@ -252,7 +252,7 @@ def test_linear_rejects_what_it_cannot_compute_and_the_packs_route_around_it(mon
     monkeypatch.setattr(kernels, "linear", lambda *args: calls.append(args[0].shape[0]) or saved(*args))
     torch.manual_seed(0)
     layer, odd = torch.nn.Linear(64, 40), torch.nn.Linear(12, 40)
-    limit = packed.kernel_rows((layer,))  # KERNEL_ROWS, or more for a weight this small (SMALL_LINEAR_MACS)
+    limit = packed.kernel_rows((layer,))  # KERNEL_ROWS, or more for a weight this small (SMALL_OUTPUT)
     with torch.inference_mode():
         for rows in (1, limit, limit + 1):
             x = torch.randn(rows, 64)
