@@ -1,0 +1,94 @@
+"""The main job's gen stage against plain decoding inside the RL loop itself: every step's rollouts generated twice,
+by the speculative engine the loop uses and by a plain engine on the same refitted weights, in one process.
+
+`benchmarks/main_job.py` pairs whole runs in separate processes (the issue's measure), where the host's speed between
+processes moves the ratio by up to ~20 %; the in-process benchmarks (`octave_parts`, `adaptive_ab`) time rollouts of
+one checkpoint, with no training between them. This one keeps the loop as it is (refit, training, the drafter's
+online update, the controller's state carried from step to step) and adds one plain `generate` of the same prompts
+and sampling seed each step, the order alternating between steps; the loop trains on the speculative rollouts, so
+the run is the main job's. Whichever engine runs first after the train stage may pay for what training left
+behind, so the ratio is reported per order and as their geometric mean. The plain engine's completions are
+dropped; its rollouts sample the same distribution, not the same tokens.
+
+    python benchmarks/loop_pairs.py run.steps=50 --out benchmarks/results/loop_pairs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=None, help="JSON to write")
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the main job's config")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    from megatron_spec.bench.common import machine
+    from megatron_spec.engine import LLMEngine
+    from megatron_spec.rl import loop
+    from megatron_spec.rl.overrides import apply_overrides
+    from megatron_spec.spec.adaptive import octave
+    from recipes.tiny_grpo_spec import tiny_grpo_spec
+
+    defaults = ["run.out_dir=runs/loop_pairs", "run.resume=false", "run.report=false", "run.eval_every=0"]
+    cfg = apply_overrides(tiny_grpo_spec(), defaults + args.overrides)
+    rows = []
+
+    class PairedTrainer(loop.Trainer):
+        def rollouts(self, step, prompts):
+            generator = self.generator
+            if not hasattr(self, "plain"):
+                self.plain = LLMEngine(generator.model, max_num_seqs=generator.engine.max_num_seqs)
+            controller, chosen = generator.engine.controller, Counter()
+            if controller:  # count its choices per octave, this step
+                choose = controller.choose_k
+
+                def counted(batch: int) -> int:
+                    k = choose(batch)
+                    chosen[(octave(batch), k)] += 1
+                    return k
+
+                controller.choose_k = counted
+            params, seconds = self.sampling_params(step), {}
+            for name in ("spec", "plain") if step % 2 else ("plain", "spec"):
+                start = time.perf_counter()
+                if name == "spec":
+                    outs = generator.generate(prompts, params)
+                else:
+                    self.plain.generate(prompts, params)
+                    self.plain.cache = None  # freed between rollouts, as the generator's sleep frees its own
+                seconds[name] = time.perf_counter() - start
+            generator.sleep()
+            if controller:
+                del controller.choose_k
+            rows.append({"step": step, "spec_first": bool(step % 2), **seconds,
+                         "choices": {f"octave {o} k {k}": n for (o, k), n in sorted(chosen.items())}})
+            print(f"step {step}: plain / spec {seconds['plain'] / seconds['spec']:.3f}", flush=True)
+            return loop.Rollouts(outs)
+
+    loop.run(cfg, PairedTrainer)
+
+    def ratio(sel):
+        return sum(r["plain"] for r in sel) / sum(r["spec"] for r in sel)
+
+    first = {"spec": ratio([r for r in rows if r["spec_first"]]), "plain": ratio([r for r in rows if not r["spec_first"]])}
+    result = {"benchmark": "loop_pairs", "machine": machine(), "overrides": defaults + args.overrides,
+              "steps": len(rows), "plain_over_spec_pooled": ratio(rows),
+              "plain_over_spec_spec_first": first["spec"], "plain_over_spec_plain_first": first["plain"],
+              "plain_over_spec_order_neutral": (first["spec"] * first["plain"]) ** 0.5, "rows": rows}
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
