@@ -225,7 +225,7 @@ def test_hidden_drafters_after_spans_without_speculation(target, method, depths,
     one full forwards over the sequence give, and the greedy tokens equal plain decoding's. A state left unwritten,
     written to the wrong place or read from the wrong row of the verify forward changes the drafts, and so does a
     depth of a 2-layer MTP head left out of a round whose k is 1 (its keys would be missing from then on). Both
-    routes must run: the direct one on every one-depth draft after a drafting step, the other on the rest."""
+    routes must have run for a one-depth head, and a two-depth head must never take the direct one."""
     from itertools import cycle
 
     from megatron_spec.spec.proposers import hidden
