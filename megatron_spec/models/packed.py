@@ -72,7 +72,8 @@ had gate/up (576 x 96) at 50 / 73 / 138 us in the kernel against 66 / 69 / 103 u
 q/k/v (160 x 96) at 73 / 89 us against 70 / 81 us at 200 / 256 rows, while down (96 x 288: three times the
 multiply-adds of q/k/v a row) and o (96 x 96) stayed 1.3x faster in the kernel up to 256 rows. 32768 outputs put
 the crossing at 56 rows for gate/up, 204 for q/k/v and 341 for down and o. (The bound before this one, 2 M
-multiply-adds, sent down past 75 rows and o past 227 to oneDNN, and a k = 3 verify at 64 sequences is 256 rows.)"""
+multiply-adds, sent down past 75 rows and o past 227 to oneDNN.) It rules where a layer is not fused: a fused layer
+(`decoder.FUSED_LAYER_MACS`) takes the kernels' linear for all its groups further than this."""
 
 CACHE_RESIDENT_BYTES = 512 << 10
 """The kernels' own bound (`cpu_ops.cpp`) for a weight that stays in a core's L2 between calls."""
@@ -101,8 +102,8 @@ class Pack:
     def blocked(self) -> Tensor:
         """`weight` in oneDNN's blocked layout, made on the first oneDNN call. A reorder costs ~0.27 ms whatever
         the weight's size (AVX2 EPYC, scratch), and an RL run refits every step: the main job's 33 groups took
-        9.6 ms a rollout of ~240 ms to repack, most of them groups that, under SMALL_OUTPUT, only the kernels'
-        `linear` reads."""
+        9.6 ms of a ~240 ms rollout to repack, and in its rollouts only the kernels read them (fused layers, and
+        a head under SMALL_OUTPUT)."""
         if self._blocked is None:
             self._blocked = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_FOR_ROWS)
         return self._blocked
