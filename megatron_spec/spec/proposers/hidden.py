@@ -142,9 +142,9 @@ class HiddenStateProposer(Proposer):
             write_rows(self.features, self.pending)
         self.pending, self.pending_bytes = [], 0
 
-    def catch_up_rows(self, seqs, starts: list[int], counts: list[int], T: int) -> Tensor:
-        """The target states [B, T, width] at positions c .. c + T - 1 of each sequence (c: its frontier; rows past
-        its count are padding, which nothing reads on).
+    def catch_up_rows(self, slots: list[int], starts: list[int], counts: list[int], T: int) -> Tensor:
+        """The target states [B, T, width] at positions c .. c + T - 1 of the sequence in each of `slots` (c: its
+        frontier; rows past its count are padding, which nothing reads on).
 
         While speculation runs, the one forward observed since the last draft, the verify, holds every row this
         catch-up reads: it fed positions L - 1 .. L - 1 + k, of which the accepted ones, L - 1 .. L' - 2, are the
@@ -158,8 +158,8 @@ class HiddenStateProposer(Proposer):
             f_slots, f_starts, f_valid, parts = self.pending[0]
             where = {slot: b for b, slot in enumerate(f_slots)}
             index, offsets = [], []
-            for s, c, n in zip(seqs, starts, counts):
-                b = where.get(s.slot)
+            for slot, c, n in zip(slots, starts, counts):
+                b = where.get(slot)
                 if b is None or c < f_starts[b] or c + n > f_starts[b] + f_valid[b]:
                     break
                 index.append(b)
@@ -171,7 +171,7 @@ class HiddenStateProposer(Proposer):
                 return joined([part[index, rows] for part in parts], -1)
         self.flush()
         rows = spans(starts, T, self.features.shape[1] - 1, device)
-        return self.features[long_tensor([s.slot for s in seqs], device)[:, None], rows]
+        return self.features[long_tensor(slots, device)[:, None], rows]
 
     def step(self, depth: int, hidden: Tensor, ids: Tensor, positions: Tensor, view) -> Tensor:
         return self.head.state(hidden, ids, positions, self.target.embed, view, layer=depth)
@@ -194,7 +194,7 @@ class HiddenStateProposer(Proposer):
         counts = [len(e) - 1 - c for e, c in zip(ext, starts)]  # positions c .. L-2
         T = max(counts)
         slots = [s.slot for s in seqs]
-        hidden = self.catch_up_rows(seqs, starts, counts, T)
+        hidden = self.catch_up_rows(slots, starts, counts, T)
         if not self.is_mtp:
             hidden = self.head.fc(hidden)
         last = long_tensor([n - 1 for n in counts], device)
