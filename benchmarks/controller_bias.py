@@ -24,13 +24,11 @@ round over the main job's rollout shape, the order alternating (`alternating_rou
 
 from __future__ import annotations
 
-import json
 from collections import Counter, defaultdict
-from pathlib import Path
 from statistics import mean, median
 
-from megatron_spec.bench.common import (MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, alternating_rounds, machine,
-                                        main_job_models, main_job_parser, time_step_parts)
+from megatron_spec.bench.common import (alternating_rounds, main_job_models, main_job_parser, main_job_record,
+                                        time_step_parts)
 from megatron_spec.engine import LLMEngine
 from megatron_spec.spec.adaptive import octave
 from megatron_spec.spec.config import SpecConfig
@@ -99,16 +97,9 @@ def main() -> int:
             record_choices(controller, chosen)
         else:
             seconds.update(this)
-    result = {
-        "benchmark": "controller_bias", "machine": machine(), "target": MAIN_JOB_POLICY, "drafter": MAIN_JOB_DRAFTER,
-        "checkpoint": args.checkpoint, "rollout": "8 prompts x 8 samples, T=1, max 160 tokens, EOS stops",
-        "rounds": args.rounds, "margin": controller.margin, "seconds": dict(seconds),
-        "adaptive_over_plain": seconds["plain"] / seconds["adaptive"],
-        "octaves": summary(controller, steps["plain"], steps["adaptive"], chosen),
-    }
-    print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    main_job_record("controller_bias", args, margin=controller.margin, seconds=dict(seconds),
+                    adaptive_over_plain=seconds["plain"] / seconds["adaptive"],
+                    octaves=summary(controller, steps["plain"], steps["adaptive"], chosen))
     return 0
 
 

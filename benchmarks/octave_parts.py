@@ -19,13 +19,11 @@ decoding sample different tokens, so the two runs' batches drain along different
 
 from __future__ import annotations
 
-import json
 from collections import Counter, defaultdict
-from pathlib import Path
 from statistics import median
 
-from megatron_spec.bench.common import (MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, STEP_PARTS as PARTS, alternating_rounds,
-                                        machine, main_job_models, main_job_parser, time_step_parts)
+from megatron_spec.bench.common import (STEP_PARTS as PARTS, alternating_rounds, main_job_models, main_job_parser,
+                                        main_job_record, time_step_parts)
 from megatron_spec.engine import LLMEngine
 from megatron_spec.spec.adaptive import octave
 from megatron_spec.spec.config import SpecConfig
@@ -74,15 +72,8 @@ def main() -> int:
                 time_step_parts(engine, steps[name])
         else:
             seconds.update(this)
-    result = {
-        "benchmark": "octave_parts", "machine": machine(), "target": MAIN_JOB_POLICY, "drafter": MAIN_JOB_DRAFTER,
-        "checkpoint": args.checkpoint, "rollout": "8 prompts x 8 samples, T=1, max 160 tokens, EOS stops",
-        "rounds": args.rounds, "seconds": dict(seconds), "k3_over_plain": seconds["plain"] / seconds["k3"],
-        "octaves": summary(steps["plain"], steps["k3"]),
-    }
-    print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    main_job_record("octave_parts", args, seconds=dict(seconds), k3_over_plain=seconds["plain"] / seconds["k3"],
+                    octaves=summary(steps["plain"], steps["k3"]))
     return 0
 
 

@@ -114,6 +114,18 @@ def main_job_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def main_job_record(benchmark: str, args: argparse.Namespace, **fields) -> dict:
+    """The record of an in-process benchmark on the main job's rollouts (`main_job_parser`'s `args`): what ran, on
+    what, then `fields`; printed, and written to `args.out` where given."""
+    result = {"benchmark": benchmark, "machine": machine(), "target": MAIN_JOB_POLICY, "drafter": MAIN_JOB_DRAFTER,
+              "checkpoint": args.checkpoint, "rollout": "8 prompts x 8 samples, T=1, max 160 tokens, EOS stops",
+              "rounds": args.rounds, **fields}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def alternating_rounds(runs: dict, rounds: int, prompts: int = 8, samples: int = 8, max_tokens: int = 160,
                        ignore_eos: bool = False):
     """Rounds of the main job's rollout shape (`prompts` x `samples` rollouts, T = 1, new prompts and seed each
