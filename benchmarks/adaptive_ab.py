@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 
 from megatron_spec.bench.common import (MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, alternating_rounds, machine,
-                                        main_job_models, main_job_parser)
+                                        main_job_models, main_job_parser, record_choices)
 from megatron_spec.engine import LLMEngine
 from megatron_spec.spec.adaptive import octave
 from megatron_spec.spec.config import SpecConfig
@@ -46,9 +46,8 @@ def engines(policy, head) -> dict[str, LLMEngine]:
 
 def watch(engine: LLMEngine, steps: list) -> None:
     """Append (batch, k, kind, seconds) for each of the engine's decode steps to `steps`."""
-    step, choose = engine.step, engine.controller.choose_k
-    chosen = []
-    engine.controller.choose_k = lambda batch: chosen.append((batch, choose(batch))) or chosen[-1][1]
+    step, chosen = engine.step, []
+    record_choices(engine.controller, chosen)
 
     def timed():
         before, caught_up, t0 = len(chosen), engine.drafted_last, time.perf_counter()

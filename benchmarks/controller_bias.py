@@ -28,22 +28,10 @@ from collections import Counter, defaultdict
 from statistics import mean, median
 
 from megatron_spec.bench.common import (alternating_rounds, main_job_models, main_job_parser, main_job_record,
-                                        time_step_parts)
+                                        record_choices, time_step_parts)
 from megatron_spec.engine import LLMEngine
 from megatron_spec.spec.adaptive import octave
 from megatron_spec.spec.config import SpecConfig
-
-
-def record_choices(controller, chosen: list) -> None:
-    """Append (batch, k, E_k estimated then) to `chosen` for each choice the controller makes."""
-    choose = controller.choose_k
-
-    def counted(batch: int) -> int:
-        k = choose(batch)
-        chosen.append((batch, k, controller.expected_tokens()[k]))
-        return k
-
-    controller.choose_k = counted
 
 
 def summary(controller, plain_steps: list, adaptive_steps: list, chosen: list) -> dict:
@@ -94,7 +82,7 @@ def main() -> int:
         if r == 0:  # the warm-up round's steps are not summarized, but the controller keeps what it learned
             for name, engine in runs.items():
                 time_step_parts(engine, steps[name])
-            record_choices(controller, chosen)
+            record_choices(controller, chosen, expected=True)
         else:
             seconds.update(this)
     main_job_record("controller_bias", args, margin=controller.margin, seconds=dict(seconds),

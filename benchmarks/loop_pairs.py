@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="key=value overrides of the main job's config")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from megatron_spec.bench.common import machine
+    from megatron_spec.bench.common import machine, record_choices
     from megatron_spec.engine import LLMEngine
     from megatron_spec.rl import loop
     from megatron_spec.rl.overrides import apply_overrides
@@ -47,16 +47,9 @@ def main(argv: list[str] | None = None) -> int:
             generator = self.generator
             if not hasattr(self, "plain"):
                 self.plain = LLMEngine(generator.model, max_num_seqs=generator.engine.max_num_seqs)
-            controller, chosen = generator.engine.controller, Counter()
-            if controller:  # count its choices per octave, this step
-                choose = controller.choose_k
-
-                def counted(batch: int) -> int:
-                    k = choose(batch)
-                    chosen[(octave(batch), k)] += 1
-                    return k
-
-                controller.choose_k = counted
+            controller, chosen = generator.engine.controller, []
+            if controller:  # its choices, this step
+                record_choices(controller, chosen)
             params, seconds = self.sampling_params(step), {}
             for name in ("spec", "plain") if step % 2 else ("plain", "spec"):
                 start = time.perf_counter()
@@ -70,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             if controller:
                 del controller.choose_k
             rows.append({"step": step, "spec_first": bool(step % 2), **seconds,
-                         "choices": {f"octave {o} k {k}": n for (o, k), n in sorted(chosen.items())}})
+                         "choices": {f"octave {o} k {k}": n
+                                     for (o, k), n in sorted(Counter((octave(b), k) for b, k in chosen).items())}})
             print(f"step {step}: plain / spec {seconds['plain'] / seconds['spec']:.3f}", flush=True)
             return loop.Rollouts(outs)
 

@@ -147,6 +147,20 @@ def alternating_rounds(runs: dict, rounds: int, prompts: int = 8, samples: int =
         yield r, seconds
 
 
+def record_choices(controller, chosen: list, expected: bool = False) -> None:
+    """Append (batch, k) to `chosen` for each k the adaptive `controller` chooses from now on (0: plain decoding);
+    with `expected`, (batch, k, E_k): the tokens a sequence it expected of that k when it chose (a few microseconds
+    a step more, so only where that is measured)."""
+    choose = controller.choose_k
+
+    def recorded(batch: int) -> int:
+        k = choose(batch)
+        chosen.append((batch, k, controller.expected_tokens()[k]) if expected else (batch, k))
+        return k
+
+    controller.choose_k = recorded
+
+
 STEP_PARTS = ("propose", "verify", "accept")
 
 
