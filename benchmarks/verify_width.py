@@ -44,10 +44,10 @@ def shape(hidden: int):
                                num_key_value_heads=heads // 3, intermediate_size=3 * hidden)
 
 
-def step_ms(engines: dict, prompts: list, rounds: int) -> dict:
-    """Median decode step (ms) of each engine over `rounds` generate calls, the order alternating, after one
-    untimed call each (kernels, plans and the cache for these shapes)."""
-    params = SamplingParams(temperature=1.0, max_tokens=120, seed=0, ignore_eos=True)
+def step_ms(engines: dict, prompts: list, rounds: int, new_tokens: int = 120) -> dict:
+    """Median decode step (ms) of each engine over `rounds` generate calls of `new_tokens` each (EOS ignored), the
+    order alternating, after one untimed call each (kernels, plans and the cache for these shapes)."""
+    params = SamplingParams(temperature=1.0, max_tokens=new_tokens, seed=0, ignore_eos=True)
     steps: dict = {name: [] for name in engines}
     for r in range(rounds + 1):
         for name in engines if r % 2 else list(engines)[::-1]:

@@ -1,0 +1,67 @@
+"""What a k = 3 step costs in plain steps on this CPU as the sequences get longer: the main job's policy shape
+(hidden 96, 8 layers) at 16 and 64 sequences whose contexts hold 20 to 400 prompt tokens before 60 new ones.
+
+`benchmarks/verify_width.py` found every width compute-bound from 16 sequences on. A decode step also reads each
+sequence's keys and values, once per step whatever the tokens it verifies: a plain step reads them for one token, a
+verify step for four. At 64 sequences of a few hundred tokens that cache (8 layers x 256 bytes a token, fp32) is
+tens of MB, past this host's 16 MB L3, and a plain step is bound by reading it, as a GPU's decode step is bound by
+reading the weights. This measures rho (a k = 3 step over a plain step) and its ceiling at the main job's 3.6
+tokens a step, per batch size and context, with random weights as `verify_width` does (same harness, same medians).
+
+    python benchmarks/verify_context.py --out benchmarks/results/verify_context.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_spec.bench.common import machine, set_threads
+from megatron_spec.engine import LLMEngine
+from megatron_spec.models import MTP, CausalLM, preset
+from megatron_spec.spec.config import SpecConfig
+
+from verify_width import TOKENS_PER_STEP, step_ms  # noqa: E402  (benchmarks/ is the script's directory)
+
+CONTEXTS = (20, 120, 250, 400)  # prompt tokens before the 60 new ones
+BATCHES = (16, 64)
+NEW_TOKENS = 60
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    set_threads(args.threads)
+    cfg = preset("tiny-qwen3-deep")
+    torch.manual_seed(0)
+    policy, head = CausalLM(cfg).eval(), MTP(cfg).eval()
+    kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # a token's keys and values
+    rows = []
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            prompts = [[1 + (7 * b + j) % 20 for j in range(context)] for b in range(batch)]
+            ms = step_ms({"plain": LLMEngine(policy, max_num_seqs=64),
+                          "k3": LLMEngine(policy, max_num_seqs=64, spec=SpecConfig("mtp", 3, adaptive=False),
+                                          drafter=head)}, prompts, args.rounds, NEW_TOKENS)
+            rho = ms["k3"] / ms["plain"]
+            row = {"batch": batch, "prompt_tokens": context,
+                   "kv_cache_mb": round(batch * (context + NEW_TOKENS // 2) * kv_bytes / 2**20, 1),
+                   "plain_step_ms": round(ms["plain"], 3), "k3_step_ms": round(ms["k3"], 3), "rho": round(rho, 3),
+                   "ceiling": round(TOKENS_PER_STEP / rho, 3)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {"benchmark": "verify_context", "machine": machine(), "model": "tiny-qwen3-deep shape, random weights",
+              "new_tokens": NEW_TOKENS, "rounds": args.rounds, "tokens_per_step": TOKENS_PER_STEP, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
