@@ -32,7 +32,13 @@ steps are timed):
    is priced on the line between theirs until it has timings of its own (the ratio grows about linearly in k: on
    the main job's model at B = 16, 2.4, 3.2, 4.0, 5.0 and 5.8 plain steps for k = 1..5);
 3. the best k, re-decided every HOLD steps (between decisions `choose_k` is a counter: a decision costs ~0.1 ms of
-   Python, a step ~1 ms);
+   Python, a step ~1 ms). Plain decoding needs the margin over every k, except where the octave the batch drains
+   into next speculates (`chained`): there plain decoding buys a catch-up over every position it skipped, for
+   every sequence, when the batch gets there, so a k that merely beats it (1x) is taken. Octaves decided alone
+   made a cascade on the main job's rollouts: plain decoding at 33-64 sequences put each rollout's catch-up in the
+   17-32 octave, whose k = 3 then priced above the margin's bar, so it decoded plainly too, and so on down; the
+   controller ran at 1.02x plain decoding where k = 3 on every step ran at 1.20x, and with the margin waived so at
+   1.15x (in-process, alternating, 40 rounds of a main-job checkpoint's rollouts; scratch);
 4. now and then a block of a runner-up (`runner_up`): the ks next to the best and plain decoding in turn, or, where
    plain decoding is best, the k it would speculate at, if that is predicted at PROBE_NEAR x or more. This keeps
    the ratios, the plain reference and the acceptance of positions the best k does not reach current. Acceptance
@@ -179,13 +185,19 @@ class AdaptiveController:
         if unexplored:
             return self._hold(cell, unexplored[0], BLOCK)
         gains = self.speedups(cell)
-        best = max(range(self.k_max + 1), key=lambda k: gains[k] if k else self.margin)
+        bar = 1.0 if self.chained(batch) else self.margin
+        best = max(range(self.k_max + 1), key=lambda k: gains[k] if k else bar)
         self._pace_probes(cell, best)
         cell.best = best
         probe = self._probe(cell, best, gains) if cell.n >= cell.next_probe else None
         if probe is not None:
             return self._hold(cell, probe, BLOCK)
         self._hold(cell, best, HOLD)
+
+    def chained(self, batch: int) -> bool:
+        """Whether the octave a batch of this size drains into next speculates, by its latest decision."""
+        below = self.octaves.get(octave(batch) - 1)
+        return below is not None and bool(below.best)
 
     def _pace_probes(self, cell: Octave, best: int) -> None:
         """Set the interval to the octave's next probe: back to PROBE_EVERY where the choice switched between
