@@ -33,8 +33,8 @@ steps are timed):
    the main job's model at B = 16, 2.4, 3.2, 4.0, 5.0 and 5.8 plain steps for k = 1..5);
 3. the best k, re-decided every HOLD steps (between decisions `choose_k` is a counter: a decision costs ~0.1 ms of
    Python, a step ~1 ms). Plain decoding needs the margin over every k, except where the octave the batch drains
-   into next speculates (`chained`): there plain decoding buys a catch-up over every position it skipped, for
-   every sequence, when the batch gets there, so a k that merely beats it (1x) is taken. Octaves decided alone
+   into next speculates and its catch-ups cost (`chained`): there plain decoding buys a catch-up over every
+   position it skipped, for every sequence, when the batch gets there, so a k that merely beats it (1x) is taken. Octaves decided alone
    made a cascade on the main job's rollouts: plain decoding at 33-64 sequences put each rollout's catch-up in the
    17-32 octave, whose k = 3 then priced above the margin's bar, so it decoded plainly too, and so on down; the
    controller ran at 1.02x plain decoding where k = 3 on every step ran at 1.20x, and with the margin waived so at
@@ -75,6 +75,7 @@ STALE_ACCEPT = 0.9  # a good drafter's acceptance (a fresh MTP head on the main 
 PROBE_EVERY_MAX = 512  # the interval doubles up to this while probes confirm the choice
 WINDOW = 16  # latest steps kept per (octave, k)
 CATCH_UP_STEPS = 64  # about how many speculative steps an octave's catch-up cost is spread over
+CHAIN_CATCH_UP = 1.0  # plain steps a catch-up must cost beyond its k's ratio for `chained` to waive the margin
 PLAIN_WINDOW = 5  # latest plain steps kept per batch size
 RECENT_SEQS = 16  # about how many sequences offered the recent acceptance spans (`moved`)
 MOVED_SE = 3.0  # a recent acceptance this many standard errors off the estimate replaces it
@@ -97,6 +98,7 @@ class Octave:
     steps: dict[int, deque] = field(default_factory=dict)  # k >= 1 -> (B, seconds) of its latest steps
     catch_up: float = 0.0  # decayed sum of catch-ups' plain steps beyond their k's ratio
     drafted: float = 0.0  # decayed count of speculative steps, catch-ups included
+    switches: float = 0.0  # decayed count of the catch-ups among them (`catch_up` / `switches`: one's cost)
 
 
 class AdaptiveController:
@@ -128,6 +130,7 @@ class AdaptiveController:
         cell = self._octave(batch)
         decay = 1.0 - 1.0 / CATCH_UP_STEPS
         cell.catch_up, cell.drafted = decay * cell.catch_up, decay * cell.drafted + 1.0
+        cell.switches = decay * cell.switches + catch_up
         if not catch_up:
             cell.steps.setdefault(k, deque(maxlen=WINDOW)).append((batch, seconds))
         elif self._plain_sizes and (rho := self._ratio(cell, k)) is not None:
@@ -195,9 +198,12 @@ class AdaptiveController:
         self._hold(cell, best, HOLD)
 
     def chained(self, batch: int) -> bool:
-        """Whether the octave a batch of this size drains into next speculates, by its latest decision."""
+        """Whether the octave a batch of this size drains into next speculates (by its latest decision), and a
+        switch to speculation costs a catch-up there of CHAIN_CATCH_UP plain steps or more. A lookup drafter (n-gram,
+        history) catches up on nothing: its switches cost what its steps do, and it keeps the margin."""
         below = self.octaves.get(octave(batch) - 1)
-        return below is not None and bool(below.best)
+        return (below is not None and bool(below.best) and below.switches > 0
+                and below.catch_up / below.switches >= CHAIN_CATCH_UP)
 
     def _pace_probes(self, cell: Octave, best: int) -> None:
         """Set the interval to the octave's next probe: back to PROBE_EVERY where the choice switched between
