@@ -7,7 +7,10 @@ head's states costs while speculation is off); the speculative engine under the 
 k = 3 on every step, no controller (`k3`). One untimed round, then `--rounds` rounds of the main job's rollout
 shape (8 prompts x 8 samples, T = 1, up to 160 tokens, stopping at EOS, new prompts each round; `--prompts`,
 `--samples`, `--max-tokens` and `--ignore-eos` change it), every engine once a round, the order reversing each
-round. `--device cuda` runs it on a GPU (`benchmarks/gpu_checks.sh`, part `trace`).
+round. `--device cuda` runs it on a GPU (`benchmarks/gpu_checks.sh`, part `trace`). `--baseline-controller FILE`
+adds a fifth engine, `baseline`, under the `AdaptiveController` of another version of `megatron_spec/spec/adaptive.py`
+(`git show REF:megatron_spec/spec/adaptive.py > FILE`), so a change to the controller is timed against the one before
+it in the same rounds.
 
 For the adaptive engine every step is also timed by kind: plain, speculative, and the first drafting step after
 plain ones (`catch-up`: the head runs over every position it skipped, for every sequence alive), which the
@@ -21,7 +24,9 @@ batch-size octave.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -36,12 +41,23 @@ TARGET, DRAFTER = MAIN_JOB_POLICY, MAIN_JOB_DRAFTER
 ENGINES = ("plain", "held_plain", "adaptive", "k3")
 
 
-def engines(policy, head) -> dict[str, LLMEngine]:
+def engines(policy, head, baseline: str | None = None) -> dict[str, LLMEngine]:
     out = {"plain": LLMEngine(policy, max_num_seqs=64)}
-    for name in ENGINES[1:]:
+    for name in ENGINES[1:] + (("baseline",) if baseline else ()):
         out[name] = LLMEngine(policy, max_num_seqs=64, spec=SpecConfig("mtp", 3, adaptive=name != "k3"), drafter=head)
     out["held_plain"].controller.choose_k = lambda batch: 0
+    if baseline:
+        out["baseline"].controller = load_module(baseline, "baseline_adaptive").AdaptiveController(3)
     return out
+
+
+def load_module(path: str, name: str):
+    """The Python file at `path` as module `name` (registered, as dataclasses need)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def watch(engine: LLMEngine, steps: list) -> None:
@@ -67,10 +83,12 @@ def main() -> int:
     p.add_argument("--samples", type=int, default=8, help="rollouts per prompt")
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--ignore-eos", action="store_true", help="every rollout runs to --max-tokens (a fixed batch)")
+    p.add_argument("--baseline-controller", default=None, help="another version's adaptive.py, timed as `baseline`")
     args = p.parse_args()
     policy, head = main_job_models(args.threads, args.checkpoint)
     policy, head = policy.to(args.device), head.to(args.device)
-    runs = engines(policy, head)
+    runs = engines(policy, head, args.baseline_controller)
+    others = [name for name in runs if name != "plain"]
     steps: list = []
     watch(runs["adaptive"], steps)
     seconds, rounds = Counter(), []
@@ -79,7 +97,7 @@ def main() -> int:
             steps.clear()  # the untimed round: the controller's first exploration is in it
             continue
         seconds.update(this)
-        rounds.append({name: this["plain"] / this[name] for name in ENGINES[1:]})
+        rounds.append({name: this["plain"] / this[name] for name in others})
         print(f"round {r}: " + " ".join(f"{n} {t:.3f}s" for n, t in this.items()), flush=True)
     kinds = Counter(kind for *_, kind, _ in steps)
     kind_seconds = Counter()
@@ -92,7 +110,8 @@ def main() -> int:
         "rollout": f"{args.prompts} prompts x {args.samples} samples, T=1, max {args.max_tokens} tokens, "
                    + ("EOS ignored" if args.ignore_eos else "EOS stops"),
         "rounds": args.rounds, "seconds": dict(seconds),
-        "over_plain": {n: seconds["plain"] / seconds[n] for n in ENGINES[1:]},
+        "baseline_controller": args.baseline_controller,
+        "over_plain": {n: seconds["plain"] / seconds[n] for n in others},
         "per_round_over_plain": rounds,
         "adaptive_steps": {k: {"steps": kinds[k], "seconds": kind_seconds[k]} for k in kinds},
         "adaptive_choices_per_octave": {o: [choices[(o, k)] for k in range(4)]
