@@ -34,11 +34,12 @@ steps are timed):
 3. the best k, re-decided every HOLD steps (between decisions `choose_k` is a counter: a decision costs ~0.1 ms of
    Python, a step ~1 ms). Plain decoding needs the margin over every k, except where the octave the batch drains
    into next speculates and its catch-ups cost (`chained`): there plain decoding buys a catch-up over every
-   position it skipped, for every sequence, when the batch gets there, so a k that merely beats it (1x) is taken. Octaves decided alone
-   made a cascade on the main job's rollouts: plain decoding at 33-64 sequences put each rollout's catch-up in the
-   17-32 octave, whose k = 3 then priced above the margin's bar, so it decoded plainly too, and so on down; the
-   controller ran at 1.02x plain decoding where k = 3 on every step ran at 1.20x, and with the margin waived so at
-   1.15x (in-process, alternating, 40 rounds of a main-job checkpoint's rollouts; scratch);
+   position it skipped, for every sequence, when the batch gets there, so a k that merely beats it (1x) is taken.
+   Octaves decided alone made a cascade on the main job's rollouts: plain decoding at 33-64 sequences put each
+   rollout's catch-up in the 17-32 octave, whose k = 3 it then priced under the margin, so that octave decoded
+   plainly too, and so on down. On a main-job checkpoint's rollouts, in a spell where k = 3 on every step ran at
+   1.116x plain decoding, the controller ran at 0.997x before and 1.056x since (`benchmarks/adaptive_ab.py
+   --baseline-controller`; results/adaptive_ab_chained_2.json);
 4. now and then a block of a runner-up (`runner_up`): the ks next to the best and plain decoding in turn, or, where
    plain decoding is best, the k it would speculate at, if that is predicted at PROBE_NEAR x or more. This keeps
    the ratios, the plain reference and the acceptance of positions the best k does not reach current. Acceptance
