@@ -76,7 +76,8 @@ STALE_ACCEPT = 0.9  # a good drafter's acceptance (a fresh MTP head on the main 
 PROBE_EVERY_MAX = 512  # the interval doubles up to this while probes confirm the choice
 WINDOW = 16  # latest steps kept per (octave, k)
 CATCH_UP_STEPS = 64  # about how many speculative steps an octave's catch-up cost is spread over
-CHAIN_CATCH_UP = 1.0  # plain steps a catch-up must cost beyond its k's ratio for `chained` to waive the margin
+CHAIN_CATCH_UP = 0.25  # plain steps a catch-up must cost beyond its k's ratio for `chained` to waive the margin:
+# an n-gram drafter's measured 0 on the main job's rollouts, the MTP head's 1.0-1.4 at 9-64 sequences (scratch)
 PLAIN_WINDOW = 5  # latest plain steps kept per batch size
 RECENT_SEQS = 16  # about how many sequences offered the recent acceptance spans (`moved`)
 MOVED_SE = 3.0  # a recent acceptance this many standard errors off the estimate replaces it
