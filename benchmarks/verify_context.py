@@ -13,18 +13,17 @@ tokens a step, per batch size and context, with random weights as `verify_width`
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
 
-from megatron_spec.bench.common import machine, set_threads
+from megatron_spec.bench.common import machine
 from megatron_spec.engine import LLMEngine
 from megatron_spec.models import MTP, CausalLM, preset
 from megatron_spec.spec.config import SpecConfig
 
-from verify_width import TOKENS_PER_STEP, step_ms  # noqa: E402  (benchmarks/ is the script's directory)
+from verify_width import TOKENS_PER_STEP, parse_args, step_ms  # noqa: E402  (benchmarks/ is the script's directory)
 
 CONTEXTS = (20, 120, 250, 400)  # prompt tokens before the 60 new ones
 BATCHES = (16, 64)
@@ -32,12 +31,7 @@ NEW_TOKENS = 60
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    set_threads(args.threads)
+    args = parse_args(__doc__.split("\n")[0])
     cfg = preset("tiny-qwen3-deep")
     torch.manual_seed(0)
     policy, head = CausalLM(cfg).eval(), MTP(cfg).eval()

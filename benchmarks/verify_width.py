@@ -57,13 +57,19 @@ def step_ms(engines: dict, prompts: list, rounds: int, new_tokens: int = 120) ->
     return {name: 1e3 * statistics.median(s for b, s, _, _ in steps[name] if b == len(prompts)) for name in engines}
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(description: str) -> argparse.Namespace:
+    """`--rounds`, `--threads` (set before returning) and `--out`, for this benchmark and `verify_context`."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     set_threads(args.threads)
+    return args
+
+
+def main() -> int:
+    args = parse_args(__doc__.split("\n")[0])
     rows = []
     for hidden in WIDTHS:
         cfg = shape(hidden)
