@@ -38,8 +38,9 @@ steps are timed):
    Octaves decided alone made a cascade on the main job's rollouts: plain decoding at 33-64 sequences put each
    rollout's catch-up in the 17-32 octave, whose k = 3 it then priced under the margin, so that octave decoded
    plainly too, and so on down. On a main-job checkpoint's rollouts, in a spell where k = 3 on every step ran at
-   1.116x plain decoding, the controller ran at 0.997x before and 1.056x since (`benchmarks/adaptive_ab.py
-   --baseline-controller`; results/adaptive_ab_chained_2.json);
+   1.116x plain decoding, the controller ran at 0.997x before and 1.056x with the rule (`benchmarks/adaptive_ab.py
+   --baseline-controller`; results/adaptive_ab_chained_2.json), and inside the RL loop, back to back, 1.011x
+   before and 1.091x since (results/loop_pairs_603c4a4_again.json, loop_pairs_3a81acf.json);
 4. now and then a block of a runner-up (`runner_up`): the ks next to the best and plain decoding in turn, or, where
    plain decoding is best, the k it would speculate at, if that is predicted at PROBE_NEAR x or more. This keeps
    the ratios, the plain reference and the acceptance of positions the best k does not reach current. Acceptance
@@ -77,7 +78,7 @@ PROBE_EVERY_MAX = 512  # the interval doubles up to this while probes confirm th
 WINDOW = 16  # latest steps kept per (octave, k)
 CATCH_UP_STEPS = 64  # about how many speculative steps an octave's catch-up cost is spread over
 CHAIN_CATCH_UP = 0.25  # plain steps a catch-up must cost beyond its k's ratio for `chained` to waive the margin:
-# an n-gram drafter's measured 0 on the main job's rollouts, the MTP head's 1.0-1.4 at 9-64 sequences (scratch)
+# an n-gram drafter's measured 0 on the main job's rollouts, the MTP head's 0.96-1.4 at 9-64 sequences (scratch)
 PLAIN_WINDOW = 5  # latest plain steps kept per batch size
 RECENT_SEQS = 16  # about how many sequences offered the recent acceptance spans (`moved`)
 MOVED_SE = 3.0  # a recent acceptance this many standard errors off the estimate replaces it
