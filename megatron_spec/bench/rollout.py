@@ -39,12 +39,12 @@ def make_engine(target, method: str | None, k: int | str, drafter_dir: str | Non
     return LLMEngine(target, max_num_seqs=max_num_seqs, spec=spec)
 
 
-def measure(make_engine, make_plain, prompts, params, repeats: int, warm: tuple) -> dict:
+def measure(make_engine, make_plain, prompts, params, repeats: int, warm: list[tuple]) -> dict:
     """Tokens/s of a fresh speculative engine (a history drafter must never see the very rollout it is timed on)
-    against a fresh plain engine, `repeats` times. Each engine first runs `warm` = (prompts, params) untimed: in RL
-    an engine lives across steps, so its caches are allocated and its adaptive controller calibrated before the
-    rollout that counts. Both are fresh, so neither carries state the other lacks (a plain engine reused across
-    repeats has run every timed rollout before).
+    against a fresh plain engine, `repeats` times. Each engine first runs each of `warm`'s (prompts, params)
+    untimed: in RL an engine lives across steps, so its caches are allocated and its adaptive controller calibrated
+    before the rollout that counts. Both are fresh, so neither carries state the other lacks (a plain engine reused
+    across repeats has run every timed rollout before).
 
     The two timed rollouts run step by step in turn (`interleaved`), so the ratio of one repeat compares the two
     engines over the same seconds. On a shared machine the load changes over seconds, by up to 30 % on this
@@ -61,8 +61,9 @@ def measure(make_engine, make_plain, prompts, params, repeats: int, warm: tuple)
     ratios, drafted = [], []
     for r in range(repeats):
         engine, plain = make_engine(), make_plain()
-        engine.generate(*warm)
-        plain.generate(*warm)
+        for rollout in warm:
+            engine.generate(*rollout)
+            plain.generate(*rollout)
         # Alternate which engine steps first, so neither always runs right after the untimed warm-ups.
         first = [engine, plain] if r % 2 == 0 else [plain, engine]
         times, results = interleaved(first, prompts, params)
@@ -134,19 +135,25 @@ def run(args) -> dict:
             for k in ["-"] if method == CONTROL else args.k:
                 fresh = lambda: make_engine(target, spec_method(method), k, ddir, batch, args.draft_sampling)  # noqa: E731
                 row = {"drafter": method, "batch": batch, "k": str(k),
-                       **measure(fresh, fresh_plain, prompts, params, args.repeats, warm)}
+                       **measure(fresh, fresh_plain, prompts, params, args.repeats, [warm])}
                 rows.append(row)
                 print(f"  {method:12s} B={batch:3d} k={str(k):8s} {row['tok_s']:8.1f} tok/s  x{row['speedup']:.2f}  "
                       f"acc.len {row['acceptance_length'] or 0:.2f}")
-        # RL rollout: prompts x group, sampled to EOS (long tail), second of two steps.
+        # RL rollout: prompts x group, sampled to EOS (long tail), the step after one on the same prompts, after
+        # `rl_warm` - 1 steps on others: an RL engine lives across steps, and its controller explores each batch-size
+        # octave once. With one warm rollout of the tiny model (~30 steps of ~2 ms) that exploration was most of the
+        # timed rollout: 0.56-0.79x for draft_model / mtp / eagle3, against 0.90-0.98x after six (scratch).
         prompts = [p for p in task_prompts(args.target, args.rl_prompts, seed=7, split="bench") for _ in range(args.group)]
         params = SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens, seed=3)
         fresh_plain = lambda: make_engine(target, None, 0, None, len(prompts))  # noqa: E731
-        previous_step = SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens, seed=2)
+        earlier = [([p for p in task_prompts(args.target, args.rl_prompts, seed=70 + i, split="bench")
+                     for _ in range(args.group)], SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens,
+                                                                 seed=30 + i)) for i in range(args.rl_warm - 1)]
+        previous_step = earlier + [(prompts, SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens, seed=2))]
         for k in ["-"] if method == CONTROL else args.rl_k:
             fresh = lambda: make_engine(target, spec_method(method), k, ddir, len(prompts), args.draft_sampling)  # noqa: E731
             row = {"drafter": method, "batch": f"RL {args.rl_prompts}x{args.group}", "k": str(k),
-                   **measure(fresh, fresh_plain, prompts, params, args.repeats, (prompts, previous_step))}
+                   **measure(fresh, fresh_plain, prompts, params, args.repeats, previous_step)}
             rows.append(row)
             print(f"  {method:12s} RL rollout k={str(k):8s} x{row['speedup']:.2f}  acc.len {row['acceptance_length'] or 0:.2f}")
     return {"benchmark": "rollout", "target": args.target, "dtype": args.dtype, "draft_sampling": args.draft_sampling,
@@ -272,6 +279,9 @@ def main(args: argparse.Namespace) -> int:
     from .common import print_table, set_threads, write_json
 
     set_threads(args.threads)
+    if args.rl_warm < 1:
+        raise SystemExit(f"bench rollout: --rl-warm must be at least 1 (the step before the timed one), "
+                         f"got {args.rl_warm}")
     if args.device != "cpu":  # checked before any model is loaded
         if args.engine == "vllm":
             raise SystemExit("bench rollout: --device applies to --engine ours (vLLM places its own engine)")
@@ -306,6 +316,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--rl-max-tokens", type=int, default=160)
     p.add_argument("--rl-k", nargs="+", default=["3", "adaptive"])
+    p.add_argument("--rl-warm", type=int, default=6,
+                   help="untimed RL rollouts each engine runs before the timed one (the last on the same prompts)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--draft-sampling", action="store_true",
                    help="model drafters sample their drafts (their q enters verification) instead of their argmax")

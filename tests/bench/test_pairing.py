@@ -68,3 +68,42 @@ def test_bench_engine_no_kernels_peer_is_our_engine_without_them(tiny_model, tmp
                               peer="no-kernels")
     assert result["peer"] == "no-kernels" and len(result["rows"]) == 2
     assert len(calls) == 2 * 4 * 6 * tiny_model.config.num_hidden_layers
+
+
+def test_measure_runs_every_warm_rollout_on_both_engines_before_the_timed_one(tiny_model):
+    """`bench rollout`'s RL cell warms each fresh engine with several earlier steps (`--rl-warm`), as an RL engine
+    lives across steps: every warm rollout runs on both engines, in order, before the timed rollout, which is
+    stepped by `interleaved` and not through `generate`. Fails if a warm rollout is skipped, run on one engine only
+    or after the timed one (or if only the first of the list ran, as when `measure` took a single one)."""
+    from megatron_spec.bench.rollout import measure
+
+    calls = []
+
+    def make(name):
+        engine = LLMEngine(tiny_model, max_num_seqs=4)
+        generate = engine.generate
+        engine.generate = lambda prompts, params: calls.append((name, params.seed)) or generate(prompts, params)
+        return engine
+
+    prompts = [list(range(3 + i, 9 + i)) for i in range(3)]
+    warm = [(prompts, SamplingParams(temperature=1.0, max_tokens=4, seed=s)) for s in (11, 12, 13)]
+    row = measure(lambda: make("spec"), lambda: make("plain"), prompts,
+                  SamplingParams(temperature=1.0, max_tokens=4, seed=5), 1, warm)
+    assert calls == [(name, s) for s in (11, 12, 13) for name in ("spec", "plain")]
+    assert row["ratios"] and row["ratios"][0] > 0
+
+
+def test_bench_rollout_refuses_no_warm_step_before_loading_anything():
+    """`--rl-warm 0` would time an RL cell's rollout on engines that have not run the step before it: a clear error
+    before any model is loaded (the target path does not exist here)."""
+    import argparse
+
+    import pytest
+
+    from megatron_spec.bench.rollout import add_arguments, main
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--rl-warm", "0", "--target", "/nonexistent/model"])
+    with pytest.raises(SystemExit, match="--rl-warm must be at least 1"):
+        main(args)
