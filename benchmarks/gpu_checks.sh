@@ -29,9 +29,10 @@ fi
 
 if [[ $PARTS == *" bench "* ]]; then
   echo "== bench rollout on the GPU =="
+  # Two warm RL rollouts, not the default six: a GPU step here is ~6 ms of launches, and the part must fit 120 s.
   timeout 120 $PY -m megatron_spec.cli bench rollout --device cuda --threads 8 \
     --target checkpoints/tiny-qwen3-deep-careful --drafters mtp ngram --batch 1 8 64 --k 3 adaptive --repeats 2 \
-    --rl-prompts 8 --group 8 --rl-k 3 adaptive --out "$out/bench_rollout_gpu_tiny_deep_careful.json" 2>&1 \
+    --rl-prompts 8 --group 8 --rl-k 3 adaptive --rl-warm 2 --out "$out/bench_rollout_gpu_tiny_deep_careful.json" 2>&1 \
     | tee "$out/bench_rollout.log"
 fi
 
