@@ -59,8 +59,7 @@ def summary(controller, plain_steps: list, adaptive_steps: list, chosen: list) -
                 true_rho = median(s / plain[b] for b, s, _, _ in at_k)
                 tokens = sum(t for _, _, t, _ in at_k) / sum(b for b, *_ in at_k)
                 expected = mean(e for *_, e in at_k)
-                switching = cell.catch_up / cell.drafted if cell.drafted else 0.0
-                row.update(k=k, steps=len(at_k), rho=rho, switching=switching, true_rho=true_rho,
+                row.update(k=k, steps=len(at_k), rho=rho, switching=cell.switching, true_rho=true_rho,
                            expected_tokens=expected, tokens=tokens, gain=controller.speedups(cell)[k],
                            true_gain=tokens / true_rho)
         out[f"octave_{o}"] = row

@@ -12,14 +12,12 @@ difference (what the refit costs), and the seconds spent making packs.
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 from statistics import median
 
 import torch
 
-from megatron_spec.bench.common import MAIN_JOB_POLICY, machine, main_job_models, main_job_parser
+from megatron_spec.bench.common import MAIN_JOB_POLICY, main_job_models, main_job_parser, main_job_record
 from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.models import packed
 from megatron_spec.spec.config import SpecConfig
@@ -56,14 +54,10 @@ def main() -> int:
             engine.generate(batch, params)
             if r:  # round 0 warms up
                 seconds[kind].append(time.perf_counter() - start)
-    result = {"benchmark": "refit_cost", "machine": machine(), "target": MAIN_JOB_POLICY, "k": args.k,
-              "checkpoint": args.checkpoint, "rounds": args.rounds, "seconds": seconds,
-              "median_unchanged_s": median(seconds["unchanged"]), "median_refit_s": median(seconds["refit"]),
-              "refit_cost_ms": 1e3 * (median(seconds["refit"]) - median(seconds["unchanged"])),
-              "packs_made_s": making[0]}
-    print(json.dumps({k: v for k, v in result.items() if k != "seconds"}, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    main_job_record("refit_cost", args, k=args.k, seconds=seconds, median_unchanged_s=median(seconds["unchanged"]),
+                    median_refit_s=median(seconds["refit"]),
+                    refit_cost_ms=1e3 * (median(seconds["refit"]) - median(seconds["unchanged"])),
+                    packs_made_s=making[0])
     return 0
 
 

@@ -118,6 +118,20 @@ def run(args) -> dict:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     # Drafters are loaded in the target's dtype, on its device.
     target = from_pretrained(args.target, dtype=dtype, device=args.device)
+
+    def rl_batch(seed: int) -> list:
+        prompts = task_prompts(args.target, args.rl_prompts, seed=seed, split="bench")
+        return [p for p in prompts for _ in range(args.group)]
+
+    def rl_params(seed: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens, seed=seed)
+
+    # RL rollout: prompts x group, sampled to EOS (long tail), the step after one on the same prompts, after
+    # `rl_warm` - 1 steps on others: an RL engine lives across steps, and its controller explores each batch-size
+    # octave once. With one warm rollout of the tiny model (~30 steps of ~2 ms) that exploration was most of the
+    # timed rollout: 0.56-0.79x for draft_model / mtp / eagle3, against 0.90-0.98x after six (scratch).
+    rl_prompts = rl_batch(7)
+    rl_warm = [(rl_batch(70 + i), rl_params(30 + i)) for i in range(args.rl_warm - 1)] + [(rl_prompts, rl_params(2))]
     rows = []
     for method in args.drafters:
         ddir = drafter_checkpoint(args.target, method, args.draft_model)
@@ -139,21 +153,11 @@ def run(args) -> dict:
                 rows.append(row)
                 print(f"  {method:12s} B={batch:3d} k={str(k):8s} {row['tok_s']:8.1f} tok/s  x{row['speedup']:.2f}  "
                       f"acc.len {row['acceptance_length'] or 0:.2f}")
-        # RL rollout: prompts x group, sampled to EOS (long tail), the step after one on the same prompts, after
-        # `rl_warm` - 1 steps on others: an RL engine lives across steps, and its controller explores each batch-size
-        # octave once. With one warm rollout of the tiny model (~30 steps of ~2 ms) that exploration was most of the
-        # timed rollout: 0.56-0.79x for draft_model / mtp / eagle3, against 0.90-0.98x after six (scratch).
-        prompts = [p for p in task_prompts(args.target, args.rl_prompts, seed=7, split="bench") for _ in range(args.group)]
-        params = SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens, seed=3)
-        fresh_plain = lambda: make_engine(target, None, 0, None, len(prompts))  # noqa: E731
-        earlier = [([p for p in task_prompts(args.target, args.rl_prompts, seed=70 + i, split="bench")
-                     for _ in range(args.group)], SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens,
-                                                                 seed=30 + i)) for i in range(args.rl_warm - 1)]
-        previous_step = earlier + [(prompts, SamplingParams(temperature=1.0, max_tokens=args.rl_max_tokens, seed=2))]
+        fresh_plain = lambda: make_engine(target, None, 0, None, len(rl_prompts))  # noqa: E731
         for k in ["-"] if method == CONTROL else args.rl_k:
-            fresh = lambda: make_engine(target, spec_method(method), k, ddir, len(prompts), args.draft_sampling)  # noqa: E731
+            fresh = lambda: make_engine(target, spec_method(method), k, ddir, len(rl_prompts), args.draft_sampling)  # noqa: E731
             row = {"drafter": method, "batch": f"RL {args.rl_prompts}x{args.group}", "k": str(k),
-                   **measure(fresh, fresh_plain, prompts, params, args.repeats, previous_step)}
+                   **measure(fresh, fresh_plain, rl_prompts, rl_params(3), args.repeats, rl_warm)}
             rows.append(row)
             print(f"  {method:12s} RL rollout k={str(k):8s} x{row['speedup']:.2f}  acc.len {row['acceptance_length'] or 0:.2f}")
     return {"benchmark": "rollout", "target": args.target, "dtype": args.dtype, "draft_sampling": args.draft_sampling,

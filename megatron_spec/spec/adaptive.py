@@ -103,6 +103,11 @@ class Octave:
     drafted: float = 0.0  # decayed count of speculative steps, catch-ups included
     switches: float = 0.0  # decayed count of the catch-ups among them (`catch_up` / `switches`: one's cost)
 
+    @property
+    def switching(self) -> float:
+        """The catch-ups' cost spread over the octave's speculative steps: plain steps added to each k's ratio."""
+        return self.catch_up / self.drafted if self.drafted else 0.0
+
 
 class AdaptiveController:
     def __init__(self, k_max: int, margin: float = 1.1, ema: float = 0.1):
@@ -252,8 +257,7 @@ class AdaptiveController:
         the k's `_ratio` plus the octave's catch-ups spread over its speculative steps, and a k without MIN_SAMPLES
         steps of its own takes rho from the line between the nearest ks that have them (the flat extension past the
         last)."""
-        switching = cell.catch_up / cell.drafted if cell.drafted else 0.0
-        ratios = {k: rho + switching for k in cell.steps if (rho := self._ratio(cell, k)) is not None}
+        ratios = {k: rho + cell.switching for k in cell.steps if (rho := self._ratio(cell, k)) is not None}
         known = sorted(ratios)
         gains, tokens = [1.0], self.expected_tokens(accept)
         for k in range(1, self.k_max + 1):
