@@ -119,9 +119,9 @@ def summarize_dirs(dirs: list[str], window: int, out: str | None, where: str) ->
                  replay=drafter.get("replay", 1), minibatches=drafter.get("minibatches", 1),
                  tau_ratio=s["tau_last"] / s["tau_first"] if s["tau_first"] else None)
         runs.append(s)
+        tau = "-" if s["tau_ratio"] is None else f"{s['tau_first']:.3f} -> {s['tau_last']:.3f} ({s['tau_ratio']:.3f})"
         print(f"{d.name}: lr {s['lr']} online {s['online']} (drafter lr {s['drafter_lr']}, drafts {s['drafts']}, "
-              f"updates {s['updates']}, replay {s['replay']}, minibatches {s['minibatches']})  "
-              f"tau {s['tau_first']:.3f} -> {s['tau_last']:.3f} ({s['tau_ratio']:.3f})  "
+              f"updates {s['updates']}, replay {s['replay']}, minibatches {s['minibatches']})  tau {tau}  "
               f"eval {s['eval_before']} -> {s['eval_after']:.3f}  train {s['train_s']:.1f}s")
     if out:
         Path(out).write_text(json.dumps({"machine": where, "window": window, "runs": runs}, indent=1) + "\n")

@@ -11,7 +11,7 @@ from .arithmetic import Difficulty, check_rate
 TASK_FILE = "task.json"
 """Written next to the weights: the task, tokenizer and training run the checkpoint belongs to."""
 
-TINY_PRESETS = ("tiny-qwen3", "tiny-qwen3-deep", "tiny-qwen3-moe", "tiny-draft")
+TINY_PRESETS = ("tiny-qwen3", "tiny-qwen3-deep", "tiny-qwen3-narrow", "tiny-qwen3-moe", "tiny-draft")
 """Presets this command trains: the ones whose vocabulary is the character tokenizer's."""
 
 

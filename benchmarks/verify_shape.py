@@ -1,0 +1,63 @@
+"""What a k = 3 step costs in plain steps on this CPU for narrower and deeper policies than the main job's old one.
+
+`benchmarks/verify_width.py` found that a wider policy makes the verify dearer on a 2-core CPU: a verify of 4 tokens
+a sequence is compute-bound from a few sequences on. The other way round, a narrower policy does less arithmetic a
+token while a step's fixed cost (one call per layer, whatever the tokens) stays, so more tokens fit under that fixed
+cost; and a deeper one makes the one-layer MTP head a smaller share of a step. This measures rho (a k = 3 step over a
+plain step) and its ceiling at 3.6 tokens a step for (hidden, layers) shapes at 8, 16 and 64 sequences, with the
+harness of `verify_width` (random weights, 20 prompt tokens, 80 new ones, EOS ignored, medians of decode steps).
+`tiny-qwen3-deep` is hidden 96 x 8 layers; `tiny-qwen3-narrow`, the main job's policy since, is 64 x 12.
+
+    python benchmarks/verify_shape.py --out benchmarks/results/verify_shape.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_spec.bench.common import machine
+from megatron_spec.engine import LLMEngine
+from megatron_spec.models import MTP, CausalLM, preset
+from megatron_spec.spec.config import SpecConfig
+
+from verify_width import TOKENS_PER_STEP, parse_args, step_ms  # noqa: E402  (benchmarks/ is the script's directory)
+
+# (hidden, layers, query heads, head dim): one KV head, MLP 3x hidden, as both presets
+SHAPES = ((96, 8, 3, 32), (96, 12, 3, 32), (64, 8, 2, 32), (64, 12, 2, 32), (64, 16, 2, 32), (48, 16, 3, 16))
+BATCHES = (8, 16, 64)
+NEW_TOKENS = 80
+
+
+def main() -> int:
+    args = parse_args(__doc__.split("\n")[0])
+    rows = []
+    for hidden, layers, heads, head_dim in SHAPES:
+        cfg = dataclasses.replace(preset("tiny-qwen3-deep"), hidden_size=hidden, num_hidden_layers=layers,
+                                  num_attention_heads=heads, head_dim=head_dim, intermediate_size=3 * hidden)
+        torch.manual_seed(0)
+        policy, head = CausalLM(cfg).eval(), MTP(cfg).eval()
+        params = sum(t.numel() for t in policy.parameters())
+        for batch in BATCHES:
+            prompts = [[1 + (7 * b + j) % 20 for j in range(20)] for b in range(batch)]
+            ms = step_ms({"plain": LLMEngine(policy, max_num_seqs=64),
+                          "k3": LLMEngine(policy, max_num_seqs=64, spec=SpecConfig("mtp", 3, adaptive=False),
+                                          drafter=head)}, prompts, args.rounds, NEW_TOKENS)
+            rho = ms["k3"] / ms["plain"]
+            row = {"hidden": hidden, "layers": layers, "params": params, "batch": batch,
+                   "plain_step_ms": round(ms["plain"], 3), "k3_step_ms": round(ms["k3"], 3), "rho": round(rho, 3),
+                   "ceiling": round(TOKENS_PER_STEP / rho, 3)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    result = {"benchmark": "verify_shape", "machine": machine(), "model": "random weights",
+              "new_tokens": NEW_TOKENS, "rounds": args.rounds, "tokens_per_step": TOKENS_PER_STEP, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
