@@ -9,6 +9,8 @@ import platform
 import time
 from pathlib import Path
 
+from ..spec.adaptive import octave
+
 
 def machine(device: str = "cpu") -> str:
     """A one-line description of where a benchmark ran: the GPU for a `cuda` device, else the CPU model, vector ISA
@@ -149,13 +151,17 @@ def alternating_rounds(runs: dict, rounds: int, prompts: int = 8, samples: int =
 
 def record_choices(controller, chosen: list, expected: bool = False) -> None:
     """Append (batch, k) to `chosen` for each k the adaptive `controller` chooses from now on (0: plain decoding);
-    with `expected`, (batch, k, E_k): the tokens a sequence it expected of that k when it chose (a few microseconds
-    a step more, so only where that is measured)."""
+    with `expected`, (batch, k, E_k): the tokens a sequence it expected of that k when it chose, at the acceptance of
+    the batch's octave (a few microseconds a step more, so only where that is measured)."""
     choose = controller.choose_k
 
     def recorded(batch: int) -> int:
         k = choose(batch)
-        chosen.append((batch, k, controller.expected_tokens()[k]) if expected else (batch, k))
+        if expected:
+            accept = controller.acceptance(controller.octaves[octave(batch)])
+            chosen.append((batch, k, controller.expected_tokens(accept)[k]))
+        else:
+            chosen.append((batch, k))
         return k
 
     controller.choose_k = recorded

@@ -8,8 +8,17 @@ come from a few steps on a host whose step times wander by +-10 % over seconds, 
 B = 16 ratios so measured put k = 5 at 1.04x where, timed on its own, it ran at about 0.9x).
 
 Both factors are measured, not modelled:
-- a_i, per draft position, from every verify step (`record_acceptance`): what the drafter and the policy do now
-  (over ~80 sequences, or the last ~16 where those lie far from it: `moved`).
+- a_i, per draft position and batch-size octave, from the octave's verify steps (`record_acceptance`): what the
+  drafter and the policy do now (over ~80 sequences, or the last ~16 where those lie far from it: `moved`), at the
+  batch sizes it decides for. One estimate over all steps (which an octave still starts from) trapped the main
+  job's rollouts in plain decoding at 33-64 sequences: the sequences still running at a rollout's end are its
+  longest and least predictable, so each rollout began with the lower estimate its tail had left, priced k = 3 at
+  33-64 sequences under 1x, decoded plainly there, and so measured nothing that could correct it. Over a 50-step
+  run that was 1307 of 1731 steps at 33-64 sequences, while k = 3 on every step ran 1.144x plain decoding in the
+  same loop and the controller 1.073x (results/loop_pairs_fixed_k3.json). Read per octave, the estimate there is
+  its own (`test_adaptive_reads_each_octaves_own_acceptance`): on a main-job checkpoint's rollouts, in one process,
+  the controller ran 1.103x against 1.079x before (results/adaptive_ab_octave_accept.json; k = 3 on every step
+  1.150x); in the loop, whose runs differ more, 1.077x against k = 3's 1.105x (loop_pairs_octave_accept.json).
 - rho_k, per batch-size octave (1, 2, 3-4, 5-8, ..., 33-64), from the engine's own step timings: each step at k
   (drafting, verify, sampling, rollback and bookkeeping included) divided by a plain step's time at the same B
   (`plain_time`: the latest plain steps at that B, interpolated between the sizes seen), averaged over the octave's
@@ -42,7 +51,9 @@ steps are timed):
    --baseline-controller`; results/adaptive_ab_chained_2.json), and inside the RL loop, back to back, 1.011x
    before and 1.091x since (results/loop_pairs_603c4a4_again.json, loop_pairs_3a81acf.json);
 4. now and then a block of a runner-up (`runner_up`): the ks next to the best and plain decoding in turn, or, where
-   plain decoding is best, the k it would speculate at, if that is predicted at PROBE_NEAR x or more. This keeps
+   plain decoding is best, the k it would speculate at, if that is predicted within PROBE_NEAR of the bar plain
+   decoding holds (at the better of the octave's acceptance and the one over all steps: while an octave decodes
+   plainly its own stops moving, and the octaves that speculate go on measuring the drafter). This keeps
    the ratios, the plain reference and the acceptance of positions the best k does not reach current. Acceptance
    is the one thing that moves with the policy, and while speculation is off everywhere nothing else measures it (the
    predecessor, once off, stayed off: 17 RL steps in which k = 3 drafted 3.7 tokens a step), so where no step
@@ -70,8 +81,9 @@ MIN_SAMPLES = 3  # steps a k needs in an octave before its own ratio rules
 BLOCK = 4  # steps an explored or probed k holds its octave: one may be untimed (a switch), MIN_SAMPLES are left
 HOLD = 8  # steps a decision holds its octave before it is made again
 PROBE_EVERY = 64  # an octave's steps between probes of a runner-up, at first and whenever the choice changed
-PROBE_NEAR = 1.05  # where plain decoding is best, a probe only for a k predicted at least this fast (within the
-# margin); where no step anywhere measured acceptance within PROBE_EVERY_MAX steps, predicted at STALE_ACCEPT
+PROBE_NEAR = 0.95  # where plain decoding is best, a probe only for a k predicted at this much of the bar or more
+# (1.045x under the margin, 0.95x where `chained` waives it); where the octave measured no acceptance within
+# PROBE_EVERY_MAX steps, predicted at STALE_ACCEPT
 RISE = 0.1  # a probe whose first drafts stood this much more often than estimated is repeated: acceptance is rising
 STALE_ACCEPT = 0.9  # a good drafter's acceptance (a fresh MTP head on the main job's policy: 0.9-0.96)
 PROBE_EVERY_MAX = 512  # the interval doubles up to this while probes confirm the choice
@@ -82,6 +94,36 @@ CHAIN_CATCH_UP = 0.25  # plain steps a catch-up must cost beyond its k's ratio f
 PLAIN_WINDOW = 5  # latest plain steps kept per batch size
 RECENT_SEQS = 16  # about how many sequences offered the recent acceptance spans (`moved`)
 MOVED_SE = 3.0  # a recent acceptance this many standard errors off the estimate replaces it
+
+
+@dataclass
+class Acceptance:
+    """Per draft position i, the chance draft i stands once the drafts before it stood: decayed hits over decayed
+    sequences offered (`AdaptiveController.record_acceptance` says why so), beside the same over about RECENT_SEQS
+    sequences, which replaces it where the two lie far apart (`moved`)."""
+
+    rate: np.ndarray
+    hits: list[float]
+    offered: list[float]
+    recent: list[list[float]]
+
+    @classmethod
+    def prior(cls, rate: np.ndarray) -> "Acceptance":
+        """An estimate at `rate` (per position) worth PRIOR_SEQS sequences."""
+        rate = np.array(rate, dtype=float)
+        return cls(rate, (rate * PRIOR_SEQS).tolist(), [float(PRIOR_SEQS)] * len(rate), [[0.0, 0.0] for _ in rate])
+
+    def add(self, i: int, hits: int, offered: int, ema: float) -> None:
+        """`offered` sequences reached position i and `hits` of them took its draft."""
+        decay = (1.0 - ema) ** (offered / DECAY_SEQS)
+        self.hits[i] = decay * self.hits[i] + hits
+        self.offered[i] = decay * self.offered[i] + offered
+        recent = self.recent[i]
+        fast = (1.0 - 1.0 / RECENT_SEQS) ** offered
+        recent[:] = fast * recent[0] + hits, fast * recent[1] + offered
+        if moved(self.hits[i] / self.offered[i], *recent):
+            self.hits[i], self.offered[i] = recent
+        self.rate[i] = self.hits[i] / self.offered[i]
 
 
 @dataclass
@@ -102,6 +144,8 @@ class Octave:
     catch_up: float = 0.0  # decayed sum of catch-ups' plain steps beyond their k's ratio
     drafted: float = 0.0  # decayed count of speculative steps, catch-ups included
     switches: float = 0.0  # decayed count of the catch-ups among them (`catch_up` / `switches`: one's cost)
+    acceptance: Acceptance | None = None  # measured in its own steps (None: nothing yet, the overall one serves)
+    measured_at: int = 0  # the controller's step count when its acceptance was last measured
 
     @property
     def switching(self) -> float:
@@ -112,16 +156,16 @@ class Octave:
 class AdaptiveController:
     def __init__(self, k_max: int, margin: float = 1.1, ema: float = 0.1):
         self.k_max, self.margin, self.ema = k_max, margin, ema
-        self.accept = np.full(k_max, PRIOR_ACCEPT)  # optimistic prior so speculation gets measured at all
-        self._hits = [PRIOR_ACCEPT * PRIOR_SEQS] * k_max  # decayed counts behind `accept` (`record_acceptance`)
-        self._offered = [float(PRIOR_SEQS)] * k_max
-        self._recent = [[0.0, 0.0] for _ in range(k_max)]  # the same over about RECENT_SEQS sequences
+        # over all steps, with an optimistic prior so that speculation gets measured at all; an octave's own
+        # estimate starts from it (`record_acceptance`)
+        self.overall = Acceptance.prior(np.full(k_max, PRIOR_ACCEPT))
+        self.accept = self.overall.rate
         self.asked = k_max  # the k of the latest choice
+        self._asked_in: Octave | None = None  # the octave of the latest choice
         self.octaves: dict[int, Octave] = {}
         self.plain: dict[int, deque] = {}  # B -> seconds of its latest plain steps
         self._plain_sizes: list[int] = []  # the keys of `plain`, sorted
         self.steps = 0  # decode steps chosen for
-        self._measured_at = 0  # the step acceptance was last measured at
         self._fresh = [0, 0]  # draft 1's hits and offers since the latest probe began
 
     # -- measurements -----------------------------------------------------------------------------------------
@@ -160,21 +204,22 @@ class AdaptiveController:
         steps of a 64-sequence batch to wear the prior off, a third of a rollout spent speculating at a loss; a
         decay per step made the estimate span ~10 sequences at B = 1, where it wandered between 0.67 and 1.0 for a
         drafter at 0.9 and took speculation off and on.) Beside it the same counts decay over about RECENT_SEQS
-        sequences; where they lie far from it (`moved`), the drafter meets other text, and they replace it."""
-        self._measured_at = self.steps
+        sequences; where they lie far from it (`moved`), the drafter meets other text, and they replace it.
+
+        The same counts are kept for the octave of the latest choice (the step being recorded), from the overall
+        estimate of the moment as its prior: its decisions read them (module docstring)."""
+        cell = self._asked_in
+        if cell is not None:
+            if cell.acceptance is None:
+                cell.acceptance = Acceptance.prior(self.accept)
+            cell.measured_at = self.steps
         for i in range(min(self.asked, self.k_max)):
             offered = sum(a >= i for a in accepted)
             if offered:
                 hits = sum(d > i and a > i for d, a in zip(drafted, accepted))
-                decay = (1.0 - self.ema) ** (offered / DECAY_SEQS)
-                self._hits[i] = decay * self._hits[i] + hits
-                self._offered[i] = decay * self._offered[i] + offered
-                recent = self._recent[i]
-                fast = (1.0 - 1.0 / RECENT_SEQS) ** offered
-                recent[:] = fast * recent[0] + hits, fast * recent[1] + offered
-                if moved(self._hits[i] / self._offered[i], *recent):
-                    self._hits[i], self._offered[i] = recent
-                self.accept[i] = self._hits[i] / self._offered[i]
+                self.overall.add(i, hits, offered, self.ema)
+                if cell is not None:
+                    cell.acceptance.add(i, hits, offered, self.ema)
                 if i == 0:
                     self._fresh = [self._fresh[0] + hits, self._fresh[1] + offered]
 
@@ -185,7 +230,7 @@ class AdaptiveController:
         cell.n += 1
         if cell.n > cell.until:
             self.decide(cell, batch)
-        self.asked = cell.k  # what `record_acceptance` counts positions up to
+        self.asked, self._asked_in = cell.k, cell  # what `record_acceptance` counts positions up to, and where
         return cell.k
 
     def decide(self, cell: Octave, batch: int) -> None:
@@ -200,7 +245,7 @@ class AdaptiveController:
         best = max(range(self.k_max + 1), key=lambda k: gains[k] if k else bar)
         self._pace_probes(cell, best)
         cell.best = best
-        probe = self._probe(cell, best, gains) if cell.n >= cell.next_probe else None
+        probe = self._probe(cell, best, gains, bar) if cell.n >= cell.next_probe else None
         if probe is not None:
             return self._hold(cell, probe, BLOCK)
         self._hold(cell, best, HOLD)
@@ -230,17 +275,24 @@ class AdaptiveController:
         if best:
             cell.rising = 0  # speculating measures acceptance anyway
 
-    def _probe(self, cell: Octave, best: int, gains: list[float]) -> int | None:
+    def _probe(self, cell: Octave, best: int, gains: list[float], bar: float) -> int | None:
         """The k to probe now, or None where plain decoding is best and no k is worth a probe: none predicted at
-        PROBE_NEAR x plain decoding or more, acceptance not rising, and measured within PROBE_EVERY_MAX steps (else
-        it may have moved unseen, and the k is chosen as if the drafter stood at STALE_ACCEPT)."""
+        PROBE_NEAR x the `bar` plain decoding holds or more, acceptance not rising, and measured in the octave within
+        PROBE_EVERY_MAX steps (else it may have moved unseen, and the k is chosen as if the drafter stood at
+        STALE_ACCEPT). The prediction takes the better of the octave's acceptance and the one over all steps, per
+        position: a dip that turned the octave plain would otherwise be the last thing it measured, for the rest of
+        a run (seen on the main job's rollouts at 33-64 sequences, while the octaves still speculating measured
+        more)."""
         pick = gains
-        if best == 0 and self.steps - self._measured_at >= PROBE_EVERY_MAX:
-            pick = self.speedups(cell, np.maximum(self.accept, STALE_ACCEPT))
-        if not (best or cell.rising or max(pick[1:]) >= PROBE_NEAR):
+        if best == 0:
+            seen = np.maximum(self.acceptance(cell), self.accept)
+            if self.steps - cell.measured_at >= PROBE_EVERY_MAX:
+                seen = np.maximum(seen, STALE_ACCEPT)
+            pick = self.speedups(cell, seen)
+        if not (best or cell.rising or max(pick[1:]) >= PROBE_NEAR * bar):
             cell.next_probe = cell.n + cell.interval
             return None
-        cell.probing, cell.probed_accept, self._fresh = True, float(self.accept[0]), [0, 0]
+        cell.probing, cell.probed_accept, self._fresh = True, float(self.acceptance(cell)[0]), [0, 0]
         return cell.rising or self.runner_up(best, pick, cell)
 
     def runner_up(self, best: int, gains: list[float], cell: Octave) -> int:
@@ -253,13 +305,13 @@ class AdaptiveController:
         return others[cell.probes % len(others)]
 
     def speedups(self, cell: Octave, accept: np.ndarray | None = None) -> list[float]:
-        """E_k / rho_k for k = 0..k_max in the octave (1.0 at k = 0), at the measured acceptance or `accept`; rho is
+        """E_k / rho_k for k = 0..k_max in the octave (1.0 at k = 0), at its acceptance or `accept`; rho is
         the k's `_ratio` plus the octave's catch-ups spread over its speculative steps, and a k without MIN_SAMPLES
         steps of its own takes rho from the line between the nearest ks that have them (the flat extension past the
         last)."""
         ratios = {k: rho + cell.switching for k in cell.steps if (rho := self._ratio(cell, k)) is not None}
         known = sorted(ratios)
-        gains, tokens = [1.0], self.expected_tokens(accept)
+        gains, tokens = [1.0], self.expected_tokens(self.acceptance(cell) if accept is None else accept)
         for k in range(1, self.k_max + 1):
             lo = max((j for j in known if j <= k), default=known[0])
             hi = min((j for j in known if j >= k), default=known[-1])
@@ -273,8 +325,12 @@ class AdaptiveController:
         steps = cell.steps.get(k, ())
         return median(seconds / self.plain_time(b) for b, seconds in steps) if len(steps) >= MIN_SAMPLES else None
 
+    def acceptance(self, cell: Octave) -> np.ndarray:
+        """The octave's acceptance per draft position: measured in its steps, else (none yet) over all steps."""
+        return self.accept if cell.acceptance is None else cell.acceptance.rate
+
     def expected_tokens(self, accept: np.ndarray | None = None) -> list[float]:
-        """1 + sum_{j<=k} prod_{i<=j} a_i for k = 0..k_max (a: the measured acceptance unless given)."""
+        """1 + sum_{j<=k} prod_{i<=j} a_i for k = 0..k_max (a: the acceptance over all steps unless given)."""
         out, reach = [1.0], 1.0
         for a in (self.accept if accept is None else accept).tolist():
             reach *= a

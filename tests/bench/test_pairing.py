@@ -107,3 +107,22 @@ def test_bench_rollout_refuses_no_warm_step_before_loading_anything():
     args = p.parse_args(["--rl-warm", "0", "--target", "/nonexistent/model"])
     with pytest.raises(SystemExit, match="--rl-warm must be at least 1"):
         main(args)
+
+
+def test_loop_pairs_refuses_a_fixed_k_without_speculation(capsys):
+    """`benchmarks/loop_pairs.py --fixed-k K` times an engine drafting K tokens with the loop's own drafter beside
+    the loop's; with `spec=null` there is no drafter to give it, and the benchmark says so before any model loads
+    or any step runs (exit 2, argparse's usage error)."""
+    import importlib.util
+    from pathlib import Path
+
+    import pytest
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "loop_pairs.py"
+    spec = importlib.util.spec_from_file_location("loop_pairs_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--fixed-k", "3", "spec=null", "run.out_dir=/nonexistent/never_written"])
+    assert exit_.value.code == 2
+    assert "--fixed-k needs the job to speculate (spec is null)" in capsys.readouterr().err
