@@ -53,15 +53,15 @@ steps are timed):
 4. now and then a block of a runner-up (`runner_up`): the ks next to the best and plain decoding in turn, or, where
    plain decoding is best, the k it would speculate at, if that is predicted within PROBE_NEAR of the bar plain
    decoding holds (at the better of the octave's acceptance and the one over all steps: while an octave decodes
-   plainly its own stops moving, and the octaves that speculate go on measuring the drafter). This keeps
-   the ratios, the plain reference and the acceptance of positions the best k does not reach current. Acceptance
-   is the one thing that moves with the policy, and while speculation is off everywhere nothing else measures it (the
-   predecessor, once off, stayed off: 17 RL steps in which k = 3 drafted 3.7 tokens a step), so where no step
-   measured it within PROBE_EVERY_MAX steps the runner-up is the k a drafter at STALE_ACCEPT would pay at, and a
-   probe whose first drafts stood RISE more often than estimated is repeated until the estimate catches up. A probe
-   that finds nothing new doubles the octave's interval (PROBE_EVERY up to PROBE_EVERY_MAX steps), and a switch
-   between speculating and not starts it over, so a setting that has settled pays for at most one block of 4 steps
-   (and a catch-up) in 512.
+   plainly its own stops moving, and the octaves that speculate go on measuring the drafter). This keeps the
+   ratios, the plain reference and the acceptance of positions the best k does not reach current. Acceptance
+   is the one thing that moves with the policy, and while speculation is off in an octave nothing else measures its
+   acceptance (the predecessor, once off, stayed off: 17 RL steps in which k = 3 drafted 3.7 tokens a step), so where
+   no step of the octave measured it within PROBE_EVERY_MAX steps the runner-up is the k a drafter at STALE_ACCEPT
+   would pay at, and a probe whose first drafts stood RISE more often than estimated is repeated until the estimate
+   catches up. A probe that finds nothing new doubles the octave's interval (PROBE_EVERY up to PROBE_EVERY_MAX
+   steps), and a switch between speculating and not starts it over, so a setting that has settled pays for at most
+   one block of 4 steps (and a catch-up) in 512.
 """
 
 from __future__ import annotations
