@@ -14,16 +14,12 @@ tokens a step, per batch size and context, with random weights as `verify_width`
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 
-from megatron_spec.bench.common import machine
-from megatron_spec.engine import LLMEngine
 from megatron_spec.models import MTP, CausalLM, preset
-from megatron_spec.spec.config import SpecConfig
 
-from verify_width import TOKENS_PER_STEP, parse_args, step_ms  # noqa: E402  (benchmarks/ is the script's directory)
+from verify_width import k3_row, parse_args, write_record  # noqa: E402  (benchmarks/ is the script's directory)
 
 CONTEXTS = (20, 120, 250, 400)  # prompt tokens before the 60 new ones
 BATCHES = (16, 64)
@@ -40,20 +36,12 @@ def main() -> int:
     for batch in BATCHES:
         for context in CONTEXTS:
             prompts = [[1 + (7 * b + j) % 20 for j in range(context)] for b in range(batch)]
-            ms = step_ms({"plain": LLMEngine(policy, max_num_seqs=64),
-                          "k3": LLMEngine(policy, max_num_seqs=64, spec=SpecConfig("mtp", 3, adaptive=False),
-                                          drafter=head)}, prompts, args.rounds, NEW_TOKENS)
-            rho = ms["k3"] / ms["plain"]
             row = {"batch": batch, "prompt_tokens": context,
                    "kv_cache_mb": round(batch * (context + NEW_TOKENS // 2) * kv_bytes / 2**20, 1),
-                   "plain_step_ms": round(ms["plain"], 3), "k3_step_ms": round(ms["k3"], 3), "rho": round(rho, 3),
-                   "ceiling": round(TOKENS_PER_STEP / rho, 3)}
+                   **k3_row(policy, head, prompts, args.rounds, NEW_TOKENS)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    result = {"benchmark": "verify_context", "machine": machine(), "model": "tiny-qwen3-deep shape, random weights",
-              "new_tokens": NEW_TOKENS, "rounds": args.rounds, "tokens_per_step": TOKENS_PER_STEP, "rows": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_record(args, "verify_context", rows, model="tiny-qwen3-deep shape, random weights", new_tokens=NEW_TOKENS)
     return 0
 
 

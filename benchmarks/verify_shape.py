@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import torch
 
-from megatron_spec.bench.common import machine
-from megatron_spec.engine import LLMEngine
 from megatron_spec.models import MTP, CausalLM, preset
-from megatron_spec.spec.config import SpecConfig
 
-from verify_width import TOKENS_PER_STEP, parse_args, step_ms  # noqa: E402  (benchmarks/ is the script's directory)
+from verify_width import k3_row, parse_args, write_record  # noqa: E402  (benchmarks/ is the script's directory)
 
 # (hidden, layers, query heads, head dim): one KV head, MLP 3x hidden, as both presets
 SHAPES = ((96, 8, 3, 32), (96, 12, 3, 32), (64, 8, 2, 32), (64, 12, 2, 32), (64, 16, 2, 32), (48, 16, 3, 16))
@@ -43,19 +39,11 @@ def main() -> int:
         params = sum(t.numel() for t in policy.parameters())
         for batch in BATCHES:
             prompts = [[1 + (7 * b + j) % 20 for j in range(20)] for b in range(batch)]
-            ms = step_ms({"plain": LLMEngine(policy, max_num_seqs=64),
-                          "k3": LLMEngine(policy, max_num_seqs=64, spec=SpecConfig("mtp", 3, adaptive=False),
-                                          drafter=head)}, prompts, args.rounds, NEW_TOKENS)
-            rho = ms["k3"] / ms["plain"]
             row = {"hidden": hidden, "layers": layers, "params": params, "batch": batch,
-                   "plain_step_ms": round(ms["plain"], 3), "k3_step_ms": round(ms["k3"], 3), "rho": round(rho, 3),
-                   "ceiling": round(TOKENS_PER_STEP / rho, 3)}
+                   **k3_row(policy, head, prompts, args.rounds, NEW_TOKENS)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    result = {"benchmark": "verify_shape", "machine": machine(), "model": "random weights",
-              "new_tokens": NEW_TOKENS, "rounds": args.rounds, "tokens_per_step": TOKENS_PER_STEP, "rows": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_record(args, "verify_shape", rows, model="random weights", new_tokens=NEW_TOKENS)
     return 0
 
 

@@ -57,8 +57,29 @@ def step_ms(engines: dict, prompts: list, rounds: int, new_tokens: int = 120) ->
     return {name: 1e3 * statistics.median(s for b, s, _, _ in steps[name] if b == len(prompts)) for name in engines}
 
 
+def k3_row(policy, head, prompts: list, rounds: int, new_tokens: int = 120) -> dict:
+    """A plain engine and one drafting k = 3 with `head` on every step, timed on `prompts` (`step_ms`): their step
+    ms, rho (the quotient) and its ceiling at TOKENS_PER_STEP; the row fields this benchmark, `verify_context` and
+    `verify_shape` share."""
+    ms = step_ms({"plain": LLMEngine(policy, max_num_seqs=64),
+                  "k3": LLMEngine(policy, max_num_seqs=64, spec=SpecConfig("mtp", 3, adaptive=False), drafter=head)},
+                 prompts, rounds, new_tokens)
+    rho = ms["k3"] / ms["plain"]
+    return {"plain_step_ms": round(ms["plain"], 3), "k3_step_ms": round(ms["k3"], 3), "rho": round(rho, 3),
+            "ceiling": round(TOKENS_PER_STEP / rho, 3)}
+
+
+def write_record(args: argparse.Namespace, benchmark: str, rows: list, **fields) -> None:
+    """The record of one of these benchmarks, to `--out` if given."""
+    result = {"benchmark": benchmark, "machine": machine(), **fields, "rounds": args.rounds,
+              "tokens_per_step": TOKENS_PER_STEP, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
 def parse_args(description: str) -> argparse.Namespace:
-    """`--rounds`, `--threads` (set before returning) and `--out`, for this benchmark and `verify_context`."""
+    """`--rounds`, `--threads` (set before returning) and `--out`, for this benchmark, `verify_context` and
+    `verify_shape`."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
@@ -79,21 +100,12 @@ def main() -> int:
         macs = params - cfg.vocab_size * hidden  # a row's multiply-adds: every weight but the embedding table
         for batch in BATCHES:
             prompts = [[1 + (7 * b + j) % 20 for j in range(20)] for b in range(batch)]
-            ms = step_ms({"plain": LLMEngine(policy, max_num_seqs=64),
-                          "k3": LLMEngine(policy, max_num_seqs=64, spec=SpecConfig("mtp", 3, adaptive=False),
-                                          drafter=head)}, prompts, args.rounds)
-            plain_ms, k3_ms = ms["plain"], ms["k3"]
-            rho = k3_ms / plain_ms
             row = {"hidden": hidden, "params": params, "fp32_mb": round(4 * params / 2**20, 1), "batch": batch,
-                   "plain_step_ms": round(plain_ms, 3), "k3_step_ms": round(k3_ms, 3), "rho": round(rho, 3),
-                   "ceiling": round(TOKENS_PER_STEP / rho, 3),
-                   "plain_linear_gflops": round(2 * macs * batch / plain_ms / 1e6, 1)}
+                   **k3_row(policy, head, prompts, args.rounds)}
+            row["plain_linear_gflops"] = round(2 * macs * batch / row["plain_step_ms"] / 1e6, 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    result = {"benchmark": "verify_width", "machine": machine(), "rounds": args.rounds,
-              "tokens_per_step": TOKENS_PER_STEP, "rows": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_record(args, "verify_width", rows)
     return 0
 
 
