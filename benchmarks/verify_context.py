@@ -13,13 +13,12 @@ tokens a step, per batch size and context, with random weights as `verify_width`
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from megatron_spec.models import MTP, CausalLM, preset
 
-from verify_width import k3_row, parse_args, write_record  # noqa: E402  (benchmarks/ is the script's directory)
+# benchmarks/ is the script's directory
+from verify_width import add_row, k3_row, parse_args, synthetic_prompts, write_record  # noqa: E402
 
 CONTEXTS = (20, 120, 250, 400)  # prompt tokens before the 60 new ones
 BATCHES = (16, 64)
@@ -35,12 +34,10 @@ def main() -> int:
     rows = []
     for batch in BATCHES:
         for context in CONTEXTS:
-            prompts = [[1 + (7 * b + j) % 20 for j in range(context)] for b in range(batch)]
             row = {"batch": batch, "prompt_tokens": context,
                    "kv_cache_mb": round(batch * (context + NEW_TOKENS // 2) * kv_bytes / 2**20, 1),
-                   **k3_row(policy, head, prompts, args.rounds, NEW_TOKENS)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+                   **k3_row(policy, head, synthetic_prompts(batch, context), args.rounds, NEW_TOKENS)}
+            add_row(rows, row)
     write_record(args, "verify_context", rows, model="tiny-qwen3-deep shape, random weights", new_tokens=NEW_TOKENS)
     return 0
 

@@ -6,7 +6,8 @@ token while a step's fixed cost (one call per layer, whatever the tokens) stays,
 cost; and a deeper one makes the one-layer MTP head a smaller share of a step. This measures rho (a k = 3 step over a
 plain step) and its ceiling at 3.6 tokens a step for (hidden, layers) shapes at 8, 16 and 64 sequences, with the
 harness of `verify_width` (random weights, 20 prompt tokens, 80 new ones, EOS ignored, medians of decode steps).
-`tiny-qwen3-deep` is hidden 96 x 8 layers; `tiny-qwen3-narrow`, the main job's policy since, is 64 x 12.
+`tiny-qwen3-deep`, the main job's shape, is hidden 96 x 8 layers; `tiny-qwen3-narrow`, tried and not kept
+(`docs/benchmarks.md`, "A narrower, deeper policy"), is 64 x 12.
 
     python benchmarks/verify_shape.py --out benchmarks/results/verify_shape.json
 """
@@ -14,13 +15,13 @@ harness of `verify_width` (random weights, 20 prompt tokens, 80 new ones, EOS ig
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import torch
 
 from megatron_spec.models import MTP, CausalLM, preset
 
-from verify_width import k3_row, parse_args, write_record  # noqa: E402  (benchmarks/ is the script's directory)
+# benchmarks/ is the script's directory
+from verify_width import add_row, k3_row, parse_args, synthetic_prompts, write_record  # noqa: E402
 
 # (hidden, layers, query heads, head dim): one KV head, MLP 3x hidden, as both presets
 SHAPES = ((96, 8, 3, 32), (96, 12, 3, 32), (64, 8, 2, 32), (64, 12, 2, 32), (64, 16, 2, 32), (48, 16, 3, 16))
@@ -38,11 +39,9 @@ def main() -> int:
         policy, head = CausalLM(cfg).eval(), MTP(cfg).eval()
         params = sum(t.numel() for t in policy.parameters())
         for batch in BATCHES:
-            prompts = [[1 + (7 * b + j) % 20 for j in range(20)] for b in range(batch)]
             row = {"hidden": hidden, "layers": layers, "params": params, "batch": batch,
-                   **k3_row(policy, head, prompts, args.rounds, NEW_TOKENS)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+                   **k3_row(policy, head, synthetic_prompts(batch), args.rounds, NEW_TOKENS)}
+            add_row(rows, row)
     write_record(args, "verify_shape", rows, model="random weights", new_tokens=NEW_TOKENS)
     return 0
 

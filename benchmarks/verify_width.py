@@ -69,6 +69,17 @@ def k3_row(policy, head, prompts: list, rounds: int, new_tokens: int = 120) -> d
             "ceiling": round(TOKENS_PER_STEP / rho, 3)}
 
 
+def synthetic_prompts(batch: int, length: int = 20) -> list[list[int]]:
+    """`batch` distinct token sequences of `length` (step times do not depend on what the tokens say)."""
+    return [[1 + (7 * b + j) % 20 for j in range(length)] for b in range(batch)]
+
+
+def add_row(rows: list, row: dict) -> None:
+    """Keep `row` for the record and print it as it comes (a run takes minutes)."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+
+
 def write_record(args: argparse.Namespace, benchmark: str, rows: list, **fields) -> None:
     """The record of one of these benchmarks, to `--out` if given."""
     result = {"benchmark": benchmark, "machine": machine(), **fields, "rounds": args.rounds,
@@ -99,12 +110,10 @@ def main() -> int:
         params = sum(t.numel() for t in policy.parameters())
         macs = params - cfg.vocab_size * hidden  # a row's multiply-adds: every weight but the embedding table
         for batch in BATCHES:
-            prompts = [[1 + (7 * b + j) % 20 for j in range(20)] for b in range(batch)]
             row = {"hidden": hidden, "params": params, "fp32_mb": round(4 * params / 2**20, 1), "batch": batch,
-                   **k3_row(policy, head, prompts, args.rounds)}
+                   **k3_row(policy, head, synthetic_prompts(batch), args.rounds)}
             row["plain_linear_gflops"] = round(2 * macs * batch / row["plain_step_ms"] / 1e6, 1)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            add_row(rows, row)
     write_record(args, "verify_width", rows)
     return 0
 

@@ -24,10 +24,10 @@ PRESETS: dict[str, dict] = {
         num_key_value_heads=1, head_dim=32, intermediate_size=288, rope_theta=10000.0, max_position_embeddings=512,
         tie_word_embeddings=False,
     ),
-    # The main job's policy since the narrow-policy change: narrower and deeper again. On a 2-core CPU a verify of
-    # k + 1 tokens a sequence is compute-bound from a few sequences on; at hidden 64 a token costs less than half
-    # of hidden 96's arithmetic while a step's fixed cost grows with the layers, so 64 sequences' verify stays
-    # closer to one step's fixed cost, and the one-layer MTP head is a twelfth of the trunk.
+    # Narrower and deeper again, tried as the main job's policy and not kept (docs/benchmarks.md, "A narrower, deeper
+    # policy"): at hidden 64 a token costs less than half of hidden 96's arithmetic while a step's fixed cost grows
+    # with the layers, so a verify at 64 sequences costs fewer plain steps (7 % fewer on the trained policy), but its
+    # MTP head drafted less and it learned slower. Kept so the documented pretraining commands run.
     "tiny-qwen3-narrow": dict(
         model_type="qwen3", vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=12, num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, intermediate_size=192, rope_theta=10000.0, max_position_embeddings=512,
