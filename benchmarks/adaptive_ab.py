@@ -105,7 +105,7 @@ def main() -> int:
         kind_seconds[kind] += t
     choices = Counter((octave(b), k) for b, k, _, _ in steps)
     result = {
-        "benchmark": "adaptive_ab", "machine": machine(), "target": TARGET, "drafter": DRAFTER,
+        "benchmark": "adaptive_ab", "machine": machine(args.device), "target": TARGET, "drafter": DRAFTER,
         "checkpoint": args.checkpoint, "device": args.device,
         "rollout": f"{args.prompts} prompts x {args.samples} samples, T=1, max {args.max_tokens} tokens, "
                    + ("EOS ignored" if args.ignore_eos else "EOS stops"),
