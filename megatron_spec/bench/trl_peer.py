@@ -119,7 +119,8 @@ def make_trainer(cfg, steps: int, out_dir: str, callbacks=(), reward=None):
     if cfg.model.task != "tiny":
         raise ValueError(f"the TRL peer runs the tiny character task only, not {cfg.model.task!r}")
     g = cfg.grpo
-    task = PromptTask.build(cfg.model.task, cfg.model.policy, cfg.run.dataset_size, cfg.run.seed)
+    task = PromptTask.build(cfg.model.task, cfg.model.policy, cfg.run.dataset_size, cfg.run.seed, "train",
+                             cfg.model.terms_weights)
     problems = task.problems(0, steps * g.prompts_per_step)
     tokenizer = hf_tokenizer()
     check_tokenizer(tokenizer, task, problems)

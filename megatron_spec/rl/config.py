@@ -21,6 +21,10 @@ class ModelSection:
     """Drafter checkpoint (mtp / eagle3 drafter, or a draft model directory); None for ngram / history / no spec."""
     task: str = "tiny"
     """Prompt format: `tiny` (character-level arithmetic) or `natural` (chat prompts for SmolLM2)."""
+    terms_weights: tuple[float, ...] = ()
+    """Relative chance of each chain length the policy's task holds, shortest first (`Difficulty.terms_weights`:
+    for a checkpoint pretrained on 2-8 terms, seven weights); empty: every length alike. Falling weights give the
+    rollouts RL's long tail, a few long answers that hold the batch open after the rest have ended."""
 
 
 @dataclass

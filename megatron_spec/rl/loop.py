@@ -63,6 +63,12 @@ def check_inputs(cfg: RLConfig) -> None:
     if policy != "smollm2-135m" and not (Path(policy) / "config.json").is_file():
         raise FileNotFoundError(f"policy checkpoint {policy} not found (no config.json); "
                                 f"`megatron-spec pretrain --preset tiny-qwen3 --out {policy}` makes the tiny one")
+    from .task import task_difficulty
+
+    try:
+        task_difficulty(cfg.model.task, policy, cfg.model.terms_weights)
+    except ValueError as err:
+        raise ValueError(f"{err} (model.task={cfg.model.task!r}, model.terms_weights, policy {policy})") from None
     if cfg.spec and cfg.spec.method in ("mtp", "eagle3", "draft_model"):
         drafter = cfg.model.drafter or cfg.spec.model
         if not drafter or not Path(drafter).is_dir():
@@ -129,8 +135,10 @@ class Trainer:
         self.cfg = cfg
         g = cfg.grpo
         self.sampling = dict(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
-        self.task = PromptTask.build(cfg.model.task, cfg.model.policy, cfg.run.dataset_size, cfg.run.seed)
-        self.eval_task = PromptTask.build(cfg.model.task, cfg.model.policy, max(cfg.run.eval_prompts, 1), cfg.run.seed, "eval")
+        m = cfg.model
+        self.task = PromptTask.build(m.task, m.policy, cfg.run.dataset_size, cfg.run.seed, "train", m.terms_weights)
+        self.eval_task = PromptTask.build(m.task, m.policy, max(cfg.run.eval_prompts, 1), cfg.run.seed, "eval",
+                                          m.terms_weights)
         self.policy, self.generator = self.build_backends()
 
     def build_backends(self):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..tasks.arithmetic import ArithmeticDataset, Difficulty, Problem
@@ -11,13 +11,26 @@ from ..tasks.pretrain_config import TASK_FILE
 from ..tasks.reward import reward
 
 
-def trained_difficulty(policy_path: str) -> Difficulty:
+def trained_difficulty(policy_path: str, terms_weights: tuple[float, ...] = ()) -> Difficulty:
     """The task difficulty a tiny checkpoint was pretrained on (its `task.json`), so RL asks it the problems it
-    learned to solve; the default difficulty for a checkpoint without one."""
+    learned to solve, its chain lengths drawn with `terms_weights`; the default difficulty for a checkpoint without
+    one."""
     card = Path(policy_path) / TASK_FILE
-    if not card.is_file():
-        return Difficulty()
-    return Difficulty(**json.loads(card.read_text()).get("difficulty", {}))
+    trained = json.loads(card.read_text()).get("difficulty", {}) if card.is_file() else {}
+    return Difficulty(**{**trained, "terms_weights": tuple(terms_weights)})
+
+
+def task_difficulty(kind: str, policy_path: str, terms_weights: tuple[float, ...] = ()) -> Difficulty:
+    """The problems RL asks: the tiny checkpoint's trained difficulty, or the chat model's own for `natural`
+    (SmolLM2-135M solves ~1/16 of the tiny task's two-digit chains); a ValueError for an unknown task or weights
+    that do not fit its chain lengths, raised before anything is built."""
+    if kind == "tiny":
+        return trained_difficulty(policy_path, terms_weights)
+    if kind == "natural":
+        from ..tasks.natural import SMOLLM2_DIFFICULTY
+
+        return replace(SMOLLM2_DIFFICULTY, terms_weights=tuple(terms_weights))
+    raise ValueError(f"unknown task {kind!r}: use 'tiny' or 'natural'")
 
 
 @dataclass
@@ -30,25 +43,19 @@ class PromptTask:
     """CharTokenizer for `tiny`, the model's HF tokenizer for `natural`."""
 
     @classmethod
-    def build(cls, kind: str, policy_path: str, size: int, seed: int, split: str = "train") -> "PromptTask":
+    def build(cls, kind: str, policy_path: str, size: int, seed: int, split: str = "train",
+              terms_weights: tuple[float, ...] = ()) -> "PromptTask":
         if size < 1:
             raise ValueError(f"the prompt dataset is empty (size={size}): RL needs at least one prompt")
-        if kind == "natural":
-            from ..tasks.natural import SMOLLM2_DIFFICULTY
-
-            # The chat model's own difficulty: SmolLM2-135M solves ~1/16 of the tiny task's two-digit chains.
-            dataset = ArithmeticDataset(size=size, seed=seed, split=split, difficulty=SMOLLM2_DIFFICULTY)
-        else:
-            dataset = ArithmeticDataset(size=size, seed=seed, split=split, difficulty=trained_difficulty(policy_path))
+        difficulty = task_difficulty(kind, policy_path, terms_weights)
+        dataset = ArithmeticDataset(size=size, seed=seed, split=split, difficulty=difficulty)
         if kind == "tiny":
             from ..tasks.tokenizer import CharTokenizer
 
             return cls(kind, dataset, CharTokenizer())
-        if kind == "natural":
-            from ..models.gguf import load_tokenizer
+        from ..models.gguf import load_tokenizer
 
-            return cls(kind, dataset, load_tokenizer(policy_path))
-        raise ValueError(f"unknown task {kind!r}: use 'tiny' or 'natural'")
+        return cls(kind, dataset, load_tokenizer(policy_path))
 
     def problems(self, start: int, n: int) -> list[Problem]:
         return [self.dataset[(start + i) % len(self.dataset)] for i in range(n)]

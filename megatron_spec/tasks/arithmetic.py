@@ -73,6 +73,10 @@ class Difficulty:
     """Operands are drawn uniformly from [0, max_operand]; results may go negative."""
     ops: str = "+-"
     """Operators to draw from; `*` multiplies by a single digit only, so results stay short."""
+    terms_weights: tuple[float, ...] = ()
+    """Relative chance of each chain length from `min_terms` to `max_terms` (one weight per length); empty: every
+    length alike. RL rollouts are long-tailed, most answers short and a few long ones holding the batch open; weights
+    that fall with the length give the tiny task that shape without leaving the lengths a checkpoint learned."""
 
     def __post_init__(self) -> None:
         if self.min_terms < 2:
@@ -83,6 +87,11 @@ class Difficulty:
             raise ValueError(f"max_operand must be >= 1, got {self.max_operand}")
         if not self.ops or any(op not in _OPS for op in self.ops) or len(set(self.ops)) != len(self.ops):
             raise ValueError(f"ops must be a non-empty set of {''.join(_OPS)!r} without repeats, got {self.ops!r}")
+        lengths = self.max_terms - self.min_terms + 1
+        if self.terms_weights and (len(self.terms_weights) != lengths or min(self.terms_weights) < 0
+                                   or not sum(self.terms_weights) > 0):
+            raise ValueError(f"terms_weights needs {lengths} non-negative weights (one per chain length "
+                             f"{self.min_terms}..{self.max_terms}) that do not all vanish, got {self.terms_weights}")
 
 
 def carries(a: int, op: str, b: int) -> bool:
@@ -133,7 +142,10 @@ def generate(rng: random.Random, difficulty: Difficulty, slip_rate: float = 0.0,
              careful_rate: float = 0.0) -> Problem:
     """One random problem at `difficulty`, drawn from `rng`: written by the careful writer with `careful_rate`, else
     by the hurried one, who drops each line's carry with `slip_rate`."""
-    n = rng.randint(difficulty.min_terms, difficulty.max_terms)
+    if difficulty.terms_weights:
+        n = rng.choices(range(difficulty.min_terms, difficulty.max_terms + 1), difficulty.terms_weights)[0]
+    else:  # no weights keeps the draws every dataset made before they existed
+        n = rng.randint(difficulty.min_terms, difficulty.max_terms)
     ops = [rng.choice(difficulty.ops) for _ in range(n - 1)]
     # A multiplier is one digit (and never the left-most operand's slot), so products stay a few digits long.
     operands = [rng.randint(0, difficulty.max_operand)]
