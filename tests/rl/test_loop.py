@@ -5,6 +5,8 @@ import copy
 import dataclasses
 import json
 
+import re
+
 import pytest
 import torch
 
@@ -179,12 +181,33 @@ def test_bad_input(ckpts, tmp_path, monkeypatch):
             loop.train(cfg)
         assert not (tmp_path / "e").exists()  # refused before anything is written
 
+    cfg = small_cfg(ckpts, tmp_path / "f")
+    cfg.model.terms_weights = (1.0,) * 20  # the policy learned far fewer chain lengths than 20
+    with pytest.raises(ValueError, match=r"terms_weights needs \d+ non-negative weights .*model.terms_weights"):
+        loop.train(cfg)
+    assert not (tmp_path / "f").exists()
+
     def broken(text, answer):
         raise KeyError("boom")
 
     monkeypatch.setattr("megatron_spec.rl.task.reward", broken)
     with pytest.raises(RuntimeError, match="reward function failed on completion"):
         loop.train(small_cfg(ckpts, tmp_path / "d"))
+
+
+def test_terms_weights_set_the_chain_lengths_the_loop_trains_and_evaluates_on(ckpts, tmp_path):
+    """All weight on the longest chain the policy learned: every train and held-out problem has that many terms
+    (uniform draws give the shortest length about a third of the time, so 60 problems would show one)."""
+    from megatron_spec.rl.task import trained_difficulty
+
+    trained = trained_difficulty(str(ckpts / "policy"))
+    lengths = trained.max_terms - trained.min_terms + 1
+    cfg = small_cfg(ckpts, tmp_path)
+    cfg.model.terms_weights = (0.0,) * (lengths - 1) + (1.0,)
+    trainer = loop.Trainer(cfg)
+    for task in (trainer.task, trainer.eval_task):
+        terms = {len(re.findall(r"\d+", p.prompt)) for p in task.problems(0, 60)}
+        assert terms == {trained.max_terms}, terms
 
 
 def test_nan_loss_skips_updates_then_stops_and_keeps_checkpoint(ckpts, tmp_path, shaped_reward, monkeypatch):

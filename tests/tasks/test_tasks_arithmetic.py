@@ -2,6 +2,7 @@
 
 import itertools
 import re
+from collections import Counter
 
 import pytest
 
@@ -82,11 +83,29 @@ def test_solve_parenthesises_a_product_after_a_sum():
         (dict(ops="/"), "ops must be a non-empty set"),
         (dict(ops=""), "ops must be a non-empty set"),
         (dict(ops="++"), "ops must be a non-empty set"),
+        (dict(min_terms=2, max_terms=4, terms_weights=(1.0, 1.0)), r"terms_weights needs 3 non-negative weights"),
+        (dict(min_terms=2, max_terms=3, terms_weights=(1.0, -0.5)), "terms_weights needs 2 non-negative"),
+        (dict(min_terms=2, max_terms=3, terms_weights=(0.0, 0.0)), "that do not all vanish"),
     ],
 )
 def test_bad_difficulty_is_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Difficulty(**kwargs)
+
+
+def test_terms_weights_shape_the_chain_lengths_and_no_weights_keep_the_stream():
+    """4000 problems at weights 8:4:2:1 over 2-5 terms: each length's count is binomial (n = 4000, p = 8/15, 4/15,
+    2/15, 1/15; standard deviations 32, 28, 21, 16), so 4 standard deviations (at most 128) bound a count's miss in
+    all but ~1e-4 of seeds; a uniform draw misses 8/15 by 1133 and 1/15 by 733, so the bound tells the two apart.
+    A weight of 0 never draws its length. (Without weights the draws are those of before: the pinned problems of
+    `test_known_problems_are_stable`.)"""
+    weighted = Difficulty(min_terms=2, max_terms=5, ops="+", terms_weights=(8.0, 4.0, 2.0, 1.0))
+    counts = Counter(p.prompt.count("+") + 1 for p in ArithmeticDataset(4000, seed=5, difficulty=weighted))
+    for n, w in zip(range(2, 6), (8, 4, 2, 1)):
+        p = w / 15
+        assert abs(counts[n] - 4000 * p) <= 4 * (4000 * p * (1 - p)) ** 0.5, (n, counts)
+    gap = Difficulty(min_terms=2, max_terms=4, ops="+", terms_weights=(1.0, 0.0, 1.0))
+    assert {p.prompt.count("+") + 1 for p in ArithmeticDataset(300, seed=5, difficulty=gap)} == {2, 4}
 
 
 def test_empty_dataset_is_rejected():
