@@ -1,9 +1,9 @@
 """Checks before launch: what a submitted job would otherwise find out only once its allocation starts.
 
 A missing extra, a driver module that does not exist, a layout the model cannot take, more GPUs than the allocation
-has, a drafter whose vocabulary is not the policy's: each is one line of a single error raised on the submitting
-machine, before anything is rendered or submitted. Needs no optional dependency (model configs are read as JSON or
-from the presets; modules are looked up without being imported).
+has, a drafter whose vocabulary is not the policy's, chain-length weights the policy's task cannot take: each is one
+line of a single error raised on the submitting machine, before anything is rendered or submitted. Needs no optional
+dependency (model configs are read as JSON or from the presets; modules are looked up without being imported).
 """
 
 from __future__ import annotations
@@ -97,6 +97,20 @@ def drafter_problems(cfg: RLConfig) -> list[str]:
             f"{model.vocab_size}"]
 
 
+def task_problems(cfg: RLConfig) -> list[str]:
+    """The task must be one the loop knows, and its chain-length weights must fit the chain lengths the policy was
+    pretrained on (checked where the policy checkpoint is on this machine; the chat task needs none)."""
+    from megatron_spec.rl.task import task_difficulty
+
+    if cfg.model.task == "tiny" and not Path(cfg.model.policy).is_dir():
+        return []
+    try:
+        task_difficulty(cfg.model.task, cfg.model.policy, cfg.model.terms_weights)
+    except ValueError as err:
+        return [f"model.task / model.terms_weights: {err}"]
+    return []
+
+
 def check_launch(name: str, cfg: RLConfig, layout: dict | None, *, driver: str | None,
                  extras: tuple[str, ...] = (), container_image: str | None = None) -> None:
     """Raise one ValueError naming every problem found (nothing is submitted then)."""
@@ -104,5 +118,6 @@ def check_launch(name: str, cfg: RLConfig, layout: dict | None, *, driver: str |
     problems += extras_problems(extras, container_image) if extras else []
     problems += layout_fit_problems(cfg, layout) if layout else []
     problems += drafter_problems(cfg)
+    problems += task_problems(cfg)
     if problems:
         raise ValueError(f"{name} cannot launch: " + "; ".join(problems))

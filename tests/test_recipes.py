@@ -200,6 +200,8 @@ def no_submit(monkeypatch):
     # more GPUs than the allocation: TP2 x PP8 x CP2 = 32 per replica on 2 x 8 GPUs
     ("qwen3_235b_grpo_spec", ["--nodes", "2"], "TP*PP*CP = 32 does not divide the 16 devices"),
     ("qwen3_8b_grpo_spec", ["--nodes", "1", "--gpus-per-node", "1"], "TP*PP*CP = 2 does not divide the 1 devices"),
+    # chain-length weights for 3 lengths, where the chat task holds 2 (2-3 terms)
+    ("qwen3_8b_grpo_spec", ["model.terms_weights=[1,1,1]"], "terms_weights needs 2 non-negative weights"),
 ])
 def test_launch_checks_refuse_before_anything_is_submitted(name, argv, message, capsys, no_submit):
     """Each refusal is one line on stderr naming the problem, exit 2, for a dry run and for a submission alike;
@@ -214,8 +216,9 @@ def test_launch_checks_refuse_before_anything_is_submitted(name, argv, message, 
 
 def test_launch_checks_name_the_driver_the_extras_and_the_drafter(tmp_path, capsys, monkeypatch, no_submit,
                                                                   no_training):
-    """An unknown driver module, extras missing where the job would run without a container, and a drafter
-    whose vocabulary (99) is not the policy's (64): all named in one error, before anything runs or is submitted."""
+    """An unknown driver module, extras missing where the job would run without a container, a drafter whose
+    vocabulary (99) is not the policy's (64) and chain-length weights for 2 lengths where the policy learned 7: all
+    named in one error, before anything runs or is submitted."""
     import launchers.checks as checks
 
     common = importlib.import_module("recipes._common")
@@ -225,11 +228,12 @@ def test_launch_checks_name_the_driver_the_extras_and_the_drafter(tmp_path, caps
     drafter.mkdir()
     (drafter / "config.json").write_text('{"vocab_size": 99}')
     argv = ["backend.placement=colocated", "spec.method=draft_model", f"spec.model={drafter}",
-            f"model.drafter={drafter}", "--executor", "ray-slurm", "--account", "acct"]
+            f"model.drafter={drafter}", "model.terms_weights=[1,1]", "--executor", "ray-slurm", "--account", "acct"]
     assert recipe("tiny_grpo_spec").main(argv) == 2
     err = capsys.readouterr().err
     assert "the driver module megatron_spec.backends.ray.no_such_driver is not in this version" in err
     assert "pip install -e .[ray,nemo]" in err
+    assert "terms_weights needs 7 non-negative weights (one per chain length 2..8)" in err
     assert (f"the drafter {drafter} drafts in a vocabulary of 99 tokens, the policy checkpoints/tiny-qwen3-deep-careful "
             "has 64") in err
     assert no_submit == [] and no_training == []
