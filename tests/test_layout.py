@@ -95,13 +95,9 @@ def test_world_grids():
 
 def test_the_235b_recipe_layout_is_one_megatron_accepts():
     """TP2 PP8 CP2 EP16 on 128 GPUs with 11 layers on the first and last stage, 12 on the six others."""
-    import importlib.util
-    from pathlib import Path
+    import importlib
 
-    path = Path(__file__).resolve().parents[1] / "recipes" / "qwen3_235b_grpo_spec.py"
-    spec = importlib.util.spec_from_file_location("qwen3_235b_recipe", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("recipes.qwen3_235b_grpo_spec")
     section = mod.qwen3_235b_grpo_spec().backend.megatron
     lay = Layout(tp=section.tp, pp=section.pp, ep=section.ep, etp=section.etp, cp=section.cp,
                  first_stage_layers=section.first_stage_layers, last_stage_layers=section.last_stage_layers)

@@ -1,6 +1,7 @@
 """How the benchmarks pair the two engines they compare: `bench rollout` steps them in turn (which must change
 nothing they compute), `bench engine` runs them back to back and takes the median of the pairs' ratios."""
 
+import pytest
 import torch
 
 from megatron_spec.bench.rollout import interleaved
@@ -98,8 +99,6 @@ def test_bench_rollout_refuses_no_warm_step_before_loading_anything():
     before any model is loaded (the target path does not exist here)."""
     import argparse
 
-    import pytest
-
     from megatron_spec.bench.rollout import add_arguments, main
 
     p = argparse.ArgumentParser()
@@ -113,16 +112,9 @@ def test_loop_pairs_refuses_a_fixed_k_without_speculation(capsys):
     """`benchmarks/loop_pairs.py --fixed-k K` times an engine drafting K tokens with the loop's own drafter beside
     the loop's; with `spec=null` there is no drafter to give it, and the benchmark says so before any model loads
     or any step runs (exit 2, argparse's usage error)."""
-    import importlib.util
-    from pathlib import Path
+    from benchmarks.loop_pairs import main
 
-    import pytest
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "loop_pairs.py"
-    spec = importlib.util.spec_from_file_location("loop_pairs_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     with pytest.raises(SystemExit) as exit_:
-        module.main(["--fixed-k", "3", "spec=null", "run.out_dir=/nonexistent/never_written"])
+        main(["--fixed-k", "3", "spec=null", "run.out_dir=/nonexistent/never_written"])
     assert exit_.value.code == 2
     assert "--fixed-k needs the job to speculate (spec is null)" in capsys.readouterr().err

@@ -4,7 +4,6 @@ greedy losslessness at the RL level, and bad input."""
 import copy
 import dataclasses
 import json
-
 import re
 
 import pytest
