@@ -13,7 +13,7 @@ and, as where every run starts, the shipped policy with the shipped head. `run /
 reachable acceptance the drafter keeps.
 
     python benchmarks/drafter_ceiling.py runs/main_job_bench/online-s0 runs/main_job_bench/frozen-s0 \\
-        --out benchmarks/results/main_job_drafter_ceiling.json
+        --out research/records/main_job_drafter_ceiling.json
 
 No timing: acceptance lengths are counts, the same on any machine up to float reduction order.
 """

@@ -7,7 +7,7 @@
 #          CPU, Megatron-Core's forward / backward / GRPO step on the GPU)
 #   bench  `bench rollout --device cuda` on the main job's policy and MTP head, and n-gram (speculative vs plain)
 #   main   the main job on CUDA for MAIN_STEPS steps (default 8), speculative then plain (`spec=null`), same seed
-#   trace  the controller against plain decoding in one process (`benchmarks/adaptive_ab.py --device cuda`), each
+#   trace  the controller against plain decoding in one process (`research/adaptive_ab.py --device cuda`), each
 #          step timed by kind: a fixed batch of 64 (where `bench rollout` found it at 0.86x) and the main job's shape
 # Usage: [PARTS="tier bench main"] [MAIN_STEPS=8] bash benchmarks/gpu_checks.sh OUT_DIR
 # Logs, JSONs and each main-job run's metrics.jsonl land in OUT_DIR.
@@ -48,8 +48,8 @@ fi
 
 if [[ $PARTS == *" trace "* ]]; then
   echo "== the controller traced on the GPU =="
-  timeout 120 $PY benchmarks/adaptive_ab.py --device cuda --threads 8 --rounds 4 --prompts 64 --samples 1 \
+  timeout 120 $PY research/adaptive_ab.py --device cuda --threads 8 --rounds 4 --prompts 64 --samples 1 \
     --max-tokens 64 --ignore-eos --out "$out/adaptive_ab_gpu_b64.json" 2>&1 | tail -n 40
-  timeout 120 $PY benchmarks/adaptive_ab.py --device cuda --threads 8 --rounds 4 \
+  timeout 120 $PY research/adaptive_ab.py --device cuda --threads 8 --rounds 4 \
     --out "$out/adaptive_ab_gpu_main_shape.json" 2>&1 | tail -n 40
 fi

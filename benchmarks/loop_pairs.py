@@ -14,7 +14,7 @@ not the same tokens.
 `--fixed-k K` adds a third engine drafting K tokens on every step with the loop's drafter (the same module, so
 trained online alike) and no controller: what the adaptive controller leaves on the table, or saves, in the loop.
 
-    python benchmarks/loop_pairs.py run.steps=50 [--fixed-k 3] --out benchmarks/results/loop_pairs.json
+    python benchmarks/loop_pairs.py run.steps=50 [--fixed-k 3] --out research/records/loop_pairs.json
 """
 
 from __future__ import annotations

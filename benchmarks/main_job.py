@@ -16,7 +16,7 @@ Printed and written to the JSON:
 3. the gen stage's total time, plain over spec, per seed (paired) and pooled; the same per generated token; and
    both over the steps where the spec run drafted nothing.
 
-    python benchmarks/main_job.py --seeds 0 1 2 --out benchmarks/results/main_job.json
+    python benchmarks/main_job.py --seeds 0 1 2 --out research/records/main_job.json
 """
 
 from __future__ import annotations

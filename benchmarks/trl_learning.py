@@ -20,7 +20,7 @@ and end pass@1 / pass@k of T=1 samples on the eval prompts and how far the weigh
     python benchmarks/trl_learning.py --config configs/other.yaml --policy checkpoints/other grpo.group_size=16
 
 The config is the RLConfig defaults (the main job), then `--config`, then `key=value` overrides, then `--policy`,
-`--lr`, `--steps`, seed and threads. Writes `--out` (default benchmarks/results/trl_learning.json).
+`--lr`, `--steps`, seed and threads. Writes `--out` (default research/records/trl_learning.json).
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=10, help="greedy eval every N steps (and at start and end)")
     ap.add_argument("--k", type=int, default=8, help="samples per eval prompt for pass@k at start and end (0: off)")
     ap.add_argument("--only", choices=("both", "ours", "trl"), default="both")
-    ap.add_argument("--out", default="benchmarks/results/trl_learning.json")
+    ap.add_argument("--out", default="research/records/trl_learning.json")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)

@@ -4,7 +4,7 @@ Start at `pipeline.simulate(SimConfig(...))`; README.md in this folder derives t
 `calibration.py` holds every constant it uses. Nothing here imports torch: the package is arithmetic over a
 `ModelConfig` (torch still loads today because `megatron_spec/models/__init__.py`, which runs before
 `models.config` and `models.presets`, imports the model code). The CPU validation harness that models our eager
-embedded engine and trainer lives outside the library, in `benchmarks/sim_cpu/`.
+embedded engine and trainer lives outside the library, in `research/sim_cpu/`.
 """
 
 from .calibration import GPU, Calibration

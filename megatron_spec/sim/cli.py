@@ -8,7 +8,7 @@
         --lags 0 2 --ks 0 3 5
 
 Only argparse is imported at parser-build time; the simulator loads when a command runs. The CPU model of our
-embedded engine (validation (b)) has its own command: `python -m benchmarks.sim_cpu --help`.
+embedded engine (validation (b)) has its own command: `python -m research.sim_cpu --help`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ measurements (`metrics.jsonl`: stage times, response lengths, acceptance length 
 after the first, which pays one-off warm-up). The workload's response lengths are the log-normal whose quantiles
 have the run's mean and longest response (`LengthDist.fit`); the acceptance length is the run's measured mean.
 The hardware and GPU count are not in a run's config, so the caller names them. The simulator describes GPU
-clusters only: an embedded CPU run is predicted by the validation harness in `benchmarks/sim_cpu` instead.
+clusters only: an embedded CPU run is predicted by the validation harness in `research/sim_cpu` instead.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def compare_run(run_dir: str | Path, target: str, prompt_len: int = 200) -> str:
     cfg, stages, figures = measured(run_dir)
     if cfg["backend"]["trainer"] == "embedded" and cfg["backend"]["generator"] == "embedded":
         raise ValueError("this run used the embedded CPU stack, which the GPU simulator does not describe; its "
-                         "model is the validation harness: python -m benchmarks.sim_cpu measured --help")
+                         "model is the validation harness: python -m research.sim_cpu measured --help")
     result = simulate(config_for_run(cfg, figures, hardware, gpus, prompt_len))
     lines = [f"{'stage':8} {'measured_s':>10} {'predicted_s':>11} {'ratio':>6}   ({hardware} x {gpus})"]
     for s in (*STAGES, "step"):

@@ -254,7 +254,7 @@ class SimConfig:
     """Policy architecture: preset name, HF config.json path or dict, or a ModelConfig."""
     hardware: str | Hardware
     """GPU profile name (h100, h200, b200, gb200), or a `Hardware` built elsewhere (a what-if copy, or the CPU
-    validation harness's measured profile in `benchmarks/sim_cpu`)."""
+    validation harness's measured profile in `research/sim_cpu`)."""
     gpus: int
     """Devices in the job."""
     workload: Workload
@@ -280,7 +280,7 @@ class SimConfig:
     micro_batch_tokens: int | None = None
     """Token budget of one training micro-batch per data-parallel rank; 0: the whole batch at once. A GPU trainer
     (Megatron) packs sequences up to it, which sets the pipeline bubble and the activation memory. (The CPU harness,
-    `benchmarks/sim_cpu`, reads it as the embedded trainer's `grpo.micro_batch_tokens` padded budget.) None: 16384."""
+    `research/sim_cpu`, reads it as the embedded trainer's `grpo.micro_batch_tokens` padded budget.) None: 16384."""
     fold_logprob: bool | None = None
     """The behaviour log-probs come from the train forward itself (`grpo.fold_logprob`: exact with one update per
     step), so the `logprob` stage runs no forward and costs 0. False: a separate recompute forward, the norm of
@@ -298,7 +298,7 @@ class SimConfig:
         named = not isinstance(self.hardware, Hardware)
         if named and str(self.hardware).lower() not in GPU_PROFILES:
             raise ValueError(f"unknown hardware {self.hardware!r}: known are {', '.join(GPU_PROFILES)} (the CPU "
-                             "model of the embedded engine is the validation harness in benchmarks/sim_cpu)")
+                             "model of the embedded engine is the validation harness in research/sim_cpu)")
         if self.gpus < 1:
             raise ValueError(f"gpus must be >= 1, got {self.gpus}")
         if self.gen_dtype_bytes not in (1, 2, 4):
@@ -312,7 +312,7 @@ class SimConfig:
         if self.share_prompt is None:
             self.share_prompt = False
         if self.share_prompt and named:
-            raise ValueError("share_prompt describes the embedded trainer (modelled by benchmarks/sim_cpu); a GPU "
+            raise ValueError("share_prompt describes the embedded trainer (modelled by research/sim_cpu); a GPU "
                              "trainer packs whole sequences, so set share_prompt=False (or leave it None) there")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

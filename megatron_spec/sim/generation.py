@@ -35,7 +35,7 @@ WATERMARK = 0.05
 @dataclass(frozen=True)
 class Engine:
     """One generation engine (tp GPUs) and what its steps cost. A platform with another cost model of a forward
-    (the CPU validation harness, `benchmarks/sim_cpu`) subclasses it and overrides `_fwd` / `step_time`."""
+    (the CPU validation harness, `research/sim_cpu`) subclasses it and overrides `_fwd` / `step_time`."""
 
     target: CostShape
     """Cost shape of the policy."""

@@ -42,7 +42,7 @@ def test_prediction_is_for_the_runs_config(tmp_path):
 
 def test_refusals(tmp_path):
     write_run(tmp_path, trainer="embedded", generator="embedded")
-    with pytest.raises(ValueError, match="benchmarks.sim_cpu"):
+    with pytest.raises(ValueError, match="research.sim_cpu"):
         compare_run(tmp_path, "h100:32")
     with pytest.raises(ValueError, match="HARDWARE:GPUS"):
         compare_run(tmp_path, "h100")

@@ -1,6 +1,6 @@
 """Dependency rule for the simulator's core: `megatron_spec.sim` is arithmetic over a `ModelConfig`. It never
 imports torch.distributed, Megatron, vLLM or Ray, never imports torch at all (the CPU validation harness that
-measures with torch lives in `benchmarks/sim_cpu`), and never imports that harness."""
+measures with torch lives in `research/sim_cpu`), and never imports that harness."""
 
 import ast
 from pathlib import Path
@@ -8,7 +8,7 @@ from pathlib import Path
 import megatron_spec.sim
 
 SIM = Path(megatron_spec.sim.__file__).parent
-FORBIDDEN = ("torch", "megatron.core", "megatron_core", "vllm", "ray", "benchmarks")
+FORBIDDEN = ("torch", "megatron.core", "megatron_core", "vllm", "ray", "benchmarks", "research")
 
 
 def _imports(tree):
