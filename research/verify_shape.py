@@ -7,7 +7,7 @@ cost; and a deeper one makes the one-layer MTP head a smaller share of a step. T
 plain step) and its ceiling at 3.6 tokens a step for (hidden, layers) shapes at 8, 16 and 64 sequences, with the
 harness of `verify_width` (random weights, 20 prompt tokens, 80 new ones, EOS ignored, medians of decode steps).
 `tiny-qwen3-deep`, the main job's shape, is hidden 96 x 8 layers; `tiny-qwen3-narrow`, tried and not kept
-(`docs/benchmarks.md`, "A narrower, deeper policy"), is 64 x 12.
+(`research/notebook/README.md`, "A narrower, deeper policy"), is 64 x 12.
 
     python research/verify_shape.py --out research/records/verify_shape.json
 """

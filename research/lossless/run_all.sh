@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 4, "losslessness at the RL level": every run, report and summary behind the section of that name in
-# docs/benchmarks.md. Runs one after another (each ~0.5-8 min on 2 shared CPU cores); outputs go to runs/lossless/.
+# research/notebook/README.md. Runs one after another (each ~0.5-8 min on 2 shared CPU cores); outputs go to runs/lossless/.
 #   bash research/lossless/run_all.sh            # seeds 0-7
 #   SEEDS="0 1 2 3" bash research/lossless/run_all.sh
 set -euo pipefail

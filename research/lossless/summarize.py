@@ -1,4 +1,4 @@
-"""Numbers for the "Losslessness at the RL level" section of docs/benchmarks.md, from sampled plain / spec runs.
+"""Numbers for the "Losslessness at the RL level" section of research/notebook/README.md, from sampled plain / spec runs.
 
     python research/lossless/summarize.py runs/lossless/sampled [--tail 10] [--json OUT.json]
 

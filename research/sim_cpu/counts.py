@@ -8,7 +8,7 @@ and trainer on random-weight models of the predicted architecture and counts eve
 dispatcher (views, in-place updates and backward included). Nothing here is a hand-kept table, so a change to the
 engine or the trainer changes the counts (and the prediction) instead of breaking a test.
 
-What the model assumes about the code, and `tests/sim_cpu/test_counts.py` checks exactly on it, is only the shape
+What the model assumes about the code, and `research/tests/sim_cpu/test_counts.py` checks exactly on it, is only the shape
 of each count, so that two censuses fix it:
 
     engine step       = target forward + sampling (verify or plain) + k x draft forward + per-step drafter work

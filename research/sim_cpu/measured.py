@@ -19,7 +19,7 @@ unshared prompts (false). `response.sigma` is fitted by `bench step` to the runs
 (`LengthDist.fit`, which it records as `measured_mean` and `measured_longest`); files written before that carry a
 fixed 0.3.
 
-The deterministic form of this check (tests/sim_cpu/test_measured.py) predicts the committed measurements
+The deterministic form of this check (research/tests/sim_cpu/test_measured.py) predicts the committed measurements
 (research/records/measured_step_tiny_{plain,spec}.json) with the CPU profile measured on this machine and
 committed beside them (research/records/sim_cpu_profile.json), so it needs no timing at test time. Stages shorter
 than `MIN_STAGE_S` (`data`, a quarter of a millisecond of prompt encoding, and `prepare`, a millisecond of refit

@@ -8,7 +8,7 @@ clock, immune to the preemptions of a shared machine. Two-thread timings are onl
 free: that case skips, saying why, when the machine is oversubscribed.
 
 These are timing measurements, and even the CPU-clock case missed its 15 % bound in about 1 run of 4 on the CI
-machine, so they run only when asked for (`MEGATRON_SPEC_TIMING_TESTS=1 pytest tests/sim_cpu/test_cpu_profile.py`),
+machine, so they run only when asked for (`MEGATRON_SPEC_TIMING_TESTS=1 pytest research/tests/sim_cpu/test_cpu_profile.py`),
 keeping the default suite deterministic; otherwise they skip and print why.
 """
 
