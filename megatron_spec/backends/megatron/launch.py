@@ -12,13 +12,14 @@ usual; a `MegatronPolicy` in a single process starts a one-rank gloo group itsel
 from __future__ import annotations
 
 import os
+import sys
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from . import require_megatron
-from .parallel import destroy_model_parallel, ensure_process_group
+from .parallel import destroy_model_parallel
 
 require_megatron()
 
@@ -44,13 +45,47 @@ def follow_run() -> None:
     MegatronPolicy.from_rl(cfg, model, load_drafter_for(cfg, model)).follow()
 
 
+def init_timeout_s(argv: list[str] | None) -> float:
+    """`backend.init_timeout_s` as the command line overrides it (the group starts before the config is built),
+    else the config's default."""
+    from megatron_spec.rl.backend_config import BackendSection
+
+    for arg in argv if argv is not None else sys.argv[1:]:
+        if arg.startswith("backend.init_timeout_s="):
+            return float(arg.split("=", 1)[1])
+    return BackendSection.init_timeout_s
+
+
+def join_torchrun_group(timeout_s: float) -> None:
+    """Join torchrun's group: NCCL on the GPU `LOCAL_RANK` (torchrun's per-node index) names, gloo on CPUs, with
+    `timeout_s` for the rendezvous and every later collective (followers wait in one while rank 0 loads); then a
+    device-correct all-reduce proves every rank is in. A rank that cannot join fails with its rank in the message."""
+    from datetime import timedelta
+
+    from ..process_groups import collective_backend, collective_device
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = collective_backend()
+    device = collective_device(backend, int(os.environ.get("LOCAL_RANK", "0")))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        ones = torch.ones(1, device=device)
+        dist.all_reduce(ones)
+    except (RuntimeError, dist.DistError) as err:
+        raise RuntimeError(f"rank {rank} of {world} could not join the trainer group ({backend}, "
+                           f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}) within "
+                           f"{timeout_s:g} s (backend.init_timeout_s): {err}") from err
+
+
 def recipe_main(build: Callable, argv: list[str] | None = None) -> int:
     """A recipe's entry under torchrun: rank 0 runs `recipes._common.recipe_main`, the others follow it."""
     from recipes._common import recipe_main as run_recipe
 
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return run_recipe(build, argv)
-    ensure_process_group()
+    join_torchrun_group(init_timeout_s(argv))
     try:
         if dist.get_rank() == 0:
             from .policy import STOP

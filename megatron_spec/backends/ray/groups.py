@@ -12,6 +12,7 @@ import dataclasses
 from pathlib import Path
 
 from . import require_ray
+from ..process_groups import local_ranks
 from .placement import Placement, Slot
 from .workers import Engine, TrainerRank
 
@@ -67,13 +68,18 @@ class TrainerGroup:
         self.ranks = [_actor(TrainerRank, placement.trainer(r), pg).remote(cfg, r, placement.trainer_world,
                                                                            placement.trainer(r).threads)
                       for r in range(placement.trainer_world)]
-        master = ray.get(self.ranks[0].address.remote()) if len(self.ranks) > 1 else None
+        timeout = cfg.backend.init_timeout_s
+        addresses = ray.get([r.address.remote() for r in self.ranks], timeout=timeout)
+        master = addresses[0][:2] if len(self.ranks) > 1 else None
+        locals_ = local_ranks([node for _, _, node in addresses])  # LOCAL_RANK: the index on its own node
         self.followers = cfg.backend.trainer == "megatron" and len(self.ranks) > 1
-        setups = [r.setup.remote(master, self.followers and i > 0) for i, r in enumerate(self.ranks)]
+        setups = [r.setup.remote(master, locals_[i], self.followers and i > 0) for i, r in enumerate(self.ranks)]
         self.follows = [r.follow.remote() for r in self.ranks[1:]] if self.followers else []
-        self.joined = ray.get(setups)[0]
-        if self.joined != len(self.ranks):
-            raise RuntimeError(f"trainer group formed with {self.joined} of {len(self.ranks)} ranks")
+        ready, _ = ray.wait(setups, num_returns=len(setups), timeout=timeout)
+        if len(ready) < len(setups):
+            late = [i for i, ref in enumerate(setups) if ref not in ready]
+            raise RuntimeError(f"trainer rank(s) {late} did not start within backend.init_timeout_s={timeout:g} s")
+        self.joined = ray.get(setups)[0]  # a rank that failed to join raises here, naming the missing ranks
 
     def call(self, method: str, *args):
         """`method(*args)` on rank 0. A dead rank raises TrainerDied: rank 0's own death directly; a follower's

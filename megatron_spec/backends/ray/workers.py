@@ -9,7 +9,6 @@ engine fetches them itself, so the driver never holds a copy.
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 
@@ -54,34 +53,26 @@ class TrainerRank:
         self.policy = None
         self.crash = CrashHook()
 
-    def address(self) -> tuple[str, int]:
-        """This node's address and a free port for the group's rendezvous (asked of rank 0)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return socket.gethostbyname(socket.gethostname()), port
+    def address(self) -> tuple[str, int, str]:
+        """This node's address, a free port on it (for a rendezvous hosted by this rank) and the node's Ray id."""
+        import ray
 
-    def setup(self, master: tuple[str, int] | None, follower: bool) -> int:
-        """Join the process group (when world > 1) and, unless this rank is a `follower`, build the policy; returns
-        the group's sum of ones (== world when every rank joined the same group)."""
-        import torch
+        from ..process_groups import free_port, node_address
 
+        return node_address(), free_port(), ray.get_runtime_context().get_node_id()
+
+    def setup(self, master: tuple[str, int] | None, local_rank: int, follower: bool) -> int:
+        """Join the trainer's process group (when world > 1: gloo on CPUs, NCCL on the GPU `local_rank` picks, the
+        start-up timeout `backend.init_timeout_s`) and, unless this rank is a `follower`, build the policy; returns
+        the ranks the group counted (== world when every rank joined)."""
         if self.world > 1:
-            import torch.distributed as dist
+            from ..process_groups import start_process_group
 
-            os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
-                              WORLD_SIZE=str(self.world), LOCAL_RANK=str(self.rank))
-            if not dist.is_initialized():
-                dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=self.rank,
-                                        world_size=self.world)
-            ones = torch.ones(1)
-            dist.all_reduce(ones)
-            joined = int(ones.item())
-        else:
-            joined = 1
+            start_process_group(self.rank, self.world, local_rank, master[0], master[1],
+                                self.cfg.backend.init_timeout_s)
         if not follower:
             self.policy = _build(self.cfg, "policy")
-        return joined
+        return self.world
 
     def follow(self) -> None:
         """Ranks > 0 of a sharded trainer: build the policy rank 0 announces and make its calls until it stops."""
