@@ -13,6 +13,10 @@ no torch.distributed, no Megatron import; the rules are Megatron-Core's (and vLL
   splits the rest evenly over the stages between (`stage_layers`). Every stage needs at least one layer.
 - Devices: the dense grid is TP x CP x PP x DP and the expert grid ETP x EP x PP x expert-DP over the same devices,
   so the world must be a multiple of TP x CP x PP and of ETP x EP x PP.
+
+Apart from what Megatron-Core accepts, `support_problems` says what this project's Megatron trainer runs: no
+context parallelism (CP > 1) yet. The config, the recipes, the launch checks, the backend and the tuner all refuse or
+skip such a layout through it, before anything is loaded; the simulator may still predict one when asked directly.
 """
 
 from __future__ import annotations
@@ -145,12 +149,30 @@ def world_problems(world: int, lay: Layout, who: str = "") -> list[str]:
     return problems
 
 
+SUPPORTED_CP = 1
+"""The only context-parallel size the Megatron trainer runs: its forward does not split sequences over CP ranks."""
+
+
+def support_problems(lay: Layout, who: str = "") -> list[str]:
+    """Every part of `lay` that Megatron-Core accepts but this project's Megatron trainer does not run (empty when it
+    runs): context parallelism (`cp > 1`) is not wired into its forward, so such a run would fail after the model
+    loads. The message names the fix."""
+    p = f"{who} " if who else ""
+    if lay.cp != SUPPORTED_CP:
+        return [f"{p}cp={lay.cp}: context parallelism is not implemented in the Megatron trainer (a run would stop "
+                f"after loading the model); use cp=1 and put those GPUs into tp, pp or data parallelism"]
+    return []
+
+
 def check_layout(m: ModelConfig | None, lay: Layout, world: int | None = None, *, kv_replication: bool = False,
-                 who: str = "") -> None:
-    """Raise one ValueError listing every problem of `lay` for model `m` (None: devices only) on `world` devices."""
+                 who: str = "", runnable: bool = False) -> None:
+    """Raise one ValueError listing every problem of `lay` for model `m` (None: devices only) on `world` devices;
+    with `runnable`, also what the Megatron trainer does not run (`support_problems`)."""
     problems = layout_problems(m, lay, kv_replication=kv_replication, who=who) if m is not None else []
     if world is not None:
         problems += world_problems(world, lay, who)
+    if runnable:
+        problems += support_problems(lay, who)
     if problems:
         what = f"{m.model_type} with {m.num_hidden_layers} layers" if m is not None else f"{world} devices"
         raise ValueError(f"cannot split {what} as {lay.describe()}: " + "; ".join(problems))

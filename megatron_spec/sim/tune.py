@@ -19,7 +19,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from megatron_spec.layout import Layout, check_layout, suggest_split
+from megatron_spec.layout import Layout, check_layout, suggest_split, support_problems
 from megatron_spec.models.config import ModelConfig
 
 from .acceptance import tau_from_rate
@@ -110,6 +110,10 @@ def _train_layouts(base: SimConfig, space: TuneSpace, train_gpus: int, rejected:
     for tp, pp, cp, ep in itertools.product(space.train_tp, space.train_pp, space.train_cp, eps):
         if train_gpus % (tp * pp * cp):
             rejected.add(f"train tp*pp*cp={tp * pp * cp} does not divide the {train_gpus} training GPUs")
+            continue
+        unsupported = support_problems(Layout(tp=tp, pp=pp, ep=ep, etp=1, cp=cp), who="train")
+        if unsupported:  # Megatron-Core would take it, the trainer does not run it: never chosen, reason counted
+            rejected.add(unsupported[0])
             continue
         layout = TrainParallel(tp=tp, pp=pp, cp=cp, ep=ep, dp=train_gpus // (tp * pp * cp))
         try:
@@ -300,7 +304,7 @@ def best_layout(model: str | ModelConfig, gpus: int, gpu: str = "h100", workload
     first, last = suggest_split(m.num_hidden_layers, c.train.pp)
     train = Layout(tp=c.train.tp, pp=c.train.pp, ep=c.train.ep, etp=1, cp=c.train.cp, first_stage_layers=first,
                    last_stage_layers=last)
-    check_layout(m, train, world=c.train_gpus, who="tuned train")
+    check_layout(m, train, world=c.train_gpus, who="tuned train", runnable=True)
     tuned = TunedLayout(train=train, train_dp=c.train.dp, gen_tp=c.gen.tp, gen_ep=c.gen.ep, engines=c.engines,
                         placement="colocated" if c.colocated else "disaggregated", gen_gpus=c.gen_gpus,
                         async_lag=c.policy_lag, method=s.drafter if s else "none", k=s.k if s else 0,

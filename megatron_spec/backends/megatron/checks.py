@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_spec.layout import Layout, layout_problems, world_problems
+from megatron_spec.layout import Layout, layout_problems, support_problems, world_problems
 from megatron_spec.models import ModelConfig
 
 # Fields that define the parameter shapes and the function the model computes. A checkpoint that differs in any
@@ -33,7 +33,7 @@ class Parallelism(Layout):
 def check_parallelism(cfg: ModelConfig, par: Layout, world_size: int | None = None) -> None:
     """Raise one ValueError listing every way `par` cannot split `cfg` (and `world_size`, when given): the shared
     layout rules (`megatron_spec.layout`) plus what this backend does not implement."""
-    problems = layout_problems(cfg, par)
+    problems = layout_problems(cfg, par) + support_problems(par)
     if cfg.attention_bias:
         problems.append("attention_bias=True is not supported by the Megatron backend (Qwen3 and Llama have none)")
     if world_size is not None:
