@@ -99,7 +99,7 @@ def grpo_config(cfg, steps: int, out_dir: str):
         learning_rate=g.lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
         adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0, max_grad_norm=g.max_grad_norm,  # policy.py's AdamW
         beta=g.kl_coef, epsilon=g.clip_low, epsilon_high=g.clip_high,
-        scale_rewards="group" if g.normalize_std else "none",
+        scale_rewards="group" if g.std != "none" else "none",
         loss_type="dapo" if g.loss_agg == "token" else "grpo",  # dapo: mean over all tokens of the batch
         logging_steps=1, report_to="none", save_strategy="no", eval_strategy="no", disable_tqdm=True,
         dataloader_pin_memory=False,

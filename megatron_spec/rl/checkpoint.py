@@ -39,6 +39,9 @@ def check_same_config(saved: dict, cfg, run_dir: Path) -> None:
     """Refuse to resume with another config. A field the checkpoint predates counts as its default, which is how
     that run ran (a new field's default keeps the behaviour from before it existed)."""
     now = {k: v for k, v in flatten(cfg).items() if k not in IGNORED_ON_RESUME}
+    if "grpo.normalize_std" in saved:  # the boolean that `grpo.std` replaced
+        saved = dict(saved)
+        saved["grpo.std"] = "population" if saved.pop("grpo.normalize_std") else "none"
     saved = {k: v for k, v in {**flatten(RLConfig()), **saved}.items() if k not in IGNORED_ON_RESUME}
     diff = sorted(k for k in set(now) | set(saved) if json.dumps(now.get(k)) != json.dumps(saved.get(k)))
     if diff:

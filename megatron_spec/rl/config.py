@@ -48,12 +48,33 @@ class GRPOSection:
     """PPO clip below 1 (ratio >= 1 - clip_low)."""
     clip_high: float = 0.2
     """PPO clip above 1 (ratio <= 1 + clip_high); larger than clip_low gives DAPO's asymmetric clip."""
-    normalize_std: bool = True
-    """Divide group-relative advantages by the group's reward std (GRPO) or not (Dr. GRPO)."""
+    baseline: str = "mean"
+    """What a rollout's reward is compared with: `mean` (its group's mean, GRPO) or `leave_one_out` (the mean of the
+    group's other rollouts, RLOO; NeMo-RL's default), which scales the advantages by G / (G - 1)."""
+    std: str = "population"
+    """Divide the advantages by the group's reward std over G (`population`), over G - 1 (`sample`, NeMo-RL's: at
+    G = 8 advantages 0.935x the population's) or not at all (`none`, Dr. GRPO)."""
     loss_agg: str = "token"
     """`token`: mean over all generated tokens of the batch; `sequence`: mean per sequence, then over sequences."""
     kl_coef: float = 0.0
-    """Weight of the k3 KL estimate to the reference (initial) policy; 0 disables and skips the reference."""
+    """Weight of the KL penalty to the reference (initial) policy; 0 disables and skips the reference."""
+    kl_estimator: str = "k3"
+    """Per-token KL estimator (`grpo.kl_penalty`): `k3` (GRPO's; value estimates KL(pi || ref), gradient that of
+    KL(ref || pi)), `k2` (gradient that of KL(pi || ref)) or `k1` (unbiased value, zero expected gradient)."""
+    dual_clip_c: float | None = None
+    """Dual-clip PPO: for negative advantages cap each token's loss at -c * A (c > 1, typically 3); None: off."""
+    ratio_level: str = "token"
+    """Importance ratio per `token` (PPO / GRPO) or per `sequence` (GSPO: exp of the mean per-token log-ratio,
+    clipped per sequence; use it with `loss_agg=sequence`, GSPO's objective, and tighter clips such as 3e-4/4e-4)."""
+    overlong_buffer: int = 0
+    """DAPO's overlong reward shaping: responses longer than `max_tokens - overlong_buffer` lose reward linearly,
+    up to `overlong_penalty` at `max_tokens`; 0: off."""
+    overlong_penalty: float = 1.0
+    """Reward lost by a response of `max_tokens` tokens when `overlong_buffer` > 0."""
+    drop_uniform_groups: bool = False
+    """DAPO's dynamic sampling, without refilling: groups whose rewards are all equal (zero advantage) are left out of
+    the update, so they do not dilute the token mean (logged as `groups_dropped`). A step whose groups are all
+    uniform keeps them (zero policy gradient; the drafter still trains)."""
     max_grad_norm: float = 1.0
     """Gradient clipping of the policy."""
     max_nan_steps: int = 3
@@ -95,6 +116,15 @@ class GRPOSection:
             raise ValueError(f"grpo.prompts_per_step must be >= 1, got {self.prompts_per_step}")
         if self.loss_agg not in ("token", "sequence"):
             raise ValueError(f"grpo.loss_agg must be 'token' or 'sequence', got {self.loss_agg!r}")
+        for name, allowed in (("baseline", ("mean", "leave_one_out")), ("std", ("population", "sample", "none")),
+                              ("kl_estimator", ("k1", "k2", "k3")), ("ratio_level", ("token", "sequence"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"grpo.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
+            raise ValueError(f"grpo.dual_clip_c must be > 1 (or null: off), got {self.dual_clip_c}")
+        if not 0 <= self.overlong_buffer <= self.max_tokens:
+            raise ValueError(f"grpo.overlong_buffer must be in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.overlong_buffer}")
         if self.clip_low < 0 or self.clip_high < 0:
             raise ValueError("grpo.clip_low and grpo.clip_high must be >= 0")
         if self.micro_batch_tokens < 0:

@@ -27,14 +27,55 @@ class LossNorm:
         return cls(float(mask.sum().clamp_min(1)), mask.shape[0])
 
 
-def group_advantages(rewards: Tensor, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
-    """rewards [P, G] (P prompts, G rollouts each) -> advantages [P, G]: reward minus its group's mean, divided by
-    the group's std when `normalize_std` (GRPO) or not (Dr. GRPO). A group whose rollouts all scored the same gets
-    zero advantage: it carries no signal about which rollout was better."""
-    adv = rewards - rewards.mean(dim=1, keepdim=True)
-    if normalize_std:
-        adv = adv / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
-    return adv
+BASELINES = ("mean", "leave_one_out")
+STDS = ("population", "sample", "none")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def group_advantages(rewards: Tensor, baseline: str = "mean", std: str = "population", eps: float = 1e-6) -> Tensor:
+    """rewards [P, G] (P prompts, G rollouts each) -> advantages [P, G]: reward minus a baseline from its group,
+    divided by the group's reward std plus `eps`.
+
+    `baseline`: `mean` (the group's mean, GRPO) or `leave_one_out` (the mean of the *other* G - 1 rollouts, RLOO and
+    NeMo-RL's default: each baseline is independent of the reward it is subtracted from; it equals the mean's
+    advantage times G / (G - 1)). `std`: `population` (divide by G), `sample` (by G - 1: NeMo-RL's, a factor
+    sqrt((G - 1) / G) smaller advantages, 0.935x at G = 8) or `none` (Dr. GRPO). Computed in float64; a group whose
+    rollouts all scored the same gets exactly zero advantage (it carries no signal about which rollout was better),
+    also when the reward (0.3) has no exact binary form and its mean rounds away from it."""
+    if baseline not in BASELINES:
+        raise ValueError(f"unknown advantage baseline {baseline!r}: use one of {BASELINES}")
+    if std not in STDS:
+        raise ValueError(f"unknown advantage std {std!r}: use one of {STDS}")
+    r = rewards.double()
+    g = r.shape[1]
+    if baseline == "leave_one_out":
+        if g < 2:
+            raise ValueError("a leave-one-out baseline needs at least 2 rollouts per group")
+        adv = r - (r.sum(dim=1, keepdim=True) - r) / (g - 1)
+    else:
+        adv = r - r.mean(dim=1, keepdim=True)
+    if std != "none":
+        adv = adv / (r.std(dim=1, keepdim=True, correction=1 if std == "sample" else 0) + eps)
+    uniform = (r == r[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(uniform, 0.0, adv).to(rewards.dtype)
+
+
+def uniform_groups(rewards: Tensor) -> Tensor:
+    """rewards [P, G] -> bool [P]: the groups whose rollouts all scored exactly the same (zero advantage whatever
+    the baseline; DAPO's dynamic sampling drops them from the batch)."""
+    return (rewards == rewards[:, :1]).all(dim=1)
+
+
+def overlong_penalty(lengths: Tensor, max_tokens: int, buffer: int, penalty: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment, added to the rewards: 0 for a response of at most `max_tokens - buffer`
+    tokens, then falling linearly to `-penalty` at `max_tokens` (and beyond). lengths [N] (response tokens) -> [N].
+    `buffer` 0: no shaping (zeros)."""
+    if buffer < 0 or buffer > max_tokens:
+        raise ValueError(f"overlong buffer must be in [0, max_tokens={max_tokens}], got {buffer}")
+    if buffer == 0:
+        return torch.zeros(lengths.shape, dtype=torch.float64)
+    over = (lengths.double() - (max_tokens - buffer)).clamp(0, buffer)
+    return -penalty * over / buffer
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: str, norm: LossNorm | None = None) -> Tensor:
@@ -66,27 +107,73 @@ def truncated_is_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, clip:
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token",
-                norm: LossNorm | None = None, is_weights: Tensor | None = None) -> tuple[Tensor, dict]:
+                norm: LossNorm | None = None, is_weights: Tensor | None = None,
+                dual_clip_c: float | None = None, ratio_level: str = "token") -> tuple[Tensor, dict]:
     """PPO-clipped surrogate, negated for minimisation.
 
     logprobs / old_logprobs / mask: [B, T] per generated token; advantages: [B] per sequence.
     ratio = exp(logprobs - old_logprobs); per token -min(ratio * A, clip(ratio, 1-clip_low, 1+clip_high) * A),
     times `is_weights` [B, T] when the rollouts came from another policy than old_logprobs' (`truncated_is_weights`).
+
+    `ratio_level="sequence"` (GSPO): every token of a sequence takes the sequence's ratio
+    s = exp(mean over its tokens of (logprobs - old_logprobs)), so the clip keeps or drops whole sequences; written
+    as s.detach() * exp(logprobs - logprobs.detach()), whose value is s and whose gradient, averaged over the
+    sequence's tokens (`agg="sequence"`, GSPO's objective), is exactly the gradient of s * A.
+    `dual_clip_c` (> 1, dual-clip PPO): where A < 0 the per-token loss is also capped at -c * A, so a token whose
+    ratio has grown huge under a negative advantage cannot dominate the batch. None: off.
     Returns the loss and the fraction of tokens where the clip was active, both as shares of the whole batch's
     means when `norm` is the whole batch's (see `LossNorm`).
     """
-    ratio = torch.exp(logprobs - old_logprobs)
+    if ratio_level == "sequence":
+        log_s = aggregate_rows(logprobs - old_logprobs, mask).detach()
+        ratio = torch.exp(log_s[:, None] + logprobs - logprobs.detach())
+    elif ratio_level == "token":
+        ratio = torch.exp(logprobs - old_logprobs)
+    else:
+        raise ValueError(f"unknown ratio level {ratio_level!r}: use 'token' or 'sequence'")
     adv = advantages[:, None]
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    if dual_clip_c is not None:
+        if dual_clip_c <= 1:
+            raise ValueError(f"dual-clip c must be > 1, got {dual_clip_c}")
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -dual_clip_c * adv), per_token)
     if is_weights is not None:
         per_token = per_token * is_weights
     clip_frac = aggregate((clipped < unclipped).float(), mask, "token", norm)
     return aggregate(per_token, mask, agg, norm), {"clip_frac": float(clip_frac)}
 
 
-def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """Per-token k3 estimate of KL(pi || pi_ref) = E[r - 1 - log r], r = pi_ref / pi: non-negative, unbiased."""
+def aggregate_rows(per_token: Tensor, mask: Tensor) -> Tensor:
+    """[B, T] -> [B]: each row's mean over its masked tokens (0 for a row without any)."""
+    mask = mask.to(per_token.dtype)
+    return (per_token * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token KL penalty between the policy pi and the reference pi_ref at tokens sampled from pi (Schulman's
+    estimators, r = pi_ref / pi). As a loss term what matters is its gradient (through logprobs only), whose
+    expectation under pi is:
+
+    - `k1` = -log r: an unbiased estimate of KL(pi || pi_ref) in value, but zero expected gradient (E_pi[grad log pi]
+      = 0): it pulls nothing towards the reference; a monitor more than a penalty.
+    - `k2` = (log r)^2 / 2: the gradient of KL(pi || pi_ref) (the reverse KL, mode-seeking).
+    - `k3` = r - 1 - log r (GRPO's, the default): non-negative, unbiased for KL(pi || pi_ref) in value, but its
+      gradient is that of KL(pi_ref || pi) (the forward KL, mass-covering): (1 - r) grad log pi, whose expectation
+      is -sum pi_ref grad log pi.
+    """
     log_r = ref_logprobs - logprobs
-    return torch.exp(log_r) - 1.0 - log_r
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    if estimator == "k3":
+        return torch.exp(log_r) - 1.0 - log_r
+    raise ValueError(f"unknown KL estimator {estimator!r}: use one of {KL_ESTIMATORS}")
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token k3 estimate r - 1 - log r, r = pi_ref / pi: its value estimates KL(pi || pi_ref) (non-negative,
+    unbiased), its gradient is that of KL(pi_ref || pi) (`kl_penalty`)."""
+    return kl_penalty(logprobs, ref_logprobs, "k3")

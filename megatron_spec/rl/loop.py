@@ -29,7 +29,7 @@ from ..engine import SamplingParams
 from ..spec.stats import speculation_summary
 from . import checkpoint
 from .config import RLConfig
-from .grpo import group_advantages
+from .grpo import group_advantages, overlong_penalty, uniform_groups
 from .policy import Batch
 from .refit import buckets
 
@@ -102,6 +102,29 @@ def make_batch(prompts: list[list[int]], outs) -> tuple[Batch, torch.Tensor]:
         mask[i, len(p) : n] = True
         behaviour[i, len(p) - 1 : n - 1] = torch.tensor(o.logprobs)
     return Batch(ids, mask), behaviour
+
+
+def step_advantages(rewards: torch.Tensor, lengths: list[int], g) -> tuple[torch.Tensor, list[bool] | None, dict]:
+    """The advantages [N] of a step's rollouts (rewards [N], prompt-major groups of `g.group_size`) under the GRPO
+    section's options: DAPO's overlong shaping of the rewards, then the group baseline and std. With
+    `drop_uniform_groups`, also which rows to keep (None: all) and the advantages of the kept rows only; and the
+    counts to log (uniform groups, groups dropped, mean shaping)."""
+    shaped = rewards.double() + overlong_penalty(torch.tensor(lengths), g.max_tokens, g.overlong_buffer,
+                                                 g.overlong_penalty)
+    groups = shaped.view(-1, g.group_size)
+    uniform = uniform_groups(groups)
+    info = {"uniform_groups": int(uniform.sum())}
+    if g.overlong_buffer:
+        info["overlong_penalty_mean"] = float((shaped - rewards.double()).mean())
+    advantages = group_advantages(groups, g.baseline, g.std).float()
+    keep = None
+    if g.drop_uniform_groups:
+        dropped = int(uniform.sum()) if not uniform.all() else 0
+        info["groups_dropped"] = dropped
+        if dropped:
+            keep = (~uniform).repeat_interleave(g.group_size).tolist()
+            advantages = advantages[~uniform]
+    return advantages.flatten(), keep, info
 
 
 def logprob_mismatch(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> float:
@@ -193,6 +216,10 @@ class Trainer:
         version carry their behaviour log-probs into the loss's importance correction; their engine-vs-trainer
         mismatch is then the policy's drift, not a processing error, and is not reported (None)."""
         g = self.cfg.grpo
+        advantages, keep, shaping = step_advantages(rewards, [len(o.token_ids) for o in rollouts.outs], g)
+        if keep is not None:  # dynamic sampling: the uniform groups' rollouts leave the update
+            prompts = [p for p, k in zip(prompts, keep) if k]
+            rollouts = dataclasses.replace(rollouts, outs=[o for o, k in zip(rollouts.outs, keep) if k])
         with timer("logprob"):
             batch, behaviour = make_batch(prompts, rollouts.outs)
             if rollouts.lag:
@@ -200,8 +227,8 @@ class Trainer:
             if not g.fold_logprob:  # folded: train_step takes them from its own forward and fills them in
                 batch.old_logprobs = self.policy.logprobs(batch)
         with timer("train"):
-            batch.advantages = group_advantages(rewards.view(g.prompts_per_step, g.group_size), g.normalize_std).flatten()
-            train = self.policy.train_step(batch)
+            batch.advantages = advantages
+            train = {**self.policy.train_step(batch), **shaping}
         with timer("logprob"):
             mismatch = None if rollouts.lag else logprob_mismatch(batch.old_logprobs, behaviour, batch.mask[:, 1:])
         return train, mismatch

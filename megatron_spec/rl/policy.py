@@ -24,7 +24,7 @@ from ..models.decoder import CausalLM, TrunkOutput
 from ..models.eagle3 import captured_layers
 from ..spec.drafter_loss import agreement, depth_pairs, pairs_loss
 from ..spec.sampling import processed_logprobs
-from .grpo import LossNorm, aggregate, kl_k3, policy_loss, truncated_is_weights
+from .grpo import LossNorm, aggregate, kl_penalty, policy_loss, truncated_is_weights
 from .microbatch import micro_batches, sequence_lengths
 from .prefix import SharedPrompts, prompt_groups
 from .refit import named_weights
@@ -165,7 +165,7 @@ def grpo_micro_loss(logits: Tensor, mb: Batch, old_logprobs: Tensor | None, samp
     if mb.behaviour_logprobs is not None:
         weights, truncated = truncated_is_weights(old, masked(mb.behaviour_logprobs, mask), mb.is_clip)
     loss, metrics = policy_loss(logprobs, old, mb.advantages, mask, grpo.clip_low, grpo.clip_high, grpo.loss_agg,
-                                norm, weights)
+                                norm, weights, grpo.dual_clip_c, grpo.ratio_level)
     if weights is not None:
         metrics["is_clip_frac"] = float(aggregate(truncated.float(), mask, "token", norm))
     return loss, metrics, logprobs
@@ -315,7 +315,7 @@ class EmbeddedPolicy:
         if self.ref is not None:
             with torch.no_grad():
                 ref_lp = masked(token_logprobs(self.ref(mb.input_ids), mb.input_ids, self.sampling), mask)
-            kl = aggregate(kl_k3(logprobs, ref_lp), mask, self.grpo.loss_agg, norm)
+            kl = aggregate(kl_penalty(logprobs, ref_lp, self.grpo.kl_estimator), mask, self.grpo.loss_agg, norm)
             loss = loss + self.grpo.kl_coef * kl
             metrics["kl"] = float(kl.detach())
         aux = self.model.aux_loss

@@ -51,6 +51,8 @@ def verify_sampled(
     `u_accept` [B, k] and `u_next` [B] are uniforms in [0, 1).
     """
     B, k = drafts.shape
+    if k == 0:  # nothing drafted anywhere: plain sampling of the one position's token
+        return Verdict(drafts.new_zeros(B), sample_inverse_cdf(target_probs[:, 0], u_next))
     rows = torch.arange(B, device=drafts.device)
     p_draft = target_probs[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # p_i(x_i)
     if draft_probs is None:

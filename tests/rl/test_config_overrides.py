@@ -18,12 +18,12 @@ from megatron_spec.spec.config import SpecConfig
 
 def test_values_are_coerced_from_the_annotations():
     cfg = apply_overrides(RLConfig(), [
-        "grpo.group_size=4", "grpo.lr=3e-5", "grpo.normalize_std=false", "drafter_train.online=No",
+        "grpo.group_size=4", "grpo.lr=3e-5", "grpo.drop_uniform_groups=true", "drafter_train.online=No",
         "model.task=natural", "model.drafter=null", "run.out_dir='runs/x y'", "spec.num_speculative_tokens=5",
     ])
     assert cfg.grpo.group_size == 4 and type(cfg.grpo.group_size) is int
     assert cfg.grpo.lr == 3e-5 and type(cfg.grpo.lr) is float
-    assert cfg.grpo.normalize_std is False and cfg.drafter_train.online is False
+    assert cfg.grpo.drop_uniform_groups is True and cfg.drafter_train.online is False
     assert cfg.model.task == "natural" and cfg.model.drafter is None
     assert cfg.run.out_dir == "runs/x y"
     assert cfg.spec == SpecConfig("mtp", 5, adaptive=True)

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from megatron_spec.rl.grpo import aggregate, group_advantages, kl_k3, policy_loss
+import math
+from types import SimpleNamespace
+
+from megatron_spec.rl.config import GRPOSection
+from megatron_spec.rl.grpo import (aggregate, group_advantages, kl_k3, kl_penalty, overlong_penalty, policy_loss,
+                                   uniform_groups)
+from megatron_spec.rl.loop import step_advantages
 
 
 def test_group_advantages_golden():
@@ -11,7 +17,7 @@ def test_group_advantages_golden():
     An all-equal group gets exactly zero."""
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
     assert torch.allclose(group_advantages(r), torch.tensor([[1.0, -1, -1, 1], [0, 0, 0, 0]]), atol=1e-5)
-    assert torch.allclose(group_advantages(r, normalize_std=False), torch.tensor([[0.5, -0.5, -0.5, 0.5], [0, 0, 0, 0]]))
+    assert torch.allclose(group_advantages(r, std="none"), torch.tensor([[0.5, -0.5, -0.5, 0.5], [0, 0, 0, 0]]))
 
 
 def test_policy_loss_golden_and_asymmetric_clip():
@@ -42,3 +48,204 @@ def test_kl_k3_golden():
     """log r = ref - lp = -0.5: e^-0.5 - 1 + 0.5 = 0.10653; zero when the policies agree."""
     assert kl_k3(torch.tensor(0.0), torch.tensor(-0.5)).item() == pytest.approx(0.1065307)
     assert kl_k3(torch.tensor(-1.3), torch.tensor(-1.3)).item() == 0.0
+
+
+def test_uniform_group_of_an_inexact_reward_gets_exactly_zero():
+    """Eight rollouts all scoring 0.3 (no exact binary form): the float32 mean rounds away from 0.3 and dividing that
+    rounding by std + eps (~1e-6) made +0.029; every baseline and std must give exactly 0, and a mixed group beside
+    it keeps its signal."""
+    r = torch.tensor([[0.3] * 8, [0.3, 0.7] * 4])
+    for baseline in ("mean", "leave_one_out"):
+        for std in ("population", "sample", "none"):
+            adv = group_advantages(r, baseline, std)
+            assert adv.dtype == torch.float32
+            assert adv[0].tolist() == [0.0] * 8
+            assert (adv[1] != 0).all()
+    assert uniform_groups(r).tolist() == [True, False]
+
+
+def reference_advantages(rewards: list[list[float]], baseline: str, std: str, eps: float = 1e-6):
+    out = []
+    for group in rewards:
+        g = len(group)
+        mean = sum(group) / g
+        var = sum((x - mean) ** 2 for x in group) / (g - 1 if std == "sample" else g)
+        row = []
+        for i, x in enumerate(group):
+            base = (sum(group) - x) / (g - 1) if baseline == "leave_one_out" else mean
+            a = x - base
+            if std != "none":
+                a /= math.sqrt(var) + eps
+            row.append(0.0 if len(set(group)) == 1 else a)
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("baseline", ["mean", "leave_one_out"])
+@pytest.mark.parametrize("std", ["population", "sample", "none"])
+def test_advantages_match_explicit_loops(baseline, std):
+    """Each option against a float64 loop over every rollout (the leave-one-out mean of the other G - 1 rewards,
+    the std over G or G - 1). Rewards on a 0.1 grid so that some groups tie or are uniform."""
+    g = torch.Generator().manual_seed(0)
+    r = (torch.randint(0, 4, (16, 8), generator=g) / 10).float()
+    r[3] = 0.3
+    expected = torch.tensor(reference_advantages(r.double().tolist(), baseline, std), dtype=torch.float64)
+    assert torch.allclose(group_advantages(r, baseline, std).double(), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_sample_std_and_leave_one_out_scale_the_mean_advantages():
+    """Relations that pin the definitions: at G = 8, sample-std advantages are sqrt(7/8) = 0.935x the population
+    ones (NeMo-RL's are 1 / 1.069 of ours), and leave-one-out ones are G / (G - 1) = 8/7 x the mean's."""
+    r = torch.tensor([[1.0, 0, 0, 1, 1, 0, 0, 0]])
+    pop, samp = group_advantages(r), group_advantages(r, std="sample")
+    assert torch.allclose(samp, pop * math.sqrt(7 / 8), atol=1e-5)
+    assert torch.allclose(group_advantages(r, "leave_one_out", "none"), group_advantages(r, std="none") * 8 / 7)
+
+
+def test_dual_clip_matches_an_explicit_loop():
+    """Per token in float64: PPO's max(-r A, -clip(r) A), then for A < 0 the cap min(that, -c A). Ratios up to e^2
+    so that the cap is active on some negative-advantage tokens and the plain clip elsewhere."""
+    g = torch.Generator().manual_seed(1)
+    lp = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    old = lp - torch.randn(6, 5, generator=g, dtype=torch.float64)
+    adv = torch.tensor([2.0, -1.5, -0.5, 1.0, -3.0, 0.7], dtype=torch.float64)
+    mask = torch.rand(6, 5, generator=g) < 0.8
+    c, lo, hi = 3.0, 0.2, 0.28
+    total, count, capped = 0.0, 0, 0
+    for i in range(6):
+        for t in range(5):
+            if not mask[i, t]:
+                continue
+            r, a = math.exp(lp[i, t] - old[i, t]), float(adv[i])
+            loss = max(-r * a, -min(max(r, 1 - lo), 1 + hi) * a)
+            if a < 0 and -c * a < loss:
+                loss, capped = -c * a, capped + 1
+            total, count = total + loss, count + 1
+    assert capped > 0
+    loss, _ = policy_loss(lp, old, adv, mask, lo, hi, "token", dual_clip_c=c)
+    assert loss.item() == pytest.approx(total / count, rel=1e-12)
+    plain, _ = policy_loss(lp, old, adv, mask, lo, hi, "token")
+    assert plain.item() > loss.item()  # the cap only lowers losses
+
+
+def test_sequence_level_ratio_is_gspo():
+    """GSPO: s_i = exp(mean over sequence i's tokens of (lp - old)), loss -mean_i min(s_i A_i, clip(s_i) A_i).
+    Written here directly on s_i (autograd through the exp of the mean), value and gradient equal the
+    token-form implementation's with `agg="sequence"`; clips wide enough that some sequences are clipped."""
+    g = torch.Generator().manual_seed(2)
+    B, T = 5, 7
+    base = torch.randn(B, T, generator=g, dtype=torch.float64)
+    old = base - 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5], dtype=torch.float64)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 4:] = mask[3, 2:] = False
+    lo, hi = 0.05, 0.05
+    lp_ref = base.clone().requires_grad_(True)
+    terms, clipped = [], 0
+    for i in range(B):
+        n = int(mask[i].sum())
+        s = torch.exp(sum(lp_ref[i, t] - old[i, t] for t in range(n)) / n)
+        a = float(adv[i])
+        clipped += not (1 - lo <= s.item() <= 1 + hi)
+        terms.append(-torch.minimum(s * a, s.clamp(1 - lo, 1 + hi) * a))
+    ref = sum(terms) / B
+    ref.backward()
+    assert clipped > 0
+    lp = base.clone().requires_grad_(True)
+    loss, _ = policy_loss(lp, old, adv, mask, lo, hi, "sequence", ratio_level="sequence")
+    loss.backward()
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-12)
+    assert torch.allclose(lp.grad, lp_ref.grad, atol=1e-12)
+    with pytest.raises(ValueError, match="ratio level"):
+        policy_loss(lp, old, adv, mask, ratio_level="batch")
+
+
+def test_overlong_penalty_matches_dapo_piecewise():
+    """DAPO's soft punishment with L_max = 20, buffer 8: 0 up to 12 tokens, (12 - L) / 8 on (12, 20], scaled by
+    the penalty (0.5 here)."""
+    lengths = torch.arange(0, 23)
+    expected = [0.0 if n <= 12 else 0.5 * max((12 - n) / 8, -1.0) for n in range(23)]
+    assert overlong_penalty(lengths, 20, 8, 0.5).tolist() == pytest.approx(expected, abs=1e-12)
+    assert overlong_penalty(lengths, 20, 0).tolist() == [0.0] * 23
+    with pytest.raises(ValueError, match="overlong buffer"):
+        overlong_penalty(lengths, 20, 21)
+
+
+def expected_gradient(estimator: str, theta: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """E_{x ~ pi}[grad_theta k(x)] by enumeration of the vocabulary, the sampling weights pi(x) held fixed (a loss
+    term's gradient at tokens the policy sampled)."""
+    theta = theta.clone().requires_grad_(True)
+    logp = torch.log_softmax(theta, -1)
+    pi = logp.exp().detach()
+    (pi * kl_penalty(logp, ref_logp, estimator)).sum().backward()
+    return theta.grad
+
+
+def test_kl_estimators_have_the_gradients_their_docstring_names():
+    """On a 6-token categorical, the exact expected gradient of each estimator against autograd of the closed
+    forms: k3 -> KL(ref || pi), k2 -> KL(pi || ref), k1 -> 0. k3's value is KL(pi || ref) in expectation."""
+    g = torch.Generator().manual_seed(4)
+    theta = torch.randn(6, generator=g, dtype=torch.float64)
+    ref_logp = torch.log_softmax(torch.randn(6, generator=g, dtype=torch.float64), -1)
+
+    def closed(forward: bool) -> torch.Tensor:
+        t = theta.clone().requires_grad_(True)
+        logp = torch.log_softmax(t, -1)
+        kl = (ref_logp.exp() * (ref_logp - logp)).sum() if forward else (logp.exp() * (logp - ref_logp)).sum()
+        kl.backward()
+        return t.grad
+
+    forward, reverse = closed(True), closed(False)
+    assert not torch.allclose(forward, reverse, atol=1e-3)
+    assert torch.allclose(expected_gradient("k3", theta, ref_logp), forward, atol=1e-12)
+    assert torch.allclose(expected_gradient("k2", theta, ref_logp), reverse, atol=1e-12)
+    assert torch.allclose(expected_gradient("k1", theta, ref_logp), torch.zeros(6, dtype=torch.float64), atol=1e-12)
+    logp = torch.log_softmax(theta, -1)
+    value = (logp.exp() * kl_penalty(logp, ref_logp, "k3")).sum()
+    assert value.item() == pytest.approx((logp.exp() * (logp - ref_logp)).sum().item(), rel=1e-12)
+    with pytest.raises(ValueError, match="KL estimator"):
+        kl_penalty(logp, ref_logp, "k4")
+
+
+def test_step_advantages_shapes_and_drops_uniform_groups():
+    """Three groups of 4 (max_tokens 10, buffer 4): group 0 uniform (all 1), group 1 uniform in reward but one
+    rollout 10 tokens long (shaped to 1 - 1 = 0: no longer uniform), group 2 mixed. Dropping uniform groups keeps
+    rows 4-11 and their advantages; when every group is uniform nothing is dropped."""
+    g = GRPOSection(group_size=4, prompts_per_step=3, max_tokens=10, overlong_buffer=4, drop_uniform_groups=True)
+    rewards = torch.tensor([1.0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 0, 1])
+    lengths = [3] * 7 + [10] + [3] * 4
+    adv, keep, info = step_advantages(rewards, lengths, g)
+    assert keep == [False] * 4 + [True] * 8
+    assert info["uniform_groups"] == 1 and info["groups_dropped"] == 1
+    shaped = rewards.double().clone()
+    shaped[7] = 0.0
+    expected = torch.tensor(reference_advantages(shaped.view(3, 4).tolist(), "mean", "population"),
+                            dtype=torch.float64).flatten()[4:]
+    assert torch.allclose(adv.double(), expected, atol=1e-6)
+    adv, keep, info = step_advantages(torch.ones(12), [3] * 12, g)
+    assert keep is None and info["groups_dropped"] == 0 and adv.tolist() == [0.0] * 12
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(baseline="median"), "grpo.baseline"), (dict(std="unbiased"), "grpo.std"),
+    (dict(kl_estimator="k4"), "grpo.kl_estimator"), (dict(ratio_level="group"), "grpo.ratio_level"),
+    (dict(dual_clip_c=1.0), "dual_clip_c"), (dict(overlong_buffer=200), "overlong_buffer"),
+])
+def test_loss_options_are_checked(bad, match):
+    with pytest.raises(ValueError, match=match):
+        GRPOSection(**bad)
+
+
+def test_a_checkpoint_with_normalize_std_resumes_as_its_std():
+    """`grpo.normalize_std` (true / false) became `grpo.std` (population / none): a checkpoint saved with the boolean
+    resumes under the setting that computes the same advantages, and is refused under another."""
+    from megatron_spec.rl import checkpoint
+    from megatron_spec.rl.config import RLConfig
+
+    cfg = RLConfig()
+    saved = {k: v for k, v in checkpoint.flatten(cfg).items() if k != "grpo.std"}
+    checkpoint.check_same_config({**saved, "grpo.normalize_std": True}, cfg, "run")
+    with pytest.raises(ValueError, match="grpo.std: saved 'none', now 'population'"):
+        checkpoint.check_same_config({**saved, "grpo.normalize_std": False}, cfg, "run")
+    cfg.grpo.std = "none"
+    checkpoint.check_same_config({**saved, "grpo.normalize_std": False}, cfg, "run")

@@ -80,6 +80,27 @@ def test_bonus_token_after_all_accepted_and_ragged_lengths():
     assert v.num_accepted.tolist() == [2, 1] and v.next_token.tolist() == [3, 2]
 
 
+@pytest.mark.parametrize("with_q", [False, True])
+def test_no_drafts_anywhere_samples_plainly(with_q):
+    """k = 0 (no sequence drafted anything): nothing is accepted and the next token is plain sampling from p at the
+    one position, the inverse CDF of u_next, found here by walking the cumulative sum in float64."""
+    g = torch.Generator().manual_seed(3)
+    B = 6
+    p = torch.softmax(torch.randn(B, 1, V, generator=g), -1)
+    u = torch.rand(B, generator=g)
+    q = torch.empty(B, 0, V) if with_q else None
+    v = verify_sampled(p, torch.empty(B, 0, dtype=torch.long), torch.zeros(B, dtype=torch.long), torch.empty(B, 0),
+                       u, q)
+    expected = []
+    for b in range(B):
+        probs = p[b, 0].double().tolist()
+        target, acc = float(u[b]) * sum(probs), 0.0
+        expected.append(next(i for i, pr in enumerate(probs) if (acc := acc + pr) > target))
+    assert v.num_accepted.tolist() == [0] * B and v.next_token.tolist() == expected
+    assert verify_greedy(torch.log(p), torch.empty(B, 0, dtype=torch.long),
+                         torch.zeros(B, dtype=torch.long)).next_token.tolist() == p[:, 0].argmax(-1).tolist()
+
+
 def test_greedy_verification():
     logp = torch.log_softmax(torch.tensor([[[0.0, 5, 0], [0, 0, 5], [5, 0, 0]]]), -1)
     assert verify_greedy(logp, torch.tensor([[1, 2]]), torch.tensor([2])).num_accepted.tolist() == [2]
