@@ -16,6 +16,7 @@ from megatron_spec.layout import Layout, layout_problems, world_problems
 from megatron_spec.models import ModelConfig
 from megatron_spec.models.presets import PRESETS, preset
 from megatron_spec.rl.config import RLConfig
+from megatron_spec.spec.registry import needs_weights
 
 from .extras import EXTRAS, missing_extras
 
@@ -86,7 +87,7 @@ def layout_fit_problems(cfg: RLConfig, layout: dict) -> list[str]:
 
 def drafter_problems(cfg: RLConfig) -> list[str]:
     """A drafter with weights must draft in the policy's vocabulary (checked where both are on this machine)."""
-    if not cfg.spec or cfg.spec.method not in ("mtp", "eagle3", "draft_model"):
+    if not cfg.spec or not needs_weights(cfg.spec.method):
         return []
     path = cfg.model.drafter or cfg.spec.model
     model = policy_config(cfg.model.policy)

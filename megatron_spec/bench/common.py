@@ -74,10 +74,12 @@ def drafter_checkpoint(target: str, method: str, draft_model: str) -> Path | Non
     """Where the trained drafter for `method` lives: the draft model given, or the head that `train-drafter` saved
     beside the target as `<target>-<method>` (beside `checkpoints/` for a preset name such as smollm2-135m).
     None for the lookup drafters, which have no weights."""
-    if method == "draft_model":
-        return Path(draft_model)
-    if method not in ("mtp", "eagle3"):
+    from megatron_spec.spec.registry import needs_weights
+
+    if not needs_weights(method):
         return None
+    if method == "draft_model":  # the one drafter given by its own flag, `--draft-model`
+        return Path(draft_model)
     target = Path(target)
     parent = target.parent if target.exists() else Path("checkpoints")
     return parent / f"{target.name}-{method}"

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..spec.registry import method_names
+
 CONTROL = "plain"
 """`--drafters plain`: a plain engine measured against a plain engine, the same way as a drafter: the benchmark's own
 noise floor, in the same run as the rows it qualifies (its speed-ups should all be 1)."""
@@ -165,10 +167,6 @@ def run(args) -> dict:
             "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows}
 
 
-PEER_METHODS = ("ngram", "draft_model", "mtp", "eagle3")
-"""Drafters both engines have (`history` has no vLLM counterpart)."""
-
-
 def peer_rows(args, target) -> list[dict]:
     """Our engine and vLLM on the same target, drafters, prompts and sampling (T=1, EOS ignored, `max_tokens`
     each), plain and speculative with k = the first numeric `--k`. vLLM engines start once (one plain, one per
@@ -178,8 +176,8 @@ def peer_rows(args, target) -> list[dict]:
     import tempfile
 
     from ..engine import SamplingParams
-    from ..models import load_drafter
     from ..spec.config import SpecConfig
+    from ..spec.registry import drafter_method
     from ..spec.stats import speculation_summary
     from ..spec.train_drafter import task_prompts
     from .common import drafter_checkpoint, timed
@@ -193,7 +191,7 @@ def peer_rows(args, target) -> list[dict]:
     engines = {None: backend.VLLMGenerator(str(root / "policy"), max_model_len=max_len)}
     dirs = {None: None}
     for method in args.drafters:
-        if method not in PEER_METHODS:
+        if drafter_method(method).vllm_method is None:
             print(f"  skip {method}: no vLLM counterpart")
             continue
         ddir = drafter_checkpoint(args.target, method, args.draft_model)
@@ -201,8 +199,8 @@ def peer_rows(args, target) -> list[dict]:
             print(f"  skip {method}: no drafter checkpoint at {ddir}")
             continue
         path = ddir and str(ddir)
-        if method in ("mtp", "eagle3"):
-            path = str(export.export_drafter(load_drafter(ddir, target.config), root / method))
+        if ddir is not None:  # our drafter checkpoint in the layout vLLM loads
+            path = str(export.export_drafter(drafter_method(method).load(ddir, target, "cpu"), root / method))
         engines[method] = backend.VLLMGenerator(str(root / "policy"), SpecConfig(method, k, model=path),
                                                 max_model_len=max_len)
         dirs[method] = ddir and str(ddir)
@@ -310,7 +308,7 @@ def main(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="checkpoints/tiny-qwen3")
-    p.add_argument("--drafters", nargs="+", default=["ngram", "history", "draft_model", "mtp", "eagle3"],
+    p.add_argument("--drafters", nargs="+", default=list(method_names()),
                    help=f"drafters to measure; '{CONTROL}' measures plain against plain (the noise floor)")
     p.add_argument("--draft-model", default="checkpoints/tiny-draft", help="checkpoint of the draft_model drafter")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])

@@ -24,6 +24,8 @@ import copy
 import math
 from pathlib import Path
 
+from ..spec.registry import method_names
+
 STAGES = ("data", "prepare", "gen", "logprob", "train")
 
 
@@ -139,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="checkpoints/tiny-qwen3")
-    p.add_argument("--drafters", nargs="+", default=["mtp", "eagle3", "draft_model", "ngram", "history"])
+    p.add_argument("--drafters", nargs="+", default=list(method_names()))
     p.add_argument("--draft-model", default="checkpoints/tiny-draft", help="checkpoint of the draft_model drafter")
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--adaptive", action="store_true", help="let the adaptive controller pick k (up to --k)")

@@ -18,7 +18,8 @@ from ..models.decoder import CausalLM, weights_fixed
 from ..models.host import float_tensor, long_tensor
 from ..spec.adaptive import AdaptiveController
 from ..spec.config import SpecConfig
-from ..spec.proposers import Drafts, Proposer, build_proposer
+from ..spec.proposers import Drafts, Proposer
+from ..spec.registry import build_proposer
 from ..spec.sampling import processed_logprobs, sample_tokens
 from ..spec.verify import Verdict, emitted_logprobs, verify_greedy, verify_sampled
 from ..models.kv_cache import KVCache

@@ -26,6 +26,7 @@ import torch
 import yaml
 
 from ..engine import SamplingParams
+from ..spec.registry import drafter_method, needs_weights
 from ..spec.stats import speculation_summary
 from . import checkpoint
 from .config import RLConfig
@@ -69,7 +70,7 @@ def check_inputs(cfg: RLConfig) -> None:
         task_difficulty(cfg.model.task, policy, cfg.model.terms_weights)
     except ValueError as err:
         raise ValueError(f"{err} (model.task={cfg.model.task!r}, model.terms_weights, policy {policy})") from None
-    if cfg.spec and cfg.spec.method in ("mtp", "eagle3", "draft_model"):
+    if cfg.spec and needs_weights(cfg.spec.method):
         drafter = cfg.model.drafter or cfg.spec.model
         if not drafter or not Path(drafter).is_dir():
             raise FileNotFoundError(f"spec method {cfg.spec.method!r} needs a drafter checkpoint; {drafter!r} not found "
@@ -77,14 +78,12 @@ def check_inputs(cfg: RLConfig) -> None:
 
 
 def load_drafter_for(cfg: RLConfig, policy_model):
-    from ..models import from_pretrained, load_drafter
-
-    if not cfg.spec or cfg.spec.method not in ("mtp", "eagle3", "draft_model"):
+    """The run's drafter module on the policy's device (its registry entry loads it), or None for a method without
+    weights or a plain run."""
+    if not cfg.spec or not needs_weights(cfg.spec.method):
         return None
-    path = cfg.model.drafter or cfg.spec.model
-    if cfg.spec.method == "draft_model":
-        return from_pretrained(path, device=policy_model.device)
-    return load_drafter(path, policy_model.config, device=policy_model.device)
+    return drafter_method(cfg.spec.method).load(cfg.model.drafter or cfg.spec.model, policy_model,
+                                                policy_model.device)
 
 
 def make_batch(prompts: list[list[int]], outs) -> tuple[Batch, torch.Tensor]:

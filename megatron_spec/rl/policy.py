@@ -23,6 +23,7 @@ from torch import Tensor
 from ..models.decoder import CausalLM, TrunkOutput
 from ..models.eagle3 import captured_layers
 from ..spec.drafter_loss import agreement, depth_pairs, pairs_loss
+from ..spec.registry import drafter_method
 from ..spec.sampling import processed_logprobs
 from .grpo import LossNorm, aggregate, kl_penalty, policy_loss, truncated_is_weights
 from .microbatch import micro_batches, sequence_lengths
@@ -374,9 +375,10 @@ class EmbeddedPolicy:
             self.drafter.train()
             self.drafter_opt.zero_grad(set_to_none=True)
         total, sums, counts = 0.0, [], []
+        online_loss = drafter_method(self.drafter_method).online_loss
         for f in forwards:
             with torch.set_grad_enabled(learn):
-                pairs = depth_pairs(self.drafter_method, self.model, self.drafter, f.input_ids, f.mask, f.out, f.logits,
+                pairs = depth_pairs(online_loss, self.model, self.drafter, f.input_ids, f.mask, f.out, f.logits,
                                     self.drafter_cfg.drafts)
             # Summed per depth over micro-batches (a short one may have fewer depths).
             if measure and self.drafter_cfg.agreement:

@@ -76,8 +76,10 @@ def load_run(path: str | Path) -> Run:
     if spec is None:
         kind, desc = "plain", "plain"
     else:
-        # Only drafters with weights train online; for ngram / history "online" means nothing, so it is not shown.
-        if spec.get("method") not in ("ngram", "history"):
+        # Only drafters with weights train online; for the lookup drafters "online" means nothing, so it is not shown.
+        from ..spec.registry import method_names
+
+        if spec.get("method") not in method_names(weights=False):
             online = (cfg.get("drafter_train") or {}).get("online")
         k = spec.get("num_speculative_tokens", "?")
         desc = f"spec: {spec.get('method', '?')} k{'<=' if spec.get('adaptive') else '='}{k}"

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..spec.registry import drafter_method
 from .config import GenParallel, LengthDist, SimConfig, Speculation, TrainParallel, Workload, resolve_model
 from .pipeline import STAGES, simulate
-
-DRAFTER_KIND = {"eagle3": "eagle3", "mtp": "mtp", "draft_model": "model", "ngram": "ngram", "history": "ngram"}
 
 
 def parse_target(text: str) -> tuple[str, int]:
@@ -70,7 +69,7 @@ def config_for_run(cfg: dict, figures: dict[str, float], hardware: str, gpus: in
     sim_spec = None
     if spec and spec.get("num_speculative_tokens", 0) > 0 and figures["tau"] > 0:
         sim_spec = Speculation(k=spec["num_speculative_tokens"], acceptance_length=figures["tau"],
-                               drafter=DRAFTER_KIND.get(spec["method"], "ngram"),
+                               drafter=drafter_method(spec["method"]).sim_profile,
                                adaptive=bool(spec.get("adaptive")),
                                online_drafter_training=bool(cfg.get("drafter_train", {}).get("online")))
     return SimConfig(model=_model(cfg["model"]["policy"]), hardware=hardware, gpus=gpus,

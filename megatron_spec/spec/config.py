@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("draft_model", "mtp", "eagle3", "ngram", "history")
+from .registry import drafter_method
 
 
 @dataclass
 class SpecConfig:
     method: str
-    """Drafter: one of `METHODS`."""
+    """Drafter: a name in the drafter registry (`spec.registry.method_names()`)."""
     num_speculative_tokens: int = 3
     """k: tokens drafted per verify step (the adaptive controller's upper bound when `adaptive`)."""
     model: str | None = None
@@ -29,8 +29,7 @@ class SpecConfig:
     """History drafter: finished rollouts remembered per prompt across `generate` calls (RL steps)."""
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"unknown speculative method {self.method!r}: known are {', '.join(METHODS)}")
+        drafter_method(self.method)  # an unknown name raises, listing the known ones
         if self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be >= 1 with method {self.method!r}, got {self.num_speculative_tokens}"
@@ -40,11 +39,15 @@ class SpecConfig:
                 f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, {self.prompt_lookup_max}"
             )
 
-    def vllm(self) -> dict:
-        """The `speculative_config` dict vLLM takes."""
-        out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens}
+    def vllm(self) -> dict | None:
+        """The `speculative_config` dict vLLM takes (the method's vLLM name and options from the registry); None
+        for a method with no vLLM counterpart."""
+        method = drafter_method(self.method)
+        if method.vllm_method is None:
+            return None
+        out = {"method": method.vllm_method, "num_speculative_tokens": self.num_speculative_tokens}
         if self.model:
             out["model"] = self.model
-        if self.method == "ngram":
-            out.update(prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
+        if method.vllm_options is not None:
+            out.update(method.vllm_options(self))
         return out

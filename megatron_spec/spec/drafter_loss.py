@@ -143,17 +143,20 @@ def draft_model_pairs(draft: CausalLM, input_ids: Tensor, logits: Tensor, mask: 
     return [DepthPair(draft(input_ids)[:, :-1], logits[:, :-1], mask[:, 1:])]
 
 
-def depth_pairs(method: str, target: CausalLM, drafter, input_ids: Tensor, mask: Tensor,
+def depth_pairs(online_loss, target: CausalLM, drafter, input_ids: Tensor, mask: Tensor,
                 out: TrunkOutput | None = None, logits: Tensor | None = None,
                 drafts: int = TRAINED_DRAFTS) -> list[DepthPair]:
     """The drafter's predictions on `input_ids` [B, T] per draft depth, beside the target's; `mask` [B, T] marks
-    the tokens worth predicting (generated ones).
+    the tokens worth predicting (generated ones). `online_loss` is the method's pair builder, the registry entry's
+    `online_loss` (`spec.registry.drafter_method(name).online_loss`).
 
     `out`/`logits` are the target's trunk output and logits for `input_ids` when the caller already has them (the
     RL step does); a missing `out` runs the target here without gradient, and missing `logits` are computed from
     `out.hidden` (only the draft-vocabulary columns for an EAGLE-3 head with one: cached features stay cheap).
     `drafts`: how many drafts per position an MTP / EAGLE-3 head is judged on (`TRAINED_DRAFTS`).
     """
+    if online_loss is None:
+        raise ValueError("this drafter method has no online loss (it has no weights to train)")
     if drafts < 1:
         raise ValueError(f"drafts must be >= 1, got {drafts}")
     if out is None:
@@ -162,14 +165,7 @@ def depth_pairs(method: str, target: CausalLM, drafter, input_ids: Tensor, mask:
     if logits is None:
         with torch.no_grad():
             logits = teacher_logits(target, drafter, out.hidden)
-    logits = logits.detach()
-    if method == "mtp":
-        return mtp_pairs(target, drafter, input_ids, out, logits, mask, drafts)
-    if method == "eagle3":
-        return eagle3_pairs(target, drafter, input_ids, out, logits, mask, drafts)
-    if method == "draft_model":
-        return draft_model_pairs(drafter, input_ids, logits, mask)
-    raise ValueError(f"method {method!r} has no trainable drafter (mtp, eagle3 and draft_model do)")
+    return online_loss(target, drafter, input_ids, out, logits.detach(), mask, drafts)
 
 
 def pairs_loss(drafter, pairs: list[DepthPair]) -> Tensor:
@@ -182,10 +178,10 @@ def pairs_loss(drafter, pairs: list[DepthPair]) -> Tensor:
     return torch.stack(losses).mean()
 
 
-def drafter_loss(method: str, target: CausalLM, drafter, input_ids: Tensor, mask: Tensor,
+def drafter_loss(online_loss, target: CausalLM, drafter, input_ids: Tensor, mask: Tensor,
                  out: TrunkOutput | None = None, logits: Tensor | None = None) -> Tensor:
     """Loss of `drafter` on `input_ids` [B, T] (`depth_pairs` for the arguments)."""
-    return pairs_loss(drafter, depth_pairs(method, target, drafter, input_ids, mask, out, logits))
+    return pairs_loss(drafter, depth_pairs(online_loss, target, drafter, input_ids, mask, out, logits))
 
 
 def agreement(drafter, pairs: list[DepthPair], sampling: dict) -> tuple[list[float], list[float]]:

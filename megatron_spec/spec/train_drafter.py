@@ -34,20 +34,16 @@ def task_prompts(target_path: str, n: int, seed: int, split: str = "train") -> l
 
 
 def new_drafter(method: str, target, draft_preset: str | None, d2t=None):
-    """A fresh drafter; `d2t` (target ids, EAGLE-3 only) is the head's draft vocabulary."""
-    from ..models import MTP, CausalLM, Eagle3Head, MTPConfig, preset
+    """A fresh drafter from the method's registry entry; `d2t` (target ids) is the head's draft vocabulary, for a
+    method that has one."""
+    from .registry import drafter_method, method_names
 
-    if d2t is not None and method != "eagle3":
-        raise ValueError(f"a draft vocabulary is an EAGLE-3 head's; method {method!r} drafts in the target's")
-    if method == "mtp":
-        return MTP(target.config, MTPConfig(1))
-    if method == "eagle3":
-        return Eagle3Head.from_target(target, d2t=d2t)
-    if method == "draft_model":
-        if not draft_preset:
-            raise ValueError("draft_model training needs --draft-preset (e.g. tiny-draft) or --init DIR")
-        return CausalLM(preset(draft_preset))
-    raise ValueError(f"method {method!r} has no trainable drafter: choose mtp, eagle3 or draft_model")
+    entry = drafter_method(method)
+    if d2t is not None and not entry.draft_vocab:
+        raise ValueError(f"method {method!r} drafts in the target's vocabulary; it takes no draft vocabulary")
+    if entry.new is None:
+        raise ValueError(f"method {method!r} has no trainable drafter: choose {', '.join(method_names(trainable=True))}")
+    return entry.new(target, draft_preset, d2t)
 
 
 def rollouts(target, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int,
@@ -80,15 +76,12 @@ def draft_vocab(ids, mask, size: int, vocab_size: int, always: tuple[int, ...] =
     return order[:size].sort().values
 
 
-def capture_layers(method: str, target, drafter=None) -> tuple[int, ...]:
-    """Target layers whose outputs the drafter fuses: an EAGLE-3 head's (a fresh one's default), else none."""
-    from ..models import captured_layers, default_capture_layers
+def capture_layers(method: str, target, drafter=None, draft_preset: str | None = None) -> tuple[int, ...]:
+    """Target layers whose outputs the drafter fuses (an EAGLE-3 head's; none for the others): `drafter`'s, or a
+    fresh drafter's of `method` when None."""
+    from ..models import captured_layers
 
-    if method != "eagle3":
-        return ()
-    if drafter is not None:
-        return captured_layers(drafter)
-    return default_capture_layers(target.config.num_hidden_layers)
+    return captured_layers(drafter if drafter is not None else new_drafter(method, target, draft_preset))
 
 
 def target_features(target, drafter, ids, chunk: int = 16) -> TrunkOutput:
@@ -118,7 +111,9 @@ def train(target, drafter, method: str, ids, mask, steps: int, batch_size: int, 
 
     from ..models.decoder import TrunkOutput
     from .drafter_loss import drafter_loss
+    from .registry import drafter_method
 
+    online_loss = drafter_method(method).online_loss
     target.eval().requires_grad_(False)
     if feats is None:
         feats = target_features(target, drafter, ids)
@@ -135,7 +130,7 @@ def train(target, drafter, method: str, ids, mask, steps: int, batch_size: int, 
         rows = torch.randint(0, ids.shape[0], (batch_size,), generator=g).to(ids.device)
         length = int(mask[rows].nonzero()[:, 1].max()) + 1  # trim padding columns of this batch
         out = TrunkOutput(feats.hidden[rows, :length], {i: h[rows, :length] for i, h in feats.layers.items()})
-        loss = drafter_loss(method, target, drafter, ids[rows, :length], mask[rows, :length], out=out)
+        loss = drafter_loss(online_loss, target, drafter, ids[rows, :length], mask[rows, :length], out=out)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -173,18 +168,20 @@ def cached_rollouts(args: argparse.Namespace, target, capture: tuple[int, ...]):
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from ..models import from_pretrained, load_drafter, save_drafter, save_pretrained
+    from ..models import from_pretrained
     from ..models.config import token_id_tuple
+    from .registry import drafter_method
 
-    if args.draft_vocab and (args.method != "eagle3" or args.init is not None):
+    entry = drafter_method(args.method)
+    if args.draft_vocab and (not entry.draft_vocab or args.init is not None):
         raise ValueError("--draft-vocab builds a fresh EAGLE-3 head's map (a head from --init keeps its own)")
     torch.manual_seed(args.seed)
     target = from_pretrained(args.target)
     drafter = None
     if args.init is not None:
-        drafter = from_pretrained(args.init) if args.method == "draft_model" else load_drafter(args.init, target.config)
+        drafter = entry.load(args.init, target, "cpu")
     t0 = time.perf_counter()
-    ids, mask, feats = cached_rollouts(args, target, capture_layers(args.method, target, drafter))
+    ids, mask, feats = cached_rollouts(args, target, capture_layers(args.method, target, drafter, args.draft_preset))
     print(f"train-drafter: {ids.shape[0]} target rollouts ({int(mask.sum())} tokens) "
           f"in {time.perf_counter() - t0:.1f}s")
     d2t = None
@@ -200,18 +197,17 @@ def main(args: argparse.Namespace) -> int:
                    feats=feats)
     print(f"train-drafter: {args.steps} steps in {time.perf_counter() - t0:.1f}s, soft-CE {losses[0]:.3f} -> {losses[-1]:.3f}")
     drafter = drafter.to(getattr(torch, args.save_dtype))  # loaders cast to the target's dtype
-    if args.method == "draft_model":
-        out = save_pretrained(drafter, args.out)
-    else:
-        out = save_drafter(drafter, args.out, args.method, target.config)
+    out = entry.save(drafter, args.out, target)
     print(f"train-drafter: saved {args.method} drafter to {out}")
     return 0
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from .registry import method_names
+
     p = sub.add_parser("train-drafter", help="train a drafter offline on the target's own generations")
     p.add_argument("--target", required=True, help="target checkpoint directory (or smollm2-135m)")
-    p.add_argument("--method", required=True, choices=["mtp", "eagle3", "draft_model"])
+    p.add_argument("--method", required=True, choices=method_names(trainable=True))
     p.add_argument("--out", required=True, help="where to save the drafter checkpoint")
     p.add_argument("--draft-preset", default=None, help="architecture of a new draft model (draft_model only)")
     p.add_argument("--init", default=None, help="continue from this drafter checkpoint instead of a fresh one")

@@ -12,6 +12,7 @@ from megatron_spec.models import MTP, CausalLM, Eagle3Head, preset
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
 from megatron_spec.rl.policy import Batch, EmbeddedPolicy
 from megatron_spec.spec.drafter_loss import depth_pairs, pairs_loss
+from megatron_spec.spec.registry import drafter_method
 
 SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)
 
@@ -245,7 +246,8 @@ def test_joined_rows_keep_their_own_drafter_predictions(method):
 
     def pairs(f):
         with torch.no_grad():
-            return depth_pairs(method, policy.model, policy.drafter, f.input_ids, f.mask, f.out, f.logits)
+            return depth_pairs(drafter_method(method).online_loss, policy.model, policy.drafter, f.input_ids, f.mask,
+                               f.out, f.logits)
 
     together, row, tokens = pairs(joined), 0, float(joined.mask.sum())
     weighted = 0.0

@@ -14,6 +14,7 @@ from megatron_spec.models import Eagle3Head
 from megatron_spec.spec.config import SpecConfig
 from megatron_spec.spec.drafter_loss import drafter_loss, soft_cross_entropy, teacher_logits
 from megatron_spec.spec.proposers.hidden import choose_mapped
+from megatron_spec.spec.registry import drafter_method
 from megatron_spec.spec.sampling import processed_logprobs
 
 from .stats import chi2_quantile_999, homogeneity
@@ -21,6 +22,8 @@ from .hidden_reference import reference_hidden_drafts
 from .test_engine_spec import PROMPTS, assert_logprobs_equal_full_forward, incremental_drafts
 
 V = 64  # the tiny target's vocabulary
+
+EAGLE3_LOSS = drafter_method("eagle3").online_loss
 
 
 @pytest.fixture(scope="module")
@@ -142,8 +145,8 @@ def test_loss_is_renormalised_restriction_and_reaches_only_the_head(target):
     # Softmax over the restricted logits is p on the map, renormalised.
     p = full.softmax(-1)[..., head.d2t]
     torch.testing.assert_close(restricted.softmax(-1), p / p.sum(-1, keepdim=True))
-    loss_full = drafter_loss("eagle3", target, head, ids, mask, out, full)
-    loss_restricted = drafter_loss("eagle3", target, head, ids, mask, out)
+    loss_full = drafter_loss(EAGLE3_LOSS, target, head, ids, mask, out, full)
+    loss_restricted = drafter_loss(EAGLE3_LOSS, target, head, ids, mask, out)
     torch.testing.assert_close(loss_full, loss_restricted)
     loss_full.backward()
     assert all(p.grad is None for p in target.parameters())

@@ -10,7 +10,10 @@ import torch
 from megatron_spec.cli import main as cli_main
 from megatron_spec.models import Eagle3Head, from_pretrained, load_drafter
 from megatron_spec.spec.drafter_loss import drafter_loss
+from megatron_spec.spec.registry import drafter_method
 from megatron_spec.spec.train_drafter import draft_vocab, target_features, train
+
+EAGLE3_LOSS = drafter_method("eagle3").online_loss
 
 TARGET = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-qwen3"
 
@@ -40,8 +43,8 @@ def test_cached_features_give_the_per_step_loss(tiny_model):
     rows, n = torch.tensor([2, 0]), 10
     cached = type(feats)(feats.hidden[rows, :n], {i: h[rows, :n] for i, h in feats.layers.items()})
     with torch.no_grad():
-        a = drafter_loss("eagle3", tiny_model, head, ids[rows, :n], mask[rows, :n], out=cached)
-        b = drafter_loss("eagle3", tiny_model, head, ids[rows, :n], mask[rows, :n])
+        a = drafter_loss(EAGLE3_LOSS, tiny_model, head, ids[rows, :n], mask[rows, :n], out=cached)
+        b = drafter_loss(EAGLE3_LOSS, tiny_model, head, ids[rows, :n], mask[rows, :n])
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 

@@ -7,6 +7,7 @@ import torch
 
 from megatron_spec.models import MTP, CausalLM, Eagle3Head, MTPConfig, preset
 from megatron_spec.spec.drafter_loss import TRAINED_DRAFTS, depth_pairs
+from megatron_spec.spec.registry import drafter_method
 
 from .hidden_reference import reference_hidden_drafts
 
@@ -28,8 +29,8 @@ def test_trained_drafts_are_the_drafted_ones(method, layers):
     ids = torch.tensor([tokens])
     with torch.no_grad():
         out = target.trunk(ids, capture=() if method == "mtp" else head.capture_layers)
-        pairs = depth_pairs(method, target, head, ids, torch.ones_like(ids, dtype=torch.bool), out,
-                            target.lm_head(out.hidden))
+        pairs = depth_pairs(drafter_method(method).online_loss, target, head, ids,
+                            torch.ones_like(ids, dtype=torch.bool), out, target.lm_head(out.hidden))
     assert len(pairs) == TRAINED_DRAFTS
     for t in range(10):
         chained = tokens[t + 2 : t + 2 + TRAINED_DRAFTS]

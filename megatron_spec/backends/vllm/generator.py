@@ -32,6 +32,7 @@ import torch
 from ...engine.params import Completion, SamplingParams
 from ...rl.refit import DRAFTER_PREFIX
 from ...spec.config import SpecConfig
+from ...spec.registry import drafter_method, method_names, needs_weights
 from .export import drafter_kind, drafter_refit_tensors, export_drafter, export_target
 
 WORKER_EXTENSION = "megatron_spec.backends.vllm.worker.WorkerExtension"
@@ -52,11 +53,10 @@ def import_vllm():
 def check_spec(spec: SpecConfig | None) -> None:
     if spec is None:
         return
-    if spec.method == "history":
-        raise ValueError("speculative method 'history' has no vLLM counterpart (vLLM's suffix drafter keeps its own "
-                         "tree, not our per-prompt rollout history); use ngram, draft_model, eagle3 or mtp with "
-                         "backend.generator=vllm, or the embedded generator")
-    if spec.method in ("draft_model", "eagle3", "mtp") and not spec.model:
+    if drafter_method(spec.method).vllm_method is None:
+        raise ValueError(f"speculative method {spec.method!r} has no vLLM counterpart; use "
+                         f"{', '.join(method_names(vllm=True))} with backend.generator=vllm, or the embedded generator")
+    if needs_weights(spec.method) and not spec.model:
         raise ValueError(f"speculative method {spec.method!r} in vLLM needs SpecConfig.model (the drafter directory)")
     if spec.adaptive:
         warnings.warn("SpecConfig.adaptive is not available in vLLM: it drafts num_speculative_tokens on every step",
@@ -142,7 +142,7 @@ class VLLMGenerator:
         out = Path(cfg.run.out_dir) / "vllm"
         export_target(model, out / "policy")
         spec = cfg.spec
-        if spec is not None and spec.method in ("draft_model", "eagle3", "mtp"):
+        if spec is not None and needs_weights(spec.method):
             if drafter is None:
                 raise ValueError(f"spec method {spec.method!r} needs a drafter")
             export_drafter(drafter, out / "drafter")
