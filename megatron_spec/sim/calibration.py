@@ -26,7 +26,12 @@ Where each GPU value comes from:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from .hardware import Hardware
+
+# Fitted by `fit.fit_calibration` on the FIT_ROWS of `fit.py` (docs/design/simulator-calibration.md).
+HOPPER_FIT = {"decode_eff": 0.543, "forward_overhead_s": 1.23e-3, "train_mfu": 0.416, "train_mfu_moe": 0.122}
 
 
 @dataclass(frozen=True)
@@ -49,18 +54,64 @@ class Calibration:
     """Fixed cost of waking a sleeping generation engine, seconds."""
     data_s_per_rollout: float = 5e-5
     """Host time per rollout for the `data` stage (batching prompts, scoring rewards), seconds."""
+    decode_eff: float = 1.0
+    """Share of the kernel roofline (`mem_eff`, `gemm_eff`) the serving engine reaches over a whole generation:
+    scheduling gaps between steps, small unfused kernels, MoE routing imbalance. Divides an engine forward's
+    kernel time (not its fixed `forward_overhead_s`)."""
+    train_mfu_moe: float = 0.0
+    """Training MFU of mixture-of-experts models (token dispatch, grouped GEMMs over few tokens per expert);
+    0: the same as `train_mfu`."""
+    offload_eff: float = 0.5
+    """Fraction of the host link (`Hardware.host_bw`) offload, onload and reference-weight swaps reach."""
+    net_collective_latency_s: float = 30e-6
+    """Fixed cost of one collective whose group spans scale-up domains (an engine wider than a node): NCCL's
+    small-message all-reduce over InfiniBand between two HGX nodes takes a few tens of microseconds, against ~10
+    inside NVLink."""
+    fp8_train_gain: float = 0.65
+    """Share of the spec sheet's FP8-over-BF16 peak ratio that FP8 training keeps (public Transformer Engine
+    figures: 1.2-1.4x end to end against the sheet's 2x)."""
 
     def __post_init__(self) -> None:
-        for name in ("mem_eff", "gemm_eff", "train_mfu", "link_eff", "refit_eff"):
+        for name in ("mem_eff", "gemm_eff", "train_mfu", "link_eff", "refit_eff", "decode_eff", "offload_eff",
+                     "fp8_train_gain"):
             value = getattr(self, name)
             if not 0 < value <= 1:
                 raise ValueError(f"Calibration.{name} must be in (0, 1], got {value}")
-        for name in ("collective_latency_s", "forward_overhead_s", "engine_wake_s", "data_s_per_rollout"):
+        for name in ("collective_latency_s", "forward_overhead_s", "engine_wake_s", "data_s_per_rollout",
+                     "net_collective_latency_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Calibration.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.train_mfu_moe <= 1:
+            raise ValueError(f"Calibration.train_mfu_moe must be in [0, 1] (0: train_mfu), got {self.train_mfu_moe}")
+
+    def latency(self, hw: Hardware, group: int) -> float:
+        """Fixed cost of one collective over `group` devices: inside one scale-up domain or across domains."""
+        return self.collective_latency_s if group <= hw.domain_size else self.net_collective_latency_s
+
+    def mfu(self, moe: bool) -> float:
+        """Training MFU for a dense or a mixture-of-experts model."""
+        return self.train_mfu_moe if moe and self.train_mfu_moe else self.train_mfu
 
 
 GPU = Calibration(
     mem_eff=0.80, gemm_eff=0.60, train_mfu=0.40, link_eff=0.70, collective_latency_s=10e-6,
     forward_overhead_s=1.5e-3, refit_eff=0.25, engine_wake_s=1.0,
 )
+"""Blackwell (B200, GB200): the spec-sheet set above, with `forward_overhead_s` set on the reference paper's
+GB200 run; its validation (tests/sim/test_reference_paper.py) runs on it."""
+
+HOPPER = replace(
+    GPU, decode_eff=HOPPER_FIT["decode_eff"], forward_overhead_s=HOPPER_FIT["forward_overhead_s"],
+    train_mfu=HOPPER_FIT["train_mfu"], train_mfu_moe=HOPPER_FIT["train_mfu_moe"],
+)
+"""H100 and H200: the same spec-sheet kernel factors, with the engine's decode efficiency and overhead, the
+training MFU of dense and MoE models and the offload efficiency fitted on NeMo-RL's published H100 GRPO step
+times (`fit.py`; rows, values and their argument in docs/design/simulator-calibration.md). H200 shares it: the
+same Hopper die and software, so the same fractions of its own spec sheet."""
+
+CALIBRATIONS = {"h100": HOPPER, "h200": HOPPER, "b200": GPU, "gb200": GPU}
+
+
+def calibration_for(hw_name: str) -> Calibration:
+    """The calibration set of a GPU profile (a profile built elsewhere, e.g. the CPU harness's, gets `GPU`)."""
+    return CALIBRATIONS.get(str(hw_name).lower(), GPU)

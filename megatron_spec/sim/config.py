@@ -244,6 +244,7 @@ class GenParallel:
         check_layout(m, Layout(tp=self.tp, ep=self.ep, etp=1), kv_replication=True, who="generation")
 
 
+RECOMPUTE = ("none", "selective", "full")
 GPU_MICRO_BATCH_TOKENS = 16384
 """Default micro-batch of a GPU trainer: tokens packed per micro-batch per data-parallel rank."""
 
@@ -290,6 +291,33 @@ class SimConfig:
     (`grpo.share_prompt`): a prefix pass over the prompts, then the completions attending to their prompt's keys
     and values (`rl/prefix.py`). Only the CPU harness's model of the embedded trainer describes it; a GPU trainer
     packs whole sequences, so with a GPU profile name it must stay off. None: False."""
+    reference_logprob: bool = False
+    """A second forward per step for the frozen reference policy (the KL penalty's log-probs), as NeMo-RL runs
+    whenever `reference_policy_kl_penalty` is non-zero. The reference weights wait in host memory and are swapped
+    in and out around that pass, which costs their bytes twice over the host link."""
+    recompute: str = "selective"
+    """Activation recomputation of the trainer: 'none' (every activation kept: backward = 2 forwards), 'selective'
+    (Megatron's default: the attention core is recomputed), 'full' (each layer's forward runs again in backward:
+    4 forwards per update, only layer inputs kept)."""
+    train_global_batch: int = 0
+    """Sequences per optimizer step; 0: all the step's rollouts in one update. Smaller (NeMo-RL: 512 of 2048)
+    means rollouts / train_global_batch optimizer steps per RL step, each with its own pipeline fill and drain
+    and its own gradient reduce-scatter and all-gather."""
+    offload: bool | None = None
+    """Colocated only: each step the trainer's weights, gradients and optimizer states go to host memory before
+    generation and come back after, and the engine's weights do the reverse (vLLM sleep level 1), at the host
+    link's bandwidth (`Hardware.host_bw`) times `Calibration.offload_eff`. None: on when colocated."""
+    train_fp8: bool = False
+    """FP8 training (Transformer Engine): train and logprob GEMMs at the device's FP8 peak, scaled by
+    `Calibration.fp8_train_gain` (what FP8 buys end to end, well under the 2x of the spec sheet)."""
+    in_flight_updates: bool = False
+    """Asynchronous only: the engines keep generating through each refit (NeMo-RL's `in_flight_weight_updates`),
+    so the next step's prompts take the slots the current step's finished sequences free and the batch never
+    drains; the gen side is simulated over lag + 1 steps' rollouts in one stream. False: each step's generation
+    starts when the refit lands (lag 1 drains every step; lag L >= 2 streams L steps)."""
+    decode_eff: float | None = None
+    """Share of the kernel roofline the serving engine reaches in decode, prefill and verify (scheduling gaps,
+    unfused small kernels, MoE routing imbalance); None: the calibration's value for the GPU."""
 
     def __post_init__(self) -> None:
         if isinstance(self.workload, dict):
@@ -319,6 +347,15 @@ class SimConfig:
         if self.micro_batch_tokens < 0:
             raise ValueError(f"micro_batch_tokens must be >= 0 (0: the whole batch in one micro-batch), "
                              f"got {self.micro_batch_tokens}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.train_global_batch < 0:
+            raise ValueError(f"train_global_batch must be >= 0 (0: one update per step), got {self.train_global_batch}")
+        if self.train_global_batch and self.workload.rollouts % self.train_global_batch:
+            raise ValueError(f"train_global_batch={self.train_global_batch} must divide the step's "
+                             f"{self.workload.rollouts} rollouts (each optimizer step takes an equal share)")
+        if self.decode_eff is not None and not 0 < self.decode_eff <= 1:
+            raise ValueError(f"decode_eff must be in (0, 1], got {self.decode_eff}")
         if self.policy_lag < 0:
             raise ValueError(f"policy_lag must be >= 0, got {self.policy_lag}")
         if self.colocated:
@@ -330,6 +367,11 @@ class SimConfig:
             self.gen_gpus = self.gpus
         elif not 0 < self.gen_gpus < self.gpus:
             raise ValueError(f"disaggregated placement needs 0 < gen_gpus < gpus={self.gpus}, got {self.gen_gpus}")
+        if self.in_flight_updates and not self.policy_lag:
+            raise ValueError("in_flight_updates needs an asynchronous run (policy_lag >= 1)")
+        if self.offload and not self.colocated:
+            raise ValueError("offload describes colocated placements (trainer and engine swap the GPUs' memory); "
+                             "a disaggregated run keeps both resident")
         if self.gen_gpus % self.gen.tp:
             raise ValueError(f"generation GPUs ({self.gen_gpus}) are not a multiple of gen tp={self.gen.tp}")
         if self.train.gpus != self.train_gpus:
@@ -340,9 +382,25 @@ class SimConfig:
 
     @property
     def packed_micro_batches(self) -> int:
-        """Micro-batches one data-parallel rank of a packing (GPU) trainer runs per step (1 with budget 0)."""
-        tokens = self.workload.rollouts * self.workload.tokens_per_rollout / self.train.dp
+        """Micro-batches one data-parallel rank of a packing (GPU) trainer runs per optimizer step (1 with
+        budget 0)."""
+        tokens = self.workload.rollouts * self.workload.tokens_per_rollout / self.train.dp / self.optimizer_steps
         return max(1, math.ceil(tokens / self.micro_batch_tokens)) if self.micro_batch_tokens else 1
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps' worth of rollouts one engine streams in the simulation of the gen side."""
+        return self.policy_lag + 1 if self.in_flight_updates else max(self.policy_lag, 1)
+
+    @property
+    def offloads(self) -> bool:
+        """Whether trainer states and engine weights cross the host link each step (`offload`, None: colocated)."""
+        return self.colocated if self.offload is None else self.offload
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps per RL step."""
+        return self.workload.rollouts // self.train_global_batch if self.train_global_batch else 1
 
     @property
     def train_gpus(self) -> int:

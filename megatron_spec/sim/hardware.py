@@ -7,7 +7,7 @@ Inter-node figures are marked "assumption" where they are set, with their source
 collectives that leave an NVLink domain.
 
 How much of these peaks real kernels reach is *not* stored here: that lives in `calibration.py`, one set of
-factors shared by every GPU profile, so a profile stays a plain copy of a spec sheet.
+factors per GPU profile, so a profile stays a plain copy of a spec sheet.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 GB = 1e9
 TB = 1e12
+MiB = 2 ** 20
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,12 @@ class Hardware:
     """Scale-out bandwidth per device, bytes/s, one direction (InfiniBand / Ethernet NIC per GPU)."""
     fp8_speedup: float = 2.0
     """Dense FP8 over dense BF16 FLOP/s; 2x on Hopper and Blackwell spec sheets."""
+    host_bw: float = 64e9
+    """Device <-> host memory bandwidth, bytes/s, one direction: what offloading optimizer states and sleeping an
+    engine move over (PCIe Gen5 x16, 64 GB/s, on HGX H100 / H200 / B200; NVLink-C2C on GB200)."""
 
     def __post_init__(self) -> None:
-        for field in ("flops_bf16", "mem_bw", "mem_bytes", "link_bw", "net_bw", "fp8_speedup"):
+        for field in ("flops_bf16", "mem_bw", "mem_bytes", "link_bw", "net_bw", "fp8_speedup", "host_bw"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"Hardware {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
         if self.domain_size < 1:
@@ -56,15 +60,19 @@ class Hardware:
 
 # Inter-node figures (assumption, not on the GPU datasheets): one 400 Gb/s NIC per GPU on HGX H100/H200 (NVIDIA DGX
 # reference architecture), one 800 Gb/s NIC per GPU on Blackwell systems (ConnectX-8). 400 Gb/s = 50 GB/s.
+# Hopper memory: the sheets' "80 GB" / "141 GB" are what the driver reports as 81559 MiB / 143771 MiB (nvidia-smi's
+# total), 85.5 / 150.8 decimal GB, which is what vLLM's gpu_memory_utilization takes its share of.
+# GB200's host link (assumption): NVLink-C2C's 900 GB/s (both directions) shared by the two GPUs of a Grace,
+# 225 GB/s per GPU and direction.
 GPU_PROFILES: dict[str, Hardware] = {
-    "h100": Hardware("h100", flops_bf16=989e12, mem_bw=3.35 * TB, mem_bytes=80 * GB, link_bw=900 * GB,
+    "h100": Hardware("h100", flops_bf16=989e12, mem_bw=3.35 * TB, mem_bytes=81559 * MiB, link_bw=900 * GB,
                      domain_size=8, net_bw=50 * GB),
-    "h200": Hardware("h200", flops_bf16=989e12, mem_bw=4.8 * TB, mem_bytes=141 * GB, link_bw=900 * GB,
+    "h200": Hardware("h200", flops_bf16=989e12, mem_bw=4.8 * TB, mem_bytes=143771 * MiB, link_bw=900 * GB,
                      domain_size=8, net_bw=50 * GB),
     "b200": Hardware("b200", flops_bf16=2.25e15, mem_bw=8.0 * TB, mem_bytes=180 * GB, link_bw=1.8 * TB,
                      domain_size=8, net_bw=100 * GB),
     "gb200": Hardware("gb200", flops_bf16=2.5e15, mem_bw=8.0 * TB, mem_bytes=186 * GB, link_bw=1.8 * TB,
-                      domain_size=72, net_bw=100 * GB),
+                      domain_size=72, net_bw=100 * GB, host_bw=225 * GB),
 }
 
 

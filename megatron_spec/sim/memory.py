@@ -5,7 +5,8 @@ Trainer (Megatron-style, BF16 weights, FP32 gradient buffers, distributed Adam):
     weights 2 B + gradients 4 B per local parameter, FP32 master weights and the two Adam moments (12 B) sharded
     over the data-parallel replicas; activations with per-layer recomputation: each layer's input (2 B per token
     per hidden unit) for the micro-batches 1F1B keeps in flight, one layer's live activations (~34 B per token per
-    hidden unit, Korthikanti et al. 2022) and the float32 logits of one micro-batch.
+    hidden unit, Korthikanti et al. 2022; every layer's with `recompute='none'`) and the float32 logits of one
+    micro-batch.
 Engine (vLLM-style): weights and drafter at the rollout dtype, a fixed workspace plus the sampler's float32 logits
     for a full batch of verify tokens; the KV cache gets what is left of `gpu_memory_utilization` of the device.
 
@@ -71,7 +72,8 @@ def memory_report(cfg: SimConfig, hw: Hardware, target: CostShape, drafter: Cost
     in_flight = min(t.pp, cfg.packed_micro_batches)
     layers_per_stage = math.ceil(target.layers / t.pp)
     act = mb_tokens * target.hidden * 2 * layers_per_stage * in_flight / t.tp
-    act += mb_tokens * target.hidden * LAYER_ACT_BYTES_PER_TOKEN_HIDDEN / t.tp
+    live_layers = layers_per_stage * in_flight if cfg.recompute == "none" else 1  # without recompute all are kept
+    act += mb_tokens * target.hidden * LAYER_ACT_BYTES_PER_TOKEN_HIDDEN * live_layers / t.tp
     act += mb_tokens * target.vocab * 4 / t.tp
 
     g = cfg.gen.tp

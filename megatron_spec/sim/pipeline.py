@@ -17,9 +17,9 @@ pays least. Exposed generation is what the training side waits for: step - (data
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace as _replace
 
-from .calibration import GPU, Calibration
+from .calibration import Calibration, calibration_for
 from .config import SimConfig
 from .generation import Engine, GenResult, simulate_generation
 from .hardware import Hardware, hardware
@@ -60,10 +60,13 @@ class StepResult:
         return self.gen_tokens / self.stages["gen"] if self.stages["gen"] else 0.0
 
 
-def build(cfg: SimConfig, hw: Hardware | None = None) -> tuple[Hardware, Calibration, CostShape, CostShape | None]:
-    """Resolve hardware, calibration and cost shapes of a configuration."""
+def build(cfg: SimConfig, hw: Hardware | None = None, cal: Calibration | None = None
+          ) -> tuple[Hardware, Calibration, CostShape, CostShape | None]:
+    """Resolve hardware, calibration (the GPU's own set unless `cal` is given) and cost shapes of a configuration."""
     hw = hw or hardware(cfg.hardware)
-    cal = GPU
+    cal = cal or calibration_for(hw.name)
+    if cfg.decode_eff is not None:
+        cal = _replace(cal, decode_eff=cfg.decode_eff)
     kv_bytes = 4 if cfg.gen_dtype_bytes == 4 else 2
     target = shape_of(cfg.model_config, name=str(cfg.model), kv_dtype_bytes=kv_bytes)
     drafter = None
@@ -94,19 +97,20 @@ def compose(cfg: SimConfig, stages: dict[str, float], gen_side_s: float) -> tupl
     return step, max(0.0, gen_side_s - train_side)
 
 
-def simulate(cfg: SimConfig, hw: Hardware | None = None) -> StepResult:
-    """Predict one RL step of `cfg`; raises ValueError if it does not fit in memory."""
-    hw, cal, target, drafter = build(cfg, hw)
+def simulate(cfg: SimConfig, hw: Hardware | None = None, cal: Calibration | None = None) -> StepResult:
+    """Predict one RL step of `cfg` (with calibration `cal`, default the GPU's set); raises ValueError if it does
+    not fit in memory."""
+    hw, cal, target, drafter = build(cfg, hw, cal)
     mem = memory_report(cfg, hw, target, drafter)
     check_fit(cfg, mem)
-    lag = cfg.policy_lag
-    gen = generation(cfg, hw, cal, target, drafter, mem, steps_in_flight=max(lag, 1))
-    gen_side = gen.time_s / max(lag, 1)
+    n = cfg.steps_in_flight
+    gen = generation(cfg, hw, cal, target, drafter, mem, steps_in_flight=n)
+    gen_side = gen.time_s / n
     stages = {
         "data": data_time(cfg, cal),
-        "prepare": prepare_time(cfg, hw, cal, target, drafter),
+        "prepare": prepare_time(cfg, hw, cal, target, drafter, mem),
         "gen": gen_side,
-        "logprob": logprob_time(cfg, hw, cal, target),
+        "logprob": logprob_time(cfg, hw, cal, target, mem),
         "train": train_time(cfg, hw, cal, target, drafter),
     }
     step, exposed = compose(cfg, stages, gen_side)

@@ -7,6 +7,10 @@
     comm      2 all-reduces per layer over TP, 2 all-to-alls per MoE layer over EP
     overhead  a fixed cost per forward (`Calibration.forward_overhead_s`)
 
+The compute families' sum (linear, attention, sampler) is divided by `Calibration.decode_eff`, the share of this
+roofline a serving engine reaches over a whole generation (1 on the Blackwell set, fitted on Hopper); collectives
+keep their own link efficiency.
+
 Each family is its own roofline (they run as separate kernels, one after the other), so the sum of maxima is used
 rather than one max over the whole pass. All figures are per GPU of a `tp`-wide engine: weights, KV heads and
 FLOPs split `tp` ways. MoE expert bytes count only the experts the batch touches (`CostShape.experts_touched`).
@@ -54,11 +58,11 @@ def collective_time(hw: Hardware, cal: Calibration, shape: CostShape, tokens: fl
     total = 0.0
     if tp > 1:
         buf = tokens * shape.hidden * ACT_BYTES
-        per_call = cal.collective_latency_s + 2 * (tp - 1) / tp * buf / (hw.collective_bw(tp) * cal.link_eff)
+        per_call = cal.latency(hw, tp) + 2 * (tp - 1) / tp * buf / (hw.collective_bw(tp) * cal.link_eff)
         total += 2 * shape.layers * per_call
     if ep > 1 and shape.moe_layers:
         buf = tokens * shape.top_k * shape.hidden * ACT_BYTES * (ep - 1) / ep / tp
-        per_call = cal.collective_latency_s + buf / (hw.collective_bw(ep) * cal.link_eff)
+        per_call = cal.latency(hw, ep) + buf / (hw.collective_bw(ep) * cal.link_eff)
         total += 2 * shape.moe_layers * per_call
     return total
 
@@ -76,5 +80,4 @@ def forward_time(shape: CostShape, hw: Hardware, cal: Calibration, n_seqs: float
     t += attention_time(shape, hw, cal, q_tokens, ctx_tokens, tp, dtype_bytes)
     if sample:
         t += sampler_time(shape, hw, cal, tokens)
-    t += collective_time(hw, cal, shape, tokens, tp, ep)
-    return t + cal.forward_overhead_s
+    return t / cal.decode_eff + collective_time(hw, cal, shape, tokens, tp, ep) + cal.forward_overhead_s

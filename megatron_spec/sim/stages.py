@@ -2,13 +2,15 @@
 
     data     host time per rollout (batching prompts, scoring rewards)
     prepare  refit bytes (policy + drafter at the rollout dtype) each engine GPU receives, over the link that
-             connects trainer and engine, at the refit efficiency; plus the wake-up of a sleeping (colocated) engine
-    logprob  2 x active params x tokens + causal attention FLOPs, over the training GPUs at the training MFU, with
-             the pipeline bubble and uneven stages, plus tensor/expert-parallel activation traffic; 0 when the
-             recompute is folded into the train forward (`SimConfig.fold_logprob`, off by default on a GPU)
-    train    3x the logprob FLOPs (forward + backward), the drafter's own 6 x params x tokens when it trains online,
-             the same bubble and traffic (3 passes), and the gradient reduce-scatter + all-gather over data
-             parallel
+             connects trainer and engine, at the refit efficiency; colocated, also the wake-up of the sleeping
+             engine and the host round trip of the trainer's states and the engine's weights (`SimConfig.offload`)
+    logprob  2 x active params x tokens + causal attention FLOPs, over the training GPUs at the training MFU of the
+             model's kind, with the pipeline bubble and uneven stages, plus tensor/expert-parallel activation
+             traffic; a second pass (and a host swap of its weights) for the reference policy when
+             `SimConfig.reference_logprob`; 0 when the recompute is folded into the train forward
+    train    3 forwards' FLOPs (forward + backward), 4 with full recomputation and 3 plus the attention core with
+             selective; the drafter's own when it trains online; the same bubble and traffic per optimizer step,
+             and the gradient reduce-scatter + all-gather over data parallel once per optimizer step
 """
 
 from __future__ import annotations
@@ -18,7 +20,18 @@ import math
 from .calibration import Calibration
 from .config import SimConfig
 from .hardware import Hardware
-from .shapes import CostShape
+from .memory import MemoryReport, memory_report
+from .shapes import CostShape, drafter_shape, shape_of
+
+
+def _memory(cfg: SimConfig, hw: Hardware) -> MemoryReport:
+    """The memory report of `cfg`, for callers that did not pass one (the tuner ranks training sides with it)."""
+    kv_bytes = 4 if cfg.gen_dtype_bytes == 4 else 2
+    target = shape_of(cfg.model_config, kv_dtype_bytes=kv_bytes)
+    s = cfg.spec
+    drafter = None if s is None else drafter_shape(cfg.model_config, s.drafter, s.draft_model, s.drafter_layers,
+                                                   s.draft_vocab, kv_bytes)
+    return memory_report(cfg, hw, target, drafter)
 
 
 def data_time(cfg: SimConfig, cal: Calibration) -> float:
@@ -31,29 +44,42 @@ def refit_bytes(cfg: SimConfig, target: CostShape, drafter: CostShape | None) ->
     return params * cfg.gen_dtype_bytes / cfg.gen.tp
 
 
+def offload_time(cfg: SimConfig, hw: Hardware, cal: Calibration, mem: MemoryReport | None) -> float:
+    """Colocated with `cfg.offload`: the trainer's weights, gradients and optimizer states leave the GPU before
+    generation and return after it, and the engine's weights do the reverse (sleep and wake): every one of those
+    bytes crosses the host link twice a step."""
+    if not cfg.offloads:
+        return 0.0
+    mem = mem or _memory(cfg, hw)
+    nbytes = 2 * (mem.train_weights + mem.train_optimizer + mem.engine_weights)
+    return nbytes / (hw.host_bw * cal.offload_eff)
+
+
 def prepare_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape,
-                 drafter: CostShape | None) -> float:
+                 drafter: CostShape | None, mem: MemoryReport | None = None) -> float:
     """Refit over the link plus engine wake-up. Colocated: the trainer's model-parallel group gathers the weights
-    and hands them to the engine on the same GPUs (scale-up link, or the NIC if that group spans domains).
-    Disaggregated: weights cross the network to engines on other GPUs; the engine never sleeps."""
+    and hands them to the engine on the same GPUs (scale-up link, or the NIC if that group spans domains), and the
+    host round trip of `offload_time`. Disaggregated: weights cross the network to engines on other GPUs; the
+    engine never sleeps."""
     nbytes = refit_bytes(cfg, target, drafter)
     if cfg.colocated:
         group = cfg.train.tp * cfg.train.pp * cfg.train.ep
-        return nbytes / (hw.collective_bw(max(group, cfg.gen.tp)) * cal.refit_eff) + cal.engine_wake_s
+        refit = nbytes / (hw.collective_bw(max(group, cfg.gen.tp)) * cal.refit_eff)
+        return refit + cal.engine_wake_s + offload_time(cfg, hw, cal, mem)
     return nbytes / (hw.collective_bw(cfg.gpus) * cal.refit_eff)
 
 
-def _forward_flops(cfg: SimConfig, shape: CostShape, lengths: list[float]) -> float:
-    """Forward FLOPs of one step's rollouts: linear layers plus causal attention (each token sees half its past)."""
+def _forward_flops(cfg: SimConfig, shape: CostShape, lengths: list[float]) -> tuple[float, float]:
+    """Forward FLOPs of one step's rollouts as (linear layers, causal attention: each token sees half its past)."""
     w = cfg.workload
     mean_len = w.prompt_len + sum(lengths) / len(lengths)
     mean_sq = sum((w.prompt_len + x) ** 2 for x in lengths) / len(lengths)
-    per_seq = 2 * shape.active_params * mean_len + shape.attn_flops_per_token_ctx * mean_sq / 2
-    return w.rollouts * per_seq
+    return w.rollouts * 2 * shape.active_params * mean_len, w.rollouts * shape.attn_flops_per_token_ctx * mean_sq / 2
 
 
 def bubble_factor(cfg: SimConfig) -> float:
-    """1F1B pipeline: (m + pp - 1) / m for m micro-batches per data-parallel rank."""
+    """1F1B pipeline: (m + pp - 1) / m for m micro-batches per data-parallel rank and optimizer step (each
+    optimizer step fills and drains the pipeline)."""
     m = cfg.packed_micro_batches
     return (m + cfg.train.pp - 1) / m
 
@@ -64,8 +90,14 @@ def stage_imbalance(cfg: SimConfig) -> float:
     return math.ceil(layers / cfg.train.pp) * cfg.train.pp / layers
 
 
+def train_peak(cfg: SimConfig, hw: Hardware, cal: Calibration) -> float:
+    """FLOP/s one training GPU sustains: the BF16 peak (or the FP8 gain on it) times the MFU of the model's kind."""
+    peak = hw.flops_bf16 * (1 + (hw.fp8_speedup - 1) * cal.fp8_train_gain if cfg.train_fp8 else 1.0)
+    return peak * cal.mfu(cfg.model_config.is_moe)
+
+
 def _compute_time(cfg: SimConfig, hw: Hardware, cal: Calibration, flops: float) -> float:
-    ideal = flops / (cfg.train_gpus * hw.flops(2) * cal.train_mfu)
+    ideal = flops / (cfg.train_gpus * train_peak(cfg, hw, cal))
     return ideal * bubble_factor(cfg) * stage_imbalance(cfg)
 
 
@@ -86,13 +118,26 @@ def model_parallel_comm_time(cfg: SimConfig, hw: Hardware, cal: Calibration, tar
     return total / t.pp  # each stage holds 1/pp of the layers; stages work in parallel
 
 
-def logprob_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape) -> float:
-    """The recompute forward; 0 when it is folded into the train forward (`cfg.fold_logprob`: only host
-    bookkeeping is left, which the GPU model does not describe)."""
-    if cfg.fold_logprob:
+def reference_swap_time(cfg: SimConfig, hw: Hardware, cal: Calibration, mem: MemoryReport | None) -> float:
+    """The reference policy's BF16 weights come in from host memory for its pass and the policy's go back: the
+    local weights (a third of `train_weights`, which counts 2 B of weights and 4 B of gradients) twice."""
+    if not cfg.reference_logprob:
         return 0.0
-    flops = _forward_flops(cfg, target, cfg.workload.response.quantiles())
-    return _compute_time(cfg, hw, cal, flops) + model_parallel_comm_time(cfg, hw, cal, target, passes=1)
+    mem = mem or _memory(cfg, hw)
+    return 2 * mem.train_weights / 3 / (hw.host_bw * cal.offload_eff)
+
+
+def logprob_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape,
+                 mem: MemoryReport | None = None) -> float:
+    """The recompute forward (and the reference policy's, `cfg.reference_logprob`); 0 when the recompute is
+    folded into the train forward and no reference runs (`cfg.fold_logprob`: only host bookkeeping is left,
+    which the GPU model does not describe)."""
+    passes = (0 if cfg.fold_logprob else 1) + (1 if cfg.reference_logprob else 0)
+    if not passes:
+        return 0.0
+    flops = sum(_forward_flops(cfg, target, cfg.workload.response.quantiles()))
+    one = _compute_time(cfg, hw, cal, flops) + model_parallel_comm_time(cfg, hw, cal, target, passes=1)
+    return passes * one + reference_swap_time(cfg, hw, cal, mem)
 
 
 def grad_sync_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape) -> float:
@@ -108,11 +153,20 @@ def grad_sync_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostS
     return 2 * (n - 1) / n * local * 2 / (hw.collective_bw(span) * cal.link_eff) + 2 * cal.collective_latency_s
 
 
+def train_forwards(cfg: SimConfig, linear: float, attention: float) -> float:
+    """FLOPs of forward + backward with recomputation: backward is 2 forwards; 'full' reruns the forward,
+    'selective' the attention core only."""
+    one = linear + attention
+    extra = {"none": 0.0, "selective": attention, "full": one}[cfg.recompute]
+    return 3 * one + extra
+
+
 def train_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape,
                drafter: CostShape | None) -> float:
     lengths = cfg.workload.response.quantiles()
-    flops = 3 * _forward_flops(cfg, target, lengths)
+    flops = train_forwards(cfg, *_forward_flops(cfg, target, lengths))
     if cfg.spec is not None and cfg.spec.online_drafter_training and drafter is not None:
-        flops += 3 * _forward_flops(cfg, drafter, lengths)
-    comm = model_parallel_comm_time(cfg, hw, cal, target, passes=3)
-    return _compute_time(cfg, hw, cal, flops) + comm + grad_sync_time(cfg, hw, cal, target)
+        flops += 3 * sum(_forward_flops(cfg, drafter, lengths))
+    passes = 4 if cfg.recompute == "full" else 3
+    comm = model_parallel_comm_time(cfg, hw, cal, target, passes=passes)
+    return _compute_time(cfg, hw, cal, flops) + comm + cfg.optimizer_steps * grad_sync_time(cfg, hw, cal, target)
