@@ -1,6 +1,6 @@
 """GRPO with MTP speculative rollouts on the deep tiny Qwen3 (the README job: minutes on a 2-core CPU).
 
-Needs the policy and its MTP drafter, both shipped in checkpoints/ and made by the commands in docs/main_job.md
+Needs the policy and its MTP drafter, both shipped in checkpoints/ and made by the commands in docs/guide/quickstart.md
 (`megatron-spec pretrain --preset tiny-qwen3-deep ...` in three stages, then `megatron-spec train-drafter --method mtp
 ...`).
 Runs on the embedded engine: `--executor local` (default) or `slurm` (one node); with `backend.placement=colocated`

@@ -64,7 +64,7 @@ def test_reference_recipes_are_what_the_docs_say():
     smol = recipe("smollm2_grpo_spec").smollm2_grpo_spec()
     assert smol.model.policy == "smollm2-135m" and smol.model.task == "natural"
     assert smol.spec.method in ("ngram", "history") and smol.model.drafter is None
-    big = recipe("qwen3_235b_grpo_spec").SCALE  # NeMo-RL's 235B recipe (docs/references.md)
+    big = recipe("qwen3_235b_grpo_spec").SCALE  # NeMo-RL's 235B recipe (docs/design/references.md)
     assert (big.nodes, big.gpus_per_node, big.tp, big.pp, big.cp, big.ep, big.vllm_tp) == (16, 8, 2, 8, 2, 16, 16)
 
 

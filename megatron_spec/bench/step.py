@@ -5,7 +5,7 @@ averages the stage times over all but the first (warm-up). Beside the measured e
 ideal bound for a synchronous step, 1 / (R_gen / S_gen + 1 - R_gen), where R_gen is the plain run's generation
 share and S_gen the measured generation speedup: a variant at ~100 % of its bound adds no hidden cost to the other
 stages. It also writes the plain and best speculative measurements in the simulator's schema
-(`benchmarks/results/bench_step_cpu.json`, see benchmarks/sim_cpu/measured.py).
+(`benchmarks/results/bench_step_cpu.json`, see research/sim_cpu/measured.py).
 
 The peer (`--peer trl`, run by default when TRL is installed) is TRL's GRPOTrainer on the plain run's workload,
 timed the same way; its step time and our plain and best speculative step's speedups over it are printed and
@@ -111,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"wrote {write_json(args.out, payload)}")
     # The simulator's validation case (b): the plain run and the best speculative one, in its schema, with how the
     # trainer ran and the response lengths' log-normal fitted to the steps' mean and longest response (a step keeps
-    # no per-rollout lengths; see benchmarks/sim_cpu/measured.py and LengthDist.fit).
+    # no per-rollout lengths; see research/sim_cpu/measured.py and LengthDist.fit).
     from ..sim.config import LengthDist
 
     task = PromptTask.build("tiny", args.target, 64, args.seed)

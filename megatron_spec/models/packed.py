@@ -59,7 +59,7 @@ KERNEL_ROWS = {torch.float32: 16, torch.bfloat16: 32}
 """Inputs of at most this many rows take the CPU kernels' `linear` (which streams each weight once for all the
 rows) when the kernels are built. All of SmolLM2's GEMMs on the AVX2 EPYC, 2 threads, against this module's other
 paths: fp32 1.65 / 1.42 / 1.44 / 1.32x faster at 1 / 4 / 8 / 16 rows, 0.89x at 24; bf16 1.22 / 2.60 / 2.18 / 1.54 /
-1.04x at 1 / 4 / 8 / 16 / 32 rows (scratch timing, not kept; the engine-level figures are in docs/benchmarks.md).
+1.04x at 1 / 4 / 8 / 16 / 32 rows (scratch timing, not kept; the engine-level figures are in research/notebook/README.md).
 Every input up to these counts computes each row alone, in the same order, so its outputs are bitwise the same in
 a batch of any of these sizes."""
 

@@ -1,6 +1,6 @@
 """Named architectures: the project's tiny reference models and the public models we plan for.
 
-Values for public models come from their HF `config.json` (docs/references.md lists them). The tiny models are sized
+Values for public models come from their HF `config.json` (docs/design/references.md lists them). The tiny models are sized
 so that pretraining on the synthetic task takes minutes on two CPU cores.
 """
 
@@ -24,7 +24,7 @@ PRESETS: dict[str, dict] = {
         num_key_value_heads=1, head_dim=32, intermediate_size=288, rope_theta=10000.0, max_position_embeddings=512,
         tie_word_embeddings=False,
     ),
-    # Narrower and deeper again, tried as the main job's policy and not kept (docs/benchmarks.md, "A narrower, deeper
+    # Narrower and deeper again, tried as the main job's policy and not kept (research/notebook/README.md, "A narrower, deeper
     # policy"): at hidden 64 a token costs less than half of hidden 96's arithmetic while a step's fixed cost grows
     # with the layers, so a verify at 64 sequences costs fewer plain steps (7 % fewer on the trained policy), but its
     # MTP head drafted less and it learned slower. Kept so the documented pretraining commands run.

@@ -31,7 +31,7 @@ PAPER_SPEC_K3 = {"think": {"gen": 87.0, "total": 137.4}, "zero": {"gen": 56.6, "
 PAPER_TAU = {"think": {3: 2.77, 5: 3.23, 7: 3.48}, "zero": {3: 3.32, 5: 4.35, 7: 5.06}}
 PAPER_GEN_SPEEDUP = {"think": {3: 1.53, 5: 0.84, 7: 0.71}, "zero": {3: 1.77, 5: 1.44, 7: 1.21}}
 
-# Facts of vLLM used to test candidate explanations of the paper's k sweep (docs/simulator.md, "(a)").
+# Facts of vLLM used to test candidate explanations of the paper's k sweep (docs/design/simulator.md, "(a)").
 # - The largest CUDA graph vLLM captures by default, in tokens: `VllmConfig._set_cudagraph_sizes` sets
 #   min(max_num_seqs * (1 + num_speculative_tokens) * 2, 512), capped by max_num_batched_tokens; a forward over
 #   more tokens runs without a graph (vllm/config/vllm.py; docs.vllm.ai/en/latest/design/cuda_graphs/), and so does
@@ -145,7 +145,7 @@ def k_sweep(workload: str, setup: ReferenceSetup = ReferenceSetup()) -> dict[int
 @dataclass(frozen=True)
 class GraphLimitCheck:
     """How much a verify step that exceeds the CUDA-graph capture limit would have to cost to close the gap between
-    the simulated and the paper's speculative gen time at one k (docs/simulator.md, "(a)")."""
+    the simulated and the paper's speculative gen time at one k (docs/design/simulator.md, "(a)")."""
 
     k: int
     """Speculative tokens."""

@@ -57,7 +57,7 @@ def test_paper_sweep_against_the_linear_cost_floors():
     RL-Zero's two steps sit on it (within 3 %, about the rounding of the published figures): Zero needs each extra
     drafted token to cost as much as a linear model allows -- a verify that costs a decode at k=3 and grows in
     proportion to its tokens from there, i.e. a kink at k=3. RL-Think 5 -> 7 is consistent with both. The test fails
-    if the floors or the paper figures change (docs/simulator.md, "(a)")."""
+    if the floors or the paper figures change (docs/design/simulator.md, "(a)")."""
     taus, speed = PAPER_TAU, PAPER_GEN_SPEEDUP
 
     def ratio_and_floors(w, ka, kb):

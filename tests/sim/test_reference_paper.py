@@ -72,7 +72,7 @@ def test_sweep_against_the_paper(sweeps):
     1.44 / 1.21 sit on the tight linear floor (test_acceptance.py), which needs a verify pass that grows in
     proportion to its tokens from k=3 on; ours is bound by reading weights and KV at these batches and stays flat,
     so we are high by ~20 % / ~33 %: the test holds that miss under +25 % / +40 %. RL-Think below 1x at k=5 and 7
-    is not reproduced (docs/simulator.md lists what was checked): the model stays above 1x there, on the linear
+    is not reproduced (docs/design/simulator.md lists what was checked): the model stays above 1x there, on the linear
     side of the floor. A change that makes Think drop below 1x must come with a grounded super-linear mechanism,
     and then this test and the docs change together."""
     paper = PAPER_GEN_SPEEDUP
@@ -101,7 +101,7 @@ def test_cuda_graph_limit_is_where_the_kink_is_but_too_small(graph_checks):
     But closing the gap to the paper would take +74 / +71 ms (Think) and +26 / +39 ms (Zero) per step over the
     limit: not one constant (Think needs about twice Zero's), and 6-17x the largest published cost of an 8B forward
     without graphs (2.2 ms at batch 1, EAGER_PENALTY_8B_S) for the at most two forwards per step it hits (the verify
-    and the drafter's first pass). So the capture limit cannot be the mechanism (docs/simulator.md)."""
+    and the drafter's first pass). So the capture limit cannot be the mechanism (docs/design/simulator.md)."""
     for w in ("think", "zero"):
         assert graph_checks[(w, 3)].steps_over == 0
         for k in (5, 7):
