@@ -3,6 +3,7 @@
     megatron-spec simulate --model qwen3-8b --hardware gb200 --gpus 32 --k 3 --acceptance 2.8
     megatron-spec simulate --validate            # the reference paper's 8B runs, predicted from its AR columns
     megatron-spec simulate --project             # Qwen3-235B-A22B on GB200 / H100, sync and async, +- speculation
+    megatron-spec simulate --compare-published   # NeMo-RL's published H100 step times, simulated, with stage parts
     megatron-spec tune --model qwen3-8b --hardware h100 --gpus 64 --k 3 --acceptance 2.8 --lags 0 1 2 --plot top.png
     megatron-spec tune --model qwen3-235b-a22b --gpus 128 --gpu h100 --fp8 --k 3 --acceptance 2.8 --methods mtp eagle3 \
         --lags 0 2 --ks 0 3 5
@@ -47,6 +48,20 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="tokens packed per training micro-batch (0: the whole batch; default 16384)")
     g.add_argument("--fold-logprob", action=argparse.BooleanOptionalAction, default=None,
                    help="behaviour logprobs from the train forward, no recompute pass (default: off)")
+    g.add_argument("--reference-logprob", action="store_true",
+                   help="a reference-policy log-prob pass each step (KL penalty), its weights swapped from host")
+    g.add_argument("--recompute", default="selective", choices=("none", "selective", "full"),
+                   help="activation recomputation of the trainer")
+    g.add_argument("--train-global-batch", type=int, default=0,
+                   help="sequences per optimizer step (0: all rollouts, one update per RL step)")
+    g.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
+                   help="colocated: trainer states and engine weights round-trip host memory each step "
+                        "(default: on when colocated)")
+    g.add_argument("--train-fp8", action="store_true", help="FP8 training GEMMs")
+    g.add_argument("--decode-eff", type=float, default=None,
+                   help="share of the kernel roofline the engine reaches (default: the GPU's calibration)")
+    g.add_argument("--in-flight-updates", action="store_true",
+                   help="async: engines keep generating through refits, the batch never drains")
 
 
 def _layout(p: argparse.ArgumentParser) -> None:
@@ -68,6 +83,8 @@ def register(subparsers) -> None:
     mode = sim.add_mutually_exclusive_group()
     mode.add_argument("--validate", action="store_true", help="reference paper case (8B on 32 GB200)")
     mode.add_argument("--project", action="store_true", help="Qwen3-235B-A22B projection and sensitivity")
+    mode.add_argument("--compare-published", action="store_true",
+                      help="NeMo-RL's published H100 GRPO step times against the simulator, with stage parts")
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
     sim.set_defaults(func=simulate_command)
 
@@ -111,7 +128,10 @@ def _config(args, layout: bool = True):
                      gen=gen, colocated=colocated, gen_gpus=0 if colocated else args.gen_gpus, spec=_spec(args),
                      policy_lag=getattr(args, "lag", 0), gen_dtype_bytes=1 if args.fp8 else 2,
                      gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                     micro_batch_tokens=args.micro_batch_tokens, fold_logprob=args.fold_logprob)
+                     micro_batch_tokens=args.micro_batch_tokens, fold_logprob=args.fold_logprob,
+                     reference_logprob=args.reference_logprob, recompute=args.recompute,
+                     train_global_batch=args.train_global_batch, offload=args.offload, train_fp8=args.train_fp8,
+                     decode_eff=args.decode_eff, in_flight_updates=args.in_flight_updates)
 
 
 def simulate_command(args) -> int:
@@ -124,6 +144,17 @@ def simulate_command(args) -> int:
         from .report import projection_report
 
         print(projection_report())
+        return 0
+    if args.compare_published:
+        from .published import compare, format_table
+
+        comps = compare()
+        if args.json:
+            print(json.dumps([{"row": c.name, "release": c.release, "published_s": c.published_s,
+                               "simulated_s": c.result.step_s, "ratio": c.ratio, "stages": c.result.stages}
+                              for c in comps], indent=2))
+        else:
+            print(format_table(comps))
         return 0
     from .pipeline import simulate
     from .report import step_report
