@@ -15,6 +15,7 @@ planted tree."""
 
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -153,9 +154,11 @@ def test_results_page_is_short():
 
 def test_research_stays_apart():
     assert not research_imports(tracked("megatron_spec") + tracked("tests"))
-    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
-    assert 'include = ["megatron_spec*"]' in pyproject  # only the package is installed
-    assert re.search(r'testpaths\s*=\s*\["tests"\]', pyproject)  # the default suite never collects research/
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        pyproject = tomllib.load(f)
+    packaged = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert packaged and not [p for p in packaged if p.startswith(("research", "*"))]  # research/ is never installed
+    assert pyproject["tool"]["pytest"]["ini_options"]["testpaths"] == ["tests"]  # nor collected by the default suite
 
 
 def test_the_checks_catch_a_bad_link(tmp_path):
@@ -194,7 +197,7 @@ def test_front_door_and_size_rules_catch_planted_violations(tmp_path):
     readme.write_text("# x\n\nOn this CPU the gen stage ran 1.07x (main_job_7535669.json, commit 7535669).\n")
     rules = sorted(p.split(": ")[1] for p in wording_problems([readme], FRONT_DOOR))
     assert rules == ["commit hash", "record file name", "unnamed machine"]
-    readme.write_text("word " * 1201 + "\n" * 150)
+    readme.write_text("word " * 1201 + "\n" * 151)
     assert size_problems(readme, max_lines=150, max_words=1200) == ["README.md: 151 lines > 150",
                                                                      "README.md: 1201 words > 1200"]
     readme.write_text("# x\n\nOn a 2-core AVX2 EPYC CPU the gen stage ran 1.07x ([results](docs/results.md)).\n")
