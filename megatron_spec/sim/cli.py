@@ -148,13 +148,16 @@ def simulate_command(args) -> int:
     if args.compare_published:
         from .published import compare, format_table
 
-        comps = compare()
+        tables = {hw: compare(hardware=hw) for hw in ("h100", "gb200")}
         if args.json:
-            print(json.dumps([{"row": c.name, "release": c.release, "published_s": c.published_s,
-                               "simulated_s": c.result.step_s, "ratio": c.ratio, "stages": c.result.stages}
-                              for c in comps], indent=2))
+            print(json.dumps({hw: [{"row": c.name, "release": c.release, "published_s": c.published_s,
+                                    "simulated_s": c.result.step_s, "ratio": c.ratio, "stages": c.result.stages}
+                                   for c in comps] for hw, comps in tables.items()}, indent=2))
         else:
-            print(format_table(comps))
+            print("H100 BF16 (Hopper calibration, fitted on five of these rows)")
+            print(format_table(tables["h100"]))
+            print("\nGB200 BF16 (Blackwell spec-sheet set, not fitted: a check that shows its optimism)")
+            print(format_table(tables["gb200"], footer=False))
         return 0
     from .pipeline import simulate
     from .report import step_report

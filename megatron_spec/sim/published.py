@@ -33,15 +33,16 @@ def published() -> dict:
     return json.loads(resources.files("megatron_spec.sim").joinpath("data/nemo_rl_published.json").read_text())
 
 
-def rows() -> list[dict]:
-    return published()["rows"]
+def rows(hardware: str = "h100") -> list[dict]:
+    """The published rows of one GPU profile (h100 or gb200)."""
+    return [r for r in published()["rows"] if r["hardware"] == hardware]
 
 
-def row(name: str) -> dict:
-    for r in rows():
+def row(name: str, hardware: str = "h100") -> dict:
+    for r in rows(hardware):
         if r["name"] == name:
             return r
-    raise ValueError(f"no published row {name!r}: known are {', '.join(r['name'] for r in rows())}")
+    raise ValueError(f"no published {hardware} row {name!r}: known are {', '.join(r['name'] for r in rows(hardware))}")
 
 
 def response_for(avg_seq_len: float, max_seq_len: int, prompt_len: int = PROMPT_LEN,
@@ -62,7 +63,7 @@ def response_for(avg_seq_len: float, max_seq_len: int, prompt_len: int = PROMPT_
     return LengthDist(mean=(lo + hi) / 2, max_tokens=cap, sigma=sigma)
 
 
-def config_for(r: dict, hardware: str | Hardware = "h100", sigma: float = SIGMA, **overrides) -> SimConfig:
+def config_for(r: dict, hardware: str | Hardware | None = None, sigma: float = SIGMA, **overrides) -> SimConfig:
     """The simulator's configuration of one published row (`overrides` replace SimConfig fields)."""
     model = published()["models"].get(r["model"], r["model"])
     colocated = not r["gen_gpus"]
@@ -72,7 +73,7 @@ def config_for(r: dict, hardware: str | Hardware = "h100", sigma: float = SIGMA,
                           dp=train_gpus // (t["tp"] * t["pp"] * t["cp"]))
     workload = Workload(prompts_per_step=r["prompts"], group_size=r["generations"], prompt_len=PROMPT_LEN,
                         response=response_for(r["avg_seq_len"], r["max_seq_len"], sigma=sigma))
-    kwargs = dict(model=model, hardware=hardware, gpus=r["gpus"], workload=workload, train=train,
+    kwargs = dict(model=model, hardware=hardware or r["hardware"], gpus=r["gpus"], workload=workload, train=train,
                   gen=GenParallel(tp=r["gen_tp"]), colocated=colocated, gen_gpus=r["gen_gpus"],
                   policy_lag=r["lag"], gpu_memory_utilization=r["gpu_memory_utilization"],
                   micro_batch_tokens=r["train_mb_tokens"], recompute=r["recompute"],
@@ -99,17 +100,19 @@ class Comparison:
         return self.result.step_s / self.published_s
 
 
-def compare(names: list[str] | None = None, cal: Calibration | None = None, **overrides) -> list[Comparison]:
-    """Simulate the published rows (all, or `names`) with calibration `cal` (default: the GPU's set)."""
+def compare(names: list[str] | None = None, cal: Calibration | None = None, hardware: str = "h100",
+            **overrides) -> list[Comparison]:
+    """Simulate the published rows of `hardware` (all, or `names`) with calibration `cal` (default: the GPU's
+    set)."""
     out = []
-    for r in rows():
+    for r in rows(hardware):
         if names is None or r["name"] in names:
             res = simulate(config_for(r, **overrides), cal=cal)
             out.append(Comparison(r["name"], r["release"], r["step_s"], res))
     return out
 
 
-def format_table(comps: list[Comparison]) -> str:
+def format_table(comps: list[Comparison], footer: bool = True) -> str:
     head = f"{'row':22} {'release':7} {'published':>9} {'simulated':>9} {'ratio':>6}  " + " ".join(
         f"{s:>7}" for s in STAGES) + f" {'exposed':>7}"
     lines = [head]
@@ -117,6 +120,8 @@ def format_table(comps: list[Comparison]) -> str:
         st = c.result.stages
         lines.append(f"{c.name:22} {c.release:7} {c.published_s:9.1f} {c.result.step_s:9.1f} {c.ratio:6.2f}  "
                      + " ".join(f"{st[s]:7.1f}" for s in STAGES) + f" {c.result.exposed_gen_s:7.1f}")
+    if not footer:
+        return "\n".join(lines)
     lines.append("")
     lines.append("not expressible:")
     for n in published()["not_expressible"]:

@@ -11,7 +11,7 @@ from megatron_spec.sim.calibration import HOPPER, HOPPER_FIT, calibration_for
 from megatron_spec.sim.fit import FIT_ROWS, PARAMS, loss, with_params
 from megatron_spec.sim.pipeline import build, simulate
 from megatron_spec.sim.stages import grad_sync_time
-from megatron_spec.sim.published import compare, config_for, published, response_for, row
+from megatron_spec.sim.published import compare, config_for, response_for, row, rows
 
 # simulated / published step time of every row with the committed calibration. A change to the model moves these:
 # update them together with docs/design/simulator-calibration.md.
@@ -43,7 +43,7 @@ def test_ratios_are_pinned(table):
 
 def test_checked_rows_are_not_fitted():
     """Half the rows check the fit: FIT_ROWS names five existing rows, the other five are out of sample."""
-    names = {r["name"] for r in published()["rows"]}
+    names = {r["name"] for r in rows("h100")}
     assert set(FIT_ROWS) <= names and len(FIT_ROWS) == 5 and len(names - set(FIT_ROWS)) == 5
 
 
@@ -66,6 +66,23 @@ def test_fitted_values_are_physical():
     assert 0.3 < HOPPER.train_mfu < 0.55
     assert 0.05 < HOPPER.train_mfu_moe < HOPPER.train_mfu
     assert calibration_for("h200") is HOPPER and calibration_for("gb200").decode_eff == 1.0
+
+
+# The GB200 rows against the spec-sheet Blackwell set, which is not fitted on them: NeMo-RL's GB200 times are
+# 1.3-5.5x the simulated ones and not self-consistent (more GPUs, slower steps), so no shared set fits them within
+# 15 % (docs/design/simulator-calibration.md). Pinned so that the gap stays visible.
+GB200_PINNED = {
+    "llama3.1-8b sync": 0.53, "llama3.1-8b 1-off": 0.75, "qwen3-32b sync": 0.70, "qwen3-32b 1-off": 0.72,
+    "qwen3-30b-a3b sync": 0.37, "qwen3-30b-a3b 1-off": 0.18, "qwen3-235b sync 64": 0.46,
+    "qwen3-235b sync 128": 0.30, "qwen3-235b 1-off": 0.23,
+}
+
+
+def test_gb200_rows_show_the_blackwell_sets_optimism():
+    comps = {c.name: c.ratio for c in compare(hardware="gb200")}
+    assert set(comps) == set(GB200_PINNED)
+    for name, ratio in comps.items():
+        assert ratio == pytest.approx(GB200_PINNED[name], abs=0.01), name
 
 
 def test_stage_parts_add_up(table):
