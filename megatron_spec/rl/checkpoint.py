@@ -15,6 +15,9 @@ import torch
 from ..models.hf_io import write_atomically
 from .config import RLConfig
 
+SHARDED = "policy"
+"""Sub-directory of a checkpoint holding a distributed (per-rank sharded) policy checkpoint."""
+
 IGNORED_ON_RESUME = {"run.steps", "run.resume", "run.save_every", "run.eval_every", "run.out_dir", "run.report",
                      "grpo.micro_batch_tokens", "grpo.fold_logprob", "grpo.share_prompt", "run.device"}
 """Fields a resumed run may change (how long, how often, and how or where a step computes the same update), all
@@ -51,10 +54,19 @@ def check_same_config(saved: dict, cfg, run_dir: Path) -> None:
                          f"run.resume=false to start afresh there (the earlier run is moved to {run_dir}/previous)")
 
 
-def save(run_dir: Path, step: int, state: dict, cfg) -> Path:
+def save(run_dir: Path, step: int, state, cfg) -> Path:
+    """`state`: the policy's state dict, or the policy itself; a policy with `save_sharded` (the Megatron trainer)
+    then writes its distributed checkpoint into the new directory from every rank, before it gets its name."""
     ckpt_root = run_dir / "checkpoints"
-    payload = {"step": step, "state": state, "rng": torch.get_rng_state(), "config": flatten(cfg)}
-    out = write_atomically(ckpt_root / f"step_{step:06d}", lambda tmp: torch.save(payload, tmp / "state.pt"))
+
+    def write(tmp: Path) -> None:
+        policy_state = state
+        if not isinstance(state, dict):
+            policy_state = state.save_sharded(tmp / SHARDED) if hasattr(state, "save_sharded") else state.state_dict()
+        payload = {"step": step, "state": policy_state, "rng": torch.get_rng_state(), "config": flatten(cfg)}
+        torch.save(payload, tmp / "state.pt")
+
+    out = write_atomically(ckpt_root / f"step_{step:06d}", write)
     tmp = ckpt_root / "latest.tmp"
     tmp.write_text(out.name)
     tmp.replace(ckpt_root / "latest")  # atomic rename: `latest` names a complete checkpoint at every instant
@@ -90,5 +102,9 @@ def load_latest(run_dir: Path) -> dict | None:
         return None
     # On the host whatever device saved it: `load_state_dict` then copies each tensor to where the run computes
     # (an optimizer's state to its parameter's device), so a run saved on a GPU resumes on a CPU and vice versa.
-    return torch.load(run_dir / "checkpoints" / pointer.read_text().strip() / "state.pt", map_location="cpu",
-                      weights_only=False)
+    ckpt_dir = run_dir / "checkpoints" / pointer.read_text().strip()
+    payload = torch.load(ckpt_dir / "state.pt", map_location="cpu", weights_only=False)
+    state = payload.get("state")
+    if isinstance(state, dict) and "sharded_dir" in state:  # a distributed checkpoint beside state.pt
+        state["sharded_dir"] = str(ckpt_dir / state["sharded_dir"])
+    return payload

@@ -1,9 +1,12 @@
 """HF safetensors -> this rank's Megatron shards.
 
-Every rank reads only the tensors its parameters are made of (safetensors is memory-mapped), builds the full
-Megatron tensor (`mapping.to_megatron`) and copies its own slice. Before anything is copied the checkpoint is
-checked as a whole: its config against the requested architecture, its tensor names against the names the model
-needs (missing shards are reported by `hf_io`), and each slice's shape against the parameter's.
+Every rank reads only what its parameters are made of: from a checkpoint directory (or several: the policy's and
+an MTP drafter's), the slices of the tensors it owns, by name, from the memory-mapped safetensors files
+(`safe_open(...).get_slice`), so no rank ever holds a full tensor it only has a part of, let alone the full model.
+From a dict of in-memory HF tensors, each full Megatron tensor (`mapping.to_megatron`) is built and cut
+(`mapping.shard`); both give the same shards bit for bit. Before anything is copied the checkpoint is checked as a
+whole: its config against the requested architecture, its tensor names against the names the model needs (missing
+shards are reported by `hf_io`), and each slice's shape against the parameter's.
 """
 
 from __future__ import annotations
@@ -20,23 +23,45 @@ from megatron_spec.models.hf_io import name_problems, read_config, weight_files
 
 from . import require_megatron
 from .checks import check_config_match
-from .mapping import expected_hf_names, global_expert, megatron_to_hf, shard, to_megatron
+from .mapping import (
+    COLUMN, FC1, QKV, REPLICATED, ROW, VOCAB, expected_hf_names, global_expert, megatron_to_hf, merge_qkv, shard,
+    to_megatron,
+)
 from .parallel import Ranks, ranks
 
 require_megatron()
 
 
-class _Checkpoint:
-    """Tensors by name, read on demand from a checkpoint directory or taken from a dict."""
+Source = str | os.PathLike | Mapping[str, Tensor] | list | tuple
+"""A checkpoint directory, several (policy + drafter: their names are merged), or a dict of HF-named tensors."""
 
-    def __init__(self, source: str | os.PathLike | Mapping[str, Tensor]):
+
+class _Checkpoint:
+    """Tensors by name, read on demand from checkpoint directories or taken from a dict."""
+
+    def __init__(self, source: Source):
         if isinstance(source, Mapping):
             self.files, self.tensors = None, dict(source)
             self.names = set(self.tensors)
         else:
-            self.files, self.tensors = weight_files(Path(source)), None
+            dirs = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+            self.files, self.tensors = {}, None
+            for d in dirs:
+                files = weight_files(Path(d))
+                clash = sorted(set(files) & set(self.files))
+                if clash:
+                    raise ValueError(f"checkpoint {d} repeats tensors of an earlier directory, e.g. {clash[:3]}")
+                self.files.update(files)
             self.names = set(self.files)
         self._open: dict[Path, object] = {}
+
+    @property
+    def in_memory(self) -> bool:
+        return self.tensors is not None
+
+    def slice(self, name: str):
+        """Something indexable like the tensor (`[a:b]`, `[:, a:b]`) that reads only the indexed part."""
+        return self.tensors[name] if self.tensors is not None else self._file(name).get_slice(name)
 
     def _file(self, name: str):
         file = self.files[name]
@@ -75,16 +100,19 @@ def _check_names(ckpt: _Checkpoint, model, where: str) -> None:
 
 
 @torch.no_grad()
-def import_hf(model, source: str | os.PathLike | Mapping[str, Tensor], *, check_config: bool = True) -> None:
-    """Load an HF checkpoint directory (or a dict of HF-named tensors) into this rank's `model` (from `build_model`).
+def import_hf(model, source: Source, *, check_config: bool = True) -> None:
+    """Load an HF checkpoint directory (a list: the policy's, then a drafter's; or a dict of HF-named tensors) into
+    this rank's `model` (from `build_model`), reading from files only the slices this rank owns.
 
     Raises ValueError, before copying anything, when the checkpoint's config.json describes another architecture,
     when tensors are missing or unknown, or when a tensor's shape does not fit the parameter it feeds.
     """
     cfg = model.hf_config
-    where = str(source) if not isinstance(source, Mapping) else "<tensors>"
+    where = "<tensors>" if isinstance(source, Mapping) else (
+        str(source) if isinstance(source, (str, os.PathLike)) else " + ".join(map(str, source)))
     if check_config and not isinstance(source, Mapping):
-        check_config_match(read_config(source), cfg, where=f"checkpoint {where}")
+        first = source if isinstance(source, (str, os.PathLike)) else source[0]
+        check_config_match(read_config(first), cfg, where=f"checkpoint {first}")
     ckpt = _Checkpoint(source)
     _check_names(ckpt, model, where)
 
@@ -103,7 +131,11 @@ def import_hf(model, source: str | os.PathLike | Mapping[str, Tensor], *, check_
                 f"(TP rank {r.tp_rank}/{r.tp}, EP rank {r.ep_rank}/{r.ep}, ETP rank {r.etp_rank}/{r.etp})"
             )
     for param, spec, _ in params:
-        param.copy_(_local_shard(spec, ckpt.get, cfg, r, model.vocab_size))
+        if ckpt.in_memory:
+            param.copy_(_local_shard(spec, ckpt.get, cfg, r, model.vocab_size))
+        else:
+            param.copy_(_read_shard(spec, ckpt, cfg, r, model.vocab_size))
+    ckpt._open.clear()  # close the memory maps
 
 
 def _names(spec, cfg, r: Ranks) -> tuple[str, ...]:
@@ -116,3 +148,51 @@ def _local_shard(spec, get, cfg, r: Ranks, padded_vocab: int) -> Tensor:
     size, rank = (r.etp, r.etp_rank) if spec.is_expert else (r.tp, r.tp_rank)
     full = to_megatron(spec, hf, cfg, size, padded_vocab)
     return shard(spec, full, size, rank)
+
+
+def _rows(n: int, size: int, rank: int) -> tuple[int, int]:
+    if n % size:
+        raise ValueError(f"cannot split {n} rows into {size} equal parts")
+    return rank * n // size, (rank + 1) * n // size
+
+
+def _read_shard(spec, ckpt: _Checkpoint, cfg, r: Ranks, padded_vocab: int) -> Tensor:
+    """This rank's shard read slice by slice from the files: equal to `_local_shard` on the full tensors (the same
+    rows and columns, in the same order), without reading the other ranks' parts."""
+    names = _names(spec, cfg, r)
+    size, rank = (r.etp, r.etp_rank) if spec.is_expert else (r.tp, r.tp_rank)
+    slices = [ckpt.slice(n) for n in names]
+    if spec.kind == REPLICATED or size == 1 and spec.kind != VOCAB:
+        if spec.kind in (QKV, FC1):
+            return to_megatron(spec, tuple(s[:] for s in slices), cfg, size, padded_vocab)
+        return slices[0][:]
+    if spec.kind in (COLUMN, ROW):
+        a, b = _rows(_shape(slices[0])[SPLIT[spec.kind]], size, rank)
+        return slices[0][a:b] if spec.kind == COLUMN else slices[0][:, a:b]
+    if spec.kind == VOCAB:  # this rank's rows of the zero-padded table: the stored rows among them, then zeros
+        a, b = _rows(padded_vocab, size, rank)
+        stored = _shape(slices[0])[0]
+        part = slices[0][min(a, stored) : min(b, stored)]
+        if part.shape[0] < b - a:
+            part = torch.cat([part, part.new_zeros(b - a - part.shape[0], *part.shape[1:])])
+        return part
+    if spec.kind == QKV:  # whole query groups per rank: each of q, k, v cut at group boundaries
+        parts = []
+        for s in slices:
+            a, b = _rows(_shape(s)[0], size, rank)
+            parts.append(s[a:b])
+        return merge_qkv(*parts, cfg.num_key_value_heads // size)
+    if spec.kind == FC1:  # [gate chunk r; up chunk r]
+        parts = []
+        for s in slices:
+            a, b = _rows(_shape(s)[0], size, rank)
+            parts.append(s[a:b])
+        return torch.cat(parts)
+    raise ValueError(f"unknown parameter kind {spec.kind!r}")
+
+
+SPLIT = {COLUMN: 0, ROW: 1}
+
+
+def _shape(s) -> tuple[int, ...]:
+    return tuple(s.get_shape()) if hasattr(s, "get_shape") else tuple(s.shape)

@@ -25,10 +25,8 @@ require_megatron()
 
 
 def follow_run() -> None:
-    """Ranks > 0: wait for rank 0's policy config, build the same policy, follow it until told to stop."""
-    from megatron_spec.models import from_pretrained
-    from megatron_spec.rl.loop import load_drafter_for
-
+    """Ranks > 0: wait for rank 0's policy config, build the same policy (each rank reading only its own slices of
+    the checkpoint files), follow it until told to stop."""
     from .policy import BUILD, STOP, MegatronPolicy
 
     box = [None]
@@ -41,8 +39,7 @@ def follow_run() -> None:
     (cfg,) = args
     torch.set_num_threads(max(1, cfg.run.threads // dist.get_world_size()))
     torch.manual_seed(cfg.run.seed)
-    model = from_pretrained(cfg.model.policy)
-    MegatronPolicy.from_rl(cfg, model, load_drafter_for(cfg, model)).follow()
+    MegatronPolicy.from_rl(cfg).follow()
 
 
 def init_timeout_s(argv: list[str] | None) -> float:

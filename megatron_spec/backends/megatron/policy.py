@@ -8,31 +8,48 @@ torch.distributed, rank 0's calls are first announced to the other ranks (`_anno
 one broadcast), which wait in `follow()` and make the same call (`from_rl` sets `followers`; `launch.py` starts
 the ranks). A single process (world size 1) is the same code without announcements.
 
+Loading: given checkpoint directories (the RL loop's case), every rank reads only its own slices of the policy's
+and the MTP drafter's safetensors (`importer.import_hf`); no process builds the full model. Given an in-memory
+`CausalLM` (tests, tools), its tensors are cut into shards the same way.
+
+Precision: `params_dtype` float32 or bfloat16. With bfloat16 the optimizer works on fp32 master copies of this
+rank's shards (gradients converted to fp32 before clipping, the update copied back rounded to bf16), so the
+weights and Adam moments keep fp32 precision and only the forward / backward run in bf16. `recompute` (none |
+selective | full) is Megatron's activation recompute.
+
 Optimizer: torch's AdamW on each rank's shards with the embedded trainer's settings (policy: `grpo.lr`, betas
 (0.9, 0.99); MTP layers: `drafter_train.lr`, torch's default betas, as the embedded drafter), after the
 gradients are reduced (`step.reduce_grads`) and clipped, policy and MTP layers separately (`grpo.max_grad_norm`,
-1.0), so a detached MTP head leaves the policy update exactly as without it. Megatron's own (distributed)
-optimizer needs CUDA; it is not wired in yet.
+1.0), so a detached MTP head leaves the policy update exactly as without it. Megatron-Core's distributed
+optimizer (`optimizer="megatron"`) needs CUDA and is refused elsewhere before anything is built.
 
-Checkpoints hold full HF-named tensors (weights and both Adam moments, gathered by the exporter), so a run saved
-at one TP / PP / EP layout resumes at another; every rank imports its own shards back. That gathers the whole
-model on rank 0: fine for the toy sizes here, not for 235B (Megatron's distributed checkpointing is the way there).
+Checkpoints (`save_sharded` / `load_sharded`): Megatron-Core's `dist_checkpointing` in its `torch_dist` format.
+Each rank writes its own shards of the weights (the fp32 masters under bf16), of both Adam moments and of the
+MTP layers; nothing is gathered. The optimizer's moments are saved as the model's own sharded state dict with the
+moment in place of each weight, so they carry the same sharding metadata and reshard the same way: a run saved
+at one TP / PP / EP layout loads at another. `state_dict` / `load_state_dict` (full HF-named tensors gathered on
+every rank) stay for small models and tools.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megatron_spec.models import MTP, CausalLM, MTPConfig
+from megatron_spec.models.drafters import read_drafter_config
+from megatron_spec.models.hf_io import read_config
 from megatron_spec.rl.grpo import LossNorm
 from megatron_spec.rl.policy import Batch
 from megatron_spec.rl.refit import DRAFTER_PREFIX
 
 from . import require_megatron
 from .checks import Parallelism, check_parallelism
+from .cpu import on_cpu
 from .exporter import DEFAULT_BUCKET_BYTES, export_hf
 from .importer import import_hf
 from .parallel import ensure_process_group, init_model_parallel
@@ -48,6 +65,7 @@ from megatron.core import parallel_state as ps  # noqa: E402
 STOP = "__stop__"
 BUILD = "__build__"
 OPT_STATES = ("exp_avg", "exp_avg_sq")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def hf_weights(model: CausalLM, drafter) -> dict[str, torch.Tensor]:
@@ -61,19 +79,42 @@ def hf_weights(model: CausalLM, drafter) -> dict[str, torch.Tensor]:
 
 
 class MegatronPolicy:
-    def __init__(self, model: CausalLM, grpo, sampling: dict, par: Parallelism, *, drafter=None,
-                 mtp_num_layers: int = 0, mtp_coupling: str = "detached", mtp_loss_scaling_factor: float = 0.1,
-                 drafter_lr: float = 3e-4, sequence_parallel: bool = False, seed: int = 0, followers: bool = False):
-        cfg = model.config
+    def __init__(self, model: CausalLM | str | os.PathLike, grpo, sampling: dict, par: Parallelism, *,
+                 drafter: MTP | str | os.PathLike | None = None, mtp_num_layers: int = 0,
+                 mtp_coupling: str = "detached", mtp_loss_scaling_factor: float = 0.1, drafter_lr: float = 3e-4,
+                 sequence_parallel: bool = False, seed: int = 0, followers: bool = False,
+                 params_dtype: str = "float32", recompute: str = "none", optimizer: str = "torch"):
+        """`model`: an HF checkpoint directory (each rank reads its own slices) or a loaded `CausalLM`; `drafter`:
+        an MTP drafter directory or module (None with `mtp_num_layers`: a new head, as train-drafter makes)."""
+        from_files = not isinstance(model, CausalLM)
+        cfg = read_config(model) if from_files else model.config
         if grpo.kl_coef > 0:
             raise NotImplementedError("the Megatron trainer has no reference model yet: use grpo.kl_coef=0")
         if par.cp > 1:
             raise NotImplementedError("context parallelism (cp > 1) is not wired into the Megatron trainer yet")
-        if mtp_num_layers and drafter is not None and not isinstance(drafter, MTP):
+        if params_dtype not in DTYPES:
+            raise ValueError(f"params_dtype must be one of {', '.join(DTYPES)}, got {params_dtype!r}")
+        if recompute not in ("none", "selective", "full"):
+            raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+        if optimizer == "megatron" and not torch.cuda.is_available():
+            raise NotImplementedError("backend.megatron.optimizer=megatron (Megatron-Core's distributed optimizer) "
+                                      "needs CUDA; on the CPU use optimizer=torch (AdamW per shard, fp32 masters)")
+        if optimizer not in ("torch", "megatron"):
+            raise ValueError(f"optimizer must be torch or megatron, got {optimizer!r}")
+        drafter_layers = None
+        if isinstance(drafter, MTP):
+            drafter_layers = drafter.mtp_config.num_layers
+        elif drafter is not None:
+            meta = read_drafter_config(drafter)
+            if meta.get("kind") != "mtp":
+                raise ValueError(f"backend.megatron.mtp_num_layers={mtp_num_layers} trains an MTP head, but the "
+                                 f"drafter in {drafter} is a {meta.get('kind')!r}")
+            drafter_layers = meta.get("config", {}).get("num_layers", MTPConfig().num_layers)
+        if mtp_num_layers and drafter is not None and not isinstance(drafter, (MTP, str, os.PathLike)):
             raise ValueError(f"backend.megatron.mtp_num_layers={mtp_num_layers} trains an MTP head, but the drafter "
                              f"is a {type(drafter).__name__}")
-        if mtp_num_layers and drafter is not None and drafter.mtp_config.num_layers != mtp_num_layers:
-            raise ValueError(f"the MTP drafter has {drafter.mtp_config.num_layers} layer(s), "
+        if mtp_num_layers and drafter_layers is not None and drafter_layers != mtp_num_layers:
+            raise ValueError(f"the MTP drafter has {drafter_layers} layer(s), "
                              f"backend.megatron.mtp_num_layers={mtp_num_layers}")
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_parallelism(cfg, par, world)  # before any rank allocates a parameter
@@ -83,43 +124,60 @@ class MegatronPolicy:
         self.grpo, self.sampling, self.par = grpo, sampling, par
         self.mtp = mtp_coupling if mtp_num_layers else None
         self.mtp_weight = mtp_loss_scaling_factor
+        self.dtype = DTYPES[params_dtype]
         if mtp_num_layers and drafter is None:  # Qwen3 ships no MTP head: a new one, built like train-drafter's
             torch.manual_seed(seed)
-            drafter = MTP(cfg, MTPConfig(mtp_num_layers))
+            drafter = MTP(cfg, MTPConfig(mtp_num_layers))  # one or a few layers, not the policy
         self.has_drafter = drafter is not None and mtp_num_layers > 0
         init_model_parallel(par, cfg)
         reset_router_tracker()
-        self.model = build_model(cfg, par, mtp_num_layers=mtp_num_layers, init=False,
-                                 sequence_parallel=sequence_parallel,
-                                 batch_p2p_comm=False)
-        import_hf(self.model, hf_weights(model, drafter if self.has_drafter else None))
+        extra = {} if recompute == "none" else dict(recompute_granularity=recompute)
+        if recompute == "full":
+            extra.update(recompute_method="uniform", recompute_num_layers=1)
+        self.model = build_model(cfg, par, mtp_num_layers=mtp_num_layers, init=False, dtype=self.dtype,
+                                 sequence_parallel=sequence_parallel, batch_p2p_comm=False, **extra)
+        if self.dtype != torch.float32:  # modules Megatron takes from torch (the RMSNorm without Apex / TE) too
+            self.model.to(self.dtype)
+        if from_files:  # every rank reads its own slices from the files; a new MTP head comes from memory
+            sources = [model]
+            if self.has_drafter:
+                sources.append(drafter if not isinstance(drafter, MTP) else _drafter_tensors(drafter))
+            import_hf(self.model, sources if len(sources) > 1 else model)
+        else:
+            import_hf(self.model, hf_weights(model, drafter if self.has_drafter and isinstance(drafter, MTP) else None))
         self.model.train()
         named = list(self.model.named_parameters())
+        # fp32 master copies of low-precision shards: the optimizer updates these, the model gets them rounded.
+        self.masters = {p: (p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone()))
+                        for _, p in named}
         self.trunk = [(n, p) for n, p in named if not is_mtp(n)]
         self.mtp_layers = [(n, p) for n, p in named if is_mtp(n)]
         self.owned = norm_owned(self.model)
-        groups = [dict(params=[p for _, p in self.trunk], lr=grpo.lr, betas=(0.9, 0.99))]
+        groups = [dict(params=[self.masters[p] for _, p in self.trunk], lr=grpo.lr, betas=(0.9, 0.99))]
         if self.mtp_layers:
-            groups.append(dict(params=[p for _, p in self.mtp_layers], lr=drafter_lr))
+            groups.append(dict(params=[self.masters[p] for _, p in self.mtp_layers], lr=drafter_lr))
         self.opt = torch.optim.AdamW(groups, weight_decay=0.0)
         # With followers, rank 0 announces each call (the RL loop); without, every rank makes the calls itself.
         self.leader = followers and dist.get_rank() == 0 and dist.get_world_size() > 1
 
     @classmethod
-    def from_rl(cls, cfg, model: CausalLM, drafter=None) -> "MegatronPolicy":
+    def from_rl(cls, cfg, model: CausalLM | None = None, drafter=None) -> "MegatronPolicy":
         """Built by the loop on rank 0; the other ranks (waiting in `launch.follow_run`) get `cfg` and build theirs
-        from the same checkpoints at the same time."""
+        at the same time. Every rank reads its own slices of the policy (`model.policy`) and of an MTP drafter
+        (`model.drafter` / `spec.model`) from the checkpoint files; `model` and `drafter` are not used for that
+        (the loop passes None: it never loads the full policy for a Megatron trainer)."""
         m, g = cfg.backend.megatron, cfg.grpo
         world = dist.get_world_size() if dist.is_initialized() else 1
-        check_parallelism(model.config, Parallelism.from_section(m), world)
+        check_parallelism(read_config(cfg.model.policy), Parallelism.from_section(m), world)
         ensure_process_group()  # one process without torchrun: a one-rank group
         if dist.is_initialized() and dist.get_rank() == 0 and world > 1:
             dist.broadcast_object_list([(BUILD, (cfg,))], src=0)
-        return cls(model, g, dict(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p),
-                   Parallelism.from_section(m), drafter=drafter if m.mtp_num_layers else None,
+        return cls(cfg.model.policy, g, dict(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p),
+                   Parallelism.from_section(m), drafter=mtp_drafter_dir(cfg) if m.mtp_num_layers else None,
                    mtp_num_layers=m.mtp_num_layers, mtp_coupling=m.mtp_coupling,
                    mtp_loss_scaling_factor=m.mtp_loss_scaling_factor, drafter_lr=cfg.drafter_train.lr,
-                   sequence_parallel=m.sequence_parallel, seed=cfg.run.seed, followers=world > 1)
+                   sequence_parallel=m.sequence_parallel, seed=cfg.run.seed, followers=world > 1,
+                   params_dtype=m.params_dtype, recompute=m.recompute, optimizer=m.optimizer)
 
     # -- rank 0 announces, the others follow ------------------------------------------------------------------
 
@@ -201,13 +259,32 @@ class MegatronPolicy:
             metrics["skipped"] = True
             return metrics
         reduce_grads(self.model)
-        metrics["grad_norm"] = clip(self.trunk, self.owned, self.grpo.max_grad_norm)
+        self._grads_to_masters()
+        metrics["grad_norm"] = clip(self._master_named(self.trunk), self.owned, self.grpo.max_grad_norm)
         if self.mtp:  # collective: stages without MTP layers take part with nothing
-            clip(self.mtp_layers, self.owned, 1.0)
+            clip(self._master_named(self.mtp_layers), self.owned, 1.0)
             metrics["drafter_loss"] = sums["drafter_loss"]
         self.opt.step()
+        self._masters_to_params()
         metrics["skipped"] = False
         return metrics
+
+    # -- fp32 masters -----------------------------------------------------------------------------------------
+
+    def _master_named(self, named):
+        return [(n, self.masters[p]) for n, p in named]
+
+    def _grads_to_masters(self) -> None:
+        for p, m in self.masters.items():
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.float()
+                p.grad = None
+
+    @torch.no_grad()
+    def _masters_to_params(self) -> None:
+        for p, m in self.masters.items():
+            if m is not p:
+                p.copy_(m)
 
     def export_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         """(hf_name, full tensor) of the policy, then the MTP layers as the generator's drafter (`drafter.mtp.*`).
@@ -227,14 +304,18 @@ class MegatronPolicy:
         """Each parameter's data temporarily replaced by its Adam state `key` (zeros before the first step; kept
         when `create`), so the exporter and importer map the optimizer state exactly as they map the weights
         (names, shards, experts, stages)."""
-        params = [p for group in self.opt.param_groups for p in group["params"]]
+        params = list(self.masters)
         saved = [p.data for p in params]
         for p in params:
-            value = self.opt.state.get(p, {}).get(key)
-            if value is None:
-                value = torch.zeros_like(p)
-                if create:
-                    self.opt.state[p][key] = value
+            master = self.masters[p]
+            if key == "master":
+                value = master.data
+            else:
+                value = self.opt.state.get(master, {}).get(key)
+                if value is None:
+                    value = torch.zeros_like(master)
+                    if create:
+                        self.opt.state[master][key] = value
             p.data = value
         try:
             yield
@@ -245,7 +326,8 @@ class MegatronPolicy:
     def state_dict(self) -> dict:
         """Full HF-named weights and Adam moments (layout-independent), the Adam step and the learning rates."""
         self._announce("state_dict")
-        state = {"weights": {n: t.cpu().clone() for n, t in export_hf(self.model)}}
+        with self._params_as("master"):
+            state = {"weights": {n: t.cpu().clone() for n, t in export_hf(self.model)}}
         for key in OPT_STATES:
             with self._params_as(key):
                 state[key] = {n: t.cpu().clone() for n, t in export_hf(self.model)}
@@ -256,11 +338,93 @@ class MegatronPolicy:
 
     def load_state_dict(self, state: dict) -> None:
         """Every rank imports its shards of the weights and Adam moments saved at any layout."""
+        if "sharded_dir" in state:  # a run checkpoint of `save_sharded`
+            self.load_sharded(state["sharded_dir"], state)
+            return
         self._announce("load_state_dict", state)
-        import_hf(self.model, state["weights"])
+        with self._params_as("master"):
+            import_hf(self.model, state["weights"])
+        self._masters_to_params()
         for key in OPT_STATES:
             with self._params_as(key, create=True):
                 import_hf(self.model, state[key])
+        self._set_step(state["step"])
+
+    def _set_step(self, step: float) -> None:
         for group in self.opt.param_groups:
             for p in group["params"]:
-                self.opt.state[p]["step"] = torch.tensor(state["step"])
+                self.opt.state[p]["step"] = torch.tensor(step)
+
+    # -- distributed checkpoints ------------------------------------------------------------------------------
+
+    def _sharded(self, key: str) -> dict:
+        """The model's sharded state dict under `key.` with `key`'s tensors (fp32 masters, an Adam moment) in
+        place of the weights, detached from the parameters so the swap can be undone before it is written."""
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        with self._params_as("master" if key == "weights" else key, create=True):
+            # The metadata Megatron's training loop passes (the PP stage holding MTP layers ties its embedding copy).
+            metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+            sd = self.model.sharded_state_dict(prefix=f"{key}.", metadata=metadata)
+
+            def detach(d):
+                for k, v in list(d.items()):
+                    if isinstance(v, dict):
+                        detach(v)
+                    elif isinstance(v, ShardedObject):
+                        if key != "weights":  # module extra state once, with the weights
+                            del d[k]
+                    elif hasattr(v, "data") and isinstance(v.data, torch.Tensor):
+                        v.data = v.data.detach()
+            detach(sd)
+        return sd
+
+    def save_sharded(self, out_dir: str | os.PathLike | None) -> dict:
+        """Every rank writes its own shards of the weights (fp32 masters), both Adam moments and the MTP layers
+        into `out_dir` (Megatron-Core `torch_dist`; rank 0's `out_dir` counts, the others may pass None). Collective;
+        returns the small state the run checkpoint keeps beside it (`load_state_dict` of it loads the shards)."""
+        from megatron.core import dist_checkpointing
+
+        self._announce("save_sharded", None if out_dir is None else str(out_dir))
+        box = [None if out_dir is None else str(out_dir)]
+        dist.broadcast_object_list(box, src=0)  # rank 0 names the directory (a temporary one, renamed after)
+        out_dir = Path(box[0])
+        if dist.get_rank() == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        sd = {k: v for key in ("weights", *OPT_STATES) for k, v in self._sharded(key).items()}
+        with on_cpu():
+            dist_checkpointing.save(sd, str(out_dir))
+        dist.barrier()  # every rank's files are on disk before the caller renames the directory into place
+        steps = [float(s["step"]) for s in self.opt.state.values() if "step" in s]
+        return {"sharded_dir": out_dir.name, "step": max(steps, default=0.0), "layout": self.par.describe()}
+
+    def load_sharded(self, ckpt_dir: str | os.PathLike, state: dict | None = None) -> None:
+        """Every rank reads its own shards of a `save_sharded` checkpoint made at any TP / PP / EP layout."""
+        from megatron.core import dist_checkpointing
+
+        self._announce("load_sharded", str(ckpt_dir), state)
+        for key in ("weights", *OPT_STATES):
+            sd = self._sharded(key)
+            with on_cpu():
+                loaded = dist_checkpointing.load(sd, str(ckpt_dir))
+            values = {k[len(key) + 1 :]: v for k, v in loaded.items()}
+            with self._params_as("master" if key == "weights" else key, create=True):
+                missing, _ = self.model.load_state_dict(values, strict=False)
+            missing = [n for n in missing if not n.endswith("_extra_state")]
+            if missing:
+                raise ValueError(f"checkpoint {ckpt_dir} has no {key} for {len(missing)} parameter(s), "
+                                 f"e.g. {missing[:3]}")
+        self._masters_to_params()
+        self._set_step((state or {}).get("step", 0.0))
+
+
+def _drafter_tensors(drafter: MTP) -> dict[str, torch.Tensor]:
+    return {n: t.detach().float() for n, t in drafter.state_dict().items()}
+
+
+def mtp_drafter_dir(cfg) -> str | None:
+    """The MTP drafter checkpoint the run names (`model.drafter`, else `spec.model` of an `mtp` spec), or None."""
+    if cfg.spec is None or cfg.spec.method != "mtp":
+        return None
+    return cfg.model.drafter or cfg.spec.model or None

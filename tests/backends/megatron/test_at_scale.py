@@ -1,0 +1,129 @@
+"""The Megatron trainer at scale, on 2 gloo ranks: sharded load from the HF files, bf16 with fp32 masters,
+distributed checkpoints that resume at another layout, and an interrupted save.
+
+Tolerances of the resume tests are `test_policy.py`'s (fp32; loss, clip fraction, grad norm rel 1e-5; weights
+|diff| <= 2 x lr x steps and mean |diff| <= 1e-6), for the same reasons: the resumed run computes the same sums
+at another layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e .[megatron]")
+
+from . import scale_workers as w  # noqa: E402
+from .test_policy import REL, W_MAX, W_MEAN, close_weights, same_metrics  # noqa: E402
+
+pytestmark = pytest.mark.megatron_dist
+
+
+@pytest.fixture(scope="module")
+def loads(tmp_path_factory):
+    from megatron_spec.backends.megatron.parallel import spawn
+
+    return spawn(w.sharded_load, 2, str(tmp_path_factory.mktemp("load")))
+
+
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.bfloat16"])
+@pytest.mark.parametrize("kind, layout", [(k, n) for k, ls in w.LOAD_LAYOUTS.items() for n in ls])
+def test_sharded_load_equals_full_load_bitwise(loads, dtype, kind, layout):
+    """Each rank's parameters read slice by slice from the (multi-file) safetensors equal, bit for bit, those cut
+    from the full tensors in memory: policy and 2 MTP layers, TP2 (QKV groups, gate/up chunks, padded vocab rows,
+    row-split columns), PP2 (stage offsets), EP2 (each rank its experts)."""
+    for rank in loads:
+        files, memory = rank[dtype, kind, layout]
+        assert sorted(files) == sorted(memory)
+        different = [n for n in files if not torch.equal(files[n], memory[n])]
+        assert not different, different[:3]
+
+
+@pytest.fixture(scope="module")
+def precision():
+    from megatron_spec.backends.megatron.parallel import spawn
+
+    return spawn(w.bf16_vs_fp32, 1)[0]
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_bf16_training_tracks_fp32(precision, kind):
+    """3 steps in bf16 (fp32 masters) against fp32, from the same weights and batches.
+
+    - The parameters are bf16 and equal to their fp32 masters rounded to bf16, exactly: the update lives in
+      the masters, the model computes with their rounding.
+    - Log-probs before each step: bf16 keeps 8 significant bits (relative rounding <= 2^-9 per op); the logits of
+      these 2-layer models are O(1), so each carries an error of a few 1e-3 after some tens of rounded ops, and a
+      log-softmax over 96 tokens at most doubles it: |diff| <= 0.05 bounds it with margin, while a wrong update
+      (a missing master, a sign error) moves the step-3 log-probs by ~0.1-1.
+    - Masters after 3 steps: Adam moves each element by about lr per step whatever the gradient's size, so bf16
+      gradients change an element's path only where the gradient's sign flips under rounding: |diff| <= 2 x lr x
+      3 (the worst case) and the mean |diff| <= lr / 4 (most signs agree; a lost update would give ~lr).
+    """
+    fp32, bf16 = precision[kind, "float32"], precision[kind, "bfloat16"]
+    for n, p in bf16["params"].items():
+        assert p.dtype == torch.bfloat16 and bf16["masters"][n].dtype == torch.float32
+        assert torch.equal(p, bf16["masters"][n].to(torch.bfloat16)), n
+    for a, b in zip(fp32["logprobs"], bf16["logprobs"]):
+        assert (a - b).abs().max() <= 0.05
+    lr = 1e-3
+    diffs = torch.cat([(fp32["masters"][n] - bf16["masters"][n]).abs().flatten() for n in fp32["masters"]])
+    assert diffs.max() <= 2 * lr * 3
+    assert diffs.mean() <= lr / 4
+    moved = torch.cat([(fp32["masters"][n] - fp32["params"][n]).abs().flatten() for n in fp32["masters"]])
+    assert moved.max() == 0  # fp32: the masters are the parameters themselves
+    for m in bf16["metrics"]:
+        assert m["skipped"] is False and torch.isfinite(torch.tensor(m["loss"]))
+
+
+@pytest.fixture(scope="module")
+def resumes(tmp_path_factory):
+    from megatron_spec.backends.megatron.parallel import spawn
+
+    return spawn(w.dist_resume, 2, str(tmp_path_factory.mktemp("resume")))
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense"])
+def test_distributed_checkpoint_resumes_at_another_layout(resumes, kind):
+    """MoE + MTP saved at EP2, resumed at PP2; dense saved at PP2, resumed at TP2: the 2 steps after the resume
+    equal steps 3-4 of the uninterrupted run (metrics and weights, `test_policy.py`'s tolerances), so weights,
+    both Adam moments, the step count and the MTP layers all came back through the resharding."""
+    for rank in resumes:
+        straight, resumed = rank[kind, "straight"], rank[kind, "resumed"]
+        keys = ("loss", "grad_norm", "clip_frac") + (("drafter_loss",) if kind == "moe" else ())
+        for a, b in zip(straight["metrics"][2:], resumed["metrics"]):
+            same_metrics(a, b, keys)
+        for a, b in zip(straight["weights"][2:], resumed["weights"]):
+            close_weights(a, b)
+
+
+def test_distributed_checkpoint_is_written_by_every_rank(resumes):
+    """Both ranks wrote a shard file of their own (torch_dist names them __<rank>_<n>.distcp) and neither holds
+    the whole state: each file is at most 70 % of the shard bytes (an even split is 50 %; the replicated norms
+    and router are written once, by one rank)."""
+    for kind in ("moe", "dense"):
+        files = resumes[0][kind, "files"]
+        shards = {n: b for n, b in files.items() if n.endswith(".distcp")}
+        assert {n.split("_")[2] for n in shards} == {"0", "1"}, files
+        total = sum(shards.values())
+        assert max(shards.values()) <= 0.7 * total, shards
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    from megatron_spec.backends.megatron.parallel import spawn
+
+    return spawn(w.interrupted_save, 2, str(tmp_path_factory.mktemp("interrupted")))
+
+
+def test_interrupted_save_leaves_previous_checkpoint_loadable(interrupted):
+    """The save of step 1 failed after the shards were written: `latest` still names step 0, no step-1
+    directory exists (only its temporary name is gone too), and a policy at another layout (PP2, saved at EP2)
+    loads exactly step 0's weights from it."""
+    for rank in interrupted:
+        assert rank["failed"] is True
+        W = rank["at_step0"]
+        assert sorted(W) == sorted(rank["loaded"])
+        assert all(torch.equal(W[n], rank["loaded"][n]) for n in W)
+    assert interrupted[0]["step"] == 0
+    assert interrupted[0]["listing"] == ["latest", "step_000000"]
