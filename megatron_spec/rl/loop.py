@@ -168,9 +168,12 @@ class Trainer:
         from ..models import from_pretrained
         from .backends import build_generator, build_policy
 
-        model = from_pretrained(self.cfg.model.policy, device=self.cfg.run.torch_device())
+        megatron = self.cfg.backend.trainer == "megatron"
+        # A Megatron trainer reads its own shards from the checkpoint files on every rank: no full policy for it.
+        policy = build_policy(self.cfg, None, None) if megatron else None
+        model = from_pretrained(self.cfg.model.policy, device=self.cfg.run.torch_device())  # the generator's
         drafter = load_drafter_for(self.cfg, model)
-        return build_policy(self.cfg, model, drafter), build_generator(self.cfg, model, drafter)
+        return policy or build_policy(self.cfg, model, drafter), build_generator(self.cfg, model, drafter)
 
     def step(self, step: int) -> dict:
         timer = StageTimer()
@@ -311,7 +314,7 @@ def run(cfg: RLConfig, make_trainer) -> dict:
                 raise RuntimeError(f"{nan_streak} consecutive steps with a non-finite loss (last at step {step}); "
                                    f"stopping. The last good checkpoint is in {run_dir}/checkpoints")
             if (step + 1) % cfg.run.save_every == 0 or last:
-                checkpoint.save(run_dir, step, trainer.policy.state_dict(), cfg)
+                checkpoint.save(run_dir, step, trainer.policy, cfg)  # it writes its own shards, if sharded
     finally:
         logger.close()
         trainer.close()
