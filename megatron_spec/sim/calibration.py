@@ -1,27 +1,36 @@
-"""Every calibration constant of the simulator, in one place.
+"""Every calibration constant of the simulator, in one place, one set per GPU family.
 
-A hardware profile is a spec sheet; these factors say how much of it real software reaches. There is one set,
-shared by H100, H200, B200 and GB200 and by every validation and projection. Nothing is fitted per case: changing
-a number here moves every prediction, which is what the tests in `tests/sim` guard.
+A hardware profile is a spec sheet; these factors say how much of it real software reaches. There are two sets:
+`GPU` for Blackwell (B200, GB200), read off public figures plus one constant set on the reference paper's GB200
+runs, and `HOPPER` for H100 and H200, which replaces five of them with values fitted on NeMo-RL's published H100
+GRPO step times (`fit.py`; docs/design/simulator-calibration.md). `calibration_for` picks the set of a profile.
+Nothing is fitted per case: changing a number here moves every prediction of that family, which is what the tests
+in `tests/sim` guard (test_reference_paper.py for Blackwell, test_published.py for Hopper).
 
-Where each GPU value comes from:
+Where each Blackwell value comes from:
 
 - `mem_eff` 0.80: decode kernels stream weights and KV at ~80 % of the HBM spec (STREAM-like copies reach 85-90 %
   on H100; GEMV-shaped decode kernels a little less).
 - `gemm_eff` 0.60: skinny decode / verify GEMMs (64-2048 rows) reach ~60 % of the dense peak; large square GEMMs
   reach 70-80 %.
 - `train_mfu` 0.40: Megatron-scale pretraining reports 40-50 % MFU; RL training with ragged sequence lengths,
-  recomputation and a separate logprob pass sits at the low end.
+  recomputation and a separate logprob pass sits at the low end. MoE models use the same value.
 - `link_eff` 0.70: bus bandwidth NCCL all-reduce / all-to-all reach relative to the link spec.
-- `collective_latency_s` 10 us: a small NCCL all-reduce inside an NVLink domain.
+- `collective_latency_s` 10 us: a small NCCL all-reduce inside an NVLink domain; 30 us across domains.
 - `forward_overhead_s` 1.5 ms: what one engine forward pass costs beyond its kernels (scheduler, input
   preparation, sampler and logprob bookkeeping, host-device synchronisation), paid by every target *and every
-  draft* forward. This is the one constant not read off a public figure: it was set once so that the reference
-  paper's RL-Zero k=3 gen time comes out right (README.md, "Validation"). Everything else -- the RL-Think column,
-  the k sweep, the 235B projections, the tuner -- is predicted with the same value.
+  draft* forward. Set once so that the reference paper's RL-Zero k=3 gen time comes out right; the RL-Think
+  column and the k sweep are predicted with the same value.
+- `decode_eff` 1.0: the reference paper's GB200 runs need no loss beyond `mem_eff` / `gemm_eff`.
 - `refit_eff` 0.25 and `engine_wake_s` 1.0: a bucketed weight refit reaches about a quarter of the link (gathers,
   name mapping, per-bucket synchronisation); waking a sleeping engine (KV re-allocation, CUDA-graph reuse) costs
   about a second.
+- `offload_eff` 0.5: host copies of many tensors (optimizer states, engine weights, reference weights) reach about
+  half of the host link (pinned copies over PCIe Gen5 reach ~50 of 64 GB/s, pageable ones about half that).
+- `fp8_train_gain` 0.65: FP8 training keeps 0.65 of the sheet's 2x, i.e. 1.3x (public Transformer Engine
+  figures for dense models: 1.2-1.4x).
+
+Hopper replaces `decode_eff`, `forward_overhead_s`, `train_mfu` and `train_mfu_moe` with `HOPPER_FIT`.
 """
 
 from __future__ import annotations
@@ -30,7 +39,8 @@ from dataclasses import dataclass, replace
 
 from .hardware import Hardware
 
-# Fitted by `fit.fit_calibration` on the FIT_ROWS of `fit.py` (docs/design/simulator-calibration.md).
+# Fitted by `fit.fit_calibration` on the FIT_ROWS of `fit.py` from the Blackwell set's values, rounded to three
+# digits (docs/design/simulator-calibration.md argues each against public figures).
 HOPPER_FIT = {"decode_eff": 0.543, "forward_overhead_s": 1.23e-3, "train_mfu": 0.416, "train_mfu_moe": 0.122}
 
 
@@ -104,10 +114,10 @@ HOPPER = replace(
     GPU, decode_eff=HOPPER_FIT["decode_eff"], forward_overhead_s=HOPPER_FIT["forward_overhead_s"],
     train_mfu=HOPPER_FIT["train_mfu"], train_mfu_moe=HOPPER_FIT["train_mfu_moe"],
 )
-"""H100 and H200: the same spec-sheet kernel factors, with the engine's decode efficiency and overhead, the
-training MFU of dense and MoE models and the offload efficiency fitted on NeMo-RL's published H100 GRPO step
-times (`fit.py`; rows, values and their argument in docs/design/simulator-calibration.md). H200 shares it: the
-same Hopper die and software, so the same fractions of its own spec sheet."""
+"""H100 and H200: the same spec-sheet kernel factors, with the engine's decode efficiency and per-forward
+overhead and the training MFU of dense and MoE models fitted on NeMo-RL's published H100 GRPO step times
+(`fit.py`; rows, values and their argument in docs/design/simulator-calibration.md). H200 shares it: the same
+Hopper die and software, so the same fractions of its own spec sheet."""
 
 CALIBRATIONS = {"h100": HOPPER, "h200": HOPPER, "b200": GPU, "gb200": GPU}
 
