@@ -146,6 +146,7 @@ def simulate_command(args) -> int:
         print(projection_report())
         return 0
     if args.compare_published:
+        from .fit import FIT_ROWS
         from .published import compare, format_table
 
         tables = {hw: compare(hardware=hw) for hw in ("h100", "gb200")}
@@ -155,7 +156,7 @@ def simulate_command(args) -> int:
                                    for c in comps] for hw, comps in tables.items()}, indent=2))
         else:
             print("H100 BF16 (Hopper calibration, fitted on five of these rows)")
-            print(format_table(tables["h100"]))
+            print(format_table(tables["h100"], fitted=FIT_ROWS))
             print("\nGB200 BF16 (Blackwell spec-sheet set, not fitted: a check that shows its optimism)")
             print(format_table(tables["gb200"], footer=False))
         return 0

@@ -112,13 +112,16 @@ def compare(names: list[str] | None = None, cal: Calibration | None = None, hard
     return out
 
 
-def format_table(comps: list[Comparison], footer: bool = True) -> str:
-    head = f"{'row':22} {'release':7} {'published':>9} {'simulated':>9} {'ratio':>6}  " + " ".join(
+def format_table(comps: list[Comparison], footer: bool = True, fitted: tuple[str, ...] = ()) -> str:
+    """One line per row: published and simulated step seconds, their ratio and the simulated stage parts; rows in
+    `fitted` are marked 'fit', the others 'check'."""
+    head = f"{'row':22} {'use':5} {'release':7} {'published':>9} {'simulated':>9} {'ratio':>6}  " + " ".join(
         f"{s:>7}" for s in STAGES) + f" {'exposed':>7}"
     lines = [head]
     for c in comps:
         st = c.result.stages
-        lines.append(f"{c.name:22} {c.release:7} {c.published_s:9.1f} {c.result.step_s:9.1f} {c.ratio:6.2f}  "
+        use = "fit" if c.name in fitted else "check"
+        lines.append(f"{c.name:22} {use:5} {c.release:7} {c.published_s:9.1f} {c.result.step_s:9.1f} {c.ratio:6.2f}  "
                      + " ".join(f"{st[s]:7.1f}" for s in STAGES) + f" {c.result.exposed_gen_s:7.1f}")
     if not footer:
         return "\n".join(lines)
