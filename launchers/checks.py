@@ -1,9 +1,18 @@
 """Checks before launch: what a submitted job would otherwise find out only once its allocation starts.
 
-A missing extra, a driver module that does not exist, a layout the model cannot take, more GPUs than the allocation
-has, a drafter whose vocabulary is not the policy's, chain-length weights the policy's task cannot take: each is one
-line of a single error raised on the submitting machine, before anything is rendered or submitted. Needs no optional
-dependency (model configs are read as JSON or from the presets; modules are looked up without being imported).
+A missing extra, a driver module that does not exist, an input that does not resolve (a local path that is not there,
+a hub name this machine cannot find), a drafter missing or of another method than the recipe's, a layout the model
+cannot take or the trainer does not run (context parallelism), more GPUs than the allocation has, vLLM engines that
+straddle nodes or contradict the placement, `max_model_len` below prompt plus `grpo.max_tokens`, rollouts longer than
+the model's context, backends other than the plan's, a drafter whose vocabulary is not the policy's, chain-length
+weights the policy's task cannot take: each is one line of a single error raised on the submitting machine, before
+anything is rendered or submitted. Needs no optional dependency (model configs are read as JSON; a hub name is looked
+up in huggingface_hub's local cache, fetched only when the machine may reach the hub; modules are looked up without
+being imported).
+
+Architecture figures for a layout check may come from a preset of the same name (`Qwen/Qwen3-8B` -> `qwen3-8b`),
+which is how `--dryrun` and `--tune` work anywhere; whether the input itself resolves is `input_problems`' business,
+and a preset never answers that.
 """
 
 from __future__ import annotations
@@ -12,11 +21,10 @@ import importlib.util
 import json
 from pathlib import Path
 
-from megatron_spec.layout import Layout, layout_problems, world_problems
-from megatron_spec.models import ModelConfig
+from megatron_spec.layout import Layout, layout_problems, support_problems, world_problems
+from megatron_spec.models import ModelConfig, hub
 from megatron_spec.models.presets import PRESETS, preset
 from megatron_spec.rl.config import RLConfig
-from megatron_spec.spec.registry import needs_weights
 
 from .extras import EXTRAS, missing_extras
 
@@ -24,10 +32,25 @@ SCALE_EXTRAS = ("megatron", "vllm", "ray")
 """What the Ray placements need where the job runs: Megatron-Core trains, vLLM generates, Ray places both."""
 
 
-def policy_config(policy: str) -> ModelConfig | None:
-    """The policy's architecture: its `config.json` when it is a local checkpoint, else the preset named like the
-    last part of the name (`Qwen/Qwen3-8B` -> `qwen3-8b`); None when neither is known here."""
-    path = Path(policy) / "config.json"
+def local_input(name: str, cache_dir: str | None = None) -> str | None:
+    """`name` as a directory on this machine: itself, or a hub name's snapshot in the local cache (never fetched
+    here); None when neither."""
+    if Path(name).exists():
+        return name
+    if hub.is_hub_name(name):
+        try:
+            return hub.cached(name, cache_dir)
+        except ImportError:
+            return None
+    return None
+
+
+def policy_config(policy: str, cache_dir: str | None = None) -> ModelConfig | None:
+    """The policy's architecture: its `config.json` where the checkpoint is on this machine (a directory, or a hub
+    name in the local cache), else the preset named like the last part of the name (`Qwen/Qwen3-8B` -> `qwen3-8b`),
+    for layout checks only; None when neither is known here."""
+    local = local_input(policy, cache_dir)
+    path = Path(local or policy) / "config.json"
     if path.is_file():
         return ModelConfig.from_hf(json.loads(path.read_text()))
     name = Path(policy).name.lower()
@@ -35,16 +58,35 @@ def policy_config(policy: str) -> ModelConfig | None:
 
 
 def drafter_vocab(path: str) -> int | None:
-    """The vocabulary a drafter checkpoint drafts in (its own config.json, or the target recorded in
-    drafter_config.json); None when the checkpoint is not on this machine."""
+    """The vocabulary a drafter checkpoint drafts in (its own config.json: a draft model's `vocab_size`, a public
+    EAGLE-3 head's target vocabulary; or the target recorded in drafter_config.json); None when the checkpoint is
+    not on this machine."""
     for name, keys in (("config.json", ("vocab_size",)), ("drafter_config.json", ("target", "vocab_size"))):
         file = Path(path) / name
         if file.is_file():
             value = json.loads(file.read_text())
+            if name == "config.json" and "transformer_layer_config" in value:  # speculators: the target's layer
+                value = value["transformer_layer_config"]
             for key in keys:
                 value = value.get(key) if isinstance(value, dict) else None
             return value
     return None
+
+
+def drafter_kind(path: str) -> str | None:
+    """What a drafter directory holds: `mtp` / `eagle3` (our drafter_config.json), `eagle3` (a public EAGLE-3 head
+    in the vLLM speculators or SpecForge layout), `draft_model` (an HF causal LM); None when it is none of them."""
+    ours, cfg = Path(path) / "drafter_config.json", Path(path) / "config.json"
+    if ours.is_file():
+        return json.loads(ours.read_text()).get("kind")
+    if not cfg.is_file():
+        return None
+    hf = json.loads(cfg.read_text())
+    if hf.get("speculators_model_type"):
+        return hf["speculators_model_type"]
+    if any("eagle3" in a.lower() for a in hf.get("architectures", [])):
+        return "eagle3"
+    return "draft_model" if hf.get("model_type") else None
 
 
 def driver_problems(module: str) -> list[str]:
@@ -69,15 +111,24 @@ def extras_problems(extras: tuple[str, ...], container_image: str | None) -> lis
             f"pip install -e .[{','.join(missing)}] (or pass --container-image)"]
 
 
+def import_check(extras: tuple[str, ...]) -> str:
+    """The one-line Python import of this package and the modules of `extras`, which a rendered sbatch script runs in
+    the named container before anything starts (so a missing package fails the job in seconds, not after the
+    allocation has started its workers)."""
+    modules = ", ".join(["megatron_spec", *(EXTRAS[e] for e in extras)])
+    return f'python -c "import {modules}"'
+
+
 def layout_fit_problems(cfg: RLConfig, layout: dict) -> list[str]:
     """The trainer layout (`Scale.layout`: the split the job will use on the allocation asked for) must fit the
     model and the allocation's GPUs; the engines must fit the allocation."""
     world, meg = layout["gpus"], layout["megatron"]
     lay = Layout(tp=meg["tp"], pp=meg["pp"], ep=meg["ep"], etp=meg["etp"], cp=meg["cp"],
                  first_stage_layers=meg.get("first_stage_layers"), last_stage_layers=meg.get("last_stage_layers"))
-    model = policy_config(cfg.model.policy)
+    model = policy_config(cfg.model.policy, cfg.model.hub_cache)
     problems = layout_problems(model, lay, who="train") if model is not None else []
     problems += world_problems(world, lay, who="train")
+    problems += support_problems(lay, who="train")
     engines, engine_tp = layout["vllm"]["engines"], layout["vllm"]["tensor_parallel_size"]
     if engines * engine_tp > world:
         problems.append(f"{engines} generation engines x TP {engine_tp} = {engines * engine_tp} GPUs, more than the "
@@ -85,17 +136,141 @@ def layout_fit_problems(cfg: RLConfig, layout: dict) -> list[str]:
     return problems
 
 
+INPUT_FIELDS = (("model.policy", lambda c: c.model.policy), ("model.drafter", lambda c: c.model.drafter),
+                ("spec.model", lambda c: c.spec.model if c.spec else None))
+
+
+def input_problems(cfg: RLConfig, online: bool = True) -> list[str]:
+    """Every checkpoint the job reads must resolve: a directory that exists here (the job's checkout and file
+    systems are the submitting machine's), a built-in name, or a hub name found in the local cache
+    (`model.hub_cache`) or, with `online` where this machine may reach the hub (HF_HUB_OFFLINE unset), on the hub
+    itself."""
+    problems, seen = [], set()
+    for field, get in INPUT_FIELDS:
+        name = get(cfg)
+        if not name or name in hub.BUILTIN or name in seen:
+            continue
+        seen.add(name)
+        if Path(name).exists():
+            if field == "model.policy" and not (Path(name) / "config.json").is_file():
+                problems.append(f"{field} {name} has no config.json: give an HF-layout checkpoint directory")
+            continue
+        if not hub.is_hub_name(name):
+            problems.append(f"{field} {name} does not exist on this machine: give an existing directory or a hub "
+                            "name (org/name)")
+            continue
+        problem = _hub_problem(name, cfg.model.hub_cache, online)
+        if problem:
+            problems.append(f"{field} {problem}")
+    return problems
+
+
+def _hub_problem(name: str, cache_dir: str | None, online: bool) -> str | None:
+    """None when hub name `name` resolves from here; else what could not be resolved and how to fix it."""
+    try:
+        if hub.cached(name, cache_dir) is not None:
+            return None
+    except ImportError as err:
+        return f"{name} is a hub name, and {err}"
+    where = f"model.hub_cache={cache_dir}" if cache_dir else "huggingface_hub's default cache"
+    fix = (f"download it where the nodes read it (`hf download {name}{f' --cache-dir {cache_dir}' if cache_dir else ''}`"
+           f", with model.hub_cache on a shared file system) or give a local directory")
+    if hub.offline() or not online:
+        why = "HF_HUB_OFFLINE is set" if hub.offline() else "a dry run does not query the hub"
+        return f"hub name {name} could not be resolved from this machine ({why}; not in {where}): {fix}"
+    try:  # this machine may reach the hub: the name must exist there (only its config.json is fetched)
+        hub.hub_module().hf_hub_download(name, "config.json", cache_dir=cache_dir)
+    except Exception as err:  # noqa: BLE001 - any hub or network error means: not resolvable from here
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return f"hub name {name} could not be resolved from this machine ({first}; not in {where}): {fix}"
+    return None
+
+
 def drafter_problems(cfg: RLConfig) -> list[str]:
-    """A drafter with weights must draft in the policy's vocabulary (checked where both are on this machine)."""
-    if not cfg.spec or not needs_weights(cfg.spec.method):
+    """A drafter with weights must be there, hold the recipe's method and draft in the policy's vocabulary (checked
+    where both are on this machine)."""
+    if not cfg.spec or cfg.spec.method not in ("mtp", "eagle3", "draft_model"):
         return []
-    path = cfg.model.drafter or cfg.spec.model
-    model = policy_config(cfg.model.policy)
-    vocab = drafter_vocab(path) if path else None
-    if model is None or vocab is None or vocab == model.vocab_size:
-        return []
-    return [f"the drafter {path} drafts in a vocabulary of {vocab} tokens, the policy {cfg.model.policy} has "
-            f"{model.vocab_size}"]
+    name = cfg.model.drafter or cfg.spec.model
+    if not name:
+        return [f"spec.method={cfg.spec.method} drafts with weights and no drafter is named: set model.drafter (a "
+                f"directory or hub name; `megatron-spec train-drafter --method {cfg.spec.method}` makes one)"]
+    path = local_input(name, cfg.model.hub_cache)
+    if path is None:
+        return []  # input_problems says why it does not resolve
+    problems = []
+    kind = drafter_kind(path)
+    if kind != cfg.spec.method:
+        what = f"a {kind} drafter" if kind else "no drafter this project reads (no drafter_config.json or config.json)"
+        problems.append(f"the drafter {name} holds {what}, the recipe drafts with spec.method={cfg.spec.method}: "
+                        f"point model.drafter at a {cfg.spec.method} checkpoint or set spec.method={kind or '...'}")
+    model = policy_config(cfg.model.policy, cfg.model.hub_cache)
+    vocab = drafter_vocab(path)
+    if model is not None and vocab is not None and vocab != model.vocab_size:
+        problems.append(f"the drafter {name} drafts in a vocabulary of {vocab} tokens, the policy "
+                        f"{cfg.model.policy} has {model.vocab_size}")
+    return problems
+
+
+PROMPT_TOKENS = 256
+"""Prompt length the length checks allow for when the config sets no prompt cap: the built-in tasks' prompts are
+far shorter (tiny ~10 tokens, the chat prompts ~60)."""
+
+
+def prompt_budget(cfg: RLConfig) -> int:
+    """Longest prompt the run may feed: the data section's prompt cap where the config has one, else PROMPT_TOKENS."""
+    data = getattr(cfg, "data", None)
+    for key in ("max_prompt_tokens", "max_prompt_len", "max_prompt_length"):
+        if isinstance(getattr(data, key, None), int) and getattr(data, key) > 0:
+            return getattr(data, key)
+    return PROMPT_TOKENS
+
+
+def length_problems(cfg: RLConfig) -> list[str]:
+    """Rollouts must fit the policy's context (prompt + `grpo.max_tokens` <= max_position_embeddings, where the
+    architecture is known here) and, with vLLM, the engines' `max_model_len`."""
+    problems, prompt, new = [], prompt_budget(cfg), cfg.grpo.max_tokens
+    model = policy_config(cfg.model.policy, cfg.model.hub_cache)
+    if model is not None and prompt + new > model.max_position_embeddings:
+        problems.append(f"grpo.max_tokens={new} plus a prompt of up to {prompt} tokens exceeds the context of "
+                        f"{cfg.model.policy} (max_position_embeddings={model.max_position_embeddings}): lower "
+                        f"grpo.max_tokens to {max(model.max_position_embeddings - prompt, 0)} or less")
+    if cfg.backend.generator == "vllm" and cfg.backend.vllm.max_model_len < prompt + new:
+        problems.append(f"backend.vllm.max_model_len={cfg.backend.vllm.max_model_len} is below a prompt of up to "
+                        f"{prompt} tokens plus grpo.max_tokens={new}: set backend.vllm.max_model_len={prompt + new}")
+    return problems
+
+
+def plan_problems(cfg: RLConfig, recommended: dict) -> list[str]:
+    """What the job resolves must be what the plan prints: a Megatron trainer with the printed split and vLLM
+    engines of the printed tensor parallel size, which fit the placement's bundles and the nodes."""
+    problems = []
+    if cfg.backend.trainer != "megatron":
+        problems.append(f"the plan prints a Megatron trainer but backend.trainer={cfg.backend.trainer}: set "
+                        "backend.trainer=megatron (or run a recipe meant for one process)")
+    if cfg.backend.generator != "vllm":
+        problems.append(f"the plan prints vLLM engines but backend.generator={cfg.backend.generator}: set "
+                        "backend.generator=vllm")
+    placement = recommended["ray"]["placement"]
+    if cfg.backend.placement not in ("inline", placement):
+        problems.append(f"the plan places {placement} but backend.placement={cfg.backend.placement}")
+    tp, gpn = recommended["vllm"]["tensor_parallel_size"], recommended["gpus_per_node"]
+    if recommended["gpus"] % tp:
+        problems.append(f"vLLM TP {tp} does not divide the allocation's {recommended['gpus']} GPUs: set "
+                        "backend.vllm.tensor_parallel_size to a divisor")
+    if gpn and tp > gpn and tp % gpn:
+        problems.append(f"a vLLM engine of TP {tp} on nodes of {gpn} GPUs would split a node between engines: use a "
+                        f"TP that divides {gpn} or a multiple of it")
+    elif gpn and tp < gpn and gpn % tp:
+        problems.append(f"vLLM TP {tp} does not divide the {gpn} GPUs of a node: an engine would straddle two nodes")
+    engines, bundles = recommended["vllm"]["engines"], recommended["ray"]["bundles"]
+    if placement == "colocated" and engines * tp != bundles:
+        problems.append(f"colocated: {engines} engines x TP {tp} = {engines * tp} GPUs, the placement has {bundles} "
+                        "bundles (one per GPU): every GPU must hold one engine rank")
+    model = policy_config(cfg.model.policy, cfg.model.hub_cache)
+    if model is not None:
+        problems += layout_problems(model, Layout(tp=tp), kv_replication=True, who="vLLM")
+    return problems
 
 
 def task_problems(cfg: RLConfig) -> list[str]:
@@ -113,12 +288,20 @@ def task_problems(cfg: RLConfig) -> list[str]:
 
 
 def check_launch(name: str, cfg: RLConfig, layout: dict | None, *, driver: str | None,
-                 extras: tuple[str, ...] = (), container_image: str | None = None) -> None:
-    """Raise one ValueError naming every problem found (nothing is submitted then)."""
+                 extras: tuple[str, ...] = (), container_image: str | None = None, inputs: bool = True) -> list[str]:
+    """Raise one ValueError naming every problem found (nothing is submitted then). `layout`: an at-scale recipe's
+    plan (`recommended`: Scale.layout with nodes and GPUs per node). `inputs=False` (a dry run, which may run
+    anywhere) returns the input problems instead of raising on them."""
     problems = driver_problems(driver) if driver else []
     problems += extras_problems(extras, container_image) if extras else []
     problems += layout_fit_problems(cfg, layout) if layout else []
+    problems += plan_problems(cfg, layout) if layout else []
+    problems += length_problems(cfg)
     problems += drafter_problems(cfg)
     problems += task_problems(cfg)
+    missing = input_problems(cfg, online=inputs)
+    if inputs:
+        problems += missing
     if problems:
         raise ValueError(f"{name} cannot launch: " + "; ".join(problems))
+    return [] if inputs else missing

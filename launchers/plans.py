@@ -21,7 +21,7 @@ def slurm_plan(
     account: str,
     partition: str | None = None,
     nodes: int = 1,
-    gpus_per_node: int = 8,
+    gpus_per_node: int = 1,
     time: str = "04:00:00",
     container_image: str | None = None,
     container_mounts: list[str] | tuple[str, ...] = (),
@@ -33,7 +33,8 @@ def slurm_plan(
 ) -> dict:
     """A SLURM batch job, in a pyxis container where `container_image` is given (on the nodes themselves where not).
 
-    `ntasks_per_node` defaults to one task per GPU (the torchrun / Megatron convention), or 1 without GPUs.
+    `gpus_per_node` defaults to one (a single-process job asks for one GPU, not a node's eight); `ntasks_per_node`
+    to one task per GPU (the torchrun / Megatron convention), or 1 without GPUs.
     With `ssh_host` NeMo-Run submits over SSH from this machine; without it, it calls sbatch here (a login node).
     """
     if not account:

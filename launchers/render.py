@@ -32,12 +32,15 @@ def log_dir(plan: dict) -> str:
 
 
 def job_inputs(plan: dict, command: str) -> dict[str, str]:
-    """The template's inputs a plan sets: the command, the container and its mounts where given, GPUs per node."""
+    """The template's inputs a plan sets: the command, the container and its mounts where given (with the one-line
+    import check the template runs in it before anything starts), GPUs per node."""
     env = {"COMMAND": command}
     if plan.get("container_image"):
         env["CONTAINER"] = plan["container_image"]
     if plan.get("container_mounts"):
         env["MOUNTS"] = ",".join(plan["container_mounts"])
+    if plan.get("container_image") and plan.get("import_check"):
+        env["IMPORT_CHECK"] = plan["import_check"]
     if plan["executor"] == "ray-slurm":
         env["GPUS_PER_NODE"] = str(plan["gpus_per_node"])
     return env

@@ -32,9 +32,10 @@ from typing import Callable
 import yaml
 
 from launchers import MissingExtra, local_plan, ray_slurm_plan, slurm_plan
-from launchers.checks import SCALE_EXTRAS, check_launch
+from launchers.checks import SCALE_EXTRAS, check_launch, import_check
 from launchers.render import TEMPLATES, render_sbatch, sbatch_command
 from megatron_spec.layout import Layout, check_layout
+from megatron_spec.rl.backend_config import BackendSection, MegatronSection, VLLMSection
 from megatron_spec.rl.config import RLConfig
 from megatron_spec.rl.overrides import apply_overrides, dump_yaml, load_yaml
 
@@ -71,19 +72,40 @@ class Scale:
     """Training and generation share the GPUs (vLLM sleeps while Megatron trains) instead of separate pools."""
     time: str = "04:00:00"
     """SLURM time limit of one job; runs longer than that resume from their last checkpoint."""
+    first_stage_layers: int | None = None
+    """Decoder layers of the first pipeline stage; None: an even share [num_layers_in_first_pipeline_stage]."""
+    last_stage_layers: int | None = None
+    """Decoder layers of the last pipeline stage; None: an even share [num_layers_in_last_pipeline_stage]."""
 
     def __post_init__(self) -> None:
-        # The device grid, by the one layout validator the backend and the simulator use; the recipe checks its
-        # model against the same validator (the layer split of its pipeline stages is the model's business).
+        # The device grid, by the one layout validator the backend and the simulator use, including what the
+        # trainer does not run (context parallelism); the recipe checks its model against the same validator.
         world = self.nodes * self.gpus_per_node
-        check_layout(None, Layout(tp=self.tp, pp=self.pp, ep=self.ep, etp=1, cp=self.cp), world)
+        check_layout(None, self.train_layout(), world, runnable=True)
         if world % self.vllm_tp:
             raise ValueError(f"vLLM TP={self.vllm_tp} does not divide the {world} GPUs")
+
+    def train_layout(self) -> Layout:
+        """The trainer's split (expert tensor parallel 1)."""
+        return Layout(tp=self.tp, pp=self.pp, ep=self.ep, etp=1, cp=self.cp,
+                      first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers)
+
+    def backend(self, max_model_len: int) -> BackendSection:
+        """The backends this Scale describes, as the recipe's `backend` section: the Megatron trainer with this split,
+        vLLM engines serving `max_model_len` tokens (prompt plus completion), and the placement; so the run is what
+        `--dryrun` prints."""
+        return BackendSection(
+            trainer="megatron", generator="vllm", placement="colocated" if self.colocated else "disaggregated",
+            megatron=MegatronSection(tp=self.tp, pp=self.pp, ep=self.ep, etp=1, cp=self.cp,
+                                     first_stage_layers=self.first_stage_layers,
+                                     last_stage_layers=self.last_stage_layers),
+            vllm=VLLMSection(max_model_len=max_model_len, tensor_parallel_size=self.vllm_tp))
 
     def layout(self, cfg: RLConfig, nodes: int | None = None, gpus_per_node: int | None = None) -> dict:
         """Plain data for --dryrun and for the at-scale driver: who runs where on `nodes` x `gpus_per_node` (the
         allocation; default the recommended one), and vLLM's speculative_config. The trainer split is
-        `cfg.backend.megatron` when the trainer is Megatron (so overrides and --tune reach it), else this Scale's."""
+        `cfg.backend.megatron` when the trainer is Megatron and the engine TP `cfg.backend.vllm.tensor_parallel_size`
+        when the generator is vLLM (so overrides and --tune reach them), else this Scale's."""
         world = (nodes or self.nodes) * (gpus_per_node or self.gpus_per_node)
         meg = cfg.backend.megatron
         if cfg.backend.trainer == "megatron":
@@ -92,11 +114,12 @@ class Scale:
         else:
             split = {"tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep, "etp": 1}
         colocated = cfg.backend.placement != "disaggregated" if cfg.backend.placement != "inline" else self.colocated
-        engines = world // self.vllm_tp if colocated else cfg.backend.generators
+        engine_tp = cfg.backend.vllm.tensor_parallel_size if cfg.backend.generator == "vllm" else self.vllm_tp
+        engines = world // engine_tp if colocated else cfg.backend.generators
         return {
             "gpus": world,
             "megatron": {**split, "dp": world // (split["tp"] * split["pp"] * split["cp"])},
-            "vllm": {"tensor_parallel_size": self.vllm_tp, "engines": engines,
+            "vllm": {"tensor_parallel_size": engine_tp, "engines": engines,
                      "speculative_config": cfg.spec.vllm() if cfg.spec else None},
             "ray": {"placement": "colocated" if colocated else "disaggregated", "async_lag": cfg.backend.async_lag,
                     "bundles": world, "bundle": {"GPU": 1}},
@@ -159,8 +182,11 @@ def check_before_launch(name: str, args: argparse.Namespace, cfg: RLConfig, scal
     extras = ((*SCALE_EXTRAS,) if scale else ("ray",)) if ray and installs_here else ()
     if args.executor != "local" and not args.dryrun:
         extras = (*extras, "nemo")
-    check_launch(name, cfg, plan.get("recommended") if scale else None, driver=SCALE_DRIVER if ray else None,
-                 extras=extras, container_image=args.container_image)
+    unresolved = check_launch(name, cfg, plan.get("recommended") if scale else None,
+                              driver=SCALE_DRIVER if ray else None, extras=extras,
+                              container_image=args.container_image, inputs=not args.dryrun)
+    if unresolved:  # a dry run runs anywhere: it says what a launch from here would refuse, in one line
+        print(f"{name}: note: a launch from this machine would be refused: {'; '.join(unresolved)}", file=sys.stderr)
 
 
 def tune_recipe(name: str, cfg: RLConfig, scale: Scale | None, args: argparse.Namespace):
@@ -174,7 +200,7 @@ def tune_recipe(name: str, cfg: RLConfig, scale: Scale | None, args: argparse.Na
     from megatron_spec.sim.config import Speculation
     from megatron_spec.sim.tune import best_layout
 
-    model = policy_config(cfg.model.policy)
+    model = policy_config(cfg.model.policy, cfg.model.hub_cache)
     if model is None:
         raise ValueError(f"--tune needs the architecture of {cfg.model.policy} (a local config.json or a preset)")
     spec = None
@@ -183,13 +209,16 @@ def tune_recipe(name: str, cfg: RLConfig, scale: Scale | None, args: argparse.Na
                            cfg.spec.num_speculative_tokens + 1), drafter=cfg.spec.method)
     gpus = args.nodes * args.gpus_per_node
     layout, stages = best_layout(model, gpus, args.gpu, spec=spec)
-    overrides = {**layout.backend_overrides(), "backend.trainer": "megatron"}
+    overrides = {**layout.backend_overrides(), "backend.trainer": "megatron", "backend.generator": "vllm",
+                 "backend.vllm.tensor_parallel_size": layout.gen_tp}
     if spec is not None and layout.method == cfg.spec.method and layout.k > 0:  # the k it ranked best, same drafter
         overrides.update({"spec.num_speculative_tokens": layout.k, "spec.adaptive": layout.adaptive})
     cfg = apply_overrides(cfg, [f"{k}={'null' if v is None else v}" for k, v in overrides.items()])
     scale = dataclasses.replace(scale, nodes=args.nodes, gpus_per_node=args.gpus_per_node, tp=layout.train.tp,
                                 pp=layout.train.pp, cp=layout.train.cp, ep=layout.train.ep, vllm_tp=layout.gen_tp,
-                                colocated=layout.placement == "colocated")
+                                colocated=layout.placement == "colocated",
+                                first_stage_layers=layout.train.first_stage_layers,
+                                last_stage_layers=layout.train.last_stage_layers)
     chosen = {"gpus": gpus, "gpu": args.gpu, "train": layout.train.describe(), "train_dp": layout.train_dp,
               "gen_tp": layout.gen_tp, "engines": layout.engines, "placement": layout.placement,
               "async_lag": layout.async_lag, "spec": f"{layout.method} k={layout.k}" + (" adaptive" if
@@ -234,6 +263,8 @@ def executor_plan(name: str, args: argparse.Namespace, cfg: RLConfig, scale: Sca
         else:  # one task, not one per GPU: the embedded loop is a single process
             plan = slurm_plan(account, args.partition, 1, args.gpus_per_node, ntasks_per_node=1, **common)
         plan["command"] = shlex.join(_remote_argv(name, args))
+        if args.container_image:  # the job's packages are the image's: the script imports them before anything
+            plan["import_check"] = import_check(SCALE_EXTRAS if scale else ("ray",) if ray else ())
         plan["sbatch_without_nemo_run"] = sbatch_command(plan, plan["command"])
     if scale:
         plan["recommended"] = {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node, "time": scale.time,

@@ -3,7 +3,9 @@
 Recommended: 4 nodes x 8 H100 (32 GPUs, as the reference's 32 GB200), colocated. Megatron-Core TP2 PP1 CP1
 (DP16: 8B in bf16 with its optimizer state fits 2-way TP with room for 8K-token rollouts); vLLM TP1, 32 engines
 (16 GB of weights per GPU leaves most of the 80 GB for KV cache), `spec.vllm()` as vLLM's `speculative_config`;
-Ray places one trainer and one generator worker per GPU. The EAGLE-3 drafter is initialised offline on policy
+Ray places one trainer and one generator worker per GPU. The config selects exactly that (`SCALE.backend`:
+`backend.trainer=megatron`, `backend.generator=vllm`, colocated), with engines serving a prompt of up to 1024 tokens
+plus the 8192 of a rollout. The EAGLE-3 drafter is initialised offline on policy
 responses (`megatron-spec train-drafter --method eagle3`) and trained online during RL.
 
 Running needs `pip install -e .[megatron,vllm,ray]` on the cluster: submit with `--executor ray-slurm`;
@@ -25,16 +27,19 @@ from megatron_spec.spec.config import SpecConfig  # noqa: E402
 SCALE = Scale(nodes=4, gpus_per_node=8, tp=2, pp=1, cp=1, ep=1, vllm_tp=1, time="04:00:00")
 
 DRAFTER = "checkpoints/qwen3-8b-eagle3"
+MAX_TOKENS = 8192
+PROMPT_TOKENS = 1024
 
 
 def qwen3_8b_grpo_spec() -> RLConfig:
     """64 prompts x 16 rollouts of up to 8K tokens per step, DAPO's asymmetric clip, no KL."""
     return RLConfig(
         model=ModelSection(policy="Qwen/Qwen3-8B", drafter=DRAFTER, task="natural"),
-        grpo=GRPOSection(prompts_per_step=64, group_size=16, max_tokens=8192, lr=1e-6, clip_high=0.28),
+        grpo=GRPOSection(prompts_per_step=64, group_size=16, max_tokens=MAX_TOKENS, lr=1e-6, clip_high=0.28),
         spec=SpecConfig("eagle3", num_speculative_tokens=3, model=DRAFTER),
         run=RunSection(steps=500, out_dir="runs/qwen3_8b", save_every=20, dataset_size=17_000, eval_prompts=30,
                        eval_every=20, threads=8),
+        backend=SCALE.backend(max_model_len=PROMPT_TOKENS + MAX_TOKENS),
     )
 
 

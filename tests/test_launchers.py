@@ -183,3 +183,198 @@ def test_dryrun_matches_its_golden_file(argv, golden):
     assert recipe.is_file() and command.endswith("--executor local'")
     driver = ROOT / "megatron_spec" / "backends" / "ray" / "driver.py"
     assert "def train(cfg" in driver.read_text()
+
+
+# ---- checks before launch: each failure a cluster would meet, refused on the submitting machine --------------------
+
+def recipe(name: str):
+    from megatron_spec import nemo_run_cli
+
+    return nemo_run_cli.load_recipe(ROOT / "recipes" / f"{name}.py")
+
+
+@pytest.fixture
+def refused(monkeypatch, capsys):
+    """Run a recipe's launch (`--executor ray-slurm` / `slurm`, or a local run) with the Hub unreachable, sbatch and
+    training replaced by recorders; returns the one error line after asserting exit 2 and that nothing ran."""
+    import megatron_spec.rl.loop as loop
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    calls = []
+    monkeypatch.setattr(launchers, "submit", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(loop, "train", lambda cfg: calls.append(cfg))
+
+    def run(name: str, argv: list[str]) -> str:
+        assert recipe(name).main(argv) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+        assert len(err) == 1 and calls == []
+        return err[0]
+
+    return run
+
+
+AT_SCALE_SUBMIT = ["--executor", "ray-slurm", "--account", "a", "--container-image", "img"]
+
+
+def hub_cache(root: Path, repo: str, config: dict) -> Path:
+    """A Hugging Face cache holding `repo` at one snapshot, laid out as huggingface_hub writes it
+    (models--org--name/refs/main -> snapshots/<commit>/config.json)."""
+    import json
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    base = root / ("models--" + repo.replace("/", "--"))
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(commit)
+    snap = base / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(config))
+    return snap
+
+
+def test_a_hub_name_this_machine_cannot_resolve_is_refused(refused):
+    """Qwen/Qwen3-8B, not in the local cache, HF_HUB_OFFLINE set: named with the download command, no preset taken
+    in its place, nothing submitted."""
+    err = refused("qwen3_8b_grpo_spec", [*AT_SCALE_SUBMIT, "model.hub_cache=/nonexistent/hub"])
+    assert ("model.policy hub name Qwen/Qwen3-8B could not be resolved from this machine (HF_HUB_OFFLINE is set; "
+            "not in model.hub_cache=/nonexistent/hub)") in err
+    assert "hf download Qwen/Qwen3-8B --cache-dir /nonexistent/hub" in err
+
+
+def test_a_hub_name_in_the_local_cache_resolves_and_its_config_is_the_one_checked(tmp_path, refused, capsys,
+                                                                                     monkeypatch):
+    """The same hub name found in model.hub_cache resolves (the check reads its cached config.json, not a preset):
+    a cached config with 6 attention heads makes TP2's neighbour TP4 fail on 6, where the preset has 32."""
+    from launchers.checks import input_problems, policy_config
+    from megatron_spec.models import hub
+    from megatron_spec.rl.config import ModelSection, RLConfig
+
+    cfg = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 96, "num_hidden_layers": 2,
+           "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 192,
+           "max_position_embeddings": 40960}
+    snap = hub_cache(tmp_path, "Qwen/Qwen3-8B", cfg)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = RLConfig(model=ModelSection(policy="Qwen/Qwen3-8B", drafter=None, hub_cache=str(tmp_path)), spec=None)
+    assert input_problems(run) == [] and hub.resolve("Qwen/Qwen3-8B", str(tmp_path)) == str(snap)
+    assert policy_config("Qwen/Qwen3-8B", str(tmp_path)).num_attention_heads == 6
+    err = refused("qwen3_8b_grpo_spec", [*AT_SCALE_SUBMIT, f"model.hub_cache={tmp_path}", "backend.megatron.tp=4"])
+    assert "train tp=4 does not divide num_attention_heads=6" in err and "Qwen/Qwen3-8B could not" not in err
+
+
+def test_the_run_resolves_hub_names_into_its_cache_without_a_network(tmp_path, monkeypatch):
+    """Where the job runs, hub names become their snapshot directories (huggingface_hub.snapshot_download with the
+    config's cache dir); a local path and a name missing offline are left / refused with the fix."""
+    from megatron_spec.models import hub
+    from megatron_spec.rl.config import ModelSection, RLConfig
+    from megatron_spec.spec.config import SpecConfig
+
+    snap = hub_cache(tmp_path, "org/drafter", {"speculators_model_type": "eagle3"})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg = RLConfig(model=ModelSection(policy="checkpoints/tiny-qwen3", drafter="org/drafter", hub_cache=str(tmp_path)),
+                   spec=SpecConfig("eagle3", 3, model="org/drafter"))
+    out = hub.resolve_config(cfg)
+    assert (out.model.policy, out.model.drafter, out.spec.model) == ("checkpoints/tiny-qwen3", str(snap), str(snap))
+    with pytest.raises(FileNotFoundError, match="hf download org/missing --cache-dir"):
+        hub.resolve("org/missing", str(tmp_path))
+    assert not hub.is_hub_name("checkpoints/not-there")  # a path under a local directory is a path, missing or not
+
+
+def test_a_drafter_directory_that_does_not_exist_is_refused(refused):
+    err = refused("qwen3_8b_grpo_spec", AT_SCALE_SUBMIT)
+    assert ("model.drafter checkpoints/qwen3-8b-eagle3 does not exist on this machine: give an existing directory "
+            "or a hub name") in err
+
+
+def test_a_drafter_of_another_method_is_refused(refused):
+    """An MTP head given to an EAGLE-3 recipe: named, with both ways out."""
+    err = refused("tiny_grpo_spec", ["spec.method=eagle3", "model.drafter=checkpoints/tiny-qwen3-deep-careful-mtp",
+                                     "spec.model=checkpoints/tiny-qwen3-deep-careful-mtp"])
+    assert ("the drafter checkpoints/tiny-qwen3-deep-careful-mtp holds a mtp drafter, the recipe drafts with "
+            "spec.method=eagle3: point model.drafter at a eagle3 checkpoint or set spec.method=mtp") in err
+
+
+def test_context_parallelism_is_refused_before_launch(refused):
+    err = refused("qwen3_235b_grpo_spec", [*AT_SCALE_SUBMIT, "backend.megatron.cp=2"])
+    assert "backend.megatron.cp=2: context parallelism is not implemented" in err and "use cp=1" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    # TP 3 neither divides the 32 GPUs nor a node's 8
+    (["backend.vllm.tensor_parallel_size=3"], "vLLM TP 3 does not divide the 8 GPUs of a node"),
+    # TP 16 on nodes of 6 GPUs: an engine would take a node and a part of another
+    (["backend.vllm.tensor_parallel_size=16", "--gpus-per-node", "6", "backend.megatron.tp=1"],
+     "a vLLM engine of TP 16 on nodes of 6 GPUs would split a node between engines"),
+])
+def test_vllm_tensor_parallel_against_nodes_is_refused(argv, message, refused):
+    assert message in refused("qwen3_8b_grpo_spec", [*AT_SCALE_SUBMIT, *argv])
+
+
+def test_max_model_len_below_prompt_plus_max_tokens_is_refused(refused):
+    err = refused("qwen3_235b_grpo_spec", [*AT_SCALE_SUBMIT, "backend.vllm.max_model_len=4096"])
+    assert ("backend.vllm.max_model_len=4096 is below a prompt of up to 256 tokens plus grpo.max_tokens=8192: set "
+            "backend.vllm.max_model_len=8448") in err
+
+
+def test_max_tokens_beyond_the_models_context_is_refused(refused):
+    """The tiny policy's context is 512 positions (its config.json): 600 new tokens cannot fit, before or after a
+    prompt."""
+    err = refused("tiny_grpo_spec", ["grpo.max_tokens=600"])
+    assert ("grpo.max_tokens=600 plus a prompt of up to 256 tokens exceeds the context of "
+            "checkpoints/tiny-qwen3-deep-careful (max_position_embeddings=512): lower grpo.max_tokens to 256") in err
+
+
+def test_zero_steps_is_refused(refused):
+    assert "run.steps must be >= 1 (a run of no steps trains nothing), got 0" in refused("tiny_grpo_spec",
+                                                                                         ["run.steps=0"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["backend.trainer=embedded"], "the plan prints a Megatron trainer but backend.trainer=embedded: set "
+                                   "backend.trainer=megatron"),
+    (["backend.generator=embedded"], "the plan prints vLLM engines but backend.generator=embedded: set "
+                                     "backend.generator=vllm"),
+])
+def test_backends_other_than_the_plans_are_refused(argv, message, refused):
+    assert message in refused("qwen3_8b_grpo_spec", [*AT_SCALE_SUBMIT, *argv])
+
+
+def test_a_single_device_recipe_asks_for_one_gpu():
+    """Without --gpus-per-node an embedded recipe's SLURM plan asks for one GPU (one process), not a node's eight;
+    so does a SLURM plan built without saying."""
+    from recipes._common import _parser, executor_plan
+
+    args = _parser("tiny_grpo_spec", "", None).parse_intermixed_args(["--executor", "slurm", "--account", "a"])
+    plan = executor_plan("tiny_grpo_spec", args, recipe("tiny_grpo_spec").tiny_grpo_spec(), None)
+    assert plan["gpus_per_node"] == 1 and plan["ntasks_per_node"] == 1
+    assert slurm_plan("a")["gpus_per_node"] == 1 and slurm_plan("a")["ntasks_per_node"] == 1
+
+
+@pytest.mark.parametrize("template", ["job.sub", "ray.sub"])
+def test_the_container_import_check_runs_before_anything(tmp_path, template):
+    """With a container named, the rendered script carries the one-line import of what the job needs; run against
+    stand-ins for srun (runs here) and ray, a failing import ends the job with exit 3 and its message before the
+    command or any Ray process starts."""
+    from launchers.checks import import_check
+
+    line = import_check(("megatron", "vllm", "ray"))
+    assert line == 'python -c "import megatron_spec, megatron.core, vllm, ray"'
+    plan = (ray_slurm_plan if template == "ray.sub" else slurm_plan)("a", container_image="img:1")
+    plan["import_check"] = line
+    text = render_sbatch(plan, "echo ran", "t")
+    assert f"IMPORT_CHECK='{line}'" in text
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "calls.log"
+    stubs = {"scontrol": "echo n1", "hostname": "echo 10.0.0.1",
+             "srun": 'while [[ $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done; "$@"',
+             "ray": f'echo "ray $*" >> {log}'}
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "n1",
+           "SLURM_SUBMIT_DIR": str(tmp_path), "SLURM_JOB_ID": "7", "COMMAND": f"echo ran >> {log}",
+           "IMPORT_CHECK": f'{sys.executable} -c "import no_such_module_for_this_test"'}
+    done = subprocess.run(["bash", str(ROOT / "slurm" / template)], env=env, capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.returncode == 3, done.stderr
+    assert "cannot import what the job needs" in done.stderr and "nothing was started" in done.stderr
+    assert not log.exists()  # neither the command nor Ray ran

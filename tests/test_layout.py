@@ -94,7 +94,8 @@ def test_world_grids():
 
 
 def test_the_235b_recipe_layout_is_one_megatron_accepts():
-    """TP2 PP8 CP2 EP16 on 128 GPUs with 11 layers on the first and last stage, 12 on the six others."""
+    """TP2 PP8 CP1 EP16 on 128 GPUs with 11 layers on the first and last stage, 12 on the six others, a layout the
+    trainer runs."""
     import importlib
 
     mod = importlib.import_module("recipes.qwen3_235b_grpo_spec")
@@ -103,10 +104,10 @@ def test_the_235b_recipe_layout_is_one_megatron_accepts():
                  first_stage_layers=section.first_stage_layers, last_stage_layers=section.last_stage_layers)
     s = mod.SCALE
     assert (lay.tp, lay.pp, lay.cp, lay.ep) == (s.tp, s.pp, s.cp, s.ep)
-    check_layout(preset("qwen3-235b-a22b"), lay, s.nodes * s.gpus_per_node)
+    check_layout(preset("qwen3-235b-a22b"), lay, s.nodes * s.gpus_per_node, runnable=True)
     assert stage_layers(94, 8, lay.first_stage_layers, lay.last_stage_layers) == [11, *[12] * 6, 11]
     with pytest.raises(ValueError, match="pp=8 does not divide the 94"):  # without the uneven split
-        check_layout(preset("qwen3-235b-a22b"), Layout(tp=2, pp=8, cp=2, ep=16, etp=1), 128)
+        check_layout(preset("qwen3-235b-a22b"), Layout(tp=2, pp=8, cp=1, ep=16, etp=1), 128)
 
 
 def test_the_three_callers_agree():
@@ -124,3 +125,40 @@ def test_the_three_callers_agree():
         Scale(nodes=1, gpus_per_node=8, ep=3)
     with pytest.raises(ValueError, match=r"EP\*PP = 3 \(x ETP 1\) does not divide the 8 devices"):
         check_parallelism(m, Parallelism(ep=3, etp=1, cp=1), world_size=8)
+
+
+def test_context_parallelism_is_refused_where_a_layout_is_chosen_or_accepted():
+    """Megatron-Core takes CP2 and the grids fit, but the trainer does not run it: the shared rule names the fix; the
+    config section, the recipe Scale and the backend check refuse it before anything loads; the simulator may still
+    predict it; the tuner never picks it and counts why (cp=2 at tp 1 and tp 2: two layouts)."""
+    from megatron_spec.backends.megatron.checks import Parallelism, check_parallelism
+    from megatron_spec.layout import support_problems
+    from megatron_spec.rl.backend_config import MegatronSection
+    from megatron_spec.sim import LengthDist, SimConfig, Speculation, TrainParallel, Workload
+    from megatron_spec.sim.tune import TuneSpace, search
+    from recipes._common import Scale
+
+    lay = Layout(tp=2, pp=8, cp=2, ep=16, etp=1, first_stage_layers=11, last_stage_layers=11)
+    m = preset("qwen3-235b-a22b")
+    check_layout(m, lay, 128)  # Megatron-Core's rules alone accept it
+    assert support_problems(lay, who="train") == [
+        "train cp=2: context parallelism is not implemented in the Megatron trainer (a run would stop after loading "
+        "the model); use cp=1 and put those GPUs into tp, pp or data parallelism"]
+    with pytest.raises(ValueError, match="cp=2: context parallelism is not implemented"):
+        check_layout(m, lay, 128, runnable=True)
+    with pytest.raises(ValueError, match="backend.megatron.cp=2: context parallelism is not implemented"):
+        MegatronSection(tp=2, pp=8, ep=16, cp=2, first_stage_layers=11, last_stage_layers=11)
+    with pytest.raises(ValueError, match="use cp=1"):
+        Scale(nodes=16, gpus_per_node=8, tp=2, pp=8, cp=2, ep=16)
+    with pytest.raises(ValueError, match="cp=2: context parallelism"):
+        check_parallelism(m, Parallelism(tp=2, pp=8, cp=2, ep=16, etp=1, first_stage_layers=11, last_stage_layers=11))
+    TrainParallel(tp=2, pp=8, cp=2, ep=16, dp=4).check(m)  # a prediction of it is still allowed
+    work = Workload(prompts_per_step=64, group_size=8, prompt_len=200, response=LengthDist(mean=1500, max_tokens=8192))
+    base = SimConfig(model="qwen3-8b", hardware="h100", gpus=8, workload=work, train=TrainParallel(dp=8),
+                     spec=Speculation(k=3, acceptance_length=2.8))
+    result = search(base, TuneSpace(gen_tp=(1,), train_tp=(1, 2), train_pp=(1,), train_cp=(1, 2), ks=(3,),
+                                    adaptive=("off",)))
+    assert result.ranked and all(c.cfg.train.cp == 1 for c in result.ranked)
+    cp_keys = [k for k in result.rejected if "context parallelism" in k]
+    assert len(cp_keys) == 1 and result.rejected[cp_keys[0]] == 2
+    assert result.rejected.example[cp_keys[0]].startswith("train cp=2: context parallelism is not implemented")

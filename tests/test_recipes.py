@@ -26,6 +26,12 @@ def recipe(name: str):
 
 
 @pytest.fixture(autouse=True)
+def hub_offline(monkeypatch):
+    """No test here reaches the Hugging Face Hub: hub names resolve from the local cache or not at all."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(autouse=True)
 def no_training(monkeypatch):
     """Any path that would start training records the call instead."""
     calls = []
@@ -64,8 +70,37 @@ def test_reference_recipes_are_what_the_docs_say():
     smol = recipe("smollm2_grpo_spec").smollm2_grpo_spec()
     assert smol.model.policy == "smollm2-135m" and smol.model.task == "natural"
     assert smol.spec.method in ("ngram", "history") and smol.model.drafter is None
-    big = recipe("qwen3_235b_grpo_spec").SCALE  # NeMo-RL's 235B recipe (docs/design/references.md)
-    assert (big.nodes, big.gpus_per_node, big.tp, big.pp, big.cp, big.ep, big.vllm_tp) == (16, 8, 2, 8, 2, 16, 16)
+    big = recipe("qwen3_235b_grpo_spec").SCALE  # NeMo-RL's 235B recipe (docs/design/references.md), CP1
+    assert (big.nodes, big.gpus_per_node, big.tp, big.pp, big.cp, big.ep, big.vllm_tp) == (16, 8, 2, 8, 1, 16, 16)
+
+
+@pytest.mark.parametrize("name", AT_SCALE)
+def test_at_scale_recipes_run_what_their_plan_prints(name, capsys):
+    """The config an at-scale recipe resolves selects the backends, split, engine TP and placement of its `Scale`,
+    and its dry-run plan prints the same; the engines serve a prompt plus `grpo.max_tokens`; the layout is one the
+    trainer runs (no context parallelism)."""
+    from megatron_spec.layout import support_problems
+
+    mod = recipe(name)
+    cfg, scale = getattr(mod, name)(), mod.SCALE
+    b, meg = cfg.backend, cfg.backend.megatron
+    assert (b.trainer, b.generator, b.placement) == ("megatron", "vllm", "colocated" if scale.colocated else
+                                                     "disaggregated")
+    assert (meg.tp, meg.pp, meg.cp, meg.ep, meg.etp) == (scale.tp, scale.pp, scale.cp, scale.ep, 1)
+    assert (meg.first_stage_layers, meg.last_stage_layers) == (scale.first_stage_layers, scale.last_stage_layers)
+    assert b.vllm.tensor_parallel_size == scale.vllm_tp
+    assert b.vllm.max_model_len >= cfg.grpo.max_tokens + mod.PROMPT_TOKENS > cfg.grpo.max_tokens
+    assert support_problems(meg.layout()) == []
+    assert mod.main(["--dryrun"]) == 0
+    printed, plan = split_dryrun(capsys.readouterr().out)
+    assert printed == cfg
+    rec = plan["recommended"]
+    world = scale.nodes * scale.gpus_per_node
+    assert {k: rec["megatron"][k] for k in ("tp", "pp", "cp", "ep", "etp")} == {
+        "tp": meg.tp, "pp": meg.pp, "cp": meg.cp, "ep": meg.ep, "etp": 1}
+    assert rec["megatron"]["dp"] * meg.tp * meg.pp * meg.cp == world
+    assert rec["vllm"]["tensor_parallel_size"] == scale.vllm_tp and rec["vllm"]["engines"] * scale.vllm_tp == world
+    assert rec["ray"]["placement"] == b.placement and rec["ray"]["bundles"] == world
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -135,8 +170,8 @@ def test_at_scale_ray_slurm_plan(capsys):
                                "--executor local")
     assert "--nodes=16" in plan["sbatch_without_nemo_run"] and "slurm/ray.sub" in plan["sbatch_without_nemo_run"]
     rec = plan["recommended"]
-    assert rec["megatron"] == {"tp": 2, "pp": 8, "cp": 2, "ep": 16, "etp": 1, "first_stage_layers": 11,
-                               "last_stage_layers": 11, "dp": 4}
+    assert rec["megatron"] == {"tp": 2, "pp": 8, "cp": 1, "ep": 16, "etp": 1, "first_stage_layers": 11,
+                               "last_stage_layers": 11, "dp": 8}
     assert rec["vllm"]["tensor_parallel_size"] == 16 and rec["vllm"]["engines"] == 8
     assert rec["vllm"]["speculative_config"]["num_speculative_tokens"] == 5
     script = out.split("# sbatch script", 1)[1]
@@ -197,20 +232,21 @@ def no_submit(monkeypatch):
 @pytest.mark.parametrize("name, argv, message", [
     # a layout the model cannot take: Qwen3-235B has 64 attention heads, 4 query groups
     ("qwen3_235b_grpo_spec", ["backend.megatron.tp=3"], "tp=3 does not divide num_attention_heads=64"),
-    # more GPUs than the allocation: TP2 x PP8 x CP2 = 32 per replica on 2 x 8 GPUs
-    ("qwen3_235b_grpo_spec", ["--nodes", "2"], "TP*PP*CP = 32 does not divide the 16 devices"),
+    # more GPUs than the allocation: TP2 x PP8 = 16 per replica on 1 x 8 GPUs
+    ("qwen3_235b_grpo_spec", ["--nodes", "1"], "TP*PP*CP = 16 does not divide the 8 devices"),
     ("qwen3_8b_grpo_spec", ["--nodes", "1", "--gpus-per-node", "1"], "TP*PP*CP = 2 does not divide the 1 devices"),
     # chain-length weights for 3 lengths, where the chat task holds 2 (2-3 terms)
     ("qwen3_8b_grpo_spec", ["model.terms_weights=[1,1,1]"], "terms_weights needs 2 non-negative weights"),
 ])
 def test_launch_checks_refuse_before_anything_is_submitted(name, argv, message, capsys, no_submit):
     """Each refusal is one line on stderr naming the problem, exit 2, for a dry run and for a submission alike;
-    nothing is submitted."""
+    nothing is submitted. (The recipes' inputs do not resolve on this machine: a submission's line names them too.)"""
     for extra in (["--dryrun"], []):
         assert recipe(name).main(["--executor", "ray-slurm", "--account", "acct", "--container-image", "img",
                                   *argv, *extra]) == 2
         err = capsys.readouterr().err
-        assert message in err and err.count("\n") == 1 and f"{name} cannot launch" in err
+        errors = [line for line in err.splitlines() if "cannot launch" in line]
+        assert len(errors) == 1 and message in errors[0] and f"{name} cannot launch" in err
     assert no_submit == []
 
 

@@ -16,9 +16,14 @@ from .backend_config import BackendSection
 @dataclass
 class ModelSection:
     policy: str = "checkpoints/tiny-qwen3"
-    """Policy checkpoint directory (HF layout) or `smollm2-135m`."""
+    """Policy checkpoint directory (HF layout), a hub name (`Qwen/Qwen3-8B`, fetched where the job runs) or
+    `smollm2-135m`."""
     drafter: str | None = "checkpoints/tiny-qwen3-mtp"
-    """Drafter checkpoint (mtp / eagle3 drafter, or a draft model directory); None for ngram / history / no spec."""
+    """Drafter checkpoint (mtp / eagle3 drafter, or a draft model directory) or its hub name; None for ngram /
+    history / no spec."""
+    hub_cache: str | None = None
+    """Where hub names are downloaded and looked up (huggingface_hub's `cache_dir`; None: its default). On a cluster,
+    a directory every node sees."""
     task: str = "tiny"
     """Prompt format: `tiny` (character-level arithmetic) or `natural` (chat prompts for SmolLM2)."""
     terms_weights: tuple[float, ...] = ()
@@ -214,6 +219,8 @@ class RunSection:
     backends place their own work (Megatron: one GPU per rank; vLLM: its engine's devices) and ignore it."""
 
     def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"run.steps must be >= 1 (a run of no steps trains nothing), got {self.steps}")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"run.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 

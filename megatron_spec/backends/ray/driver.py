@@ -138,8 +138,10 @@ def train(cfg, layout: dict | None = None) -> dict:
     """Run (or resume) `cfg` on the Ray cluster at `RAY_ADDRESS`, or on a local one started here (and stopped at
     the end). `layout`: the recipe's cluster layout (`recipes/_common.py::Scale.layout`), or None to derive it from
     `cfg.backend`. Returns the last step's metrics, as `megatron_spec.rl.loop.train`."""
+    from ...models.hub import resolve_config
     from ...rl.backends import GENERATORS, POLICIES, resolve
 
+    cfg = resolve_config(cfg)  # hub names fetched on this machine, into model.hub_cache, which the workers read
     loop.check_inputs(cfg)
     ray = require_ray()
     resolve(POLICIES, cfg.backend.trainer, "trainer")  # a missing extra fails here, before Ray starts
