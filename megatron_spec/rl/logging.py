@@ -119,6 +119,11 @@ def scalars(metrics: dict) -> list[tuple[str, float]]:
             continue
         if key == "stages" and isinstance(value, dict):
             out += [(f"time/{stage}", float(v)) for stage, v in value.items() if _is_number(v)]
+        elif key == "memory" and isinstance(value, dict):  # peaks in MB; per-rank lists get one curve per rank
+            for name, v in value.items():
+                values = v if isinstance(v, list) else [v]
+                suffix = (lambda i: f"_{i}") if isinstance(v, list) else (lambda i: "")
+                out += [(f"memory/{name}{suffix(i)}", float(x)) for i, x in enumerate(values) if _is_number(x)]
         elif isinstance(value, list):
             # accepted_per_pos: fraction of drafts accepted at each draft position, one curve per position.
             out += [(f"{_TB_GROUP.get(key, 'misc')}/{key}_{i}", float(v)) for i, v in enumerate(value) if _is_number(v)]

@@ -54,6 +54,7 @@ from .exporter import DEFAULT_BUCKET_BYTES, export_hf
 from .importer import import_hf
 from .parallel import ensure_process_group, init_model_parallel
 from .provider import build_model
+from .step import device as _device
 from .step import (
     StepSpec, aux_loss_sum, clip, gather_rows, is_mtp, norm_owned, plan, reduce_grads, reset_router_tracker, run_schedule,
     sum_metrics,
@@ -267,7 +268,26 @@ class MegatronPolicy:
         self.opt.step()
         self._masters_to_params()
         metrics["skipped"] = False
+        metrics["memory"] = self._rank_memory()
         return metrics
+
+    def _rank_memory(self) -> dict:
+        """Every rank's peak RSS (and CUDA peaks) in MB, as lists by global rank. Collective. Ranks > 0 then start
+        new peaks; rank 0's belongs to the loop's process, whose step ends later (`rl.memory.step_memory`)."""
+        from megatron_spec.rl import memory
+
+        world, rank = dist.get_world_size(), dist.get_rank()
+        cuda = memory.cuda_peaks(reset=rank != 0)
+        keys = ["trainer_peak_rss_mb", *(f"trainer_{k}" for k in sorted(cuda))]
+        table = torch.zeros(len(keys), world, dtype=torch.float64, device=_device())
+        table[0, rank] = (memory.peak_rss_bytes() or 0) / memory.MB
+        for i, k in enumerate(sorted(cuda), 1):
+            table[i, rank] = cuda[k]
+        if world > 1:
+            dist.all_reduce(table)
+        if rank != 0:
+            memory.reset_peak()
+        return {k: row.tolist() for k, row in zip(keys, table.cpu())}
 
     # -- fp32 masters -----------------------------------------------------------------------------------------
 

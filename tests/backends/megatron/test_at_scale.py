@@ -127,3 +127,34 @@ def test_interrupted_save_leaves_previous_checkpoint_loadable(interrupted):
         assert all(torch.equal(W[n], rank["loaded"][n]) for n in W)
     assert interrupted[0]["step"] == 0
     assert interrupted[0]["listing"] == ["latest", "step_000000"]
+
+
+def test_loop_with_megatron_trainer_never_loads_the_full_policy_for_it(tmp_path):
+    """The tiny MoE recipe under torchrun, Megatron EP2 on 2 gloo ranks, 1 step, with every `from_pretrained`
+    recorded: the follower rank loads no full model, rank 0 exactly one (the embedded generator's own copy), so
+    the trainer's shards came from the files. The step's metrics carry each rank's peak RSS (plausible: above
+    the 100 MB an importing Python with torch and megatron-core already holds, below 8 GB), and rank 0's trainer
+    peak, read inside the step, is at most the loop process's peak of the same step (same process, same start)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    logs = tmp_path / "loads"
+    logs.mkdir()
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(Path(__file__).with_name("count_loads.py")),
+           "recipes/tiny_moe_grpo_spec.py", "backend.trainer=megatron", "backend.megatron.ep=2", "run.steps=1",
+           "run.resume=false", "run.report=false", "run.eval_every=0", f"run.out_dir={out}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOAD_LOG": str(logs)}
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loads = {f.name: f.read_text().splitlines() for f in logs.iterdir()}
+    assert loads["rank1.txt"] == []
+    assert len(loads["rank0.txt"]) == 1
+    m = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["memory"]
+    assert len(m["trainer_peak_rss_mb"]) == 2
+    assert all(100 < x < 8192 for x in m["trainer_peak_rss_mb"])
+    assert m["trainer_peak_rss_mb"][0] <= m["loop_peak_rss_mb"]

@@ -142,8 +142,8 @@ def test_resume_across_layouts_equals_a_straight_run(two, resumed):
         straight, resumed_run = rank["resume", "straight"], rank["resume", resumed]
         for step in range(2):
             a, b = resumed_run["metrics"][step], straight["metrics"][2 + step]
-            if resumed == "same_layout":
-                assert a == b
+            if resumed == "same_layout":  # every figure but the processes' memory peaks
+                assert {k: v for k, v in a.items() if k != "memory"} == {k: v for k, v in b.items() if k != "memory"}
                 wa, wb = resumed_run["weights"][step], straight["weights"][2 + step]
                 assert all(torch.equal(wa[n], wb[n]) for n in wb)
             else:
