@@ -28,7 +28,7 @@ import yaml
 from ..engine import SamplingParams
 from ..spec.registry import drafter_method, needs_weights
 from ..spec.stats import speculation_summary
-from . import checkpoint
+from . import checkpoint, memory
 from .config import RLConfig
 from .grpo import group_advantages, overlong_penalty, uniform_groups
 from .policy import Batch
@@ -262,10 +262,7 @@ class Trainer:
 
 def train(cfg: RLConfig) -> dict:
     """Run (or resume) the RL job described by `cfg`; returns a summary of the last step. Placements other than
-    `inline` run the same loop through the Ray driver. Hub names among the checkpoints are fetched first, here."""
-    from ..models.hub import resolve_config
-
-    cfg = resolve_config(cfg)
+    `inline` run the same loop through the Ray driver."""
     check_inputs(cfg)
     if cfg.backend.placement != "inline":  # the driver is named, not imported here: the core never imports Ray
         from .backends import DRIVERS, resolve
@@ -311,6 +308,8 @@ def run(cfg: RLConfig, make_trainer) -> dict:
                 metrics["eval_accuracy_before"] = before
             if cfg.run.eval_every and (step % cfg.run.eval_every == 0 or last):
                 metrics["eval_accuracy"] = trainer.evaluate()
+            # Peak memory of the step (this process, its children, and what the trainer reports per rank).
+            metrics["memory"] = {**metrics.get("memory", {}), **memory.step_memory()}
             logger.log(metrics)
             nan_streak = nan_streak + 1 if metrics["skipped"] or not math.isfinite(metrics["loss"]) else 0
             if nan_streak >= cfg.grpo.max_nan_steps:
