@@ -175,7 +175,8 @@ def test_at_scale_ray_slurm_plan(capsys):
     assert rec["vllm"]["tensor_parallel_size"] == 16 and rec["vllm"]["engines"] == 8
     assert rec["vllm"]["speculative_config"]["num_speculative_tokens"] == 5
     script = out.split("# sbatch script", 1)[1]
-    assert "CONTAINER=img:1\nMOUNTS=/data:/data\nGPUS_PER_NODE=8\n" in script and "#SBATCH --nodes=16" in script
+    assert ("CONTAINER=img:1\nMOUNTS=/data:/data\nIMPORT_CHECK='python -c \"import megatron_spec, megatron.core, vllm, ray\"'"
+            "\nGPUS_PER_NODE=8\n") in script and "#SBATCH --nodes=16" in script
 
 
 def test_embedded_recipe_slurm_plan(capsys):
