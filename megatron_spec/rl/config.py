@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ..spec.config import SpecConfig
 from .backend_config import BackendSection
+from .data_config import DataSection
 
 
 @dataclass
@@ -242,6 +243,8 @@ class RunSection:
 class RLConfig:
     model: ModelSection = field(default_factory=ModelSection)
     """Which policy, drafter and prompt format."""
+    data: DataSection = field(default_factory=DataSection)
+    """The prompts from a dataset and their reward function (default: the built-in task of `model.task`)."""
     grpo: GRPOSection = field(default_factory=GRPOSection)
     """The algorithm."""
     spec: SpecConfig | None = field(default_factory=lambda: SpecConfig("mtp", 3, adaptive=True))

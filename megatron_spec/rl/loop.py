@@ -70,6 +70,13 @@ def check_inputs(cfg: RLConfig) -> None:
         task_difficulty(cfg.model.task, policy, cfg.model.terms_weights)
     except ValueError as err:
         raise ValueError(f"{err} (model.task={cfg.model.task!r}, model.terms_weights, policy {policy})") from None
+    if cfg.data.path is not None:
+        from ..tasks.dataset import is_local
+        from ..tasks.scoring import resolve
+
+        if is_local(cfg.data.path) and not Path(cfg.data.path).expanduser().exists():
+            raise FileNotFoundError(f"data.path {cfg.data.path} not found")
+        resolve(cfg.data.reward)  # a reward function that cannot be imported fails before any model is built
     if cfg.spec and needs_weights(cfg.spec.method):
         drafter = cfg.model.drafter or cfg.spec.model
         if not drafter or not Path(drafter).is_dir():
@@ -152,15 +159,12 @@ class Trainer:
     """Holds the run's pieces; `step()` is one RL step, its stages are the methods below it."""
 
     def __init__(self, cfg: RLConfig):
-        from .task import PromptTask
+        from .task import build_tasks
 
         self.cfg = cfg
         g = cfg.grpo
         self.sampling = dict(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
-        m = cfg.model
-        self.task = PromptTask.build(m.task, m.policy, cfg.run.dataset_size, cfg.run.seed, "train", m.terms_weights)
-        self.eval_task = PromptTask.build(m.task, m.policy, max(cfg.run.eval_prompts, 1), cfg.run.seed, "eval",
-                                          m.terms_weights)
+        self.task, self.eval_task = build_tasks(cfg)
         self.policy, self.generator = self.build_backends()
 
     def build_backends(self):
@@ -185,7 +189,8 @@ class Trainer:
             rollouts = self.rollouts(step, prompts)
         rewards = self.score(problems, rollouts.outs)
         train, mismatch = self.learn(prompts, rollouts, rewards, timer)
-        return {**self.metrics(step, timer, rollouts.outs, rewards, mismatch, train), **rollouts.metrics}
+        return {**self.metrics(step, timer, rollouts.outs, rewards, mismatch, train), **rollouts.metrics,
+                **self.task.reward_stats}
 
     def draw(self, step: int) -> tuple[list, list[list[int]]]:
         """This step's problems and prompts, each prompt repeated `group_size` times (its GRPO group)."""
@@ -210,7 +215,8 @@ class Trainer:
 
     def score(self, problems: list, outs) -> torch.Tensor:
         g = self.cfg.grpo
-        return torch.tensor([self.task.reward(o.token_ids, problems[i // g.group_size]) for i, o in enumerate(outs)])
+        return torch.tensor(self.task.rewards([o.token_ids for o in outs],
+                                              [problems[i // g.group_size] for i in range(len(outs))]))
 
     def learn(self, prompts: list[list[int]], rollouts: Rollouts, rewards: torch.Tensor,
               timer: StageTimer) -> tuple[dict, float | None]:
@@ -252,12 +258,13 @@ class Trainer:
         problems = self.eval_task.problems(0, self.cfg.run.eval_prompts)
         outs = self.generator.generate([self.eval_task.encode(p) for p in problems],
                                        SamplingParams(temperature=0, max_tokens=self.cfg.grpo.max_tokens))
-        return sum(self.eval_task.reward(o.token_ids, p) for o, p in zip(outs, problems)) / len(problems)
+        return sum(self.eval_task.rewards([o.token_ids for o in outs], problems)) / len(problems)
 
     def close(self) -> None:
         """Release what the run holds beyond this process: a vLLM generator's engine processes (the Ray trainer also
-        shuts its worker groups down)."""
+        shuts its worker groups down) and the reward workers."""
         self.generator.close()
+        self.task.close()
 
 
 def train(cfg: RLConfig) -> dict:

@@ -33,6 +33,19 @@ def task_difficulty(kind: str, policy_path: str, terms_weights: tuple[float, ...
     raise ValueError(f"unknown task {kind!r}: use 'tiny' or 'natural'")
 
 
+def build_tasks(cfg) -> tuple:
+    """(training task, held-out task) of an RL config: the dataset of `data.path`, rendered by the policy's
+    tokenizer and chat template, or the built-in synthetic task of `model.task`. Both have the same interface."""
+    m = cfg.model
+    if cfg.data.path is not None:
+        from ..models.gguf import load_tokenizer
+        from ..tasks.dataset import DatasetTask
+
+        return DatasetTask.load(cfg.data, load_tokenizer(m.policy), cfg.run.seed, cfg.run.eval_prompts)
+    return (PromptTask.build(m.task, m.policy, cfg.run.dataset_size, cfg.run.seed, "train", m.terms_weights),
+            PromptTask.build(m.task, m.policy, max(cfg.run.eval_prompts, 1), cfg.run.seed, "eval", m.terms_weights))
+
+
 @dataclass
 class PromptTask:
     kind: str
@@ -74,6 +87,16 @@ class PromptTask:
         if self.kind == "tiny":
             return self.tokenizer.decode(token_ids)
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def rewards(self, token_ids: list[list[int]], problems: list[Problem]) -> list[float]:
+        """`reward` of each completion, in order (the dataset task's interface; these checks are cheap)."""
+        return [self.reward(t, p) for t, p in zip(token_ids, problems)]
+
+    reward_stats = {}
+    """Nothing to report: these rewards never time out (a dataset task reports its timeouts here)."""
+
+    def close(self) -> None:
+        pass
 
     def reward(self, token_ids: list[int], problem: Problem) -> float:
         """1.0 for the right final answer; a reward function that raises is a bug in it, reported with context."""
