@@ -6,17 +6,12 @@ from earlier steps), which needs no weights. Runs on the embedded engine: `--exe
 """
 
 import sys
-from pathlib import Path
 
-if str(Path(__file__).resolve().parents[1]) not in sys.path:  # recipes/ and launchers/ sit beside the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from recipes._common import recipe_main  # noqa: E402
-
-from megatron_spec.rl.config import (  # noqa: E402
+from megatron_spec.rl.config import (
     DrafterTrainSection, GRPOSection, ModelSection, RLConfig, RunSection,
 )
-from megatron_spec.spec.config import SpecConfig  # noqa: E402
+from megatron_spec.spec.config import SpecConfig
+from recipes._common import recipe_main
 
 
 def smollm2_grpo_spec() -> RLConfig:

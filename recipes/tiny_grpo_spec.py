@@ -9,14 +9,9 @@ or `disaggregated` on Ray worker groups: `--executor local` (a local Ray cluster
 """
 
 import sys
-from pathlib import Path
 
-if str(Path(__file__).resolve().parents[1]) not in sys.path:  # recipes/ and launchers/ sit beside the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from recipes._common import recipe_main  # noqa: E402
-
-from megatron_spec.rl.config import DrafterTrainSection, GRPOSection, ModelSection, RLConfig, RunSection  # noqa: E402
+from megatron_spec.rl.config import DrafterTrainSection, GRPOSection, ModelSection, RLConfig, RunSection
+from recipes._common import recipe_main
 
 
 def tiny_grpo_spec() -> RLConfig:

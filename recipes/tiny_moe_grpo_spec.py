@@ -14,16 +14,11 @@ measures the MTP head's acceptance length.
 
 import os
 import sys
-from pathlib import Path
 
-if str(Path(__file__).resolve().parents[1]) not in sys.path:  # recipes/ and launchers/ sit beside the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from recipes._common import recipe_main  # noqa: E402
-
-from megatron_spec.rl.backend_config import BackendSection, MegatronSection  # noqa: E402
-from megatron_spec.rl.config import GRPOSection, ModelSection, RLConfig, RunSection  # noqa: E402
-from megatron_spec.spec.config import SpecConfig  # noqa: E402
+from megatron_spec.rl.backend_config import BackendSection, MegatronSection
+from megatron_spec.rl.config import GRPOSection, ModelSection, RLConfig, RunSection
+from megatron_spec.spec.config import SpecConfig
+from recipes._common import recipe_main
 
 DRAFTER = "checkpoints/tiny-qwen3-moe-mtp"
 
@@ -44,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: rank 0 runs the loop, the other ranks follow it
         from megatron_spec.backends.megatron.launch import recipe_main as ranks_main
 
-        return ranks_main(tiny_moe_grpo_spec, argv)
+        return ranks_main(lambda: recipe_main(tiny_moe_grpo_spec, argv), argv)
     return recipe_main(tiny_moe_grpo_spec, argv)
 
 

@@ -1,5 +1,5 @@
 """Starting the ranks of a Megatron-trained RL run: `torchrun --nproc-per-node N recipes/<recipe>.py
-backend.trainer=megatron backend.megatron.ep=2 ...` (a recipe's `main` calls `recipe_main` here).
+backend.trainer=megatron backend.megatron.ep=2 ...` (a recipe's `main` hands its own run to `recipe_main` here).
 
 Rank 0 runs the recipe as usual (the RL loop generates, logs and checkpoints there, alone); when the loop builds
 its `MegatronPolicy` it announces the config, and every other rank builds its own from the same checkpoints and
@@ -76,19 +76,18 @@ def join_torchrun_group(timeout_s: float) -> None:
                            f"{timeout_s:g} s (backend.init_timeout_s): {err}") from err
 
 
-def recipe_main(build: Callable, argv: list[str] | None = None) -> int:
-    """A recipe's entry under torchrun: rank 0 runs `recipes._common.recipe_main`, the others follow it."""
-    from recipes._common import recipe_main as run_recipe
-
+def recipe_main(run_recipe: Callable[[], int], argv: list[str] | None = None) -> int:
+    """A recipe's entry under torchrun: rank 0 calls `run_recipe()` (the recipe's own run, the RL loop inside it),
+    the others follow it; `argv` is the recipe's command line, read here for `backend.init_timeout_s`."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return run_recipe(build, argv)
+        return run_recipe()
     join_torchrun_group(init_timeout_s(argv))
     try:
         if dist.get_rank() == 0:
             from .policy import STOP
 
             try:
-                return run_recipe(build, argv)
+                return run_recipe()
             finally:
                 dist.broadcast_object_list([(STOP, ())], src=0)
         follow_run()
