@@ -18,17 +18,12 @@ Running needs `pip install -e .[megatron,vllm,ray]` on the cluster: submit with 
 """
 
 import sys
-from pathlib import Path
 
-if str(Path(__file__).resolve().parents[1]) not in sys.path:  # recipes/ and launchers/ sit beside the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from recipes._common import Scale, recipe_main  # noqa: E402
-
-from megatron_spec.layout import check_layout  # noqa: E402
-from megatron_spec.models.presets import preset  # noqa: E402
-from megatron_spec.rl.config import GRPOSection, ModelSection, RLConfig, RunSection  # noqa: E402
-from megatron_spec.spec.config import SpecConfig  # noqa: E402
+from megatron_spec.layout import check_layout
+from megatron_spec.models.presets import preset
+from megatron_spec.rl.config import GRPOSection, ModelSection, RLConfig, RunSection
+from megatron_spec.spec.config import SpecConfig
+from recipes._common import Scale, recipe_main
 
 SCALE = Scale(nodes=16, gpus_per_node=8, tp=2, pp=8, cp=1, ep=16, vllm_tp=16, time="04:00:00",
               first_stage_layers=11, last_stage_layers=11)

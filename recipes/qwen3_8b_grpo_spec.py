@@ -14,15 +14,10 @@ GPUs of kind `--gpu` (`megatron-spec tune`), and prints it with the predicted st
 """
 
 import sys
-from pathlib import Path
 
-if str(Path(__file__).resolve().parents[1]) not in sys.path:  # recipes/ and launchers/ sit beside the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from recipes._common import Scale, recipe_main  # noqa: E402
-
-from megatron_spec.rl.config import GRPOSection, ModelSection, RLConfig, RunSection  # noqa: E402
-from megatron_spec.spec.config import SpecConfig  # noqa: E402
+from megatron_spec.rl.config import GRPOSection, ModelSection, RLConfig, RunSection
+from megatron_spec.spec.config import SpecConfig
+from recipes._common import Scale, recipe_main
 
 SCALE = Scale(nodes=4, gpus_per_node=8, tp=2, pp=1, cp=1, ep=1, vllm_tp=1, time="04:00:00")
 

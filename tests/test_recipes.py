@@ -5,6 +5,8 @@ every test that could reach it, so no training runs."""
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,10 @@ import yaml
 import megatron_spec.rl.loop as loop
 from launchers import missing_extras
 from megatron_spec import nemo_run_cli
+from megatron_spec.cli import main as cli_main
 from megatron_spec.rl.config import RLConfig
 from megatron_spec.rl.overrides import apply_overrides, from_dict, load_yaml, to_dict
+from recipes import gen_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("tiny_grpo_spec", "tiny_moe_grpo_spec", "smollm2_grpo_spec", "qwen3_8b_grpo_spec", "qwen3_235b_grpo_spec")
@@ -47,7 +51,7 @@ def split_dryrun(out: str) -> tuple[RLConfig, dict]:
 
 
 def test_every_recipe_has_a_config_and_back():
-    recipes = {p.stem for p in (ROOT / "recipes").glob("*.py") if not p.stem.startswith("_")}
+    recipes = set(gen_configs.recipe_names())
     configs = {p.stem for p in (ROOT / "configs").glob("*.yaml")}
     assert recipes == configs == set(RECIPES)
 
@@ -316,3 +320,42 @@ def test_tune_takes_the_tuners_best_layout(name, nodes, model, capsys):
 def test_tune_is_for_at_scale_recipes(capsys):
     assert recipe("tiny_grpo_spec").main(["--tune", "--dryrun"]) == 2
     assert "--tune chooses the cluster layout of an at-scale recipe" in capsys.readouterr().err
+
+
+def test_configs_are_generated_from_their_recipes(tmp_path, capsys):
+    """`python -m recipes.gen_configs --check` passes on the shipped configs (each file is exactly what its recipe
+    generates), and fails naming the file once one is changed by hand."""
+    assert gen_configs.main(["--check", "--out", str(ROOT / "configs")]) == 0
+    assert gen_configs.main(["--out", str(tmp_path)]) == 0
+    assert {p.name for p in tmp_path.iterdir()} == {f"{n}.yaml" for n in RECIPES}
+    edited = tmp_path / "tiny_grpo_spec.yaml"
+    edited.write_text(edited.read_text().replace("max_tokens: 160", "max_tokens: 161"))
+    capsys.readouterr()
+    assert gen_configs.main(["--check", "--out", str(tmp_path)]) == 1
+    assert str(edited) in capsys.readouterr().err
+
+
+def test_python_and_nemo_run_print_the_same_dryrun():
+    """`python recipes/X.py --dryrun` and `nemo-run recipes/X.py --dryrun` are one program: byte-equal output, which
+    is the recipe's config and plan; each starts in its own process from the repository root, with no sys.path
+    help (recipes and launchers import as installed packages)."""
+    args = ["recipes/tiny_grpo_spec.py", "--dryrun", "run.steps=2"]
+    nemo_run = [sys.executable, "-c", "import sys; from megatron_spec.nemo_run_cli import main; sys.exit(main())"]
+    outs = [subprocess.run(cmd + args, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+            for cmd in ([sys.executable], nemo_run)]
+    assert outs[0] == outs[1]
+    cfg, plan = split_dryrun(outs[0])
+    assert cfg == apply_overrides(recipe("tiny_grpo_spec").tiny_grpo_spec(), ["run.steps=2"])
+    assert plan["executor"] == "local"
+
+
+def test_train_without_a_config_runs_the_main_job(no_training, monkeypatch, capsys, tmp_path):
+    """`megatron-spec train` with no --config trains the main job's config (the tiny_grpo_spec recipe's), overrides
+    on top; outside the repository root it says where the main job lives instead of training something else."""
+    monkeypatch.chdir(ROOT)
+    assert cli_main(["train", "run.steps=1"]) == 0
+    assert no_training == [apply_overrides(recipe("tiny_grpo_spec").tiny_grpo_spec(), ["run.steps=1"])]
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert cli_main(["train"]) == 2 and len(no_training) == 1
+    assert "runs the main job, configs/tiny_grpo_spec.yaml" in capsys.readouterr().err
