@@ -136,6 +136,59 @@ def layout_fit_problems(cfg: RLConfig, layout: dict) -> list[str]:
     return problems
 
 
+def memory_per_gpu(cfg: RLConfig, layout: dict, gpu: str = "h100"):
+    """(SimConfig, MemoryReport) of the memory one GPU of `gpu` needs for the Megatron trainer's share of the model (weights, gradients,
+    fp32 masters and Adam moments over data parallel, activations of the in-flight micro-batches with the
+    chosen recompute and `grpo.micro_batch_tokens`) and for one vLLM engine's weights and a KV cache holding at
+    least one full sequence, from the simulator's memory model (`megatron_spec.sim.memory`), against the device's
+    memory. Rollouts are taken at `grpo.max_tokens` (the worst case). The model counts bf16 parameters; with
+    `params_dtype=float32` weights and gradients take 8 B instead of 6 B per parameter and the optimizer 8 B
+    (two moments, no separate masters) instead of 12 B. None for the embedded trainer or an unresolved policy."""
+    from dataclasses import replace
+
+    from megatron_spec.sim.config import GenParallel, LengthDist, SimConfig, TrainParallel, Workload
+    from megatron_spec.sim.hardware import hardware
+    from megatron_spec.sim.memory import memory_report
+    from megatron_spec.sim.shapes import shape_of
+
+    model = policy_config(cfg.model.policy, cfg.model.hub_cache)
+    if model is None or cfg.backend.trainer != "megatron":
+        return None  # an unresolvable input is input_problems' to report; the embedded trainer has no split
+    meg, g, world = layout["megatron"], cfg.grpo, layout["gpus"]
+    engine_tp = layout["vllm"]["tensor_parallel_size"]
+    colocated = layout["ray"]["placement"] != "disaggregated"
+    gen_gpus = 0 if colocated else layout["vllm"]["engines"] * engine_tp
+    per = meg["tp"] * meg["pp"] * meg["cp"]
+    dp = max((world - gen_gpus) // per, 1)
+    sim = SimConfig(model=model, hardware=gpu, gpus=world,
+                    workload=Workload(g.prompts_per_step, g.group_size, prompt_budget(cfg),
+                                      LengthDist(mean=g.max_tokens, max_tokens=g.max_tokens, sigma=0.0)),
+                    train=TrainParallel(tp=meg["tp"], pp=meg["pp"], ep=meg["ep"], cp=meg["cp"], dp=dp),
+                    gen=GenParallel(tp=engine_tp), colocated=colocated, gen_gpus=gen_gpus,
+                    gpu_memory_utilization=cfg.backend.vllm.gpu_memory_utilization,
+                    micro_batch_tokens=g.micro_batch_tokens or None, recompute=cfg.backend.megatron.recompute)
+    report = memory_report(sim, hardware(gpu), shape_of(model), None)
+    if cfg.backend.megatron.params_dtype == "float32":
+        report = replace(report, train_weights=report.train_weights * 8 / 6,
+                         train_optimizer=report.train_optimizer * 8 / 12)
+    return sim, report
+
+
+def memory_problems(cfg: RLConfig, layout: dict, gpu: str = "h100") -> list[str]:
+    """`memory_per_gpu` against the memory of one `gpu`: one line naming the side that does not fit."""
+    from megatron_spec.sim.memory import GiB, check_fit
+
+    need = memory_per_gpu(cfg, layout, gpu)
+    if need is None:
+        return []
+    sim, report = need
+    try:
+        check_fit(sim, report)
+    except ValueError as err:
+        return [f"memory per {gpu} GPU ({report.device_bytes / GiB:.0f} GiB, simulated): {err}"]
+    return []
+
+
 INPUT_FIELDS = (("model.policy", lambda c: c.model.policy), ("model.drafter", lambda c: c.model.drafter),
                 ("spec.model", lambda c: c.spec.model if c.spec else None))
 
@@ -296,6 +349,7 @@ def check_launch(name: str, cfg: RLConfig, layout: dict | None, *, driver: str |
     problems += extras_problems(extras, container_image) if extras else []
     problems += layout_fit_problems(cfg, layout) if layout else []
     problems += plan_problems(cfg, layout) if layout else []
+    problems += memory_problems(cfg, layout) if layout else []
     problems += length_problems(cfg)
     problems += drafter_problems(cfg)
     problems += task_problems(cfg)
