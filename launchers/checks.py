@@ -137,11 +137,11 @@ def layout_fit_problems(cfg: RLConfig, layout: dict) -> list[str]:
 
 
 def memory_per_gpu(cfg: RLConfig, layout: dict, gpu: str = "h100"):
-    """(SimConfig, MemoryReport) of the memory one GPU of `gpu` needs for the Megatron trainer's share of the model (weights, gradients,
-    fp32 masters and Adam moments over data parallel, activations of the in-flight micro-batches with the
-    chosen recompute and `grpo.micro_batch_tokens`) and for one vLLM engine's weights and a KV cache holding at
-    least one full sequence, from the simulator's memory model (`megatron_spec.sim.memory`), against the device's
-    memory. Rollouts are taken at `grpo.max_tokens` (the worst case). The model counts bf16 parameters; with
+    """(SimConfig, MemoryReport) of the memory one GPU of `gpu` needs for the Megatron trainer's share of the
+    model (weights, gradients, fp32 masters and Adam moments over data parallel, activations of the in-flight
+    micro-batches with the chosen recompute and `grpo.micro_batch_tokens`) and for one vLLM engine's weights and a
+    KV cache holding at least one full sequence, from the simulator's memory model (`megatron_spec.sim.memory`).
+    Rollouts are taken at `grpo.max_tokens` (the worst case). The model counts bf16 parameters; with
     `params_dtype=float32` weights and gradients take 8 B instead of 6 B per parameter and the optimizer 8 B
     (two moments, no separate masters) instead of 12 B. None for the embedded trainer or an unresolved policy."""
     from dataclasses import replace
