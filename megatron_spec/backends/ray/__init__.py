@@ -4,8 +4,9 @@ Files, in reading order:
     placement.py  who runs in which bundle, colocated or disaggregated, and the resource checks     pure
     workers.py    the Ray actors: a trainer rank (a torch.distributed group of them) and an engine
     groups.py     the groups as the loop sees them: a Policy proxy and a Generator that splits prompts
-                  over N engines (GRPO groups whole), syncs weights through the object store, restarts
-                  dead engines and re-issues their prompts
+                  over N engines (GRPO groups whole), restarts dead engines and re-issues their prompts
+    transport.py  how refits travel: a weight-update group (gloo / NCCL) from trainer rank 0 to every
+                  engine worker, or Ray's object store as the fallback
     driver.py     `train(cfg, layout=None)`: the loop's Trainer with its stages on the groups, async GRPO
 
 `placement` never imports Ray; everything else needs `pip install 'megatron-spec[ray]'`.

@@ -4,9 +4,10 @@ metrics, logging, checkpoints and report; no second copy) with the trainer and t
     for step:  data -> prepare (weight sync) -> gen (rollouts, possibly run ahead) -> logprob -> train
 
 What differs from one process is only where the pieces live (`build_backends`), how weights reach the engines
-(`refit`: the trainer publishes size-bounded buckets of HF-named tensors, policy and drafter, to Ray's object store
-once; every engine fetches them; bytes and seconds are logged as `weight_sync_bytes` / `weight_sync_s`) and how
-rollouts are made (`rollouts`).
+(`refit`: trainer rank 0 streams size-bounded buckets of HF-named tensors, policy and drafter, through a
+weight-update group to every engine worker, or through Ray's object store as the fallback, `transport.py`; bytes,
+seconds, GB/s and transport are logged as `weight_sync_bytes` / `_s` / `_gbps` / `_transport`) and how rollouts
+are made (`rollouts`).
 
 Async GRPO (`backend.async_lag = L > 0`): before waiting for step s's rollouts the driver has submitted generation
 for every step up to s + L, each with the newest weights it had; engines run those while the trainer updates. Every
@@ -14,7 +15,10 @@ engine answers with the policy version its weights were at; step s's `policy_lag
 oldest of them, never above L (at step s the trainer is at version s, and step s's generation was submitted at
 step s - L or later, after that step's sync). The loss then corrects with truncated importance sampling
 (`backend.is_clip`, `is_clip_frac` logged). The drafter is synced in the same stream with the same version, so it
-always drafts for the policy whose rollouts it speeds up. With L = 0 the step is exactly the in-process step.
+always drafts for the policy whose rollouts it speeds up. An engine takes a refit only between two generate calls
+(one call at a time per actor), so no request ever mixes two versions. With the collective transport the trainer's
+stream needs every engine at once, so it starts after the generation already queued on the engines; lag 1 still
+overlaps step s + 1's generation with step s's training. With L = 0 the step is exactly the in-process step.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ import sys
 import time
 
 from ...rl import loop
-from ...rl.loop import REFIT_BUCKET_BYTES, Rollouts
+from ...rl.loop import Rollouts
 from . import require_ray
 from .groups import GeneratorGroup, TrainerDied, TrainerGroup
 from .placement import plan
+from .transport import TRANSPORTS, resolve, sync_metrics
 
 
 PLACEMENT_TIMEOUT_S = 120
@@ -43,7 +48,8 @@ class RayTrainer(loop.Trainer):
         self.synced = -1  # the version last sent to the engines
         self.pending: dict[int, object] = {}  # step -> rollouts in flight
         self.sync_futures: list = []
-        self.sync_info = {"weight_sync_bytes": 0, "weight_sync_s": 0.0}
+        self.sync_info = {"weight_sync_bytes": 0, "weight_sync_s": 0.0, "weight_sync_gbps": 0.0,
+                          "weight_sync_transport": cfg.backend.refit_transport}
         super().__init__(cfg)
 
     def build_backends(self):
@@ -59,7 +65,10 @@ class RayTrainer(loop.Trainer):
             raise RuntimeError(f"Ray could not place {self.placement.bundles} within {PLACEMENT_TIMEOUT_S} s on a "
                                f"cluster with {ray.available_resources()} free") from err
         self.pg = pg
-        return TrainerGroup(self.cfg, self.placement, self.pg), GeneratorGroup(self.cfg, self.placement, self.pg)
+        trainer, generator = TrainerGroup(self.cfg, self.placement, self.pg), GeneratorGroup(self.cfg, self.placement,
+                                                                                            self.pg)
+        self.transport = TRANSPORTS[self.cfg.backend.refit_transport](self.cfg, trainer, generator)
+        return trainer, generator
 
     def step(self, step: int) -> dict:
         metrics = super().step(step)
@@ -67,20 +76,20 @@ class RayTrainer(loop.Trainer):
         return metrics
 
     def refit(self) -> None:
-        """Publish the trainer's weights when they are newer than the engines'; wait for the engines to load them
+        """Send the trainer's weights when they are newer than the engines'; wait for the engines to load them
         when synchronous (with a lag they load after the generation already queued)."""
-        ray = require_ray()
         if self.synced == self.version:
             return
         t0 = time.perf_counter()
-        refs, nbytes, _ = self.policy.export(REFIT_BUCKET_BYTES)
-        futures = self.generator.sync(self.version, refs)
+        pending = self.transport.start(self.version)
         self.synced = self.version
         if self.cfg.backend.async_lag == 0:
-            ray.get(futures)
-            self.sync_info = {"weight_sync_bytes": nbytes, "weight_sync_s": time.perf_counter() - t0}
+            metrics = sync_metrics(self.transport, resolve(pending))
+            wall = time.perf_counter() - t0
+            self.sync_info = {**metrics, "weight_sync_s": wall,
+                              "weight_sync_gbps": metrics["weight_sync_bytes"] / wall / 1e9}
         else:  # how long the engines took to load them is known once they have
-            self.sync_futures.append((nbytes, time.perf_counter() - t0, futures))
+            self.sync_futures.append(pending)
 
     def rollouts(self, step: int, prompts: list[list[int]]) -> Rollouts:
         last = self.cfg.run.steps - 1
@@ -99,24 +108,26 @@ class RayTrainer(loop.Trainer):
         return self.generator.submit(prompts, self.sampling_params(step), self.cfg.grpo.group_size)
 
     def sync_metrics(self) -> dict:
-        """The last completed sync's bytes and seconds (asynchronously: export time + the slowest engine's load)."""
+        """The last completed refit's bytes, seconds, GB/s and transport (asynchronously: from each side's own
+        timing, see `transport.py`)."""
         ray = require_ray()
-        while self.sync_futures and all(_done(f) for f in self.sync_futures[0][2]):
-            nbytes, export_s, futures = self.sync_futures.pop(0)
-            loads = []
-            for f in futures:
+        while self.sync_futures and all(_done(f) for f in self.sync_futures[0] if isinstance(f, ray.ObjectRef)):
+            pending = self.sync_futures.pop(0)
+            results = []
+            for f in pending:
                 try:
-                    loads.append(ray.get(f)[1])
+                    results.append(resolve([f])[0])
                 except ray.exceptions.RayActorError:  # a dead engine: its replacement was loaded on restart
                     pass
-            self.sync_info = {"weight_sync_bytes": nbytes, "weight_sync_s": export_s + max(loads, default=0.0)}
+            if results:
+                self.sync_info = sync_metrics(self.transport, results)
         return dict(self.sync_info)
 
     def evaluate(self) -> float:
         """Greedy accuracy of the current policy: waits for the generation in flight, then syncs."""
         ray = require_ray()
         accuracy = super().evaluate()
-        ray.get([f for _, _, futures in self.sync_futures for f in futures])
+        ray.get([f for pending in self.sync_futures for f in pending if isinstance(f, ray.ObjectRef)])
         return accuracy
 
     def close(self) -> None:

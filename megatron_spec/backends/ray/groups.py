@@ -145,7 +145,8 @@ class GeneratorGroup:
         self.colocated = placement.kind == "colocated"
         self.engines = [self._start(j) for j in range(placement.generators)]
         require_ray().get([e.ready.remote() for e in self.engines])  # built, so the first sync times only the sync
-        self.weights: tuple[int, list] | None = None  # the last synced (version, bucket references)
+        self.weights: tuple[int, list] | None = None  # the last synced (version, bucket references), object store
+        self.reconnect = None  # set by the collective transport: re-forms its group and resends the weights
         self.restarts = 0
 
     def _start(self, j: int):
@@ -193,7 +194,9 @@ class GeneratorGroup:
         self.engines[j] = self._start(j)
         ray.get(self.engines[j].ready.remote())
         self.restarts += 1
-        if self.weights is not None:
+        if self.reconnect is not None:
+            self.reconnect()
+        elif self.weights is not None:
             ray.get(self.engines[j].update_weights.remote(*self.weights))
 
     def generate(self, prompts: list, params) -> list:

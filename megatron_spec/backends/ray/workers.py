@@ -2,7 +2,9 @@
 
 Each actor builds its own piece from the run's config (`rl.backends.build_policy` / `build_generator`, so the
 embedded, Megatron and vLLM classes all fit), pins its torch threads, and speaks in plain Python values and
-tensors. Weights travel as lists of object-store references to size-bounded buckets of `(hf_name, tensor)`; the
+tensors. Weights travel through a weight-update group (`backends/weight_group.py`): trainer rank 0 streams the
+buckets it exports, every engine worker receives them (`join_weights` / `send_weights` / `receive_weights`). The
+fallback (`backend.refit_transport=object_store`) passes lists of object-store references to the buckets; the
 engine fetches them itself, so the driver never holds a copy.
 """
 
@@ -109,6 +111,27 @@ class TrainerRank:
                 refs.append(ray.put([(name, t.detach().cpu().contiguous()) for name, t in bucket]))
         return refs, nbytes, time.perf_counter() - t0
 
+    def join_weights(self, host: str, port: int, world: int, timeout_s: float, backend: str) -> None:
+        """Rank 0: join a weight-update group as its sender (rank 0, hosting the rendezvous at `host:port`)."""
+        from ..weight_group import WeightGroup
+
+        if self.rank != 0:
+            raise RuntimeError("only trainer rank 0 sends weights (it holds each gathered bucket)")
+        self.weights = WeightGroup(host, port, 0, world, timeout_s, backend)
+
+    def send_weights(self, bucket_bytes: int, dtype: str | None) -> tuple[int, float]:
+        """Stream the policy and drafter to the weight-update group, bucket by bucket as the export gathers them,
+        floating tensors in `dtype` (the engines' served dtype): (bytes, seconds). A sharded trainer's other ranks
+        take part in the gathering (they follow rank 0's export call)."""
+        from ...rl.refit import buckets
+        from ..weight_group import dtype_of
+
+        t0 = time.perf_counter()
+        nbytes = self.weights.send(buckets(self.policy.export_weights(), bucket_bytes),
+                                   dtype_of(dtype) if dtype else None)
+        self.crash.check("send_weights")
+        return nbytes, time.perf_counter() - t0
+
     def state_dict(self) -> dict:
         return self.policy.state_dict()
 
@@ -140,12 +163,40 @@ class Engine:
         return self.version
 
     def update_weights(self, version: int, refs: list) -> tuple[int, float]:
-        """Load the buckets behind `refs` (policy and drafter: one version for both); returns (bytes, seconds)."""
+        """The object-store fallback: load the buckets behind `refs` (policy and drafter: one version for both);
+        returns (bytes, seconds)."""
         import ray
 
         t0 = time.perf_counter()
         nbytes = self.generator.update_weights(ray.get(ref) for ref in refs)
         self.version = version
+        return nbytes, time.perf_counter() - t0
+
+    def weight_ranks(self) -> int:
+        """Ranks this engine takes in a weight-update group: one per vLLM worker, one for our engine."""
+        return getattr(self.generator, "workers", 1)
+
+    def join_weights(self, host: str, port: int, world: int, base_rank: int, timeout_s: float, backend: str) -> str:
+        """Join the weight-update group as ranks base_rank .. base_rank + weight_ranks() - 1; returns the dtype
+        this engine serves (the sender casts to it)."""
+        if hasattr(self.generator, "join_weight_group"):
+            return self.generator.join_weight_group(host, port, world, base_rank, timeout_s, backend)
+        from ..weight_group import WeightGroup
+
+        self.weights = WeightGroup(host, port, base_rank, world, timeout_s, backend)
+        return str(next(self.generator.model.parameters()).dtype).removeprefix("torch.")
+
+    def receive_weights(self, version: int) -> tuple[int, float]:
+        """Receive one refit from the weight-update group (the trainer streams it at the same time): policy and
+        drafter, one version for both, taken between two generate calls (this actor runs one call at a time, so no
+        request ever sees two versions). Returns (bytes, seconds)."""
+        t0 = time.perf_counter()
+        if hasattr(self.generator, "receive_weights"):
+            nbytes = self.generator.receive_weights()
+        else:
+            nbytes = self.generator.update_weights(self.weights.receive())
+        self.version = version
+        self.crash.check("receive_weights")
         return nbytes, time.perf_counter() - t0
 
     def wake(self) -> None:

@@ -307,6 +307,7 @@ class VLLMGenerator:
         try:
             self.llm.collective_rpc("megatron_spec_trial_refit")
         except Exception as err:  # noqa: BLE001 - any failure means the same thing: this engine cannot be refit
+            self.close()
             raise RefitUnsupported(f"this vLLM engine ({self.model}) cannot reload its weights in place, so it "
                                    f"cannot be refit each step; vLLM's reload failed with: {err!r}. "
                                    f"{REFIT_HINT}") from err
