@@ -98,7 +98,8 @@ class Scale:
             trainer="megatron", generator="vllm", placement="colocated" if self.colocated else "disaggregated",
             megatron=MegatronSection(tp=self.tp, pp=self.pp, ep=self.ep, etp=1, cp=self.cp,
                                      first_stage_layers=self.first_stage_layers,
-                                     last_stage_layers=self.last_stage_layers),
+                                     last_stage_layers=self.last_stage_layers,
+                                     params_dtype="bfloat16", recompute="selective"),  # fp32 masters, Adam
             vllm=VLLMSection(max_model_len=max_model_len, tensor_parallel_size=self.vllm_tp))
 
     def layout(self, cfg: RLConfig, nodes: int | None = None, gpus_per_node: int | None = None) -> dict:
