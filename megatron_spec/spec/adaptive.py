@@ -2,66 +2,36 @@
 
 For a batch of B sequences, k drafts each give E_k = 1 + sum_{j<=k} prod_{i<=j} a_i tokens per sequence per step
 (a_i: the chance draft i stands once drafts < i stood; Leviathan et al.'s (1-a^(k+1))/(1-a) when all are equal),
-at a step cost of rho_k(B) plain steps. Speculating at k pays E_k / rho_k(B) over plain decoding; the controller
-picks the k where that is highest, and plain decoding unless some k beats it by `margin` (1.1: an octave's ratios
-come from a few steps on a host whose step times wander by +-10 % over seconds, and on the main job's model at
-B = 16 ratios so measured put k = 5 at 1.04x where, timed on its own, it ran at about 0.9x).
+at a step cost of rho_k(B) plain steps. The controller picks the k with the highest E_k / rho_k(B), and plain
+decoding unless some k beats it by `margin` (step-time ratios taken over a few steps wander by about 10 %).
 
-Both factors are measured, not modelled:
-- a_i, per draft position and batch-size octave, from the octave's verify steps (`record_acceptance`): what the
-  drafter and the policy do now (over ~80 sequences, or the last ~16 where those lie far from it: `moved`), at the
-  batch sizes it decides for. One estimate over all steps (which an octave still starts from) trapped the main
-  job's rollouts in plain decoding at 33-64 sequences: the sequences still running at a rollout's end are its
-  longest and least predictable, so each rollout began with the lower estimate its tail had left, priced k = 3 at
-  33-64 sequences under 1x, decoded plainly there, and so measured nothing that could correct it. Over a 50-step
-  run that was 1307 of 1731 steps at 33-64 sequences, while k = 3 on every step ran 1.144x plain decoding in the
-  same loop and the controller 1.073x (results/loop_pairs_fixed_k3.json). Read per octave, the estimate there is
-  its own (`test_adaptive_reads_each_octaves_own_acceptance`): on a main-job checkpoint's rollouts, in one process,
-  the controller ran 1.103x against 1.079x before (results/adaptive_ab_octave_accept.json; k = 3 on every step
-  1.150x); in the loop, whose runs differ more, 1.077x against k = 3's 1.105x (loop_pairs_octave_accept.json).
-- rho_k, per batch-size octave (1, 2, 3-4, 5-8, ..., 33-64), from the engine's own step timings: each step at k
-  (drafting, verify, sampling, rollback and bookkeeping included) divided by a plain step's time at the same B
-  (`plain_time`: the latest plain steps at that B, interpolated between the sizes seen), averaged over the octave's
-  latest WINDOW by their median (one step the OS stalled does not rule), plus what switching costs: on the first
-  step after plain ones a hidden-state drafter runs over every position it skipped, for every sequence alive. On
-  the main job's rollouts such catch-ups took 5-37 ms against ~3 ms a plain step, and left out of the cost they
-  made the controller speculate where it lost 8 % (`benchmarks/adaptive_ab.py`). So a catch-up's time beyond its
-  k's ratio is spread over the octave's speculative steps (decayed sums over about CATCH_UP_STEPS of them). It is
-  the host's cost, so it does not go stale as the policy moves.
-The predecessor of this controller fitted one cost line in B * T to every step instead. On a CPU that cannot work:
-a ~1 ms step is mostly fixed costs, which differ between a plain and a verify step, and the line through a
-rollout's B = 64 and B = 1 steps priced a B = 1 step at 2-3.5 ms where it took ~1 ms, so it kept speculation off
-where k = 3 gave 1.26x. A ratio at the same B cancels what such a line gets wrong, and an octave's ratios, each taken
-at its own B, do not depend on which sizes of the octave a k happened to run at.
+Both factors are measured per batch-size octave (1, 2, 3-4, 5-8, ..., 33-64), not modelled:
+- a_i from the octave's own verify steps (`record_acceptance`), decayed, replaced by the last ~16 sequences' where
+  those lie far from it (`moved`): the acceptance of the drafter and policy as they are now, at the batch sizes it
+  decides for (the sequences left at a rollout's end are its least predictable, so one estimate over all sizes
+  would misprice the large ones);
+- rho_k from the engine's step timings: a step at k divided by a plain step's time at the same B (`plain_time`),
+  the median of the octave's latest WINDOW, plus the switch cost: after plain steps a hidden-state drafter first
+  catches up over every position it skipped, and that time beyond the k's ratio is spread over the octave's next
+  CATCH_UP_STEPS speculative steps. A ratio at the same B cancels the fixed per-step costs a fitted cost line gets
+  wrong on a CPU.
 
 What each octave does (`decide`), in blocks of steps so that switches are rare (`LLMEngine.time_step` says which
 steps are timed):
 1. plain decoding until it has plain timings (the reference every ratio needs);
-2. one block at k = 1 and one at k_max (explored once: a ratio is the host's, not the policy's); a k between them
-   is priced on the line between theirs until it has timings of its own (the ratio grows about linearly in k: on
-   the main job's model at B = 16, 2.4, 3.2, 4.0, 5.0 and 5.8 plain steps for k = 1..5);
-3. the best k, re-decided every HOLD steps (between decisions `choose_k` is a counter: a decision costs ~0.1 ms of
-   Python, a step ~1 ms). Plain decoding needs the margin over every k, except where the octave the batch drains
-   into next speculates and its catch-ups cost (`chained`): there plain decoding buys a catch-up over every
-   position it skipped, for every sequence, when the batch gets there, so a k that merely beats it (1x) is taken.
-   Octaves decided alone made a cascade on the main job's rollouts: plain decoding at 33-64 sequences put each
-   rollout's catch-up in the 17-32 octave, whose k = 3 it then priced under the margin, so that octave decoded
-   plainly too, and so on down. On a main-job checkpoint's rollouts, in a spell where k = 3 on every step ran at
-   1.116x plain decoding, the controller ran at 0.997x before and 1.056x with the rule (`benchmarks/adaptive_ab.py
-   --baseline-controller`; results/adaptive_ab_chained_2.json), and inside the RL loop, back to back, 1.011x
-   before and 1.091x since (results/loop_pairs_603c4a4_again.json, loop_pairs_3a81acf.json);
+2. one block at k = 1 and one at k_max; a k between them is priced on the line between their ratios until it has
+   timings of its own (the ratio grows about linearly in k);
+3. the best k, re-decided every HOLD steps (between decisions `choose_k` is a counter). Plain decoding needs the
+   margin over every k, except where the octave the batch drains into next speculates and its catch-ups cost
+   (`chained`): there plain decoding also buys a catch-up later, so a k that merely beats it is taken;
 4. now and then a block of a runner-up (`runner_up`): the ks next to the best and plain decoding in turn, or, where
-   plain decoding is best, the k it would speculate at, if that is predicted within PROBE_NEAR of the bar plain
-   decoding holds (at the better of the octave's acceptance and the one over all steps: while an octave decodes
-   plainly its own stops moving, and the octaves that speculate go on measuring the drafter). This keeps the
-   ratios, the plain reference and the acceptance of positions the best k does not reach current. Acceptance
-   is the one thing that moves with the policy, and while speculation is off in an octave nothing else measures its
-   acceptance (the predecessor, once off, stayed off: 17 RL steps in which k = 3 drafted 3.7 tokens a step), so where
-   no step of the octave measured it within PROBE_EVERY_MAX steps the runner-up is the k a drafter at STALE_ACCEPT
-   would pay at, and a probe whose first drafts stood RISE more often than estimated is repeated until the estimate
-   catches up. A probe that finds nothing new doubles the octave's interval (PROBE_EVERY up to PROBE_EVERY_MAX
-   steps), and a switch between speculating and not starts it over, so a setting that has settled pays for at most
-   one block of 4 steps (and a catch-up) in 512.
+   plain decoding is best, the k it would speculate at if that is predicted within PROBE_NEAR of the bar. Where
+   the octave measured no acceptance within PROBE_EVERY_MAX steps the runner-up is priced at STALE_ACCEPT, since
+   acceptance moves with the policy and nothing else measures it while speculation is off; a probe whose first
+   drafts stood RISE more often than estimated is repeated. A probe that finds nothing new doubles the octave's
+   interval (PROBE_EVERY up to PROBE_EVERY_MAX), and a switch starts it over.
+
+`docs/design/adaptive-controller.md` gives the reasons for each rule and the measurements behind them.
 """
 
 from __future__ import annotations
@@ -90,7 +60,7 @@ PROBE_EVERY_MAX = 512  # the interval doubles up to this while probes confirm th
 WINDOW = 16  # latest steps kept per (octave, k)
 CATCH_UP_STEPS = 64  # about how many speculative steps an octave's catch-up cost is spread over
 CHAIN_CATCH_UP = 0.25  # plain steps a catch-up must cost beyond its k's ratio for `chained` to waive the margin:
-# an n-gram drafter's measured 0 on the main job's rollouts, the MTP head's 0.96-1.4 at 9-64 sequences (scratch)
+# between an n-gram drafter's (no catch-up) and a hidden-state head's (about one plain step or more)
 PLAIN_WINDOW = 5  # latest plain steps kept per batch size
 RECENT_SEQS = 16  # about how many sequences offered the recent acceptance spans (`moved`)
 MOVED_SE = 3.0  # a recent acceptance this many standard errors off the estimate replaces it
