@@ -16,7 +16,9 @@ Printed and written to the JSON:
 3. the gen stage's total time, plain over spec, per seed (paired) and pooled; the same per generated token; and
    both over the steps where the spec run drafted nothing.
 
-    python benchmarks/main_job.py --seeds 0 1 2 --out research/records/main_job.json
+    python benchmarks/main_job.py --seeds 0 1 2 --out research/records/main_job.json [--check main_job_avx2]
+
+`--check GROUP` then checks the published claims (`benchmarks/claims.py`) on the new record.
 """
 
 from __future__ import annotations
@@ -140,10 +142,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="read the runs of the plan already finished under --runs-dir instead of running them again")
     p.add_argument("--summarize", nargs="+", metavar="RUN_DIR",
                    help="summarize finished runs (their metrics.jsonl and config.yaml) instead of running the plan")
+    p.add_argument("--check", metavar="GROUP", default=None,
+                   help="then check the published claims of GROUP (main_job_avx2, main_job_avx512: "
+                        "benchmarks/claims.py) on this run's record; exit 1 if one fails")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    from benchmarks.claims import CLAIMS, check_record
     from megatron_spec.bench.common import machine
+
+    if args.check and args.check not in {c.group for c in CLAIMS if c.group.startswith("main_job")}:
+        p.error(f"--check {args.check}: the main job's claim groups are main_job_avx2 and main_job_avx512")
 
     if args.summarize:
         return summarize_dirs(args.summarize, args.window, args.out, machine())
@@ -177,10 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     claims["gen_speedup"].update(per_token(of("spec"), of("plain")))
     print(json.dumps(claims, indent=1))
+    record = {"machine": machine(), "command": "python recipes/tiny_grpo_spec.py run.seed=S " + " ".join(
+        args.overrides), "variants": VARIANTS, "window": args.window, "claims": claims, "runs": runs}
     if args.out:
-        record = {"machine": machine(), "command": "python recipes/tiny_grpo_spec.py run.seed=S " + " ".join(
-            args.overrides), "variants": VARIANTS, "window": args.window, "claims": claims, "runs": runs}
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    if args.check:
+        lines = check_record(args.check, record)
+        print("\n".join(lines))
+        return 1 if any(line.startswith("FAIL") for line in lines) else 0
     return 0
 
 
