@@ -10,8 +10,10 @@ megatron-core 0.16 reaches for CUDA in places that do not change the math:
 - the schedules (`get_forward_backward_func`) count tokens in `torch.zeros(..., device="cuda")` and the
   pipeline's point-to-point exchange allocates its receive buffers on `torch.cuda.current_device()` and may call
   `torch.cuda.synchronize()`.
+- activation recompute (`recompute_granularity`) saves and restores the CUDA RNG state around each recomputed
+  part (for dropout, which is 0 here).
 Inside `on_cpu()` those point at the CPU: `current_device` is "cpu", `Tensor.cuda` and `synchronize` do nothing,
-and a torch function mode rewrites an explicit `device="cuda"` of a tensor factory to the CPU. Where CUDA exists it
+the CUDA RNG state recompute saves is empty, and a torch function mode rewrites an explicit `device="cuda"` of a tensor factory to the CPU. Where CUDA exists it
 does nothing.
 
 It patches process-global state while active: `build_model` uses it only while constructing a model on a machine
@@ -29,6 +31,7 @@ from . import require_megatron
 
 require_megatron()
 from megatron.core import tensor_parallel  # noqa: E402
+from megatron.core.tensor_parallel import random as mrandom  # noqa: E402
 
 
 def _is_cuda(device) -> bool:
@@ -52,12 +55,16 @@ def on_cpu():
         return
     tracker = tensor_parallel.get_cuda_rng_tracker()
     saved = torch.cuda.current_device, torch.Tensor.cuda, tracker.fork, torch.cuda.synchronize
+    saved_rng = mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state
     torch.cuda.current_device = lambda: "cpu"
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
     try:
         with _CudaToCpu():
             yield
     finally:
         torch.cuda.current_device, torch.Tensor.cuda, tracker.fork, torch.cuda.synchronize = saved
+        mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state = saved_rng

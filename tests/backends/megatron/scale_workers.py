@@ -89,6 +89,37 @@ def bf16_vs_fp32(rank: int, world: int, steps: int = 3) -> dict:
     return out
 
 
+def recompute_runs(rank: int, world: int) -> dict:
+    """2 steps of the MoE tiny model at TP1 with each `recompute`: metrics, and how often the first decoder layer
+    and its core attention ran forward during the training steps (recomputed parts run twice)."""
+    from megatron_spec.backends.megatron.checks import Parallelism
+    from megatron_spec.backends.megatron.policy import MegatronPolicy
+
+    out = {}
+    cfg = tiny("moe")
+    for recompute in ("none", "selective", "full"):
+        policy = MegatronPolicy(our_model(cfg), grpo(), SAMPLING, Parallelism(), recompute=recompute)
+        layer = policy.model.decoder.layers[0]
+        calls = {"layer": 0, "core_attention": 0}
+        counting = [False]
+
+        def hook(name):
+            def count(*_):
+                calls[name] += counting[0]
+            return count
+
+        layer.register_forward_hook(hook("layer"))
+        layer.self_attention.core_attention.register_forward_hook(hook("core_attention"))
+        metrics = []
+        for b in batches(cfg, 2):
+            b = with_policy_old(b, policy.logprobs(b))
+            counting[0] = True
+            metrics.append(policy.train_step(b))
+            counting[0] = False
+        out[recompute] = {"metrics": metrics, "calls": dict(calls)}
+    return out
+
+
 def dist_resume(rank: int, world: int, root: str) -> dict:
     """MoE + detached MTP: 4 steps at EP2, against 2 steps at EP2, a distributed checkpoint, and 2 more steps at
     PP2 from it; dense: 4 steps at PP2 against 2 at PP2 + 2 at TP2 (Megatron's padded vocabulary differs). Also

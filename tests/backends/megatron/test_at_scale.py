@@ -76,6 +76,22 @@ def test_bf16_training_tracks_fp32(precision, kind):
         assert m["skipped"] is False and torch.isfinite(torch.tensor(m["loss"]))
 
 
+def test_recompute_reruns_what_it_names_and_changes_nothing():
+    """`recompute=full` runs each decoder layer's forward again in the backward (2 steps x 2 micro-batches: 4
+    forwards without, 8 with), `selective` only the core attention; the losses and gradient norms are the same
+    to the last bit (the recomputed forward is the same function of the same inputs, dropout being 0)."""
+    from megatron_spec.backends.megatron.parallel import spawn
+
+    runs = spawn(w.recompute_runs, 1)[0]
+    none, selective, full = runs["none"], runs["selective"], runs["full"]
+    assert none["calls"] == {"layer": 4, "core_attention": 4}
+    assert selective["calls"] == {"layer": 4, "core_attention": 8}
+    assert full["calls"] == {"layer": 8, "core_attention": 8}
+    for other in (selective, full):
+        for a, b in zip(none["metrics"], other["metrics"]):
+            assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
+
+
 @pytest.fixture(scope="module")
 def resumes(tmp_path_factory):
     from megatron_spec.backends.megatron.parallel import spawn
