@@ -308,8 +308,8 @@ class SimConfig:
     generation and come back after, and the engine's weights do the reverse (vLLM sleep level 1), at the host
     link's bandwidth (`Hardware.host_bw`) times `Calibration.offload_eff`. None: on when colocated."""
     train_fp8: bool = False
-    """FP8 training (Transformer Engine): train and logprob GEMMs at the device's FP8 peak, scaled by
-    `Calibration.fp8_train_gain` (what FP8 buys end to end, well under the 2x of the spec sheet)."""
+    """FP8 training (Transformer Engine): the train and logprob passes gain `Calibration.fp8_train_gain` of the
+    device's extra FP8 throughput (1.3x by default, well under the spec sheet's 2x)."""
     in_flight_updates: bool = False
     """Asynchronous only: the engines keep generating through each refit (NeMo-RL's `in_flight_weight_updates`),
     so the next step's prompts take the slots the current step's finished sequences free and the batch never
