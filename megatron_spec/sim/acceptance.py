@@ -78,7 +78,7 @@ def speedup_floor(tau_a: float, tau_b: float, k_a: int, k_b: int, speedup_a: flo
     pass that costs exactly a decode at k_a and grows in proportion to its tokens from there: a kink at k_a.
 
     A measured ratio below the floor means the system has a super-linear cost in k (a capacity cliff), which no
-    roofline reproduces. Used to check the reference paper's k sweep for consistency (README.md).
+    roofline reproduces. Used to check the reference paper's k sweep for consistency (docs/design/simulator.md).
     """
     if not 0 < k_a < k_b:
         raise ValueError(f"need 0 < k_a < k_b, got k_a={k_a}, k_b={k_b}")
