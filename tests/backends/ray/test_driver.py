@@ -39,7 +39,8 @@ def test_sync_ray_run_is_the_inline_run_exactly(ray_cluster, ckpts, tmp_path, sh
     losses, tokens, acceptance, the engine-vs-trainer log-prob mismatch) exactly and end with the same weights,
     policy and drafter: the stages are the loop's own, the weights cross the object store unchanged, and each actor
     computes with one thread as the inline run does. Each step also logs the sync's bytes (the policy and drafter
-    in fp32, counted once per step) and seconds, and lag 0."""
+    in fp32, the engines' served dtype, counted once per step), seconds, GB/s and transport (the collective
+    default), and lag 0."""
     runs = {}
     for placement in ("inline", "colocated", "disaggregated"):
         loop.train(ray_cfg(ckpts, tmp_path / placement, placement))
@@ -55,7 +56,8 @@ def test_sync_ray_run_is_the_inline_run_exactly(ray_cluster, ckpts, tmp_path, sh
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())  # a tied head counted once
         for m in runs[placement]:
             assert m["policy_lag"] == 0 and m["generator_restarts"] == 0 and m["weight_sync_s"] > 0
-            assert m["weight_sync_bytes"] == nbytes
+            assert m["weight_sync_bytes"] == nbytes and m["weight_sync_transport"] == "collective"
+            assert m["weight_sync_gbps"] == pytest.approx(nbytes / m["weight_sync_s"] / 1e9)
 
 
 @pytest.mark.parametrize("lag", [1, 2])
