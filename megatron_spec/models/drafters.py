@@ -95,7 +95,12 @@ def load_drafter(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> nn.Module:
-    """The drafter saved in `path`, checked against `target_config` before any tensor is read, in eval mode."""
+    """The drafter saved in `path`, checked against `target_config` before any tensor is read, in eval mode. A public
+    EAGLE-3 head (vLLM speculators or SpecForge layout, no drafter_config.json) loads through `eagle3_public`."""
+    from .eagle3_public import load_public_eagle3, public_layout
+
+    if not (Path(path) / DRAFTER_CONFIG).is_file() and public_layout(path) is not None:
+        return load_public_eagle3(path, target_config, dtype, device)
     meta = read_drafter_config(path)
     kind = meta.get("kind")
     if kind not in _KINDS:

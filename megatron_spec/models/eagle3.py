@@ -64,6 +64,9 @@ class Eagle3Config:
     draft_vocab_size: int = 0
     """Rows of the head's `lm_head`: 0 = the target's full vocabulary (no `d2t` map); N > 0 (smaller than the
     target's vocabulary) drafts only the N target ids listed in the head's `d2t` buffer, saved with the head."""
+    norm_before_residual: bool = False
+    """The layer's residual is the normed hidden state (`hidden_norm(hidden)`) instead of the hidden state itself:
+    how some public heads were trained (vLLM's and speculators' `norm_before_residual`)."""
 
     def __post_init__(self) -> None:
         if self.target_num_layers < 1:
@@ -116,8 +119,9 @@ class WideInputAttention(Attention):
 class Eagle3Layer(nn.Module):
     """EAGLE-3's `midlayer`: pre-norm attention over [embedding, hidden], then a SwiGLU MLP, both residual."""
 
-    def __init__(self, cfg: ModelConfig, intermediate_size: int):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int, norm_before_residual: bool = False):
         super().__init__()
+        self.norm_before_residual = norm_before_residual
         H = cfg.hidden_size
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -129,8 +133,10 @@ class Eagle3Layer(nn.Module):
     def forward(
         self, hidden: Tensor, token_embeds: Tensor, cos: Tensor, sin: Tensor, cache: AttentionCache | None
     ) -> Tensor:
-        # The residual is the un-normed hidden state: the embedding only informs attention, as in EAGLE-3.
-        h = hidden + self.self_attn(self.attention_input(hidden, token_embeds), cos, sin, cache)
+        # The residual is the un-normed hidden state (or, with `norm_before_residual`, the normed one): the embedding
+        # only informs attention, as in EAGLE-3.
+        residual = self.hidden_norm(hidden) if self.norm_before_residual else hidden
+        h = residual + self.self_attn(self.attention_input(hidden, token_embeds), cos, sin, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def attention_input(self, hidden: Tensor, token_embeds: Tensor) -> Tensor:
@@ -165,11 +171,12 @@ class Eagle3Head(nn.Module):
             raise ValueError(f"Eagle3Config.draft_vocab_size {N} must be smaller than the target's vocabulary ({V}); "
                              "0 selects the full vocabulary")
         # Stored resolved, so a saved config rebuilds the same shapes whatever the target's defaults become.
-        self.eagle_config = Eagle3Config(eagle_config.target_num_layers, eagle_config.capture_layers, inner, N)
+        self.eagle_config = Eagle3Config(eagle_config.target_num_layers, eagle_config.capture_layers, inner, N,
+                                         eagle_config.norm_before_residual)
         self.target_config = target_config  # not `config`: see the note in mtp.MTP
         H = target_config.hidden_size
         self.fc = nn.Linear(3 * H, H, bias=False)
-        self.midlayer = Eagle3Layer(target_config, inner)
+        self.midlayer = Eagle3Layer(target_config, inner, eagle_config.norm_before_residual)
         self.norm = RMSNorm(H, target_config.rms_norm_eps)
         self.lm_head = nn.Linear(H, N or V, bias=False)
         if d2t is not None:

@@ -107,6 +107,7 @@ def export_eagle3(head: Eagle3Head, out_dir: str | os.PathLike) -> Path:
     config = {**cfg.to_hf(), "architectures": [EAGLE3_ARCHITECTURES[cfg.model_type]], "num_hidden_layers": 1,
               "intermediate_size": ec.intermediate_size, "draft_vocab_size": ec.draft_vocab_size or cfg.vocab_size,
               "target_hidden_size": cfg.hidden_size, "torch_dtype": dtype_name(head),
+              "norm_before_residual": ec.norm_before_residual,
               "num_aux_hidden_states": len(aux_layer_ids(ec.capture_layers)),
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layer_ids(ec.capture_layers),
                                "use_aux_hidden_state": True}}
