@@ -149,7 +149,7 @@ def simulate_command(args) -> int:
         from .fit import FIT_ROWS
         from .published import compare, format_table
 
-        tables = {hw: compare(hardware=hw) for hw in ("h100", "gb200")}
+        tables = {"h100": compare(), "h100-fp8": compare(precision="fp8"), "gb200": compare(hardware="gb200")}
         if args.json:
             print(json.dumps({hw: [{"row": c.name, "release": c.release, "published_s": c.published_s,
                                     "simulated_s": c.result.step_s, "ratio": c.ratio, "stages": c.result.stages}
@@ -157,6 +157,8 @@ def simulate_command(args) -> int:
         else:
             print("H100 BF16 (Hopper calibration, fitted on five of these rows)")
             print(format_table(tables["h100"], fitted=FIT_ROWS))
+            print("\nH100 FP8 (FP8 engines and training; the FP8 training gain is not fitted)")
+            print(format_table(tables["h100-fp8"], footer=False))
             print("\nGB200 BF16 (Blackwell spec-sheet set, not fitted: a check that shows its optimism)")
             print(format_table(tables["gb200"], footer=False))
         return 0

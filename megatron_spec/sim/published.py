@@ -33,13 +33,15 @@ def published() -> dict:
     return json.loads(resources.files("megatron_spec.sim").joinpath("data/nemo_rl_published.json").read_text())
 
 
-def rows(hardware: str = "h100") -> list[dict]:
-    """The published rows of one GPU profile (h100 or gb200)."""
-    return [r for r in published()["rows"] if r["hardware"] == hardware]
+def rows(hardware: str = "h100", precision: str = "bf16") -> list[dict]:
+    """The published rows of one GPU profile (h100 or gb200) and precision (bf16, or fp8 for generation and
+    training in FP8)."""
+    return [r for r in published()["rows"]
+            if r["hardware"] == hardware and r.get("precision", "bf16") == precision]
 
 
-def row(name: str, hardware: str = "h100") -> dict:
-    for r in rows(hardware):
+def row(name: str, hardware: str = "h100", precision: str = "bf16") -> dict:
+    for r in rows(hardware, precision):
         if r["name"] == name:
             return r
     raise ValueError(f"no published {hardware} row {name!r}: known are {', '.join(r['name'] for r in rows(hardware))}")
@@ -79,6 +81,8 @@ def config_for(r: dict, hardware: str | Hardware | None = None, sigma: float = S
                   micro_batch_tokens=r["train_mb_tokens"], recompute=r["recompute"],
                   train_global_batch=r["train_global_batch"], reference_logprob=True,
                   in_flight_updates=bool(r["lag"]))
+    if r.get("precision") == "fp8":
+        kwargs.update(train_fp8=True, gen_dtype_bytes=1)
     kwargs.update(overrides)
     return SimConfig(**kwargs)
 
@@ -101,11 +105,11 @@ class Comparison:
 
 
 def compare(names: list[str] | None = None, cal: Calibration | None = None, hardware: str = "h100",
-            **overrides) -> list[Comparison]:
-    """Simulate the published rows of `hardware` (all, or `names`) with calibration `cal` (default: the GPU's
-    set)."""
+            precision: str = "bf16", **overrides) -> list[Comparison]:
+    """Simulate the published rows of `hardware` and `precision` (all, or `names`) with calibration `cal`
+    (default: the GPU's set)."""
     out = []
-    for r in rows(hardware):
+    for r in rows(hardware, precision):
         if names is None or r["name"] in names:
             res = simulate(config_for(r, **overrides), cal=cal)
             out.append(Comparison(r["name"], r["release"], r["step_s"], res))
