@@ -140,4 +140,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, nargs="+", default=[1.0], help="0 is greedy; one row per value")
     p.add_argument("--vllm-compiled", action="store_true",
                    help="with --peer vllm: vLLM's default compiled mode instead of eager")
-    p.add_argument("--out", default="benchmarks/results/bench_engine.json")
+    p.add_argument("--out", default="runs/bench/bench_engine.json")

@@ -130,8 +130,8 @@ def run(args) -> dict:
 
     # RL rollout: prompts x group, sampled to EOS (long tail), the step after one on the same prompts, after
     # `rl_warm` - 1 steps on others: an RL engine lives across steps, and its controller explores each batch-size
-    # octave once. With one warm rollout of the tiny model (~30 steps of ~2 ms) that exploration was most of the
-    # timed rollout: 0.56-0.79x for draft_model / mtp / eagle3, against 0.90-0.98x after six (scratch).
+    # octave once. After one warm rollout of the tiny model (~30 steps of ~2 ms) that exploration would be most of
+    # the timed rollout, so `--rl-warm` rollouts come first.
     rl_prompts = rl_batch(7)
     rl_warm = [(rl_batch(70 + i), rl_params(30 + i)) for i in range(args.rl_warm - 1)] + [(rl_prompts, rl_params(2))]
     rows = []
@@ -331,4 +331,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vllm: our engine and vLLM side by side, plain and speculative (needs the vllm extra)")
     p.add_argument("--device", default="cpu",
                    help="where target and drafters run (cpu, cuda, cuda:N); with --engine ours only")
-    p.add_argument("--out", default="benchmarks/results/bench_rollout.json")
+    p.add_argument("--out", default="runs/bench/bench_rollout.json")

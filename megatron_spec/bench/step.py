@@ -4,8 +4,8 @@ For each variant (plain; each drafter, online or frozen) it runs `--steps` GRPO 
 averages the stage times over all but the first (warm-up). Beside the measured end-to-end speedup it prints the
 ideal bound for a synchronous step, 1 / (R_gen / S_gen + 1 - R_gen), where R_gen is the plain run's generation
 share and S_gen the measured generation speedup: a variant at ~100 % of its bound adds no hidden cost to the other
-stages. It also writes the plain and best speculative measurements in the simulator's schema
-(`benchmarks/results/bench_step_cpu.json`, see research/sim_cpu/measured.py).
+stages. It also writes the plain and best speculative measurements in the simulator's schema (`--sim-out`, read by
+`research/sim_cpu/measured.py`).
 
 The peer (`--peer trl`, run by default when TRL is installed) is TRL's GRPOTrainer on the plain run's workload,
 timed the same way; its step time and our plain and best speculative step's speedups over it are printed and
@@ -158,8 +158,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run every rollout's prompt through the trainer's forwards (grpo.share_prompt=false)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="benchmarks/results/bench_step.json")
-    p.add_argument("--sim-out", default="benchmarks/results/bench_step_cpu.json")
+    p.add_argument("--out", default="runs/bench/bench_step.json")
+    p.add_argument("--sim-out", default="runs/bench/bench_step_cpu.json")
     p.add_argument("--peer", choices=["trl"], default=None,
                    help="peer trainer on the same workload (default: trl when installed, else a skip line)")
     p.add_argument("--no-peer", action="store_true", help="do not run the peer")

@@ -180,7 +180,7 @@ def run_trl(cfg, steps: int) -> dict:
 
 
 GOALS = {"plain": 2.0, "spec": 3.0}
-"""Issue 4's goals for the step-time ratio TRL / ours: plain at least 2x, with speculation at least 3x."""
+"""Goals for the step-time ratio TRL / ours: plain at least 2x, with speculation at least 3x."""
 
 
 def run_peer(args, plain_cfg, plain: dict, best_row: dict | None) -> dict:

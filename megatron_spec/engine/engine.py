@@ -81,7 +81,7 @@ class LLMEngine:
         up over the positions it skipped (see `drafted_last`): that is what switching to speculation costs, so it
         counts. A plain step right after a drafting one is not reported: it runs with the drafter's weights and cache
         where the target's were (a draft model on the deep tiny target at B=8: 2 % slower than after a plain step,
-        `benchmarks/shape_costs.py`), which is not what plain decoding costs."""
+        `research/shape_costs.py`), which is not what plain decoding costs."""
         if k or not after_drafting:
             self.controller.record_step(batch, k, time.perf_counter() - started, catch_up=k > 0 and not after_drafting)
 

@@ -7,10 +7,9 @@ Why: after oneDNN took the GEMMs, most of a SmolLM2 decode step on 2 CPU cores w
 (norms in five ops each, rotary in seven, the cache's index copies, the attention's matmuls, masks and casts), each
 a few microseconds of dispatch and allocation: with the GEMMs stubbed out a bf16 B=1 step still took 13.2 of its
 28.7 ms. The first four kernels replace ~60 of those ops a layer. Then, at a batch of one, MKL's GEMV read the
-weights at about half the memory bandwidth (`benchmarks/results/profile_decode_smollm2_fp32_avx2_kernels.json`):
-`linear` reads them at 16-19 GB/s of the ~21 measured (scratch timing) for up to 16 (fp32) / 32 (bf16) rows
-(`models/packed.py`, KERNEL_ROWS), and `decoder_layer` drops the Python and dispatch between a layer's kernels,
-which had become about a quarter of the step.
+weights at about half the memory bandwidth: `linear` reads them at 16-19 GB/s of the ~21 the host sustains for up
+to 16 (fp32) / 32 (bf16) rows (`models/packed.py`, KERNEL_ROWS), and `decoder_layer` drops the Python and dispatch
+between a layer's kernels, which had become about a quarter of the step.
 
 What: each kernel computes a row (a token, a head) from that row's inputs only, in a fixed order, so a token gets
 the same numbers in a batch of any size and in a decode or a verify forward (greedy speculative decoding stays
@@ -49,7 +48,7 @@ GCC vectorise the loops that call the kernels' exp (it changes no value, only wh
 
 
 ops = torch.ops.megatron_spec
-"""The operators the functions below call: this source's build. `benchmarks/kernel_ab.py` points it at another
+"""The operators the functions below call: this source's build. `research/kernel_ab.py` points it at another
 version's build (registered under another namespace) to time the engine on both in one process."""
 
 _disabled = 0

@@ -118,16 +118,16 @@ Tensor rms_norm(const Tensor& x_in, const Tensor& w_in, double eps) {
 }
 
 // silu(gate) * up for gate_up = [gate | up] along the last axis; each op rounds to T, as silu then mul would.
-// The denominators 1 + e^-a go through a scratch row first: in one loop with the division GCC's vector code took
-// 3.0 ns an element on the AVX2 EPYC, in two 0.9 ns (the same operations, so the same bits).
+// The denominators 1 + e^-a go through a row buffer first: one loop with the division vectorises about 3x worse
+// under GCC than two (the same operations, so the same bits).
 template <typename T>
 void silu_mul_impl(const Tensor& gu, Tensor& out) {
   const int64_t inner = out.size(-1), rows = out.numel() / inner;
   const T* g = gu.data_ptr<T>();
   T* o = out.data_ptr<T>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(inner);
-    float* denominator = scratch.data();
+    std::vector<float> denominators(inner);
+    float* denominator = denominators.data();
     for (int64_t i = begin; i < end; ++i) {
       const T* gate = g + i * 2 * inner;
       const T* up = gate + inner;
@@ -153,11 +153,11 @@ Tensor silu_mul(const Tensor& gate_up_in) {
 // One head's vector through the optional per-head norm and the rotary embedding: out = T(T(x * cos) + T(rot * sin))
 // with rot = [-x2, x1], each product and the sum rounded to T as torch's eager ops round them.
 template <typename T>
-inline void norm_rope(const T* x, const T* norm_w, const T* cos, const T* sin, int64_t d, float eps, T* scratch,
+inline void norm_rope(const T* x, const T* norm_w, const T* cos, const T* sin, int64_t d, float eps, T* normed,
                       float* out) {
   if (norm_w != nullptr) {
-    norm_row(x, norm_w, scratch, d, eps);
-    x = scratch;
+    norm_row(x, norm_w, normed, d, eps);
+    x = normed;
   }
   const int64_t half = d / 2;
   for (int64_t i = 0; i < d; ++i) {
@@ -186,7 +186,7 @@ void rope_store_impl(const Tensor& qkv, const Tensor& cos, const Tensor& sin, co
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float e = static_cast<float>(eps);
   at::parallel_for(0, B * Tn, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> scratch(D);
+    std::vector<T> normed(D);
     std::vector<float> rotated(D);
     for (int64_t bt = begin; bt < end; ++bt) {
       const int64_t b = bt / Tn, p = pos[bt];
@@ -194,11 +194,11 @@ void rope_store_impl(const Tensor& qkv, const Tensor& cos, const Tensor& sin, co
       const T* c = cp + bt * D;
       const T* s = sp + bt * D;
       for (int64_t h = 0; h < heads; ++h) {
-        norm_rope(x + h * D, qn, c, s, D, e, scratch.data(), rotated.data());
+        norm_rope(x + h * D, qn, c, s, D, e, normed.data(), rotated.data());
         for (int64_t i = 0; i < D; ++i) qo[(bt * heads + h) * D + i] = static_cast<T>(rotated[i]);
       }
       for (int64_t g = 0; g < kv_heads; ++g) {
-        norm_rope(x + (heads + g) * D, kn, c, s, D, e, scratch.data(), rotated.data());
+        norm_rope(x + (heads + g) * D, kn, c, s, D, e, normed.data(), rotated.data());
         T* keys = kc + (slot[b] * kv_heads + g) * D * L;
         for (int64_t i = 0; i < D; ++i) keys[i * L + p] = static_cast<T>(rotated[i]);
         const T* v = x + (heads + kv_heads + g) * D;
@@ -419,8 +419,8 @@ inline float pairwise8(const float* l) { return ((l[0] + l[1]) + (l[2] + l[3])) 
 
 // The pairwise8 sums of 8 accumulators, in registers: two rounds of hadd leave lane pairs (0+1)+(2+3) and
 // (4+5)+(6+7) of four accumulators in the two halves of one register, and the halves' sum is pairwise8's last add,
-// so the bits are pairwise8's. At K = 96 (the tiny models) summing through memory was a large share of a tile: the
-// deep tiny model's gate/up at 16 rows took 38 us, 30 us summed here (scratch timing).
+// so the bits are pairwise8's. At K = 96 (the tiny models) summing through memory is a large share of a tile (about
+// a fifth of the deep tiny model's gate/up at 16 rows).
 inline void pairwise8_x8(const __m256* v, float* out) {
   const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
   const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
@@ -446,12 +446,10 @@ inline void linear_tile(const float* x, const T* w, int64_t K, int64_t n, float 
     for (int r = 0; r < R; ++r) xs[r] = _mm256_loadu_ps(x + r * K + k);
     for (int j = 0; j < NB; ++j) {
       const T* wk = w + (n + j) * K + k;
-      // One prefetch for every four weight rows, into the next tile. A prefetch for each row at every step (what
-      // bf16 pairs keep) mostly asked for lines that the tile's own loads were already bringing in, and the
-      // instructions were the cost: SmolLM2's fp32 layers and head read 1.14 / 1.11 / 1.14 / 1.18 / 1.10x faster
-      // this way at 1 / 2 / 4 / 8 / 16 rows, and bf16's single row, eight weight rows at once, 1.23x
-      // (`benchmarks/kernel_ab.py`; results/kernel_ab_prefetch_fp32.json, kernel_ab_bf16_eight_rows.json). bf16
-      // pairs (2 to 32 rows) were 0.95-0.98x in scratch runs, so they keep their own.
+      // One prefetch for every four weight rows, into the next tile: a prefetch for each row at every step mostly
+      // asks for lines the tile's own loads are already bringing in, and the instructions are the cost (SmolLM2's
+      // fp32 layers and head read 1.1-1.2x faster this way, bf16's single row 1.23x; `research/kernel_ab.py`).
+      // bf16 pairs (2 to 32 rows) are slightly faster with a prefetch per row, so they keep it.
       if constexpr (std::is_same<T, float>::value || NB == 8) {
         if (j % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(wk + NB * K) + PREFETCH_BYTES, _MM_HINT_T0);
       } else {
@@ -503,19 +501,17 @@ void linear_impl(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y
   // Rows [r0, r1) against weight rows [2 * p0, 2 * p1): pairs of weight rows, so NB = 2 tiles fit.
   auto block = [&](int64_t r0, int64_t r1, int64_t p0, int64_t p1) {
     int64_t n = 2 * p0;
-    // One row (a batch of one) streams eight weight rows at once into eight independent sums: SmolLM2's 30 fp32
-    // layers and head read at 1.19x the speed of one or two rows at a time (27.6 against 23.3 GB/s, 31.4 GB/s for
-    // a plain sum of memory; 2 threads, alternating in one process, scratch timing). 4 / 6 / 12 / 16 rows at once
-    // were slower than 8, and so were prefetch distances other than 2048 bytes. bf16 weights were 0.90x with 8
-    // until the tile prefetched into the next one (above); since then 1.23x.
+    // One row (a batch of one) streams eight weight rows at once into eight independent sums: about 1.2x the
+    // bandwidth of one or two at a time on SmolLM2's layers, close to a plain sum of memory; 4 / 6 / 12 / 16 rows
+    // at once, and prefetch distances other than 2048 bytes, read slower. bf16 gains as much with the tile's
+    // prefetch into the next one (above).
     if (r1 - r0 == 1)
       for (; n + 8 <= 2 * p1; n += 8) linear_rows<T, 1, 8>(xp + r0 * K, wp, bp, K, N, n, yp + r0 * N);
     // Many rows against a weight that stays in the cache (the tiny models' layers in a batch's decode or verify):
     // there loads and FMAs, not memory, are the limit, and 2 rows x 6 weight rows load 8 vectors for 12 FMAs where
-    // 4 x 2 load 6 for 8. The deep tiny model's layers and head at 64 / 128 / 256 rows: 1.17 / 1.22 / 1.22x faster
-    // (`benchmarks/kernel_ab.py`, results/kernel_ab_tile_2x6_tiny.json; 16 rows, unchanged, read 1.07x there, so
-    // 32 rows' 1.09x is within the method's bias). Streaming a large weight it
-    // was slower (SmolLM2: bf16 at 32 rows 0.93x, fp32 at 8 rows 0.91x; scratch), so those keep the tiles below.
+    // 4 x 2 load 6 for 8 (the deep tiny model's layers and head at 64-256 rows: about 1.2x faster;
+    // `research/kernel_ab.py`). Streaming a large weight this tile is slower (about 0.9x on SmolLM2), so those keep
+    // the tiles below.
     if (R >= MANY_ROWS && N * K * static_cast<int64_t>(sizeof(T)) <= CACHE_RESIDENT_BYTES)
       for (; n + 6 <= 2 * p1; n += 6) {
         int64_t r = r0;
@@ -539,8 +535,7 @@ void linear_impl(const Tensor& x, const Tensor& w, const Tensor& bias, Tensor& y
   // The threads split the weights, each streaming its share once for all the rows, unless there are too few
   // weight rows to share (a small layer's projections: the tiny models' o / down have 96): then that split ran on
   // one thread, and 8 or more rows are split between the threads instead, in blocks of 4, each reading the whole
-  // (small, cache-resident) weight. The deep tiny model's o and down at 64 rows: 33 -> 28 us and 73 -> 57 us
-  // (scratch timing).
+  // (small, cache-resident) weight (the deep tiny model's o and down at 64 rows: 15-20 % faster).
   if (N / 2 > PAIRS_GRAIN || R < 8) {
     at::parallel_for(0, N / 2, PAIRS_GRAIN, [&](int64_t begin, int64_t end) { block(0, R, begin, end); });
     if (N / 2 == 0) block(0, R, 0, 0);

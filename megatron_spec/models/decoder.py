@@ -121,12 +121,10 @@ class FusedPlan:
 FUSED_LAYER_MACS = 1 << 25
 """The fused layer takes inputs of up to this many multiply-adds in its projections (rows x MACs a row), also past the
 kernels' linear's own row bound (`packed.kernel_rows`): on a small layer, the ~20 torch ops and Python calls between
-the modules' kernels cost more than oneDNN's faster GEMMs save. The fused layer against the modules' path at 4
-tokens a sequence (a verify) and 1 (a decode), AVX2 EPYC, 2 threads, one process, alternating (scratch timing, not
-kept), on the main job's deep tiny model (107 K MACs a row; this bound: 312 rows): 1.96 / 1.53 / 1.19x faster at
-32 / 64 / 128 rows; after the linear learned to split rows between threads and sum in registers, 1.14 / 1.15x at
-192 / 256 rows and 0.90 / 0.87x at 320 / 512. On tiny-qwen3 (197 K, 170 rows): 1.09-1.26x at 128, 1.00x at 192.
-SmolLM2's layers (3.5 M MACs a row) keep the linear's bound."""
+the modules' kernels cost more than oneDNN's faster GEMMs save. On a 2-thread AVX2 EPYC the fused layer is faster
+than the modules' path on the main job's deep tiny model (107 K MACs a row; this bound: 312 rows) up to about 256
+rows and slower from 320, and on tiny-qwen3 (197 K, 170 rows) about even at 192: the bound sits near that
+crossing. SmolLM2's layers (3.5 M MACs a row) keep the linear's bound."""
 
 
 def fused_rows(groups: tuple[tuple[nn.Linear, ...], ...]) -> int:
@@ -167,7 +165,7 @@ def weights_fixed():
     again: the engine's `generate`, whose model and drafter change only between its calls (refits, optimizer
     steps). Checking on every forward reads every parameter's storage and version, ~7 us a layer: the main job's
     plain decoding runs 1.08x / 1.05x / 1.02x faster at B = 1 / 8 / 64 with the block, SmolLM2's (30 larger
-    layers) 1.00x (`benchmarks/weights_fixed.py`)."""
+    layers) 1.00x (`research/weights_fixed.py`)."""
     if not _fixed[0]:
         _fixed[1] += 1
     _fixed[0] += 1

@@ -1,8 +1,8 @@
 """Tensors from Python lists, for the engine's hot path (token ids, positions, slots, uniforms).
 
-`torch.tensor` converts a Python list element by element, ~0.27 us an element on the 2-core AVX2 EPYC: a [64, 4]
-index tensor took ~97 us, and a k = 3 step at 64 sequences built about ten such tensors (~0.9 ms of a ~9 ms step,
-scratch). numpy reads the same list ~4-6x faster, and torch then takes its buffer without a copy. The values are
+`torch.tensor` converts a Python list element by element, ~0.27 us an element on a 2-core AVX2 EPYC: a [64, 4]
+index tensor takes ~97 us, and a k = 3 step at 64 sequences builds about ten such tensors (about a tenth of the
+step). numpy reads the same list ~4-6x faster, and torch then takes its buffer without a copy. The values are
 the same: integers as int64, floats rounded to float32 as `torch.tensor` rounds them.
 """
 

@@ -20,7 +20,7 @@ KV_BLOCK = 16
 """Attention reads the cache up to the batch's longest position rounded up to a multiple of this (the extra keys
 are masked out). A prefix that grew by one key every step gave the attention matmuls a new shape every step, and
 bf16 matmuls go to oneDNN, which builds a kernel per shape: 30 layers' q.k^T at SmolLM2's shapes took 1.8 ms a
-step with the length growing against 0.8 ms at a fixed one (2-core AVX-512 EPYC, `benchmarks/shape_costs.py`). fp32
+step with the length growing against 0.8 ms at a fixed one (2-core AVX-512 EPYC, `research/shape_costs.py`). fp32
 goes to MKL, which has no such cost; there the rounding costs at most 15 keys of attention."""
 
 
@@ -31,10 +31,9 @@ class KVCache:
         """Layer index stored at row 0 (a drafter's cache holds only its own layers, numbered after the target's)."""
         # Keys are stored transposed, [..., head_dim, max_len], so that k^T of the live prefix is a slice along the
         # last axis, which a bf16 matmul reads in place. Stored as [..., max_len, head_dim], the same prefix is a
-        # batch-strided slice that torch copies before a bf16 matmul: SmolLM2 bf16 at B=32 spent 9.2 ms of a 63 ms
-        # decode step in copies, 4.4 of 57 ms with keys transposed (2-core AVX-512 EPYC,
-        # `benchmarks/results/profile_decode_smollm2_bf16_b8_b32_{before,after}.json`). Values stay as they are:
-        # stored transposed, the probabilities-times-values matmul was slower.
+        # batch-strided slice that torch copies before a bf16 matmul (SmolLM2 bf16 at B=32 on a 2-core AVX-512 EPYC:
+        # copies take about half as long with keys transposed). Values stay as they are: stored transposed, the
+        # probabilities-times-values matmul is slower.
         self.k = torch.zeros((num_layers, num_slots, num_kv_heads, head_dim, max_len), dtype=dtype, device=device)
         self.v = torch.zeros((num_layers, num_slots, num_kv_heads, max_len, head_dim), dtype=dtype, device=device)
         self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))

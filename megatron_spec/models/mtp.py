@@ -186,7 +186,7 @@ class MTP(nn.Module):
     def state(self, hidden: Tensor, input_ids: Tensor, positions: Tensor | None, embed: Embed,
               cache: AttentionCache | None = None, layer: int = 0) -> Tensor:
         """The state half of `forward` (what the next depth reads), without the logits: drafting needs logits only
-        at each sequence's last row, not at every catch-up row (whose logits it used to compute and drop)."""
+        at each sequence's last row, not at every catch-up row."""
         if not 0 <= layer < len(self.layers):
             raise ValueError(f"MTP layer {layer} out of range: this drafter has {len(self.layers)} depth(s)")
         B, T = input_ids.shape

@@ -11,10 +11,10 @@ SmolLM2's weights, 2 threads) oneDNN was the faster at one row too, fp32 25.8 ms
 AVX-512 take it at every row count (`ONEDNN_ONE_ROW`, fixed per machine so a run's numbers do not depend on timing).
 bf16 packs where oneDNN has a bf16 path (AVX512-BF16, AMX): there it took 12.8 / 14.9 ms at 1 / 8 rows against
 `F.linear`'s 18.8 / 23.8 ms. Elsewhere bf16 keeps `F.linear` on the concatenated weights at one row, and inputs of
-several rows are upcast to fp32 and go to oneDNN on an fp32 copy of the weights: on the AVX2 EPYC, all of SmolLM2's
-GEMMs took 16.6 / 93.8 / 353 ms at 1 / 8 / 32 rows in bf16 `F.linear` against 34.2 / 49.5 / 72.7 ms in fp32 oneDNN
-(scratch timing, not kept). The result is the same arithmetic (bf16 values are exact in fp32, products accumulate
-in fp32 either way, the output is rounded to bf16 once) in another order; the copy costs 4 bytes a weight.
+several rows are upcast to fp32 and go to oneDNN on an fp32 copy of the weights: on the AVX2 EPYC, bf16 `F.linear`
+is about 2x faster at one row and 2-5x slower at 8-32 rows than fp32 oneDNN on SmolLM2's GEMMs. The result is the
+same arithmetic (bf16 values are exact in fp32, products accumulate in fp32 either way, the output is rounded to
+bf16 once) in another order; the copy costs 4 bytes a weight.
 
 Where the CPU kernels are built (`megatron_spec.kernels`), inputs of up to KERNEL_ROWS rows take their `linear`
 on the concatenated weights as they are (`Pack.plain`) instead of the paths above, which then serve larger inputs,
@@ -48,7 +48,7 @@ ONEDNN_ONE_ROW = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 ROW_MULTIPLE = 8
 """oneDNN inputs of more than this many rows are padded to a multiple of it. oneDNN builds a kernel (a
 "primitive") for every row count it meets: a forward of the deep tiny model at a new row count took 6.8 ms against
-4.1 ms again (`benchmarks/shape_costs.py`), and oneDNN caches at most 1024 kernels. Plain decoding meets a few dozen
+4.1 ms again (`research/shape_costs.py`), and oneDNN caches at most 1024 kernels. Plain decoding meets a few dozen
 row counts (the batch size shrinking), but a speculative rollout meets batch x (k + 1) for every batch size and k
 the adaptive controller picks: most of its verify steps paid a new kernel, and a long run cycled the cache. Padded,
 a 64-sequence rollout needs at most 8 + 384 / 8 row counts whatever k is; the padding costs ~2 us a GEMM and at
@@ -57,9 +57,8 @@ most 7 extra rows."""
 
 KERNEL_ROWS = {torch.float32: 16, torch.bfloat16: 32}
 """Inputs of at most this many rows take the CPU kernels' `linear` (which streams each weight once for all the
-rows) when the kernels are built. All of SmolLM2's GEMMs on the AVX2 EPYC, 2 threads, against this module's other
-paths: fp32 1.65 / 1.42 / 1.44 / 1.32x faster at 1 / 4 / 8 / 16 rows, 0.89x at 24; bf16 1.22 / 2.60 / 2.18 / 1.54 /
-1.04x at 1 / 4 / 8 / 16 / 32 rows (scratch timing, not kept; the engine-level figures are in research/notebook/README.md).
+rows) when the kernels are built. On all of SmolLM2's GEMMs on the AVX2 EPYC, 2 threads, the kernel is faster than
+this module's other paths up to 16 rows in fp32 (slower from 24) and up to 32 rows in bf16.
 Every input up to these counts computes each row alone, in the same order, so its outputs are bitwise the same in
 a batch of any of these sizes."""
 
@@ -67,13 +66,12 @@ SMALL_OUTPUT = 1 << 15
 """A weight small enough to stay in a core's L2 (CACHE_RESIDENT_BYTES, as the kernels' tiles assume) takes the
 kernels' `linear` past KERNEL_ROWS, for inputs of up to this many outputs (rows x the group's output width): there
 oneDNN's cost per call outweighs its faster GEMM. What sets the crossing is the output width, not the
-multiply-adds: the main job's policy (hidden 96, AVX2 EPYC, 2 threads, each call alone and warm, scratch timing)
-had gate/up (576 x 96) at 50 / 73 / 138 us in the kernel against 66 / 69 / 103 us in oneDNN at 40 / 64 / 128 rows,
-q/k/v (160 x 96) at 73 / 89 us against 70 / 81 us at 200 / 256 rows, while down (96 x 288: three times the
-multiply-adds of q/k/v a row) and o (96 x 96) stayed 1.3x faster in the kernel up to 256 rows. 32768 outputs put
-the crossing at 56 rows for gate/up, 204 for q/k/v and 341 for down and o. (The bound before this one, 2 M
-multiply-adds, sent down past 75 rows and o past 227 to oneDNN.) It rules where a layer is not fused: a fused layer
-(`decoder.FUSED_LAYER_MACS`) takes the kernels' linear for all its groups further than this."""
+multiply-adds: on the main job's policy (hidden 96, AVX2 EPYC, 2 threads, each call alone and warm) oneDNN
+overtakes the kernel for gate/up (576 x 96) between 40 and 64 rows and for q/k/v (160 x 96) near 200, while down
+(96 x 288: three times the multiply-adds of q/k/v a row) and o (96 x 96) stay 1.3x faster in the kernel up to 256
+rows. 32768 outputs put the crossing at 56 rows for gate/up, 204 for q/k/v and 341 for down and o. It rules where
+a layer is not fused: a fused layer (`decoder.FUSED_LAYER_MACS`) takes the kernels' linear for all its groups
+further than this."""
 
 CACHE_RESIDENT_BYTES = 512 << 10
 """The kernels' own bound (`cpu_ops.cpp`) for a weight that stays in a core's L2 between calls."""
@@ -101,7 +99,7 @@ class Pack:
 
     def blocked(self) -> Tensor:
         """`weight` in oneDNN's blocked layout, made on the first oneDNN call. A reorder costs ~0.27 ms whatever
-        the weight's size (AVX2 EPYC, scratch), and an RL run refits every step: the main job's 33 groups took
+        the weight's size (AVX2 EPYC), and an RL run refits every step: the main job's 33 groups took
         9.6 ms of a ~240 ms rollout to repack, and in its rollouts only the kernels read them (fused layers, and
         a head under SMALL_OUTPUT)."""
         if self._blocked is None:

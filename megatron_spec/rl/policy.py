@@ -110,7 +110,7 @@ def pack(parts: list[DrafterInputs], budget: int) -> list[DrafterInputs]:
     alone may exceed it; 0: no limit). Dealing a step's micro-batches into minibatches leaves a few rows of each
     micro-batch per minibatch, and each drafter pass pays a fixed overhead, so they are joined back up to the size
     the policy's own micro-batches have: 1.30-1.53x faster updates on the main job's model
-    (`benchmarks/drafter_update.py`)."""
+    (`research/drafter_update.py`)."""
     out: list[list[DrafterInputs]] = []
     rows = longest = 0
     for p in parts:

@@ -2,8 +2,8 @@
 
 Start at `pipeline.simulate(SimConfig(...))`; README.md in this folder derives the model of a step, and
 `calibration.py` holds every constant it uses. Nothing here imports torch: the package is arithmetic over a
-`ModelConfig` (torch still loads today because `megatron_spec/models/__init__.py`, which runs before
-`models.config` and `models.presets`, imports the model code). The CPU validation harness that models our eager
+`ModelConfig` (torch still loads, because `megatron_spec/models/__init__.py`, which runs before `models.config`
+and `models.presets`, imports the model code). The CPU validation harness that models our eager
 embedded engine and trainer lives outside the library, in `research/sim_cpu/`.
 """
 

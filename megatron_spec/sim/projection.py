@@ -5,7 +5,7 @@ with a rollout batch of 4096 and FP8 rollouts, from a simulator it does not publ
 through our step model with its per-GPU calibration. The H100 figures are the trusted ones: the Hopper set is
 fitted on NeMo-RL's published H100 step times and checked on others, every row within 15 % (`published.py`,
 docs/design/simulator-calibration.md). The GB200 figures use the spec-sheet Blackwell set, which NeMo-RL's
-published GB200 rows (0.2-0.75 of their step times) show to be optimistic for today's software on that part.
+published GB200 rows (0.2-0.75 of their step times) show to be optimistic for the software those rows ran.
 
 - workload: 4096 rollouts per step (256 prompts x 16), FP8 engine weights, and the response-length distribution
   inferred from the paper's RL-Think AR run (validation (a)), so lengths are not a free knob; `spread` varies its

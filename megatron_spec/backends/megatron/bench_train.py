@@ -1,5 +1,5 @@
 """`python -m megatron_spec.backends.megatron.bench_train [--out FILE]`: the Megatron trainer's GRPO step against
-the embedded trainer's on the same batch (benchmarks/results/megatron_train_step.json holds a run).
+the embedded trainer's on the same batch.
 
 The tiny Qwen3-MoE (`checkpoints/tiny-qwen3-moe`) with its MTP head (`checkpoints/tiny-qwen3-moe-mtp`), one
 synthetic batch shaped like the tiny MoE recipe's (8 prompts x 8 rollouts, 10-token prompts, completions of 8-40

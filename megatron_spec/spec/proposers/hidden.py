@@ -150,7 +150,7 @@ class HiddenStateProposer(Proposer):
         catch-up reads: it fed positions L - 1 .. L - 1 + k, of which the accepted ones, L - 1 .. L' - 2, are the
         catch-up of a one-depth head (frontier L - 1), and none is read again (the frontier moves past them). Those
         rows are then taken from that forward's output, and neither written into `features` nor gathered back out
-        of it: at 64 sequences of the main job that write and gather cost ~0.35 ms of a ~9 ms k = 3 step (scratch).
+        of it (at 64 sequences of the main job that write and gather would be about 4 % of a k = 3 step).
         Anything else (several forwards since the last draft: plain steps, a prefill; a deeper head, which reads
         rows again) goes through `features`."""
         device = self.target.device
