@@ -325,7 +325,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
     out = Path(out)
     if not have_matplotlib():
         body = ["<p>Plots need matplotlib (<code>pip install matplotlib</code>, part of the base install); "
-                "the summary follows.</p>", "<h2>Summary</h2>", _summary_html(runs)]
+                "the summary follows.</p>", "<h2>Summary</h2>", _summary_html(runs), *_memory_html(runs)]
         return _write_html(out, runs, body)
     plots = out.parent / f"{out.stem}_plots"
     plots.mkdir(parents=True, exist_ok=True)
@@ -354,7 +354,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
     else:
         body.append("<p>Needs a plain run and a speculative run (<code>--compare</code>).</p>")
     body += _lossless_html(runs, colors, plots, img)
-    body += ["<h2>Summary</h2>", _summary_html(runs)]
+    body += ["<h2>Summary</h2>", _summary_html(runs), *_memory_html(runs)]
     return _write_html(out, runs, body)
 
 
@@ -412,6 +412,32 @@ def _summary_html(runs) -> str:
              _f(r["acceptance"], 2), _f(r["speedup"], 2), _f(r["reward_tail"], 3),
              f"{_f(r['eval_start'], 3)} -> {_f(r['eval_final'], 3)}"] for r in summary_rows(runs)]
     return _table(head, rows) + "<p>Stage times, tokens/s, acceptance and speedup are means over steps.</p>"
+
+
+def memory_rows(runs: list[Run]) -> list[dict]:
+    """Per run, the largest per-step peak (MB) of each memory figure the steps logged (`rl/memory.py`); a figure
+    logged per rank or per process keeps one value per rank / process. Runs without memory figures are left out."""
+    rows = []
+    for r in runs:
+        peaks: dict[str, list[float]] = {}
+        for m in r.metrics:
+            for key, value in (m.get("memory") or {}).items():
+                values = value if isinstance(value, list) else [value]
+                old = peaks.setdefault(key, [math.nan] * len(values))
+                peaks[key] = [max(a, _num(b)) if not math.isnan(a) else _num(b) for a, b in zip(old, values)]
+        if peaks:
+            rows.append({"run": r.label, **peaks})
+    return rows
+
+
+def _memory_html(runs) -> list[str]:
+    rows = memory_rows(runs)
+    if not rows:
+        return []
+    keys = sorted({k for row in rows for k in row if k != "run"})
+    cells = [[row["run"], *(" / ".join(_f(v, 0) for v in row.get(k, [])) for k in keys)] for row in rows]
+    return ["<h2>Peak memory (MB)</h2>", _table(["run", *keys], cells),
+            "<p>The largest per-step peak of each process over the run; per-rank figures are listed by rank.</p>"]
 
 
 def _table(head, rows) -> str:

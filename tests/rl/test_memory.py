@@ -50,3 +50,18 @@ def test_step_memory_reports_children_and_tensorboard_scalars():
     tags = dict(scalars({"step": 0, "memory": {**m, "trainer_peak_rss_mb": [1.0, 2.0]}}))
     assert tags["memory/loop_peak_rss_mb"] == m["loop_peak_rss_mb"]
     assert tags["memory/trainer_peak_rss_mb_0"] == 1.0 and tags["memory/trainer_peak_rss_mb_1"] == 2.0
+
+
+def test_report_lists_each_ranks_largest_peak(tmp_path):
+    """The report's memory table keeps, per figure and per rank, the largest peak over the steps (step 0's
+    start-up peak on rank 0, step 1's on rank 1 here), and leaves it out for runs that logged none."""
+    from megatron_spec.rl.report import Run, _memory_html, memory_rows
+
+    steps = [{"step": 0, "memory": {"loop_peak_rss_mb": 900.0, "trainer_peak_rss_mb": [900.0, 400.0]}},
+             {"step": 1, "memory": {"loop_peak_rss_mb": 700.0, "trainer_peak_rss_mb": [650.0, 450.0]}}]
+    run = Run(tmp_path, "m", "plain", "plain", None, 0, False, steps)
+    bare = Run(tmp_path, "e", "plain", "plain", None, 0, False, [{"step": 0}])
+    rows = memory_rows([run, bare])
+    assert rows == [{"run": run.label, "loop_peak_rss_mb": [900.0], "trainer_peak_rss_mb": [900.0, 450.0]}]
+    assert "900 / 450" in "".join(_memory_html([run]))
+    assert _memory_html([bare]) == []
