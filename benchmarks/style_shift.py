@@ -6,7 +6,7 @@ units column first (`47+38:7+8=15,85`) and is right, and the rest from a hurried
 this samples the held-out problems (greedy once, and 8 times at T = 1 with the engine) and counts, per style, how
 many solutions there are and how many are right. A solution is careful when its first line has the units column.
 
-    python research/style_shift.py runs/main_job_bench/spec-s0 ... --out research/records/main_job_style_shift.json
+    python benchmarks/style_shift.py runs/main_job_bench/spec-s0 ... --out research/records/main_job_style_shift.json
 
 No timing: the figures are counts, the same on any machine up to float reduction order.
 """

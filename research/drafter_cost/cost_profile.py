@@ -6,7 +6,7 @@ minibatches, appending to the replay buffer).
 Runs the main job's recipe in this process (`recipes/tiny_grpo_spec.py`'s config, the overrides given laid over
 it) with wrappers that time each piece; step 0 (kernel warm-up) is left out of the means.
 
-    python research/drafter_cost/profile.py --steps 8 --out research/drafter_cost/profile.json [key=value ...]
+    python research/drafter_cost/cost_profile.py --steps 6 --out research/drafter_cost/shipped.json [key=value ...]
 """
 
 from __future__ import annotations
