@@ -277,7 +277,7 @@ def test_adaptive_times_catch_ups_but_not_plain_steps_after_drafting(target):
     """A draft right after a plain (or prefill) step includes the hidden-state drafter catching up over the positions
     it skipped: that is what switching to speculation costs, so it is timed with the speculative steps. A plain step
     right after a drafting one runs with the drafter's weights in cache (a draft model on the deep tiny target at
-    B=8: 2 % slower than after a plain step, `benchmarks/shape_costs.py`), which is not what plain decoding costs,
+    B=8: 2 % slower than after a plain step, `research/shape_costs.py`), which is not what plain decoding costs,
     so it is not timed. With the choices 0, 1, 1, 0, 1, 2, 1, 0, 0 the controller gets the steps at k = 0, 1, 1,
     1, 2, 1 and 0: all but the two plain steps right after drafting, the two drafting steps after plain ones marked
     as catch-ups."""
