@@ -151,7 +151,8 @@ def interrupted_save(rank: int, world: int, root: str) -> dict:
     """A run checkpoint saved at step 0 (`rl.checkpoint.save` with the policy), then a save at step 1 that fails
     after every rank wrote its shards but before the directory is renamed into place (an exception injected into
     Megatron-Core's save, as a kill at that moment would leave it). Then what `load_latest` finds, and the
-    weights a fresh policy (another layout) loads from it, against the weights at step 0."""
+    weights a fresh policy (another layout) loads from it, against the weights at step 0. MoE with one MTP layer;
+    the run's `model.policy` is an HF directory of the model, which `export-hf` reads the config from."""
     from megatron.core import dist_checkpointing
 
     from megatron_spec.backends.megatron.checks import Parallelism
@@ -161,10 +162,15 @@ def interrupted_save(rank: int, world: int, root: str) -> dict:
 
     cfg = tiny("moe")
     run_dir = Path(root) / "run"
-    policy = MegatronPolicy(our_model(cfg), grpo(), SAMPLING, Parallelism(ep=2, etp=1))
+    hf_dir = Path(root) / "policy_hf"
+    if rank == 0:
+        save_hf_dir(cfg, policy_part(hf_tensors(cfg)), hf_dir)
+    policy = MegatronPolicy(our_model(cfg), grpo(), SAMPLING, Parallelism(ep=2, etp=1), drafter=our_drafter(cfg),
+                            mtp_num_layers=1)
     megatron_steps(policy, "moe", 1)
     at_step0 = {n: t.clone() for n, t in policy.export_weights()}
     rl = RLConfig()
+    rl.model.policy = str(hf_dir)  # what `export-hf` reads the model's config.json from
     if rank == 0:
         checkpoint.save(run_dir, 0, policy, rl)
     else:
@@ -191,9 +197,10 @@ def interrupted_save(rank: int, world: int, root: str) -> dict:
     saved = checkpoint.load_latest(run_dir) if rank == 0 else None
     box = [saved and saved["state"]]
     torch.distributed.broadcast_object_list(box, src=0)
-    fresh = MegatronPolicy(our_model(cfg), grpo(), SAMPLING, Parallelism(pp=2))
+    fresh = MegatronPolicy(our_model(cfg), grpo(), SAMPLING, Parallelism(pp=2), drafter=our_drafter(cfg),
+                           mtp_num_layers=1)
     fresh.load_state_dict(box[0])
     loaded = {n: t.clone() for n, t in fresh.export_weights()}
     listing = sorted(os.listdir(run_dir / "checkpoints")) if rank == 0 else None
     return {"failed": failed, "step": saved and saved["step"], "listing": listing, "at_step0": at_step0,
-            "loaded": loaded}
+            "loaded": loaded, "run_dir": str(run_dir)}

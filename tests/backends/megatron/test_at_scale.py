@@ -8,6 +8,8 @@ at another layout.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -143,6 +145,35 @@ def test_interrupted_save_leaves_previous_checkpoint_loadable(interrupted):
         assert all(torch.equal(W[n], rank["loaded"][n]) for n in W)
     assert interrupted[0]["step"] == 0
     assert interrupted[0]["listing"] == ["latest", "step_000000"]
+
+
+def test_export_hf_streams_the_distributed_checkpoint(interrupted, tmp_path_factory):
+    """`export-hf` on the step-0 checkpoint (written at EP2 by 2 ranks): the policy's HF tensors and the MTP layer
+    as a drafter directory equal, bit for bit, what the trainer's own exporter gathered at step 0 (the fp32
+    weights), in shards of at most the asked-for size; both load with our loaders."""
+    from megatron_spec.backends.megatron.hf_export import export_checkpoint
+    from megatron_spec.models import from_pretrained, load_drafter
+    from megatron_spec.models.hf_io import load_tensors
+
+    from .common import tiny
+
+    run_dir = Path(interrupted[0]["run_dir"])
+    out = tmp_path_factory.mktemp("export") / "hf"
+    export_checkpoint(run_dir / "checkpoints" / "step_000000", out, max_shard_bytes=40_000)
+    W = interrupted[0]["at_step0"]
+    policy = load_tensors(out)
+    drafter = load_tensors(out / "drafter")
+    assert sorted(policy) == sorted(n for n in W if not n.startswith("drafter."))
+    assert sorted("drafter." + n for n in drafter) == sorted(n for n in W if n.startswith("drafter."))
+    assert all(torch.equal(policy[n], W[n]) for n in policy)
+    assert all(torch.equal(drafter[n], W["drafter." + n]) for n in drafter)
+    shards = list(out.glob("*.safetensors"))
+    assert len(shards) > 1
+    largest_tensor = max(t.numel() * t.element_size() for t in policy.values())
+    assert all(f.stat().st_size <= max(40_000, largest_tensor) + 10_000 for f in shards)  # + header
+    cfg = tiny("moe")
+    assert from_pretrained(out).config.num_experts == cfg.num_experts
+    assert load_drafter(out / "drafter", cfg).mtp_config.num_layers == 1
 
 
 def test_loop_with_megatron_trainer_never_loads_the_full_policy_for_it(tmp_path):
