@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "megatron_spec.sim.cli",  # simulate, tune
     "megatron_spec.rl.report",  # report
     "megatron_spec.rl.cli",  # train
+    "megatron_spec.backends.megatron.export_cli",  # export-hf
 )
 
 
