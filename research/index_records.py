@@ -59,6 +59,9 @@ def citing_notes(name: str) -> list[str]:
     return sorted(p.name for p in NOTEBOOK.glob("*.md") if name in p.read_text(encoding="utf-8"))
 
 
+RESULTS = ROOT / "docs" / "results.md"
+
+
 def row(path: Path) -> str:
     data = {}
     if path.suffix == ".json":
@@ -72,6 +75,8 @@ def row(path: Path) -> str:
         found = HASH.findall(path.name)
         commit = found[0] if found else f"added in {added_in(path)}"
     notes = ", ".join(f"[{n[:13]}](../notebook/{n})" for n in citing_notes(path.name)[:3])
+    if f"research/records/{path.name}" in RESULTS.read_text(encoding="utf-8"):
+        notes = ", ".join(x for x in ("**[results](../../docs/results.md)**", notes) if x)
     cmd = command(data, path.stem).replace("|", "\\|").replace("\n", " ")
     if len(cmd) > 140:
         cmd = cmd[:137] + "..."
@@ -81,7 +86,7 @@ def row(path: Path) -> str:
 def main() -> None:
     files = sorted(p for p in RECORDS.rglob("*") if p.is_file() and p.suffix != ".png" and p.name != "INDEX.md")
     lines = ["# Records", "",
-             "Every measurement's output, frozen. Commit: the code's commit where the record or its name gives one,",
+             "Every measurement's output, frozen; **results** marks the records `docs/results.md` cites. Commit: the code's commit where the record or its name gives one,",
              "otherwise the commit that added the record. Machine: from the record's own `machine` field (blank where it",
              "has none). A PNG beside a JSON is its plot. Commands are as recorded, with the paths of their day",
              "(scripts under `benchmarks/` may since have moved to `research/`). Regenerate with",
