@@ -131,10 +131,7 @@ def test_nothing_points_outside_the_repository():
     assert not hits
 
 
-WORDING_SCOPES = [
-    pytest.param("megatron_spec", marks=pytest.mark.xfail(strict=False, reason="package docstrings being cleaned")),
-    "docs/guide", "docs/results.md", "README.md",
-]
+WORDING_SCOPES = ["megatron_spec", "docs/guide", "docs/results.md", "README.md"]
 
 
 @pytest.mark.parametrize("name", WORDING_SCOPES)
