@@ -36,9 +36,11 @@ def layer_config(cfg) -> dict:
             "vocab_size": cfg.vocab_size, "hidden_act": "silu", "tie_word_embeddings": False}
 
 
-def write_public(head: Eagle3Head, out: Path, layout: str, dtype=torch.bfloat16) -> Path:
+def write_public(head: Eagle3Head, out: Path, layout: str, dtype=torch.bfloat16, mapping: bool = True) -> Path:
     """`head` written as the speculators or SpecForge project would: the layer under `layers.0.` / `midlayer.`, one
-    fc block per distinct auxiliary layer (vLLM's ids: our capture layer + 1), `d2t` as offsets, `t2d` as a mask."""
+    fc block per distinct auxiliary layer (vLLM's ids: our capture layer + 1), `d2t` as offsets, `t2d` as a mask
+    (`mapping=False`: a full-vocabulary head without them). A speculators head with other than three auxiliary
+    layers says how many in its layer config (`num_aux_hidden_states`, which vLLM reads there)."""
     cfg, ec, H = head.target_config, head.eagle_config, head.target_config.hidden_size
     state = {k: v.detach().clone() for k, v in head.state_dict().items()}
     distinct = sorted(set(ec.capture_layers))
@@ -50,11 +52,14 @@ def write_public(head: Eagle3Head, out: Path, layout: str, dtype=torch.bfloat16)
     tensors = {k: v.to(dtype) for k, v in tensors.items()}
     V = cfg.vocab_size
     draft = state["d2t"] if ec.draft_vocab_size else torch.arange(V)
-    tensors["d2t"] = draft - torch.arange(draft.numel())
-    t2d = torch.zeros(V, dtype=torch.bool)
-    t2d[draft] = True
-    tensors["t2d"] = t2d
+    if mapping or ec.draft_vocab_size:
+        tensors["d2t"] = draft - torch.arange(draft.numel())
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[draft] = True
+        tensors["t2d"] = t2d
     layer = {**layer_config(cfg), "intermediate_size": ec.intermediate_size}
+    if layout == SPECULATORS and len(distinct) != 3:
+        layer["num_aux_hidden_states"] = len(distinct)
     aux = [d + 1 for d in distinct]
     if layout == SPECULATORS:
         config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
