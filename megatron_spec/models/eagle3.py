@@ -67,6 +67,9 @@ class Eagle3Config:
     norm_before_residual: bool = False
     """The layer's residual is the normed hidden state (`hidden_norm(hidden)`) instead of the hidden state itself:
     how some public heads were trained (vLLM's and speculators' `norm_before_residual`)."""
+    qk_norm: bool | None = None
+    """Whether the layer's attention norms its queries and keys per head; None: as the target does. Public heads for
+    Qwen3 targets often have a Llama-type layer without them."""
 
     def __post_init__(self) -> None:
         if self.target_num_layers < 1:
@@ -172,11 +175,13 @@ class Eagle3Head(nn.Module):
                              "0 selects the full vocabulary")
         # Stored resolved, so a saved config rebuilds the same shapes whatever the target's defaults become.
         self.eagle_config = Eagle3Config(eagle_config.target_num_layers, eagle_config.capture_layers, inner, N,
-                                         eagle_config.norm_before_residual)
+                                         eagle_config.norm_before_residual, eagle_config.qk_norm)
         self.target_config = target_config  # not `config`: see the note in mtp.MTP
         H = target_config.hidden_size
         self.fc = nn.Linear(3 * H, H, bias=False)
-        self.midlayer = Eagle3Layer(target_config, inner, eagle_config.norm_before_residual)
+        layer_config = target_config if eagle_config.qk_norm in (None, target_config.qk_norm) else (
+            dataclasses.replace(target_config, qk_norm=eagle_config.qk_norm))
+        self.midlayer = Eagle3Layer(layer_config, inner, eagle_config.norm_before_residual)
         self.norm = RMSNorm(H, target_config.rms_norm_eps)
         self.lm_head = nn.Linear(H, N or V, bias=False)
         if d2t is not None:

@@ -42,6 +42,9 @@ SPECULATORS, SPECFORGE = "speculators", "specforge"
 WEIGHTS = "model.safetensors"
 _LAYER_PREFIX = {SPECULATORS: "layers.0.", SPECFORGE: "midlayer."}
 _KEPT = ("t2d", "embed_tokens.weight")  # tensors our head does not hold, written back as they were
+QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+"""Draft-layer model types whose attention norms queries and keys (vLLM builds an Eagle3Qwen3 layer for them, an
+Eagle3Llama layer without the norms for the others)."""
 
 
 def public_layout(path: str | os.PathLike) -> str | None:
@@ -87,8 +90,7 @@ def _check_layer(layer: dict, target: ModelConfig, path: Path) -> list[str]:
             "num_attention_heads": (heads, target.num_attention_heads),
             "num_key_value_heads": (layer.get("num_key_value_heads", heads), target.num_key_value_heads),
             "head_dim": (layer.get("head_dim") or H // heads, target.head_dim),
-            "vocab_size": (layer.get("vocab_size", target.vocab_size), target.vocab_size),
-            "qk_norm (model_type qwen3)": (layer.get("model_type") in ("qwen3", "qwen3_moe"), target.qk_norm)}
+            "vocab_size": (layer.get("vocab_size", target.vocab_size), target.vocab_size)}
     return [f"{k}: checkpoint {got!r} vs target {exp!r}" for k, (got, exp) in want.items() if got != exp]
 
 
@@ -128,7 +130,8 @@ def load_public_eagle3(path: str | os.PathLike, target: ModelConfig, dtype: torc
     d2t = None if full else (offsets.to(torch.long) + torch.arange(n_draft))
     norm_before_residual = cfg.get("norm_before_residual", layout == SPECULATORS)
     eagle = Eagle3Config(target.num_hidden_layers, capture, int(layer.get("intermediate_size") or 0),
-                         0 if full else n_draft, bool(norm_before_residual))
+                         0 if full else n_draft, bool(norm_before_residual),
+                         qk_norm=layer.get("model_type", "llama") in QK_NORM_TYPES)
     if d2t is not None:
         check_d2t(d2t, n_draft, V, f"{path}: d2t")
         t2d = raw.get("t2d")

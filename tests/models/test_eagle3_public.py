@@ -58,6 +58,8 @@ def write_public(head: Eagle3Head, out: Path, layout: str, dtype=torch.bfloat16,
         t2d[draft] = True
         tensors["t2d"] = t2d
     layer = {**layer_config(cfg), "intermediate_size": ec.intermediate_size}
+    if head.midlayer.self_attn.q_norm is None:  # a Llama-type draft layer (no query / key norms)
+        layer["model_type"] = "llama"
     if layout == SPECULATORS and len(distinct) != 3:
         layer["num_aux_hidden_states"] = len(distinct)
     aux = [d + 1 for d in distinct]
@@ -81,11 +83,12 @@ def write_public(head: Eagle3Head, out: Path, layout: str, dtype=torch.bfloat16,
     return out
 
 
-def distinct_head(target, draft_vocab: int = 48) -> Eagle3Head:
+def distinct_head(target, draft_vocab: int = 48, qk_norm: bool | None = None) -> Eagle3Head:
     """A head fusing three different layers over a 48-token draft vocabulary (its ids spread over the 64)."""
     torch.manual_seed(3)
     d2t = torch.randperm(target.config.vocab_size)[:draft_vocab].sort().values
-    head = Eagle3Head.from_target(target, Eagle3Config(target.config.num_hidden_layers, (0, 1, 2)), d2t=d2t)
+    config = Eagle3Config(target.config.num_hidden_layers, (0, 1, 2), qk_norm=qk_norm)
+    head = Eagle3Head.from_target(target, config, d2t=d2t)
     head.reset_parameters(std=0.1)
     with torch.no_grad():  # bf16-representable, so the public copy in bf16 is the same head
         for p in head.parameters():
@@ -235,3 +238,23 @@ def test_norm_before_residual_as_each_layout_defaults_it(tmp_path, target):
         assert torch.allclose(state, h + layer.mlp(layer.post_attention_layernorm(h)), atol=1e-6, rtol=0)
         head.midlayer.norm_before_residual = False  # the other placement gives another state
         assert not torch.allclose(head.state(hidden, ids, None, target.embed), state, atol=1e-3)
+
+
+@pytest.mark.parametrize("layout", [SPECULATORS, SPECFORGE])
+def test_a_llama_type_layer_on_a_qwen3_target(tmp_path, target, layout):
+    """Public heads for Qwen3 targets often have a Llama-type draft layer (no query / key norms): it loads as such
+    (no q_norm tensors expected), drafts what its source drafts and round-trips bit for bit; our vLLM export of it
+    names vLLM's Llama EAGLE-3 class."""
+    from megatron_spec.backends.vllm.export import export_eagle3
+
+    src = distinct_head(target, qk_norm=False)
+    assert src.midlayer.self_attn.q_norm is None and target.config.qk_norm
+    path = write_public(src, tmp_path / layout, layout)
+    head = load_public_eagle3(path, target.config)
+    assert head.eagle_config.qk_norm is False and head.midlayer.self_attn.q_norm is None
+    assert generate(target, head) == generate(target, src)
+    out = save_public_eagle3(head, tmp_path / "out")
+    before, after = load_file(str(path / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert set(before) == set(after) and all(same_bits(before[k], after[k]) for k in before)
+    vllm_dir = export_eagle3(head, tmp_path / "vllm")
+    assert json.loads((vllm_dir / "config.json").read_text())["architectures"] == ["Eagle3LlamaForCausalLM"]

@@ -104,7 +104,8 @@ def export_eagle3(head: Eagle3Head, out_dir: str | os.PathLike) -> Path:
     if cfg.model_type not in EAGLE3_ARCHITECTURES:
         raise NotImplementedError(f"vLLM backend: no vLLM EAGLE-3 class for model_type {cfg.model_type!r}")
     ec = head.eagle_config
-    config = {**cfg.to_hf(), "architectures": [EAGLE3_ARCHITECTURES[cfg.model_type]], "num_hidden_layers": 1,
+    family = cfg.model_type if ec.qk_norm in (None, cfg.qk_norm) else ("qwen3" if ec.qk_norm else "llama")
+    config = {**cfg.to_hf(), "architectures": [EAGLE3_ARCHITECTURES[family]], "num_hidden_layers": 1,
               "intermediate_size": ec.intermediate_size, "draft_vocab_size": ec.draft_vocab_size or cfg.vocab_size,
               "target_hidden_size": cfg.hidden_size, "torch_dtype": dtype_name(head),
               "norm_before_residual": ec.norm_before_residual,
