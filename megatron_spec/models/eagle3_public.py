@@ -21,7 +21,7 @@ as the target's (d2t all zero) is our full-vocabulary head.
 `load_public_eagle3` keeps what our head does not hold (the config, `t2d`, `embed_tokens`, each tensor's dtype) on
 the head as `public`, so `save_public_eagle3` writes an unchanged head back bit for bit and a trained one with only
 its trained tensors changed. Our engine drafts with the target's embedding; a checkpoint whose own `embed_tokens`
-differs from it would draft differently, so loading refuses it.
+differs from it would draft differently, so `load_public_eagle3` refuses it when given the target's embedding.
 """
 
 from __future__ import annotations
