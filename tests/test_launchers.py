@@ -378,3 +378,24 @@ def test_the_container_import_check_runs_before_anything(tmp_path, template):
     assert done.returncode == 3, done.stderr
     assert "cannot import what the job needs" in done.stderr and "nothing was started" in done.stderr
     assert not log.exists()  # neither the command nor Ray ran
+
+
+def test_the_loop_trains_on_the_hub_snapshot(tmp_path, monkeypatch):
+    """`loop.train` with a hub name for the policy runs on that name's snapshot in model.hub_cache (built here with
+    the shipped tiny checkpoint's files; nothing is downloaded): the config the run gets names the snapshot."""
+    import shutil
+
+    import megatron_spec.rl.loop as loop
+    from megatron_spec.rl.overrides import apply_overrides
+
+    src = ROOT / "checkpoints" / "tiny-qwen3-deep-careful"
+    snap = hub_cache(tmp_path, "someone/tiny-qwen3", {})
+    for f in src.iterdir():
+        shutil.copy(f, snap / f.name)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    seen = []
+    monkeypatch.setattr(loop, "run", lambda cfg, make: seen.append(cfg) or {})
+    cfg = apply_overrides(recipe("tiny_grpo_spec").tiny_grpo_spec(),
+                          ["model.policy=someone/tiny-qwen3", f"model.hub_cache={tmp_path}", "run.steps=1"])
+    loop.train(cfg)
+    assert len(seen) == 1 and seen[0].model.policy == str(snap) and seen[0].model.drafter == cfg.model.drafter
