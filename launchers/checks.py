@@ -295,8 +295,9 @@ def length_problems(cfg: RLConfig) -> list[str]:
 
 
 def plan_problems(cfg: RLConfig, recommended: dict) -> list[str]:
-    """What the job resolves must be what the plan prints: a Megatron trainer with the printed split and vLLM
-    engines of the printed tensor parallel size, which fit the placement's bundles and the nodes."""
+    """What the job resolves must be what the plan prints (a Megatron trainer and vLLM engines; the split, engine TP
+    and placement are the config's by construction, `Scale.layout`), and the engines' tensor parallel size must fit
+    the allocation, its nodes and the model's heads."""
     problems = []
     if cfg.backend.trainer != "megatron":
         problems.append(f"the plan prints a Megatron trainer but backend.trainer={cfg.backend.trainer}: set "
@@ -304,9 +305,6 @@ def plan_problems(cfg: RLConfig, recommended: dict) -> list[str]:
     if cfg.backend.generator != "vllm":
         problems.append(f"the plan prints vLLM engines but backend.generator={cfg.backend.generator}: set "
                         "backend.generator=vllm")
-    placement = recommended["ray"]["placement"]
-    if cfg.backend.placement not in ("inline", placement):
-        problems.append(f"the plan places {placement} but backend.placement={cfg.backend.placement}")
     tp, gpn = recommended["vllm"]["tensor_parallel_size"], recommended["gpus_per_node"]
     if recommended["gpus"] % tp:
         problems.append(f"vLLM TP {tp} does not divide the allocation's {recommended['gpus']} GPUs: set "
@@ -316,10 +314,6 @@ def plan_problems(cfg: RLConfig, recommended: dict) -> list[str]:
                         f"TP that divides {gpn} or a multiple of it")
     elif gpn and tp < gpn and gpn % tp:
         problems.append(f"vLLM TP {tp} does not divide the {gpn} GPUs of a node: an engine would straddle two nodes")
-    engines, bundles = recommended["vllm"]["engines"], recommended["ray"]["bundles"]
-    if placement == "colocated" and engines * tp != bundles:
-        problems.append(f"colocated: {engines} engines x TP {tp} = {engines * tp} GPUs, the placement has {bundles} "
-                        "bundles (one per GPU): every GPU must hold one engine rank")
     model = policy_config(cfg.model.policy, cfg.model.hub_cache)
     if model is not None:
         problems += layout_problems(model, Layout(tp=tp), kv_replication=True, who="vLLM")
