@@ -19,9 +19,12 @@ SHARDED = "policy"
 """Sub-directory of a checkpoint holding a distributed (per-rank sharded) policy checkpoint."""
 
 IGNORED_ON_RESUME = {"run.steps", "run.resume", "run.save_every", "run.eval_every", "run.out_dir", "run.report",
-                     "grpo.micro_batch_tokens", "grpo.fold_logprob", "grpo.share_prompt", "run.device"}
-"""Fields a resumed run may change (how long, how often, and how or where a step computes the same update), all
-others must match. The last four also let a run saved before they existed resume."""
+                     "grpo.micro_batch_tokens", "grpo.fold_logprob", "grpo.share_prompt", "run.device",
+                     *(f"backend.megatron.{k}" for k in ("tp", "pp", "ep", "etp", "first_stage_layers",
+                                                          "last_stage_layers", "sequence_parallel", "recompute"))}
+"""Fields a resumed run may change (how long, how often, and how or where a step computes the same update: the
+Megatron trainer's parallel layout and recompute included, as its checkpoints reshard), all others must match.
+`grpo.micro_batch_tokens` ... `run.device` also let a run saved before they existed resume."""
 
 
 def flatten(cfg) -> dict:
@@ -45,7 +48,10 @@ def check_same_config(saved: dict, cfg, run_dir: Path) -> None:
     if "grpo.normalize_std" in saved:  # the boolean that `grpo.std` replaced
         saved = dict(saved)
         saved["grpo.std"] = "population" if saved.pop("grpo.normalize_std") else "none"
-    saved = {k: v for k, v in {**flatten(RLConfig()), **saved}.items() if k not in IGNORED_ON_RESUME}
+    # Defaults stand in for fields the checkpoint predates, not for the fields of a section it saved as None.
+    unset = [k + "." for k, v in saved.items() if v is None]
+    defaults = {k: v for k, v in flatten(RLConfig()).items() if not k.startswith(tuple(unset))}
+    saved = {k: v for k, v in {**defaults, **saved}.items() if k not in IGNORED_ON_RESUME}
     diff = sorted(k for k in set(now) | set(saved) if json.dumps(now.get(k)) != json.dumps(saved.get(k)))
     if diff:
         k = diff[0]
