@@ -172,12 +172,15 @@ class Trainer:
         from ..models import from_pretrained
         from .backends import build_generator, build_policy
 
-        megatron = self.cfg.backend.trainer == "megatron"
-        # A Megatron trainer reads its own shards from the checkpoint files on every rank: no full policy for it.
-        policy = build_policy(self.cfg, None, None) if megatron else None
-        model = from_pretrained(self.cfg.model.policy, device=self.cfg.run.torch_device())  # the generator's
+        model = from_pretrained(self.cfg.model.policy, device=self.cfg.run.torch_device())
         drafter = load_drafter_for(self.cfg, model)
-        return policy or build_policy(self.cfg, model, drafter), build_generator(self.cfg, model, drafter)
+        if self.cfg.backend.trainer == "megatron":
+            # The loaded model is the generator's alone: a Megatron trainer reads its own shards from the checkpoint
+            # files on every rank. The generator goes first, so the load's copy is freed before the shards exist.
+            generator = build_generator(self.cfg, model, drafter)
+            del model, drafter
+            return build_policy(self.cfg, None, None), generator
+        return build_policy(self.cfg, model, drafter), build_generator(self.cfg, model, drafter)
 
     def step(self, step: int) -> dict:
         timer = StageTimer()
