@@ -7,19 +7,22 @@ Files, in reading order:
     mapping.py    names and layouts HF <-> Megatron for one parameter (QKV, gate/up, vocab, experts)    pure
     parallel.py   model-parallel state for given TP / PP / EP sizes, and a gloo spawner for CPU runs
     provider.py   HF config -> TransformerConfig + layer specs -> GPTModel (local spec, TE when installed)
-    importer.py   HF safetensors -> this rank's shards
+    importer.py   HF safetensors -> this rank's shards (only its slices read from the files)
     exporter.py   this rank's shards -> (hf_name, full tensor), in size-bounded buckets, on every rank
     forward.py    policy logits; MTP logits and loss with the trunk detached (only the MTP layers learn)
     step.py       one GRPO step through Megatron's schedule: micro-batch plan, stage forward (MTP detached or
                   coupled), the rl/grpo loss, gradient reductions and clipping
-    policy.py     MegatronPolicy: the Policy interface on a GPTModel (train_step, logprobs, export_weights,
-                  layout-independent checkpoints), rank 0 announcing its calls to follower ranks
+    policy.py     MegatronPolicy: the Policy interface on a GPTModel (train_step, logprobs, export_weights),
+                  bf16 with fp32 masters, recompute, distributed checkpoints that reshard (save_sharded /
+                  load_sharded), per-rank memory peaks, rank 0 announcing its calls to follower ranks
     launch.py     torchrun entry of a recipe: rank 0 runs the RL loop, the other ranks follow it
     cpu.py        lets megatron-core 0.16 build PP models, run forward and its schedules on a machine without CUDA
+    hf_export.py  a distributed checkpoint -> HF safetensors, streamed (`megatron-spec export-hf`, export_cli.py)
     bench_export.py `python -m megatron_spec.backends.megatron.bench_export`: export throughput
     bench_train.py  `python -m megatron_spec.backends.megatron.bench_train`: Megatron vs embedded train step
 
-`checks` and `mapping` never import megatron-core; everything else needs `pip install -e .[megatron]`.
+`checks`, `mapping`, `hf_export` and `export_cli` never import megatron-core; everything else needs
+`pip install -e .[megatron]`.
 """
 
 from __future__ import annotations
