@@ -1,7 +1,7 @@
 """Where the trainer ranks and the generation engines run: Ray placement-group bundles, as plain data.
 
-`colocated`: one bundle per device; trainer rank r and engine i share bundle r / i and take turns on it (the engine
-sleeps while the trainer updates). `disaggregated`: the trainer ranks and the engines get bundles of their own, and
+`colocated`: trainer rank r and engine i share devices and take turns on them (the engine sleeps while the trainer
+updates). An engine of vLLM tensor parallel size t takes t devices as one bundle, so its workers sit on one node. `disaggregated`: the trainer ranks and the engines get bundles of their own, and
 weights are broadcast to the engines after each update. A bundle is one GPU where the cluster has GPUs; on a CPU
 cluster it is an equal share of the cluster's CPUs (Ray's CPU counts are for scheduling; the actors pin their torch
 threads to their share). Pure: `plan` is checked before any actor starts, and tested without Ray.
@@ -36,22 +36,35 @@ class Placement:
     generators: int
     """Generation engines."""
     bundle: dict
-    """Resources of one bundle, e.g. {"CPU": 1.0} or {"CPU": 4.0, "GPU": 1.0}."""
+    """Resources of one device unit, e.g. {"CPU": 1.0} or {"CPU": 4.0, "GPU": 1.0}."""
+    engine_tp: int = 1
+    """Device units of one engine (vLLM tensor parallel size): they are one bundle, so they sit on one node."""
 
     @property
     def bundles(self) -> list[dict]:
-        n = max(self.trainer_world, self.generators) if self.kind == "colocated" else self.trainer_world + self.generators
-        return [dict(self.bundle) for _ in range(n)]
+        """Engine j's units are one bundle (tied). Colocated: engine bundles first, trainer rank r in the bundle
+        holding unit r (ranks beyond the engines' units get single-unit bundles); disaggregated: one bundle per
+        trainer rank, then the engines'."""
+        unit, t = self.bundle, self.engine_tp
+        engine = {k: v * t for k, v in unit.items()}
+        if self.kind == "colocated":
+            extra = max(0, self.trainer_world - self.generators * t)
+            return [dict(engine) for _ in range(self.generators)] + [dict(unit) for _ in range(extra)]
+        return [dict(unit) for _ in range(self.trainer_world)] + [dict(engine) for _ in range(self.generators)]
 
-    def _slot(self, bundle: int) -> Slot:
-        share = 0.5 if self.kind == "colocated" else 1.0  # two actors share a colocated bundle
-        return Slot(bundle, self.bundle.get("CPU", 0.0) * share, self.bundle.get("GPU", 0.0) * share)
+    def _slot(self, bundle: int, units: int) -> Slot:
+        share = 0.5 if self.kind == "colocated" else 1.0  # two actors share each colocated unit
+        return Slot(bundle, self.bundle.get("CPU", 0.0) * share * units, self.bundle.get("GPU", 0.0) * share * units)
 
     def trainer(self, rank: int) -> Slot:
-        return self._slot(rank)
+        if self.kind == "colocated":
+            engine_units = self.generators * self.engine_tp
+            return self._slot(rank // self.engine_tp if rank < engine_units else
+                              self.generators + rank - engine_units, 1)
+        return self._slot(rank, 1)
 
     def generator(self, i: int) -> Slot:
-        return self._slot(i if self.kind == "colocated" else self.trainer_world + i)
+        return self._slot(i if self.kind == "colocated" else self.trainer_world + i, self.engine_tp)
 
 
 def trainer_world(cfg, layout: dict | None = None) -> int:
@@ -88,13 +101,19 @@ def plan(cfg, cluster: dict, layout: dict | None = None) -> Placement:
                          "engines; leave backend.generators at 1 to take the layout's")
     if layout and engines == 1:
         engines = layout.get("vllm", {}).get("engines", 1)
-    n = max(world, engines) if kind == "colocated" else world + engines
+    tp = engine_tp(cfg, layout)
+    n = max(world, engines * tp) if kind == "colocated" else world + engines * tp
     gpus = float(cluster.get("GPU", 0))
     wants_gpu = bool(layout and layout.get("ray", {}).get("bundle", {}).get("GPU"))
     if wants_gpu or gpus:
         if n > gpus:
-            raise ValueError(f"{kind} placement needs {n} GPUs ({world} trainer ranks, {engines} engines"
-                             f"{'' if kind == 'colocated' else ' on separate GPUs'}), the Ray cluster has {gpus:g}")
+            raise ValueError(f"{kind} placement needs {n} GPUs ({world} trainer ranks, {engines} engines of "
+                             f"{tp} GPU(s){'' if kind == 'colocated' else ' on separate GPUs'}), the Ray cluster "
+                             f"has {gpus:g}")
+        if kind == "colocated" and tp > 1:
+            raise ValueError(f"colocated placement of vLLM engines with tensor_parallel_size={tp} on GPUs is not "
+                             "supported: a trainer rank and an engine cannot split a multi-GPU Ray bundle GPU by "
+                             "GPU; use backend.placement=disaggregated, or tensor_parallel_size=1")
         cpus = float(cluster.get("CPU", 0)) / gpus
         bundle = {"CPU": math.floor(cpus) or cpus, "GPU": 1.0}
     else:
@@ -102,4 +121,13 @@ def plan(cfg, cluster: dict, layout: dict | None = None) -> Placement:
         if cpus <= 0:
             raise ValueError("the Ray cluster reports no CPUs")
         bundle = {"CPU": math.floor(cpus / n * 1e4) / 1e4}  # rounded down: n bundles must fit the cluster
-    return Placement(kind, world, engines, bundle)
+    return Placement(kind, world, engines, bundle, tp)
+
+
+def engine_tp(cfg, layout: dict | None = None) -> int:
+    """Device units per engine: vLLM's tensor parallel size (the recipe layout's when it gives one); 1 for ours."""
+    if cfg.backend.generator != "vllm":
+        return 1
+    if layout and layout.get("vllm", {}).get("tensor_parallel_size"):
+        return int(layout["vllm"]["tensor_parallel_size"])
+    return cfg.backend.vllm.tensor_parallel_size

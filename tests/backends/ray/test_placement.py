@@ -80,3 +80,25 @@ def test_split_keeps_grpo_groups_whole():
         assert max(sizes) - min(sizes) <= g
     with pytest.raises(ValueError, match="not whole groups"):
         split_groups(10, 4, 2)
+
+
+def test_engine_of_tensor_parallel_size_2_is_one_tied_bundle():
+    """vLLM TP2: an engine's two device units are one bundle (Ray places a bundle on one node). CPU, colocated with
+    two Megatron ranks (EP2) and one engine: one bundle of both CPUs, both ranks and the engine in it, the engine
+    with the two ranks' halves. GPUs, disaggregated: two 1-GPU trainer bundles, then 2-GPU engine bundles whose
+    engine takes both GPUs; the GPU count check counts TP. Colocated TP2 on GPUs is refused with the reason."""
+    cfg = cfg_with(placement="colocated", trainer="megatron", generator="vllm")
+    cfg.backend.megatron.ep, cfg.backend.vllm.tensor_parallel_size = 2, 2
+    co = plan(cfg, {"CPU": 2.0})
+    assert co.bundles == [{"CPU": 2.0}]
+    assert [co.trainer(0).bundle, co.trainer(1).bundle, co.generator(0).bundle] == [0, 0, 0]
+    assert (co.trainer(1).cpus, co.generator(0).cpus) == (0.5, 1.0)
+    cfg.backend.placement, cfg.backend.generators = "disaggregated", 2
+    dis = plan(cfg, {"CPU": 48.0, "GPU": 6.0})
+    assert dis.bundles == [{"CPU": 8, "GPU": 1.0}] * 2 + [{"CPU": 16, "GPU": 2.0}] * 2
+    assert [dis.generator(1).bundle, dis.generator(1).gpus, dis.trainer(1).gpus] == [3, 2.0, 1.0]
+    with pytest.raises(ValueError, match="needs 6 GPUs .*2 engines of 2 GPU"):
+        plan(cfg, {"CPU": 40.0, "GPU": 5.0})
+    cfg.backend.placement = "colocated"
+    with pytest.raises(ValueError, match="colocated placement of vLLM engines with tensor_parallel_size=2 on GPUs"):
+        plan(cfg, {"CPU": 32.0, "GPU": 4.0})
