@@ -272,7 +272,10 @@ class Trainer:
 
 def train(cfg: RLConfig) -> dict:
     """Run (or resume) the RL job described by `cfg`; returns a summary of the last step. Placements other than
-    `inline` run the same loop through the Ray driver."""
+    `inline` run the same loop through the Ray driver. Hub names among the checkpoints are fetched first, here."""
+    from ..models.hub import resolve_config
+
+    cfg = resolve_config(cfg)
     check_inputs(cfg)
     if cfg.backend.placement != "inline":  # the driver is named, not imported here: the core never imports Ray
         from .backends import DRIVERS, resolve
