@@ -13,6 +13,7 @@ import importlib
 import math
 import multiprocessing
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -60,6 +61,21 @@ def score_one(path: str, text: str, answer: str, timeout_s: float) -> tuple[floa
             signal.signal(signal.SIGALRM, previous)
 
 
+def spawn_pool(workers: int):
+    """A pool of spawned processes that do not run the driver's script: spawn re-imports `__main__` in every worker,
+    and a script without a main guard (`if __name__ == "__main__"`) would start the whole job again in each. The
+    workers only need the reward function, which they import by name."""
+    main = sys.modules["__main__"]
+    hidden = {k: main.__dict__.pop(k) for k in ("__file__",) if k in main.__dict__}
+    spec = getattr(main, "__spec__", None)
+    main.__spec__ = None
+    try:
+        return multiprocessing.get_context("spawn").Pool(workers)
+    finally:
+        main.__dict__.update(hidden)
+        main.__spec__ = spec
+
+
 class RewardScorer:
     """Scores (text, answer) pairs with the reward function at `path`, in `workers` processes (0: in this one)."""
 
@@ -84,7 +100,7 @@ class RewardScorer:
 
     def _parallel(self, texts: list[str], answers: list[str]) -> list[tuple[float, bool]]:
         if self.pool is None:
-            self.pool = multiprocessing.get_context("spawn").Pool(self.workers)
+            self.pool = spawn_pool(self.workers)
         jobs = [self.pool.apply_async(score_one, (self.path, t, a, self.timeout_s)) for t, a in zip(texts, answers)]
         # Every call is bounded by its own timer; this deadline only catches a worker the timer cannot interrupt.
         deadline = time.monotonic() + self.timeout_s * (math.ceil(len(jobs) / self.workers) + 1) + 60

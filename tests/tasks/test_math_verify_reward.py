@@ -113,3 +113,19 @@ def test_bad_reward_path_fails_before_scoring():
         resolve("megatron_spec.tasks.no_such_module:f")
     with pytest.raises(ValueError, match="cannot be imported"):
         RewardScorer("megatron_spec.tasks.math_verify_reward:no_such_function")
+
+
+def test_workers_do_not_rerun_a_script_without_a_main_guard(tmp_path):
+    """Spawned workers import `__main__` by default: a training script without `if __name__ == "__main__"` would
+    start the whole job again in each worker. The script below prints its marker once and scores with 2 workers."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text("print('JOB STARTED', flush=True)\n"
+                      "from megatron_spec.tasks.scoring import RewardScorer\n"
+                      f"s = RewardScorer({REWARD!r}, workers=2)\n"
+                      "print(s(['\\\\boxed{1}', '2'], ['1', '1']), flush=True)\n"
+                      "s.close()\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300).stdout
+    assert out.count("JOB STARTED") == 1 and "([1.0, 0.0], 0)" in out
