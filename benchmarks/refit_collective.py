@@ -18,6 +18,7 @@ import os
 import platform
 import resource
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             ray.shutdown()
     load = os.getloadavg()
-    record = {"preset": args.preset, "dtype": "float32", "bucket_bytes": None,
+    record = {"command": "python benchmarks/refit_collective.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "preset": args.preset, "dtype": "float32", "bucket_bytes": None,
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, local Ray cluster of 2 CPUs",
               "load_average_1_5_15": load, "driver_rss_before_mb": driver_before, "driver_peak_rss_mb": peak_mb(),
               "runs": runs,
