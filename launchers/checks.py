@@ -341,9 +341,9 @@ def check_launch(name: str, cfg: RLConfig, layout: dict | None, *, driver: str |
     anywhere) returns the input problems instead of raising on them."""
     problems = driver_problems(driver) if driver else []
     problems += extras_problems(extras, container_image) if extras else []
-    problems += layout_fit_problems(cfg, layout) if layout else []
-    problems += plan_problems(cfg, layout) if layout else []
-    problems += memory_problems(cfg, layout) if layout else []
+    split = (layout_fit_problems(cfg, layout) + plan_problems(cfg, layout)) if layout else []
+    problems += split
+    problems += memory_problems(cfg, layout) if layout and not split else []  # memory of a split that exists
     problems += length_problems(cfg)
     problems += drafter_problems(cfg)
     problems += task_problems(cfg)

@@ -44,6 +44,11 @@ REPO = Path(__file__).resolve().parents[1]
 SCALE_DRIVER = "megatron_spec.backends.ray.driver"
 """Module whose `train(cfg, layout)` runs a Ray placement (every at-scale recipe) on the Ray cluster it joins."""
 
+TUNE_GPU_MEMORY = 0.85
+"""Share of a GPU the tuner lets a generation engine take (`SimConfig.gpu_memory_utilization`), and so the
+`backend.vllm.gpu_memory_utilization` a tuned run gets: the layout it picks fits at that share, not necessarily at
+the config's default."""
+
 TUNE_ACCEPTANCE = 2.8
 """Acceptance length at k=3 the tuner assumes for a recipe's drafter (the figure the `megatron-spec tune` examples
 and the reference projection use); the tuner re-expands it for other k."""
@@ -209,9 +214,10 @@ def tune_recipe(name: str, cfg: RLConfig, scale: Scale | None, args: argparse.Na
         spec = Speculation(k=cfg.spec.num_speculative_tokens, acceptance_length=min(TUNE_ACCEPTANCE,
                            cfg.spec.num_speculative_tokens + 1), drafter=cfg.spec.method)
     gpus = args.nodes * args.gpus_per_node
-    layout, stages = best_layout(model, gpus, args.gpu, spec=spec)
+    layout, stages = best_layout(model, gpus, args.gpu, spec=spec, gpu_memory_utilization=TUNE_GPU_MEMORY)
     overrides = {**layout.backend_overrides(), "backend.trainer": "megatron", "backend.generator": "vllm",
-                 "backend.vllm.tensor_parallel_size": layout.gen_tp}
+                 "backend.vllm.tensor_parallel_size": layout.gen_tp,
+                 "backend.vllm.gpu_memory_utilization": TUNE_GPU_MEMORY}
     if spec is not None and layout.method == cfg.spec.method and layout.k > 0:  # the k it ranked best, same drafter
         overrides.update({"spec.num_speculative_tokens": layout.k, "spec.adaptive": layout.adaptive})
     cfg = apply_overrides(cfg, [f"{k}={'null' if v is None else v}" for k, v in overrides.items()])
