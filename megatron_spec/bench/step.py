@@ -1,10 +1,11 @@
 """`megatron-spec bench step`: RL step time and stage breakdown, plain vs speculative rollouts, same seeds.
 
 For each variant (plain; each drafter, online or frozen) it runs `--steps` GRPO steps of the tiny recipe and
-averages the stage times over all but the first (warm-up). Beside the measured end-to-end speedup it prints the
-ideal bound for a synchronous step, 1 / (R_gen / S_gen + 1 - R_gen), where R_gen is the plain run's generation
-share and S_gen the measured generation speedup: a variant at ~100 % of its bound adds no hidden cost to the other
-stages. It also writes the plain and best speculative measurements in the simulator's schema (`--sim-out`, read by
+averages the stage times over all but the first (warm-up). It prints the plain step's generation share, and beside
+the gen stage's speedup the whole step's (`whole_step`: plain over speculative seconds of every stage, the online
+drafter's training, `drafter_s`, counted in the train stage), and the ideal bound for a synchronous step,
+1 / (R_gen / S_gen + 1 - R_gen), where R_gen is the plain run's generation share and S_gen the measured generation
+speedup: a variant at ~100 % of its bound adds no hidden cost to the other stages. It also writes the plain and best speculative measurements in the simulator's schema (`--sim-out`, read by
 `research/sim_cpu/measured.py`).
 
 The peer (`--peer trl`, run by default when TRL is installed) is TRL's GRPOTrainer on the plain run's workload,
@@ -75,7 +76,9 @@ def run_variant(cfg, steps: int) -> dict:
     mean = {st: sum(r["stages"][st] for r in kept) / len(kept) for st in STAGES}
     acc = [r["acceptance_length"] for r in kept if r["acceptance_length"]]
     lengths = [r["response_len_mean"] for r in kept]
-    return {"stages": mean, "step_time": sum(mean.values()), "tokens_per_s": sum(r["tokens_per_s"] for r in kept) / len(kept),
+    return {"stages": mean, "step_time": sum(mean.values()),
+            "drafter_s": sum(r.get("drafter_s") or 0.0 for r in kept) / len(kept),
+            "tokens_per_s": sum(r["tokens_per_s"] for r in kept) / len(kept),
             "acceptance_length": sum(acc) / len(acc) if acc else None, "response_len_mean": sum(lengths) / len(lengths),
             "response_len_max": sum(r["response_len_max"] for r in kept) / len(kept),
             "reward_mean": sum(r["reward_mean"] for r in kept) / len(kept)}
@@ -99,14 +102,19 @@ def main(args: argparse.Namespace) -> int:
         bound = 1.0 / (r_gen / s_gen + 1.0 - r_gen)
         e2e = plain["step_time"] / r["step_time"]
         rows.append({"variant": label, "step_s": r["step_time"], **{st: r["stages"][st] for st in STAGES},
-                     "gen_speedup": s_gen, "e2e_speedup": e2e, "ideal_bound": bound, "of_bound": e2e / bound,
+                     "gen_speedup": s_gen, "e2e_speedup": e2e, "whole_step": e2e, "ideal_bound": bound,
+                     "of_bound": e2e / bound, "drafter_s": r["drafter_s"],
                      "acc_len": r["acceptance_length"], "reward": r["reward_mean"]})
     best = max((r for r in rows if r["variant"] != "plain"), key=lambda r: r["e2e_speedup"], default=None)
     peer = run_peer(args, dict(configs)["plain"], plain, best)
     print(f"bench step: {args.target}, {args.prompts}x{args.group} rollouts, max {args.max_tokens} tokens, on {machine()}")
-    print_table(rows, ["variant", "step_s", *STAGES, "gen_speedup", "e2e_speedup", "ideal_bound", "of_bound", "acc_len"])
+    print(f"plain step: gen share {r_gen:.3f}; whole_step = plain / spec seconds of the whole step (every stage, the "
+          f"online drafter's training, drafter_s, in train)")
+    print_table(rows, ["variant", "step_s", *STAGES, "drafter_s", "gen_speedup", "whole_step", "ideal_bound",
+                       "of_bound", "acc_len"])
     print_peer(peer)
-    payload = {"benchmark": "step", "machine": machine(), "target": args.target, "steps": args.steps, "rows": rows,
+    payload = {"benchmark": "step", "machine": machine(), "target": args.target, "steps": args.steps,
+               "plain_gen_share": r_gen, "rows": rows,
                "peer": peer}
     print(f"wrote {write_json(args.out, payload)}")
     # The simulator's validation case (b): the plain run and the best speculative one, in its schema, with how the

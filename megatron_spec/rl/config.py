@@ -173,6 +173,11 @@ class DrafterTrainSection:
     batch's positions (`drafter_agreement`), so its freshness shows while the adaptive controller keeps speculation
     off. Free when online (the drafter's training forward gives it); a frozen drafter runs one extra forward without
     gradient."""
+    gate: bool = True
+    """With `spec.adaptive` and online training on the embedded trainer and generator: let the whole-step gate
+    (`spec.adaptive.WholeStepGate`) run a step plainly, without drafting and without this training, wherever
+    speculation does not pay for the whole step once this training is counted (logged per step: `speculate`,
+    `gate_pays`). False: every step speculates under the engine's controller and trains the drafter."""
 
     def __post_init__(self) -> None:
         if self.drafts < 1:

@@ -26,6 +26,7 @@ import torch
 import yaml
 
 from ..engine import SamplingParams
+from ..spec.adaptive import WholeStepGate
 from ..spec.registry import drafter_method, needs_weights
 from ..spec.stats import speculation_summary
 from . import checkpoint, memory
@@ -166,6 +167,7 @@ class Trainer:
         self.sampling = dict(temperature=g.temperature, top_k=g.top_k, top_p=g.top_p)
         self.task, self.eval_task = build_tasks(cfg)
         self.policy, self.generator = self.build_backends()
+        self.gate = WholeStepGate() if self.gated() else None
 
     def build_backends(self):
         """The trainer and the generator, in this process."""
@@ -188,12 +190,46 @@ class Trainer:
             problems, prompts = self.draw(step)
         with timer("prepare"):
             self.refit()
-        with timer("gen"):
-            rollouts = self.rollouts(step, prompts)
-        rewards = self.score(problems, rollouts.outs)
-        train, mismatch = self.learn(prompts, rollouts, rewards, timer)
+        speculate = self.gate.speculate() if self.gate else None
+        with self.speculation(speculate):
+            with timer("gen"):
+                rollouts = self.rollouts(step, prompts)
+            rewards = self.score(problems, rollouts.outs)
+            train, mismatch = self.learn(prompts, rollouts, rewards, timer)
+        gate = {}
+        if self.gate:
+            self.gate.record(speculate, timer.times["gen"], train.get("drafter_s", 0.0),
+                             sum(len(o.token_ids) for o in rollouts.outs))
+            gate = {"speculate": speculate, **self.gate.state()}
         return {**self.metrics(step, timer, rollouts.outs, rewards, mismatch, train), **rollouts.metrics,
-                **self.task.reward_stats}
+                **self.task.reward_stats, **gate}
+
+    def gated(self) -> bool:
+        """Whether the whole-step gate (`spec.adaptive.WholeStepGate`) decides each step's mode: an adaptive spec with
+        a drafter that trains online (`drafter_train.gate`), on the in-process generator and trainer."""
+        from .generator import EmbeddedGenerator
+        from .policy import EmbeddedPolicy
+
+        spec, d = self.cfg.spec, self.cfg.drafter_train
+        return bool(spec and spec.adaptive and d.gate and d.online and isinstance(self.generator, EmbeddedGenerator)
+                    and isinstance(self.policy, EmbeddedPolicy) and self.policy.drafter_opt is not None)
+
+    @contextmanager
+    def speculation(self, on: bool | None):
+        """The step's mode: None or True as configured; False a plain step, as `spec=null` runs it (the engine without
+        drafter, controller or drafts; the trainer without the drafter's training or agreement)."""
+        if on is None or on:
+            yield
+            return
+        from ..spec.proposers import Proposer
+
+        engine, policy = self.generator.engine, self.policy
+        saved = engine.proposer, engine.controller, engine.k_max, policy.drafter_reads
+        engine.proposer, engine.controller, engine.k_max, policy.drafter_reads = Proposer(), None, 0, False
+        try:
+            yield
+        finally:
+            engine.proposer, engine.controller, engine.k_max, policy.drafter_reads = saved
 
     def draw(self, step: int) -> tuple[list, list[list[int]]]:
         """This step's problems and prompts, each prompt repeated `group_size` times (its GRPO group)."""

@@ -13,6 +13,7 @@ rollouts of a GRPO group share their prompt, which both forwards compute once pe
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -295,7 +296,9 @@ class EmbeddedPolicy:
             self.opt.zero_grad(set_to_none=True)  # a NaN/inf loss never reaches the weights
             metrics["skipped"] = True
         if self.drafter_reads:
+            started = time.perf_counter()
             metrics.update(self.drafter_step(forwards, float(batch.mask.sum())))
+            metrics["drafter_s"] = time.perf_counter() - started  # the drafter's share of the train stage
         if fold:
             host.old_logprobs = batch.old_logprobs.cpu()
         return metrics

@@ -155,6 +155,36 @@ def same_seed_pairs(runs: list[Run]) -> list[dict]:
     return out
 
 
+def stage_ratios(plain: list[dict], spec: list[dict]) -> dict:
+    """Plain over speculative seconds, summed over the steps both runs logged: the gen stage alone and the whole step
+    (every stage; the online drafter's training is part of the train stage), with the plain step's generation share
+    (what bounds any gen-stage gain: at share R a gen stage S times faster gives at most 1 / (R / S + 1 - R)), the
+    drafter's training seconds, and how many speculative-run steps the whole-step gate ran plainly. Rows are steps'
+    metrics (`stages`, optional `drafter_s` and `speculate`)."""
+    a, b = {m["step"]: m for m in plain}, {m["step"]: m for m in spec}
+    common = sorted(set(a) & set(b))
+    if not common:
+        raise ValueError("the two runs share no step")
+
+    def total(rows: dict, stage: str | None) -> float:
+        return sum((sum(st.values()) if stage is None else st.get(stage, 0.0))
+                   for st in ((rows[i].get("stages") or {}) for i in common))
+
+    gen_p, gen_s, step_p, step_s = total(a, "gen"), total(b, "gen"), total(a, None), total(b, None)
+    return {"steps": len(common), "gen_ratio": gen_p / gen_s, "step_ratio": step_p / step_s,
+            "plain_gen_share": gen_p / step_p, "drafter_s": sum(b[i].get("drafter_s") or 0.0 for i in common),
+            "plain_steps_gated": sum(b[i].get("speculate") is False for i in common)}
+
+
+def whole_step_pairs(runs: list[Run]) -> list[dict]:
+    """Each speculative run beside the plain run of its seed (`stage_ratios`)."""
+    out = []
+    for r in (r for r in runs if r.kind == "spec" and r.seed is not None):
+        for p in (p for p in runs if p.kind == "plain" and p.seed == r.seed and p.greedy == r.greedy):
+            out.append({"spec": r.name, "plain": p.name, **stage_ratios(p.metrics, r.metrics)})
+    return out
+
+
 def _eval_before(r: Run) -> float:
     """Held-out accuracy of the policy as loaded (logged with step 0); NaN for a resumed run or one without it."""
     return _num(r.metrics[0].get("eval_accuracy_before")) if r.metrics else math.nan
@@ -325,7 +355,8 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
     out = Path(out)
     if not have_matplotlib():
         body = ["<p>Plots need matplotlib (<code>pip install matplotlib</code>, part of the base install); "
-                "the summary follows.</p>", "<h2>Summary</h2>", _summary_html(runs), *_memory_html(runs)]
+                "the summary follows.</p>", *_whole_step_html(runs), "<h2>Summary</h2>", _summary_html(runs),
+                *_memory_html(runs)]
         return _write_html(out, runs, body)
     plots = out.parent / f"{out.stem}_plots"
     plots.mkdir(parents=True, exist_ok=True)
@@ -353,6 +384,7 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
         body.append(img("speedup.png", "generation speedup per step"))
     else:
         body.append("<p>Needs a plain run and a speculative run (<code>--compare</code>).</p>")
+    body += _whole_step_html(runs)
     body += _lossless_html(runs, colors, plots, img)
     body += ["<h2>Summary</h2>", _summary_html(runs), *_memory_html(runs)]
     return _write_html(out, runs, body)
@@ -363,6 +395,29 @@ def _write_html(out: Path, runs: list[Run], body: list[str]) -> Path:
     out.write_text(f"<!doctype html>\n<html><head><meta charset='utf-8'><title>{title}</title>\n<style>{_CSS}</style>"
                    f"</head><body><h1>{title}</h1>\n<p>Runs: {', '.join(html.escape(r.label) for r in runs)}</p>\n"
                    + "\n".join(body) + "\n</body></html>\n", encoding="utf-8")
+    return out
+
+
+def _whole_step_html(runs) -> list[str]:
+    """The whole-step ratio beside the gen stage's, per same-seed pair, and what the gate decided."""
+    out = ["<h2>Whole step</h2>"]
+    pairs = whole_step_pairs(runs)
+    if not pairs:
+        return out + ["<p>Needs a speculative run and the plain run of its seed (<code>--compare</code>).</p>"]
+    out.append(_table(["spec run", "plain run", "steps", "plain gen share", "gen stage (plain / spec)",
+                       "whole step (plain / spec)", "drafter training s", "steps run plainly by the gate"],
+                      [[p["spec"], p["plain"], p["steps"], _f(p["plain_gen_share"], 3), _f(p["gen_ratio"], 3),
+                        _f(p["step_ratio"], 3), _f(p["drafter_s"], 1), p["plain_steps_gated"]] for p in pairs]))
+    out.append("<p>Seconds summed over the steps both runs logged; the whole step counts every stage, the online "
+               "drafter's training included. Above 1: speculation made the step faster.</p>")
+    for r in (r for r in runs if r.kind == "spec"):
+        gated = [m for m in r.metrics if m.get("speculate") is not None]
+        off = sum(m["speculate"] is False for m in gated)
+        if gated and gated[-1].get("gate_pays") is False:
+            out.append(f"<p>{html.escape(r.name)}: speculation did not pay for the whole step on this host once the "
+                       f"drafter's training was counted (per token {_f(gated[-1].get('gate_spec_cost'), 6)} s "
+                       f"speculative against {_f(gated[-1].get('gate_plain_cost'), 6)} s plain), so the gate ran "
+                       f"{off} of {len(r.metrics)} steps plainly, without drafting or drafter training.</p>")
     return out
 
 

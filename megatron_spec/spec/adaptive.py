@@ -364,3 +364,79 @@ def typical(seconds) -> float:
 def octave(batch: int) -> int:
     """Batch sizes 1, 2, 3-4, 5-8, ..., 33-64: cells whose step costs are alike."""
     return (batch - 1).bit_length()
+
+
+GATE_WINDOW = 3  # latest steps per mode whose median prices it
+GATE_FIRST = 8  # RL steps a decision holds before the other mode is measured again, at first and after a switch
+GATE_MAX = 32  # the interval doubles up to this while re-measuring confirms the decision
+
+
+@dataclass
+class WholeStepGate:
+    """Whether speculation pays for the whole RL step once the online drafter's training, which keeps the drafter
+    fresh, is counted: the engine's controller above prices decode steps and cannot see that training, which runs in
+    the train stage. Per generated token, a speculative step costs its generation plus the drafter's training and a
+    plain step its generation (the policy's own training is the same in both, so it cancels); each mode is priced by
+    the median of its latest GATE_WINDOW steps, and speculation runs only where it costs `margin` times less. The
+first `warmup` steps run plain and are not priced (first-use costs would be charged to whichever mode ran them).
+
+    Off means a plain step: plain generation (no drafting, no drafter upkeep) and no drafter training, so it costs
+    what a `spec=null` run's step does. After the warm-up the gate speculates (the drafter as loaded is fresh), then
+    takes one plain step, decides, and re-measures the mode it is not in with one step every `interval` RL steps (GATE_FIRST,
+    doubled up to GATE_MAX while the decision holds, reset when it switches). A drafter left untrained while
+    speculation is off is measured as it is on the next speculative step; where it went stale, speculation stays
+    off, which is right for that host: it could not pay there with a fresh one either."""
+
+    margin: float = 1.02
+    warmup: int = 1  # first RL steps, plain and not priced: they pay for first-use costs (kernels, allocations)
+    costs: dict = field(default_factory=lambda: {True: deque(maxlen=GATE_WINDOW), False: deque(maxlen=GATE_WINDOW)})
+    decided: bool | None = None  # the latest decision (None: not both modes measured yet)
+    interval: int = GATE_FIRST
+    next_probe: int = 0
+    steps: int = 0  # RL steps recorded
+
+    def speculate(self) -> bool:
+        """The mode of the next RL step: True speculates (and trains the drafter)."""
+        if self.warmup > 0:
+            return False
+        for mode in (True, False):
+            if not self.costs[mode]:
+                return mode
+        return self.decided if self.steps < self.next_probe else not self.decided
+
+    def record(self, speculated: bool, gen_s: float, drafter_s: float, tokens: int) -> None:
+        """An RL step in the given mode: its gen stage's seconds, the drafter training's seconds (0 when plain) and
+        the tokens it generated."""
+        if tokens <= 0:
+            raise ValueError(f"a step that generated {tokens} tokens cannot be priced")
+        if self.warmup > 0:
+            self.warmup -= 1
+            return
+        self.costs[speculated].append((gen_s + drafter_s) / tokens)
+        self.steps += 1
+        if not (self.costs[True] and self.costs[False]):
+            return
+        was = self.decided
+        self.decided = self.pays()
+        if was is None or was != self.decided:
+            self.interval = GATE_FIRST
+        elif speculated != self.decided:  # a re-measure that confirmed the decision
+            self.interval = min(2 * self.interval, GATE_MAX)
+        if was is None or was != self.decided or speculated != self.decided:
+            self.next_probe = self.steps + self.interval
+
+    def pays(self) -> bool:
+        """Speculation's whole-step cost per token, `margin` times, is below plain decoding's."""
+        spec, plain = self.cost(True), self.cost(False)
+        return spec * self.margin < plain
+
+    def cost(self, speculated: bool) -> float:
+        """Seconds per generated token of the mode's gen stage (+ drafter training): the median of its latest steps."""
+        return median(self.costs[speculated])
+
+    def state(self) -> dict:
+        """What the step's metrics log: both modes' costs per token and the latest decision."""
+        out = {"gate_pays": self.decided}
+        for mode, key in ((True, "gate_spec_cost"), (False, "gate_plain_cost")):
+            out[key] = self.cost(mode) if self.costs[mode] else None
+        return out

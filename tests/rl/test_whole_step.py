@@ -1,0 +1,100 @@
+"""Speculation counted over the whole RL step: the whole-step gate's decisions from given costs, the whole-step and
+gen-stage ratios from given stage times, and a gated plain step that is exactly a `spec=null` step."""
+
+import pytest
+import torch
+
+from megatron_spec.rl import loop
+from megatron_spec.rl.report import stage_ratios
+from megatron_spec.spec.adaptive import GATE_FIRST, GATE_MAX, WholeStepGate
+from megatron_spec.spec.config import SpecConfig
+
+from .test_loop import ckpts, shaped_reward, small_cfg  # noqa: F401  (fixtures)
+
+
+def run_gate(gate: WholeStepGate, steps: int, spec_cost, plain_cost, drafter_cost=0.0) -> str:
+    """The modes the gate picks over `steps` RL steps of 100 tokens each ('s' speculative, 'p' plain), with each
+    mode's gen seconds given per step by `spec_cost(i)` / `plain_cost(i)`."""
+    modes = ""
+    for i in range(steps):
+        on = gate.speculate()
+        gen = spec_cost(i) if on else plain_cost(i)
+        gate.record(on, gen, drafter_cost if on else 0.0, 100)
+        modes += "s" if on else "p"
+    return modes
+
+
+def test_gate_turns_speculation_off_where_the_drafters_training_eats_the_gain():
+    """The gen stage 1.25x faster with speculation (0.8 s against 1.0 s), but the drafter's training costs 0.5 s: per
+    token 0.013 against 0.010, so after the warm-up (plain), one speculative and one plain step, every step is plain
+    except one re-measure of speculation after GATE_FIRST steps and the next after twice that (the interval doubles
+    while the decision holds). 50 steps: 3 speculative."""
+    gate = WholeStepGate()
+    modes = run_gate(gate, 50, lambda i: 0.8, lambda i: 1.0, drafter_cost=0.5)
+    first = 3 + GATE_FIRST  # decided after step 2, its third step; re-measured GATE_FIRST steps after that
+    second = first + 1 + 2 * GATE_FIRST
+    expected = "".join("s" if i in (1, first, second) else "p" for i in range(50))
+    assert modes == expected
+    assert gate.decided is False and gate.state()["gate_pays"] is False
+    assert gate.state()["gate_spec_cost"] == pytest.approx(0.013) and gate.state()["gate_plain_cost"] == 0.010
+
+
+def test_gate_speculates_where_it_pays_and_backs_off_at_the_margin():
+    """With the drafter's training at 0.1 s the same gen gain pays (0.009 < 0.010 / 1.02): every step speculates but
+    the warm-up, the first plain measurement and the re-measures of plain decoding. At 0.195 s the speculative step
+    costs 0.00995, within the 2 % margin of plain decoding's 0.010: the gate runs plain."""
+    modes = run_gate(WholeStepGate(), 40, lambda i: 0.8, lambda i: 1.0, drafter_cost=0.1)
+    assert modes[:3] == "psp" and modes.count("p") == 4 and modes[3:].count("s") >= 40 - 3 - 2
+    assert run_gate(WholeStepGate(), 20, lambda i: 0.8, lambda i: 1.0, drafter_cost=0.195)[3:] == "p" * 8 + "s" + "p" * 8
+
+
+def test_gate_follows_a_change_and_the_interval_stays_bounded():
+    """Speculation costs more until step 20, less afterwards (the drafter's training got cheaper, say): the first
+    re-measure after the change (the window's median needs two of its three latest speculative costs low, so two
+    re-measures) switches the gate to speculation for good. The interval never exceeds GATE_MAX."""
+    gate = WholeStepGate()
+    modes = run_gate(gate, 200, lambda i: 2.0 if i < 20 else 0.5, lambda i: 1.0)
+    assert gate.decided is True
+    assert modes[-50:] == "s" * 50 or modes[-50:].count("p") <= 50 // GATE_MAX + 1
+    assert gate.interval <= GATE_MAX
+
+
+def test_gate_refuses_a_step_without_tokens():
+    gate = WholeStepGate(warmup=0)
+    with pytest.raises(ValueError, match="0 tokens"):
+        gate.record(True, 1.0, 0.0, 0)
+
+
+def test_stage_ratios_from_given_stage_times():
+    """Two steps: plain gen 3 + 3, other stages 1 + 1 (whole 8); spec gen 2 + 2, train 2 + 3 incl. the drafter's
+    1 + 2 s (whole 9). Gen stage 6 / 4 = 1.5x, whole step 8 / 9, plain gen share 6 / 8; the second spec step ran
+    plainly (gated)."""
+    plain = [{"step": 0, "stages": {"gen": 3.0, "train": 1.0}}, {"step": 1, "stages": {"gen": 3.0, "train": 1.0}}]
+    spec = [{"step": 0, "stages": {"gen": 2.0, "train": 2.0}, "drafter_s": 1.0, "speculate": True},
+            {"step": 1, "stages": {"gen": 2.0, "train": 3.0}, "drafter_s": 2.0, "speculate": False}]
+    r = stage_ratios(plain, spec)
+    assert r["gen_ratio"] == 1.5 and r["step_ratio"] == pytest.approx(8 / 9) and r["plain_gen_share"] == 0.75
+    assert r["drafter_s"] == 3.0 and r["plain_steps_gated"] == 1 and r["steps"] == 2
+    with pytest.raises(ValueError, match="no step"):
+        stage_ratios(plain, [{"step": 5, "stages": {"gen": 1.0}}])
+
+
+def test_a_gated_plain_step_is_a_spec_null_step(ckpts, tmp_path, shaped_reward):  # noqa: F811
+    """The gate's warm-up step runs plainly: the same rollouts (tokens and behaviour log-probs) and loss as the
+    `spec=null` run of the seed, no drafting, and no drafter training or agreement (no `drafter_s`); the next step
+    speculates (acceptance measured) and trains the drafter (`drafter_s` > 0)."""
+    gated = small_cfg(ckpts, tmp_path / "gated")
+    gated.spec = SpecConfig("mtp", 3, adaptive=True)
+    plain = small_cfg(ckpts, tmp_path / "plain", spec=None)
+    torch.manual_seed(0)
+    a = loop.Trainer(gated)
+    assert a.gate is not None
+    torch.manual_seed(0)
+    b = loop.Trainer(plain)
+    assert b.gate is None
+    ma, mb = a.step(0), b.step(0)
+    assert ma["speculate"] is False and ma["acceptance_length"] is None and "drafter_s" not in ma
+    assert ma["gen_tokens"] == mb["gen_tokens"] and ma["loss"] == mb["loss"] and ma["reward_mean"] == mb["reward_mean"]
+    assert a.generator.engine.controller is not None  # the configured engine is back after the plain step
+    m1 = a.step(1)
+    assert m1["speculate"] is True and m1["acceptance_length"] is not None and m1["drafter_s"] > 0
