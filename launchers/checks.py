@@ -127,9 +127,11 @@ def layout_fit_problems(cfg: RLConfig, layout: dict) -> list[str]:
                  first_stage_layers=meg.get("first_stage_layers"), last_stage_layers=meg.get("last_stage_layers"))
     model = policy_config(cfg.model.policy, cfg.model.hub_cache)
     problems = layout_problems(model, lay, who="train") if model is not None else []
-    problems += world_problems(world, lay, who="train")
-    problems += support_problems(lay, who="train")
     engines, engine_tp = layout["vllm"]["engines"], layout["vllm"]["tensor_parallel_size"]
+    gen_gpus = engines * engine_tp if layout["ray"]["placement"] == "disaggregated" else 0
+    if world > gen_gpus:  # a disaggregated trainer gets the rest (none left: the engines' problem below)
+        problems += world_problems(world - gen_gpus, lay, who="train")
+    problems += support_problems(lay, who="train")
     if engines * engine_tp > world:
         problems.append(f"{engines} generation engines x TP {engine_tp} = {engines * engine_tp} GPUs, more than the "
                         f"allocation's {world} (nodes x GPUs per node)")

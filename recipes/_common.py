@@ -75,20 +75,29 @@ class Scale:
     """vLLM tensor parallel size of one generation engine; world / vllm_tp engines run data parallel."""
     colocated: bool = True
     """Training and generation share the GPUs (vLLM sleeps while Megatron trains) instead of separate pools."""
+    gen_gpus: int = 0
+    """GPUs of the generation pool when not colocated (engines of `vllm_tp` GPUs each); the trainer gets the rest."""
+    async_lag: int = 0
+    """Policy versions the engines may run ahead of the trainer (`backend.async_lag`; 0: synchronous GRPO)."""
     time: str = "04:00:00"
     """SLURM time limit of one job; runs longer than that resume from their last checkpoint."""
     first_stage_layers: int | None = None
     """Decoder layers of the first pipeline stage; None: an even share [num_layers_in_first_pipeline_stage]."""
     last_stage_layers: int | None = None
     """Decoder layers of the last pipeline stage; None: an even share [num_layers_in_last_pipeline_stage]."""
+    cpu_bundles: bool = False
+    """Ray bundles are equal shares of the cluster's CPUs, not GPUs (a `--rehearsal` on a CPU allocation)."""
 
     def __post_init__(self) -> None:
         # The device grid, by the one layout validator the backend and the simulator use, including what the
         # trainer does not run (context parallelism); the recipe checks its model against the same validator.
         world = self.nodes * self.gpus_per_node
-        check_layout(None, self.train_layout(), world, runnable=True)
-        if world % self.vllm_tp:
-            raise ValueError(f"vLLM TP={self.vllm_tp} does not divide the {world} GPUs")
+        if self.colocated == bool(self.gen_gpus) or not 0 <= self.gen_gpus < world:
+            raise ValueError(f"a disaggregated Scale needs 0 < gen_gpus < {world} (a generation pool), a colocated "
+                             f"one gen_gpus=0; got gen_gpus={self.gen_gpus}, colocated={self.colocated}")
+        check_layout(None, self.train_layout(), world - self.gen_gpus, runnable=True)
+        if (self.gen_gpus or world) % self.vllm_tp:
+            raise ValueError(f"vLLM TP={self.vllm_tp} does not divide the {self.gen_gpus or world} generation GPUs")
 
     def train_layout(self) -> Layout:
         """The trainer's split (expert tensor parallel 1)."""
@@ -101,11 +110,13 @@ class Scale:
         `--dryrun` prints."""
         return BackendSection(
             trainer="megatron", generator="vllm", placement="colocated" if self.colocated else "disaggregated",
+            generators=self.gen_gpus // self.vllm_tp or 1, async_lag=self.async_lag,
             megatron=MegatronSection(tp=self.tp, pp=self.pp, ep=self.ep, etp=1, cp=self.cp,
                                      first_stage_layers=self.first_stage_layers,
                                      last_stage_layers=self.last_stage_layers,
                                      params_dtype="bfloat16", recompute="selective"),  # fp32 masters, Adam
-            vllm=VLLMSection(max_model_len=max_model_len, tensor_parallel_size=self.vllm_tp))
+            vllm=VLLMSection(max_model_len=max_model_len, tensor_parallel_size=self.vllm_tp,
+                             gpu_memory_utilization=0.5 if self.colocated else 0.85))  # own GPUs: as simulated
 
     def layout(self, cfg: RLConfig, nodes: int | None = None, gpus_per_node: int | None = None) -> dict:
         """Plain data for --dryrun and for the at-scale driver: who runs where on `nodes` x `gpus_per_node` (the
@@ -122,13 +133,14 @@ class Scale:
         colocated = cfg.backend.placement != "disaggregated" if cfg.backend.placement != "inline" else self.colocated
         engine_tp = cfg.backend.vllm.tensor_parallel_size if cfg.backend.generator == "vllm" else self.vllm_tp
         engines = world // engine_tp if colocated else cfg.backend.generators
+        train_gpus = world if colocated else world - engines * engine_tp
         return {
             "gpus": world,
-            "megatron": {**split, "dp": world // (split["tp"] * split["pp"] * split["cp"])},
+            "megatron": {**split, "dp": train_gpus // (split["tp"] * split["pp"] * split["cp"])},
             "vllm": {"tensor_parallel_size": engine_tp, "engines": engines,
                      "speculative_config": cfg.spec.vllm() if cfg.spec else None},
             "ray": {"placement": "colocated" if colocated else "disaggregated", "async_lag": cfg.backend.async_lag,
-                    "bundles": world, "bundle": {"GPU": 1}},
+                    "bundles": world, "bundle": {"CPU": 1} if self.cpu_bundles else {"GPU": 1}},
         }
 
 
@@ -137,15 +149,31 @@ def recipe_main(build: Callable[[], RLConfig], argv: list[str] | None = None, sc
     code; bad input is one line on stderr (exit 2), not a traceback, and nothing has been submitted then."""
     name = build.__name__
     doc = getattr(sys.modules.get(build.__module__), "__doc__", None) or build.__doc__ or ""
+    argv = sys.argv[1:] if argv is None else argv
+    recipe_scale = scale
+    if scale is not None and "--rehearsal" in argv:  # its allocation sets the defaults of --nodes and the layout
+        from launchers import rehearsal
+
+        scale = rehearsal.scale(scale)
     args = _parser(name, doc, scale).parse_intermixed_args(argv)
     try:
         cfg = build()
         tuned = None
+        toy_arch = None
+        if args.rehearsal:
+            if recipe_scale is None:
+                raise ValueError(f"--rehearsal rehearses an at-scale recipe; {name} already runs at toy size")
+            if args.tune:
+                raise ValueError("--rehearsal runs the recipe's own layout at toy size; drop --tune")
+            toy_arch = rehearsal.toy_architecture(cfg.model.policy)
+            cfg = apply_overrides(cfg, rehearsal.overrides(name, cfg, recipe_scale))
         if args.tune:
             cfg, scale, tuned = tune_recipe(name, cfg, scale, args)
         if args.config:
             cfg = load_yaml(args.config, base=cfg)
         cfg = apply_overrides(cfg, args.overrides)
+        if toy_arch is not None and not args.dryrun:  # the toy inputs, before the checks look for them
+            rehearsal.build_toy(cfg, toy_arch)
         plan = executor_plan(name, args, cfg, scale)
         if tuned is not None:
             plan["tuned"] = tuned
@@ -223,7 +251,8 @@ def tune_recipe(name: str, cfg: RLConfig, scale: Scale | None, args: argparse.Na
     cfg = apply_overrides(cfg, [f"{k}={'null' if v is None else v}" for k, v in overrides.items()])
     scale = dataclasses.replace(scale, nodes=args.nodes, gpus_per_node=args.gpus_per_node, tp=layout.train.tp,
                                 pp=layout.train.pp, cp=layout.train.cp, ep=layout.train.ep, vllm_tp=layout.gen_tp,
-                                colocated=layout.placement == "colocated",
+                                colocated=layout.placement == "colocated", async_lag=layout.async_lag,
+                                gen_gpus=0 if layout.placement == "colocated" else layout.engines * layout.gen_tp,
                                 first_stage_layers=layout.train.first_stage_layers,
                                 last_stage_layers=layout.train.last_stage_layers)
     chosen = {"gpus": gpus, "gpu": args.gpu, "train": layout.train.describe(), "train_dp": layout.train_dp,
@@ -289,6 +318,8 @@ def _remote_argv(name: str, args: argparse.Namespace) -> list[str]:
         argv += ["--config", path]
     if args.tune:  # the job tunes for the same allocation, so it runs the layout printed here
         argv += ["--tune", "--gpu", args.gpu, "--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node)]
+    if args.rehearsal:
+        argv.append("--rehearsal")
     return [*argv, "--executor", "local"]
 
 
@@ -306,6 +337,10 @@ def _parser(name: str, doc: str, scale: Scale | None) -> argparse.ArgumentParser
                    help="at-scale recipes: take the parallel layout from `megatron-spec tune` for --nodes x "
                    "--gpus-per-node GPUs of kind --gpu (overrides still win)")
     p.add_argument("--gpu", default="h100", help="GPU kind the tuner simulates (h100, h200, b200, gb200)")
+    p.add_argument("--rehearsal", action="store_true",
+                   help="at-scale recipes: run this recipe's code path at toy width on the allocation at hand "
+                   "(launchers/rehearsal.py: toy model, drafter and data under runs/rehearsal/, 4 trainer ranks, "
+                   "vLLM TP2, 3 steps)")
     s = p.add_argument_group("slurm and ray-slurm")
     s.add_argument("--account", default=os.environ.get("SBATCH_ACCOUNT"), help="(env SBATCH_ACCOUNT)")
     s.add_argument("--partition", default=os.environ.get("SBATCH_PARTITION"), help="(env SBATCH_PARTITION)")

@@ -1,0 +1,159 @@
+"""Rehearsal of an at-scale recipe (`--rehearsal`): the same recipe file, config and code path, at toy width, on
+the allocation at hand.
+
+What changes, and only that (`overrides`, laid over the recipe's config before any YAML or user override):
+- the policy: a random checkpoint of the recipe's own architecture (`toy_architecture`: layers, experts, top-k,
+  attention and key-value heads kept; hidden size, head and FFN widths shrunk to `WIDTHS`), written as HF
+  safetensors + config.json with a tokenizer and chat template (SmolLM2's: the real one is not on this machine);
+- the drafter: a fresh head of the recipe's method for that toy, built and saved by the drafter registry as
+  `megatron-spec train-drafter` does;
+- the data: a small file in the recipe's data format (DAPO-Math layout parquet: chat-message prompts, boxed
+  integer answers scored by the recipe's reward);
+- the cluster: `WORLD` trainer ranks with the recipe's kinds of parallelism at size 2 (those Megatron runs on
+  gloo), vLLM engines of tensor parallel 2 on CPU bundles, 3 steps of 2 prompts x 4 rollouts of a few tokens.
+Everything else stays the recipe's: backends, placement, async lag, speculation method and k, online drafter
+training, checkpoint cadence (the loop also saves the last step), pre-launch checks, sbatch template, Ray driver.
+
+The toy files go to `runs/rehearsal/<recipe>/toy/` beside the run's directory `.../run/`, written on the submitting
+machine (the job reads them from the shared checkout), and are rebuilt only when missing or made for another architecture. vLLM's CPU attention needs a head dimension
+of at least 32 and its CPU MoE kernels an expert width per tensor-parallel worker that is a multiple of 32, which
+set the two smallest widths here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+WORLD = 4
+"""Trainer ranks of a rehearsal (and CPU bundles of its Ray placement)."""
+
+ENGINE_TP = 2
+"""vLLM tensor parallel size of a rehearsal's engines."""
+
+WIDTHS = {"hidden_size": 64, "head_dim": 32, "intermediate_size": 128, "moe_intermediate_size": 64}
+"""What a toy shrinks: widths only (head_dim 32 and expert width 64 = 2 x 32 are vLLM CPU's smallest)."""
+
+TOKENIZER = "smollm2-135m"
+"""Whose tokenizer and chat template the toy carries (a 49152-token vocabulary)."""
+
+STEPS = 3
+PROMPTS, GROUP, MAX_TOKENS, PROMPT_TOKENS = 2, 4, 16, 96
+DATA_ROWS = 64
+
+
+def toy_architecture(policy: str) -> dict:
+    """The preset of the recipe's policy (`Qwen/Qwen3-235B-A22B` -> `qwen3-235b-a22b`) with only the widths of
+    `WIDTHS` and the vocabulary (the toy tokenizer's) changed."""
+    from megatron_spec.models.presets import PRESETS
+
+    name = policy.rstrip("/").split("/")[-1].lower()
+    if name not in PRESETS:
+        raise ValueError(f"--rehearsal needs the architecture of {policy}: no preset named {name!r} "
+                         f"(known: {', '.join(PRESETS)})")
+    arch = dict(PRESETS[name])
+    arch.update({k: v for k, v in WIDTHS.items() if k in arch or k in ("head_dim", "intermediate_size")})
+    if "num_experts" not in arch:
+        arch.pop("moe_intermediate_size", None)
+    arch["vocab_size"] = 49152
+    return arch
+
+
+def megatron_split(scale) -> dict:
+    """The recipe's kinds of trainer parallelism at size 2 on `WORLD` ranks: each of TP, PP, EP the recipe uses
+    (> 1) becomes 2 (CP stays 1: the trainer does not run it); data parallelism takes the rest."""
+    tp, pp, ep = (2 if getattr(scale, k) > 1 else 1 for k in ("tp", "pp", "ep"))
+    if WORLD % (tp * pp):
+        raise ValueError(f"a rehearsal on {WORLD} ranks cannot hold TP{tp} x PP{pp}")
+    return {"tp": tp, "pp": pp, "ep": ep}
+
+
+def scale(recipe_scale):
+    """The recipe's Scale on the rehearsal's allocation: one node of CPU bundles, `WORLD` for the trainer (with
+    the split of `megatron_split`) and, when the recipe's placement is disaggregated, one engine of `ENGINE_TP`
+    more; colocated, engines of `ENGINE_TP` share the trainer's. Placement, async lag and time as the recipe's."""
+    split = megatron_split(recipe_scale)
+    gen = 0 if recipe_scale.colocated else ENGINE_TP
+    return dataclasses.replace(recipe_scale, nodes=1, gpus_per_node=WORLD + gen, gen_gpus=gen, cp=1,
+                               vllm_tp=ENGINE_TP, first_stage_layers=None, last_stage_layers=None, cpu_bundles=True,
+                               **split)
+
+
+def home(name: str) -> Path:
+    """Where a rehearsal of recipe `name` keeps its toy inputs (`toy/`) and its run (`run/`): siblings, because a
+    fresh run moves whatever its directory held aside."""
+    return Path("runs/rehearsal") / name
+
+
+def overrides(name: str, cfg, recipe_scale) -> list[str]:
+    """The override set of a rehearsal of recipe `name` (config `cfg`, cluster `recipe_scale`), as key=value."""
+    split = megatron_split(recipe_scale)
+    out, toy = home(name) / "run", home(name) / "toy"
+    sets = {
+        "run.out_dir": out, "run.steps": STEPS, "run.eval_prompts": 2, "run.threads": 1, "run.report": "false",
+        "model.policy": toy / "policy", "model.hub_cache": "null", "model.drafter": toy / "drafter",
+        "data.path": toy / "data.parquet", "data.format": "dapo", "data.max_prompt_tokens": PROMPT_TOKENS,
+        "data.reward_workers": 1,
+        "grpo.prompts_per_step": PROMPTS, "grpo.group_size": GROUP, "grpo.max_tokens": MAX_TOKENS,
+        "backend.megatron.tp": split["tp"], "backend.megatron.pp": split["pp"], "backend.megatron.ep": split["ep"],
+        "backend.megatron.etp": 1, "backend.megatron.cp": 1,
+        "backend.megatron.first_stage_layers": "null", "backend.megatron.last_stage_layers": "null",
+        "backend.vllm.tensor_parallel_size": ENGINE_TP, "backend.vllm.max_model_len": PROMPT_TOKENS + MAX_TOKENS,
+        "backend.vllm.threads": 1, "backend.init_timeout_s": 600, "backend.generators": 1,
+    }
+    if cfg.spec is not None:
+        sets["spec.model"] = toy / "drafter"
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
+def build_toy(cfg, arch: dict, seed: int = 0) -> Path:
+    """Write the toy policy of architecture `arch` (`toy_architecture`), its drafter and the data file where `cfg`
+    names them (model.policy, model.drafter, data.path), unless they are there already for this architecture;
+    returns the policy directory."""
+    import torch
+
+    from megatron_spec.models import CausalLM, ModelConfig, save_pretrained
+    from megatron_spec.models.gguf import load_tokenizer
+    from megatron_spec.spec.registry import drafter_method, needs_weights
+
+    policy = Path(cfg.model.policy)
+    made = policy / "config.json"
+    if not (made.is_file() and _same_arch(json.loads(made.read_text()), arch)):
+        torch.manual_seed(seed)
+        target = CausalLM(ModelConfig(**arch))
+        save_pretrained(target, policy)
+        load_tokenizer(TOKENIZER).save_pretrained(str(policy))
+        drafter_path = cfg.model.drafter or (cfg.spec.model if cfg.spec else None)
+        if cfg.spec is not None and needs_weights(cfg.spec.method) and drafter_path:
+            method = drafter_method(cfg.spec.method)
+            method.save(method.new(target, None, None), drafter_path, target)
+        del target
+    if cfg.data.path and not Path(cfg.data.path).is_file():
+        write_data(Path(cfg.data.path), seed)
+    return policy
+
+
+def write_data(path: Path, seed: int) -> Path:
+    """`DATA_ROWS` rows in DAPO-Math-17k's layout (`prompt` as chat messages, `reward_model.ground_truth`,
+    `data_source`, `ability`): sums of two integers, answer asked in \\boxed{}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(DATA_ROWS):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        rows.append({"data_source": "rehearsal", "ability": "MATH", "index": i,
+                     "prompt": [{"role": "user", "content": f"What is {a} + {b}? Put the final answer in \\boxed{{}}."}],
+                     "reward_model": {"style": "rule", "ground_truth": str(a + b)}})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    tmp.replace(path)
+    return path
+
+
+def _same_arch(saved: dict, arch: dict) -> bool:
+    return all(saved.get(k) == v for k, v in arch.items())

@@ -1,0 +1,132 @@
+"""`--rehearsal` of the at-scale recipes, resolved without running: the toy is the recipe's architecture with only
+widths changed, and everything a rehearsal is meant to exercise (backends, placement, async lag, speculation method
+and k, online drafter training, checkpoint cadence, the kinds of trainer parallelism) is the recipe's own. The toy
+itself (94 layers x 128 experts) takes too long to build for this suite; the SLURM tier builds and runs it
+(tests/slurm/test_rehearsal.py)."""
+
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+
+import megatron_spec.rl.loop as loop
+from launchers import rehearsal
+from megatron_spec import nemo_run_cli
+from megatron_spec.models.presets import PRESETS
+from megatron_spec.rl.overrides import to_dict
+
+from .test_recipes import split_dryrun
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGSHIPS = {"qwen3_235b_grpo_spec": "qwen3-235b-a22b", "qwen3_8b_grpo_spec": "qwen3-8b"}
+
+
+@pytest.fixture(autouse=True)
+def hub_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(loop, "train", lambda cfg: pytest.fail("a dry run trained"))
+
+
+def dryrun(name: str, *argv: str):
+    """(resolved config, executor plan) that `python recipes/<name>.py ... --dryrun` prints."""
+    module = nemo_run_cli.load_recipe(ROOT / "recipes" / f"{name}.py")
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert module.main([*argv, "--dryrun"]) == 0
+    return (*split_dryrun(out.getvalue()), module)
+
+
+@pytest.mark.parametrize("name", FLAGSHIPS)
+def test_toy_is_the_recipe_architecture_with_widths_shrunk(name):
+    """Every architecture field of the recipe's preset is kept (layers, experts, top-k, attention and key-value
+    heads, rope, norms) except the widths and the vocabulary (the toy tokenizer's); the widths are the ones vLLM's
+    CPU kernels accept (head_dim >= 32; expert width per TP2 worker a multiple of 32)."""
+    cfg, _, module = dryrun(name, "--rehearsal")
+    recipe_policy = module.__dict__[name]().model.policy
+    arch, full = rehearsal.toy_architecture(recipe_policy), PRESETS[FLAGSHIPS[name]]
+    changed = {k for k in full if arch.get(k) != full[k]}
+    assert changed == {"vocab_size", *(k for k in rehearsal.WIDTHS if k in full)}
+    assert set(arch) - set(full) <= {"head_dim"}
+    assert arch["hidden_size"] == 64 and arch["head_dim"] == 32 and arch["vocab_size"] == 49152
+    if name == "qwen3_235b_grpo_spec":
+        assert (arch["num_hidden_layers"], arch["num_experts"], arch["num_experts_per_tok"],
+                arch["num_attention_heads"], arch["num_key_value_heads"]) == (94, 128, 8, 64, 4)
+        assert arch["moe_intermediate_size"] // rehearsal.ENGINE_TP % 32 == 0
+    else:
+        assert (arch["num_hidden_layers"], arch["num_attention_heads"], arch["num_key_value_heads"]) == (36, 32, 8)
+        assert "num_experts" not in arch
+    assert cfg.model.policy == f"runs/rehearsal/{name}/toy/policy"
+
+
+@pytest.mark.parametrize("name", FLAGSHIPS)
+def test_rehearsal_keeps_what_it_rehearses(name):
+    """Backends, placement, async lag, speculation method and k, drafter training, checkpoint cadence, precision
+    and recompute equal the recipe's; the trainer keeps each kind of parallelism the recipe uses (size 2, on 4
+    ranks, CP 1); engines have TP 2 on CPU bundles; the run is 3 steps in its own directory."""
+    full, full_plan, _ = dryrun(name)
+    toy, toy_plan, _ = dryrun(name, "--rehearsal")
+    for section in ("drafter_train",):
+        assert to_dict(getattr(toy, section)) == to_dict(getattr(full, section))
+    b, fb = toy.backend, full.backend
+    assert (b.trainer, b.generator, b.placement, b.async_lag, b.is_clip, b.refit_transport) == \
+        (fb.trainer, fb.generator, fb.placement, fb.async_lag, fb.is_clip, fb.refit_transport)
+    assert (b.megatron.params_dtype, b.megatron.recompute, b.megatron.optimizer) == \
+        (fb.megatron.params_dtype, fb.megatron.recompute, fb.megatron.optimizer)
+    assert (toy.spec.method, toy.spec.num_speculative_tokens, toy.spec.adaptive) == \
+        (full.spec.method, full.spec.num_speculative_tokens, full.spec.adaptive)
+    assert toy.spec.model == toy.model.drafter == f"runs/rehearsal/{name}/toy/drafter"
+    assert toy.run.save_every == full.run.save_every and toy.run.steps == 3
+    assert toy.run.out_dir == f"runs/rehearsal/{name}/run"
+    assert (toy.data.path, toy.data.format) == (f"runs/rehearsal/{name}/toy/data.parquet", "dapo")
+    m, fm = toy_plan["recommended"]["megatron"], full_plan["recommended"]["megatron"]
+    assert {k: m[k] > 1 for k in ("tp", "pp", "ep")} == {k: fm[k] > 1 for k in ("tp", "pp", "ep")}
+    assert max(m[k] for k in ("tp", "pp", "ep")) == 2 and m["cp"] == fm["cp"] == 1
+    assert m["tp"] * m["pp"] * m["cp"] * m["dp"] == rehearsal.WORLD
+    r, fr = toy_plan["recommended"], full_plan["recommended"]
+    assert r["ray"]["placement"] == fr["ray"]["placement"] and r["ray"]["async_lag"] == fr["ray"]["async_lag"]
+    assert r["ray"]["bundle"] == {"CPU": 1} and r["vllm"]["tensor_parallel_size"] == 2
+    assert r["vllm"]["speculative_config"]["method"] == fr["vllm"]["speculative_config"]["method"]
+    assert r["vllm"]["speculative_config"]["num_speculative_tokens"] == full.spec.num_speculative_tokens
+    engines = 1 if fr["ray"]["placement"] == "disaggregated" else rehearsal.WORLD // 2
+    assert r["vllm"]["engines"] == engines
+    assert r["gpus"] == rehearsal.WORLD + (2 if fr["ray"]["placement"] == "disaggregated" else 0)
+
+
+def test_flagship_235b_is_speculation_with_async_lag_2_disaggregated():
+    """The 235B recipe's default is the reference projection's configuration: EAGLE-3 at k=5 with policy lag 2, on
+    a disaggregated 96 + 32 split of 16 x 8 GPUs (trainer TP2 PP8 EP4 DP6, 4 engines of TP8), no context
+    parallelism."""
+    cfg, plan, _ = dryrun("qwen3_235b_grpo_spec")
+    assert (cfg.spec.method, cfg.spec.num_speculative_tokens, cfg.backend.async_lag) == ("eagle3", 5, 2)
+    rec = plan["recommended"]
+    assert rec["ray"]["placement"] == "disaggregated" and rec["gpus"] == 128
+    m = rec["megatron"]
+    assert (m["tp"], m["pp"], m["cp"], m["ep"], m["dp"]) == (2, 8, 1, 4, 6)
+    assert (rec["vllm"]["engines"], rec["vllm"]["tensor_parallel_size"]) == (4, 8)
+    assert m["tp"] * m["pp"] * m["dp"] + 4 * 8 == 128
+
+
+def test_rehearsal_of_a_toy_recipe_is_refused():
+    module = nemo_run_cli.load_recipe(ROOT / "recipes" / "tiny_grpo_spec.py")
+    assert module.main(["--rehearsal", "--dryrun"]) == 2
+
+
+def test_data_file_is_dapo_layout_with_verifiable_answers(tmp_path):
+    """The rehearsal's data file loads through the data section's own reader as DAPO rows; each answer is the sum
+    the prompt asks for, and the recipe's reward (math-verify) scores the boxed answer 1 and another number 0."""
+    from megatron_spec.tasks.dataset import load_rows, row_problem
+    from megatron_spec.tasks.math_verify_reward import math_verify_reward
+
+    path = rehearsal.write_data(tmp_path / "data.parquet", seed=0)
+    rows = load_rows(str(path), "train")
+    assert len(rows) == rehearsal.DATA_ROWS
+    for row in list(rows)[:8]:
+        messages, answer = row_problem(row, "dapo", None, None, None)
+        (role, text), = messages
+        a, b = (int(x) for x in text.split("What is ")[1].split("?")[0].split(" + "))
+        assert role == "user" and answer == str(a + b)
+        assert math_verify_reward(f"so \\boxed{{{a + b}}}", answer) == 1.0
+        assert math_verify_reward(f"\\boxed{{{a + b + 1}}}", answer) == 0.0
