@@ -71,6 +71,9 @@ def check_inputs(cfg: RLConfig) -> None:
         task_difficulty(cfg.model.task, policy, cfg.model.terms_weights)
     except ValueError as err:
         raise ValueError(f"{err} (model.task={cfg.model.task!r}, model.terms_weights, policy {policy})") from None
+    from .logging import check_loggers
+
+    check_loggers(cfg.run.loggers)  # a tracker that is not installed fails before any model is built
     if cfg.data.path is not None:
         from ..tasks.dataset import is_local
         from ..tasks.scoring import resolve
@@ -195,12 +198,14 @@ class Trainer:
             with timer("gen"):
                 rollouts = self.rollouts(step, prompts)
             rewards = self.score(problems, rollouts.outs)
-            train, mismatch = self.learn(prompts, rollouts, rewards, timer)
+            tokens = sum(len(o.token_ids) for o in rollouts.outs)
+            trains = not speculate or self.gate.drafter_pays(timer.times["gen"], tokens)
+            with self.speculation(None if trains else False, engine=False):
+                train, mismatch = self.learn(prompts, rollouts, rewards, timer)
         gate = {}
         if self.gate:
-            self.gate.record(speculate, timer.times["gen"], train.get("drafter_s", 0.0),
-                             sum(len(o.token_ids) for o in rollouts.outs))
-            gate = {"speculate": speculate, **self.gate.state()}
+            self.gate.record(speculate, timer.times["gen"], train.get("drafter_s", 0.0), tokens)
+            gate = {"speculate": speculate, "drafter_trained": "drafter_s" in train, **self.gate.state()}
         return {**self.metrics(step, timer, rollouts.outs, rewards, mismatch, train), **rollouts.metrics,
                 **self.task.reward_stats, **gate}
 
@@ -215,21 +220,24 @@ class Trainer:
                     and isinstance(self.policy, EmbeddedPolicy) and self.policy.drafter_opt is not None)
 
     @contextmanager
-    def speculation(self, on: bool | None):
+    def speculation(self, on: bool | None, engine: bool = True):
         """The step's mode: None or True as configured; False a plain step, as `spec=null` runs it (the engine without
-        drafter, controller or drafts; the trainer without the drafter's training or agreement)."""
+        drafter, controller or drafts; the trainer without the drafter's training or agreement). `engine` False
+        leaves the engine as it is (the trainer's part only)."""
         if on is None or on:
             yield
             return
         from ..spec.proposers import Proposer
 
-        engine, policy = self.generator.engine, self.policy
-        saved = engine.proposer, engine.controller, engine.k_max, policy.drafter_reads
-        engine.proposer, engine.controller, engine.k_max, policy.drafter_reads = Proposer(), None, 0, False
+        gen, policy = self.generator.engine, self.policy
+        saved = gen.proposer, gen.controller, gen.k_max, policy.drafter_reads
+        if engine:
+            gen.proposer, gen.controller, gen.k_max = Proposer(), None, 0
+        policy.drafter_reads = False
         try:
             yield
         finally:
-            engine.proposer, engine.controller, engine.k_max, policy.drafter_reads = saved
+            gen.proposer, gen.controller, gen.k_max, policy.drafter_reads = saved
 
     def draw(self, step: int) -> tuple[list, list[list[int]]]:
         """This step's problems and prompts, each prompt repeated `group_size` times (its GRPO group)."""
@@ -344,7 +352,8 @@ def run(cfg: RLConfig, make_trainer) -> dict:
         print(f"resumed from {run_dir}/checkpoints (step {saved['step']})")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
-    logger = StepLogger(run_dir, cfg.run.steps)
+    logger = StepLogger(run_dir, cfg.run.steps, loggers=cfg.run.loggers, config=dataclasses.asdict(cfg),
+                        project=cfg.run.logger_project)
     nan_streak, metrics = 0, {}
     try:
         # The policy as loaded, so that a run's gain is measured from where it started (step 0's eval is after an

@@ -381,11 +381,13 @@ class WholeStepGate:
 first `warmup` steps run plain and are not priced (first-use costs would be charged to whichever mode ran them).
 
     Off means a plain step: plain generation (no drafting, no drafter upkeep) and no drafter training, so it costs
-    what a `spec=null` run's step does. After the warm-up the gate speculates (the drafter as loaded is fresh), then
-    takes one plain step, decides, and re-measures the mode it is not in with one step every `interval` RL steps (GATE_FIRST,
+    what a `spec=null` run's step does. After the warm-up the gate takes one plain step, then one speculative step,
+    decides, and re-measures the mode it is not in with one step every `interval` RL steps (GATE_FIRST,
     doubled up to GATE_MAX while the decision holds, reset when it switches). A drafter left untrained while
     speculation is off is measured as it is on the next speculative step; where it went stale, speculation stays
-    off, which is right for that host: it could not pay there with a fresh one either."""
+    off, which is right for that host: it could not pay there with a fresh one either. A speculative step whose
+    generation alone costs plain decoding's or more skips the drafter's training (`drafter_pays`): on a host where
+    speculation does not speed generation up, measuring that costs nothing but the slower generation."""
 
     margin: float = 1.02
     warmup: int = 1  # first RL steps, plain and not priced: they pay for first-use costs (kernels, allocations)
@@ -399,7 +401,7 @@ first `warmup` steps run plain and are not priced (first-use costs would be char
         """The mode of the next RL step: True speculates (and trains the drafter)."""
         if self.warmup > 0:
             return False
-        for mode in (True, False):
+        for mode in (False, True):
             if not self.costs[mode]:
                 return mode
         return self.decided if self.steps < self.next_probe else not self.decided
@@ -424,6 +426,12 @@ first `warmup` steps run plain and are not priced (first-use costs would be char
             self.interval = min(2 * self.interval, GATE_MAX)
         if was is None or was != self.decided or speculated != self.decided:
             self.next_probe = self.steps + self.interval
+
+    def drafter_pays(self, gen_s: float, tokens: int) -> bool:
+        """Whether a speculative step whose gen stage took `gen_s` for `tokens` tokens should train the drafter: not
+        where its generation alone already costs plain decoding's margin or more per token, since no training cost
+        can make that step pay (the step is then priced at its generation, which decides the same way)."""
+        return not self.costs[False] or gen_s / max(tokens, 1) * self.margin < self.cost(False)
 
     def pays(self) -> bool:
         """Speculation's whole-step cost per token, `margin` times, is below plain decoding's."""

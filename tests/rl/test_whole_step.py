@@ -26,14 +26,14 @@ def run_gate(gate: WholeStepGate, steps: int, spec_cost, plain_cost, drafter_cos
 
 def test_gate_turns_speculation_off_where_the_drafters_training_eats_the_gain():
     """The gen stage 1.25x faster with speculation (0.8 s against 1.0 s), but the drafter's training costs 0.5 s: per
-    token 0.013 against 0.010, so after the warm-up (plain), one speculative and one plain step, every step is plain
+    token 0.013 against 0.010, so after the warm-up (plain), one plain and one speculative step, every step is plain
     except one re-measure of speculation after GATE_FIRST steps and the next after twice that (the interval doubles
     while the decision holds). 50 steps: 3 speculative."""
     gate = WholeStepGate()
     modes = run_gate(gate, 50, lambda i: 0.8, lambda i: 1.0, drafter_cost=0.5)
     first = 3 + GATE_FIRST  # decided after step 2, its third step; re-measured GATE_FIRST steps after that
     second = first + 1 + 2 * GATE_FIRST
-    expected = "".join("s" if i in (1, first, second) else "p" for i in range(50))
+    expected = "".join("s" if i in (2, first, second) else "p" for i in range(50))
     assert modes == expected
     assert gate.decided is False and gate.state()["gate_pays"] is False
     assert gate.state()["gate_spec_cost"] == pytest.approx(0.013) and gate.state()["gate_plain_cost"] == 0.010
@@ -44,7 +44,7 @@ def test_gate_speculates_where_it_pays_and_backs_off_at_the_margin():
     the warm-up, the first plain measurement and the re-measures of plain decoding. At 0.195 s the speculative step
     costs 0.00995, within the 2 % margin of plain decoding's 0.010: the gate runs plain."""
     modes = run_gate(WholeStepGate(), 40, lambda i: 0.8, lambda i: 1.0, drafter_cost=0.1)
-    assert modes[:3] == "psp" and modes.count("p") == 4 and modes[3:].count("s") >= 40 - 3 - 2
+    assert modes[:3] == "pps" and modes.count("p") == 4 and modes[3:].count("s") >= 40 - 3 - 2
     assert run_gate(WholeStepGate(), 20, lambda i: 0.8, lambda i: 1.0, drafter_cost=0.195)[3:] == "p" * 8 + "s" + "p" * 8
 
 
@@ -57,6 +57,16 @@ def test_gate_follows_a_change_and_the_interval_stays_bounded():
     assert gate.decided is True
     assert modes[-50:] == "s" * 50 or modes[-50:].count("p") <= 50 // GATE_MAX + 1
     assert gate.interval <= GATE_MAX
+
+
+def test_gate_skips_the_drafters_training_where_generation_alone_does_not_pay():
+    """Plain decoding at 0.010 s a token: a speculative gen stage at 0.0099 is within the 2 % margin, so no drafter
+    training can make that step pay and it is skipped; at 0.0095 it may pay, and the drafter trains (and is priced).
+    Before any plain step is priced the drafter always trains."""
+    gate = WholeStepGate(warmup=0)
+    assert gate.drafter_pays(0.99, 100)
+    gate.record(False, 1.0, 0.0, 100)
+    assert not gate.drafter_pays(0.99, 100) and gate.drafter_pays(0.95, 100)
 
 
 def test_gate_refuses_a_step_without_tokens():
@@ -82,7 +92,7 @@ def test_stage_ratios_from_given_stage_times():
 def test_a_gated_plain_step_is_a_spec_null_step(ckpts, tmp_path, shaped_reward):  # noqa: F811
     """The gate's warm-up step runs plainly: the same rollouts (tokens and behaviour log-probs) and loss as the
     `spec=null` run of the seed, no drafting, and no drafter training or agreement (no `drafter_s`); the next step
-    speculates (acceptance measured) and trains the drafter (`drafter_s` > 0)."""
+    is plain too (it prices plain decoding), the third speculates (acceptance measured) and trains the drafter."""
     gated = small_cfg(ckpts, tmp_path / "gated")
     gated.spec = SpecConfig("mtp", 3, adaptive=True)
     plain = small_cfg(ckpts, tmp_path / "plain", spec=None)
@@ -96,5 +106,7 @@ def test_a_gated_plain_step_is_a_spec_null_step(ckpts, tmp_path, shaped_reward):
     assert ma["speculate"] is False and ma["acceptance_length"] is None and "drafter_s" not in ma
     assert ma["gen_tokens"] == mb["gen_tokens"] and ma["loss"] == mb["loss"] and ma["reward_mean"] == mb["reward_mean"]
     assert a.generator.engine.controller is not None  # the configured engine is back after the plain step
-    m1 = a.step(1)
-    assert m1["speculate"] is True and m1["acceptance_length"] is not None and m1["drafter_s"] > 0
+    a.gate.margin = 1e-9  # whatever the speculative gen stage costs here, let its drafter train
+    assert a.step(1)["speculate"] is False  # the plain step the gate prices plain decoding by
+    m2 = a.step(2)
+    assert m2["speculate"] is True and m2["acceptance_length"] is not None and m2["drafter_s"] > 0
