@@ -276,6 +276,15 @@ def test_the_run_resolves_hub_names_into_its_cache_without_a_network(tmp_path, m
     with pytest.raises(FileNotFoundError, match="hf download org/missing --cache-dir"):
         hub.resolve("org/missing", str(tmp_path))
     assert not hub.is_hub_name("checkpoints/not-there")  # a path under a local directory is a path, missing or not
+    # where the machine may reach the hub, the name goes to snapshot_download with the config's cache dir, which
+    # downloads or completes it (replaced here by a recorder: nothing is fetched)
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    calls = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda name, cache_dir=None, **kw: calls.append((name, cache_dir, kw)) or str(snap))
+    assert hub.resolve("org/drafter", str(tmp_path)) == str(snap) and calls == [("org/drafter", str(tmp_path), {})]
 
 
 def test_a_drafter_directory_that_does_not_exist_is_refused(refused):

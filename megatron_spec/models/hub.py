@@ -55,20 +55,22 @@ def cached(name: str, cache_dir: str | None = None) -> str | None:
 
 
 def resolve(name: str, cache_dir: str | None = None) -> str:
-    """A local directory for `name`: itself when it is a path or a built-in name, else the hub snapshot (from the
-    cache, downloaded into it where the machine may reach the hub). FileNotFoundError naming the fix otherwise."""
+    """A local directory for `name`: itself when it is a path or a built-in name, else the hub snapshot: downloaded
+    into the cache (or completed there: a launch check may have fetched only its config.json) where the machine may
+    reach the hub, taken from the cache as it is with HF_HUB_OFFLINE set. FileNotFoundError naming the fix
+    otherwise."""
     if name in BUILTIN or Path(name).exists():
         return name
     if not is_hub_name(name):
         raise FileNotFoundError(f"{name} is neither a directory on this machine nor a hub name (org/name)")
+    if not offline():
+        return hub_module().snapshot_download(name, cache_dir=cache_dir)
     local = cached(name, cache_dir)
-    if local is not None:
-        return local
-    if offline():
+    if local is None:
         raise FileNotFoundError(f"hub name {name} is not in the Hugging Face cache ({cache_dir or 'default'}) and "
                                 f"HF_HUB_OFFLINE is set: download it first (`hf download {name}"
                                 f"{f' --cache-dir {cache_dir}' if cache_dir else ''}`) or give a local directory")
-    return hub_module().snapshot_download(name, cache_dir=cache_dir)
+    return local
 
 
 def resolve_config(cfg):
