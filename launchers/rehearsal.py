@@ -108,6 +108,23 @@ def overrides(name: str, cfg, recipe_scale) -> list[str]:
     return [f"{k}={v}" for k, v in sets.items()]
 
 
+def problems(cfg) -> list[str]:
+    """What the recipe's config asks for that its code path would skip without an error, so a rehearsal could not
+    show it working: each names the stage. Empty when everything the rehearsal exercises is there."""
+    out = []
+    method = cfg.spec.method if cfg.spec else None
+    if cfg.backend.trainer == "megatron" and cfg.drafter_train.online and method not in (None, "mtp", "ngram",
+                                                                                          "history"):
+        out.append(f"online drafter training: backend.trainer=megatron trains only MTP heads (as Megatron-Core MTP "
+                   f"layers, backend.megatron.mtp_num_layers > 0); the recipe's {method} drafter would be served "
+                   "frozen while drafter_train.online=true says it is trained")
+    elif cfg.backend.trainer == "megatron" and cfg.drafter_train.online and method == "mtp" \
+            and cfg.backend.megatron.mtp_num_layers == 0:
+        out.append("online drafter training: the MTP drafter is trained by the Megatron trainer only with "
+                   "backend.megatron.mtp_num_layers > 0")
+    return out
+
+
 def build_toy(cfg, arch: dict, seed: int = 0) -> Path:
     """Write the toy policy of architecture `arch` (`toy_architecture`), its drafter and the data file where `cfg`
     names them (model.policy, model.drafter, data.path), unless they are there already for this architecture;

@@ -172,6 +172,11 @@ def recipe_main(build: Callable[[], RLConfig], argv: list[str] | None = None, sc
         if args.config:
             cfg = load_yaml(args.config, base=cfg)
         cfg = apply_overrides(cfg, args.overrides)
+        if toy_arch is not None and rehearsal.problems(cfg):  # a stage that would pass without running
+            why = f"--rehearsal of {name} cannot run: {'; '.join(rehearsal.problems(cfg))}"
+            if not args.dryrun:
+                raise NotImplementedError(why)
+            print(f"{name}: note: {why}", file=sys.stderr)
         if toy_arch is not None and not args.dryrun:  # the toy inputs, before the checks look for them
             rehearsal.build_toy(cfg, toy_arch)
         plan = executor_plan(name, args, cfg, scale)

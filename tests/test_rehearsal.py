@@ -28,6 +28,7 @@ FLAGSHIPS = {"qwen3_235b_grpo_spec": "qwen3-235b-a22b", "qwen3_8b_grpo_spec": "q
 def hub_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(loop, "train", lambda cfg: pytest.fail("a dry run trained"))
+    monkeypatch.setattr(rehearsal, "build_toy", lambda *a, **k: pytest.fail("a test built the toy"))
 
 
 def dryrun(name: str, *argv: str):
@@ -130,3 +131,31 @@ def test_data_file_is_dapo_layout_with_verifiable_answers(tmp_path):
         assert role == "user" and answer == str(a + b)
         assert math_verify_reward(f"so \\boxed{{{a + b}}}", answer) == 1.0
         assert math_verify_reward(f"\\boxed{{{a + b + 1}}}", answer) == 0.0
+
+
+@pytest.mark.parametrize("name", FLAGSHIPS)
+def test_rehearsal_refuses_a_stage_that_would_pass_without_running(name, capsys):
+    """Both flagships train an EAGLE-3 drafter online with the Megatron trainer, which trains only MTP heads: a
+    rehearsal would serve that drafter frozen and look green. The run is refused before anything is built (exit 2,
+    the stage named); `--dryrun` still prints the resolved rehearsal and says the same in a note."""
+    module = nemo_run_cli.load_recipe(ROOT / "recipes" / f"{name}.py")
+    assert module.main(["--rehearsal"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot run: online drafter training" in err and "eagle3 drafter would be served frozen" in err
+    dryrun(name, "--rehearsal")
+    assert "note: --rehearsal of" in capsys.readouterr().err
+
+
+def test_problems_follow_the_config():
+    """The refusal is about the combination, not the recipe: an MTP drafter trained as Megatron MTP layers, or a
+    drafter not trained online, leaves nothing to refuse."""
+    cfg, _, _ = dryrun("qwen3_8b_grpo_spec", "--rehearsal")
+    assert rehearsal.problems(cfg)
+    cfg.drafter_train.online = False
+    assert rehearsal.problems(cfg) == []
+    cfg.drafter_train.online = True
+    cfg.spec.method, cfg.backend.megatron.mtp_num_layers = "mtp", 1
+    assert rehearsal.problems(cfg) == []
+    cfg.backend.megatron.mtp_num_layers = 0
+    assert rehearsal.problems(cfg) == ["online drafter training: the MTP drafter is trained by the Megatron trainer "
+                                       "only with backend.megatron.mtp_num_layers > 0"]
