@@ -14,10 +14,14 @@ What changes, and only that (`overrides`, laid over the recipe's config before a
 Everything else stays the recipe's: backends, placement, async lag, speculation method and k, online drafter
 training, checkpoint cadence (the loop also saves the last step), pre-launch checks, sbatch template, Ray driver.
 
-The toy files go to `runs/rehearsal/<recipe>/toy/` beside the run's directory `.../run/`, written on the submitting
-machine (the job reads them from the shared checkout), and are rebuilt only when missing or made for another architecture. vLLM's CPU attention needs a head dimension
-of at least 32 and its CPU MoE kernels an expert width per tensor-parallel worker that is a multiple of 32, which
-set the two smallest widths here.
+A stage the code path would skip without an error (`problems`: e.g. a drafter the trainer backend does not train
+although the config says it is trained online) refuses the rehearsal before anything is built, naming the stage,
+so a rehearsal cannot pass by not doing something.
+
+The toy files go to `runs/rehearsal/<recipe>/toy/` beside the run's directory `.../run/`, written on the
+submitting machine (the job reads them from the shared checkout), and are rebuilt only when missing or made for
+another architecture. vLLM's CPU attention needs a head dimension of at least 32 and its CPU MoE kernels an expert
+width per tensor-parallel worker that is a multiple of 32, which set the two smallest widths here.
 """
 
 from __future__ import annotations
@@ -54,9 +58,7 @@ def toy_architecture(policy: str) -> dict:
         raise ValueError(f"--rehearsal needs the architecture of {policy}: no preset named {name!r} "
                          f"(known: {', '.join(PRESETS)})")
     arch = dict(PRESETS[name])
-    arch.update({k: v for k, v in WIDTHS.items() if k in arch or k in ("head_dim", "intermediate_size")})
-    if "num_experts" not in arch:
-        arch.pop("moe_intermediate_size", None)
+    arch.update({k: v for k, v in WIDTHS.items() if k in arch})
     arch["vocab_size"] = 49152
     return arch
 
@@ -162,8 +164,9 @@ def write_data(path: Path, seed: int) -> Path:
     rows = []
     for i in range(DATA_ROWS):
         a, b = rng.randint(10, 99), rng.randint(10, 99)
+        question = f"What is {a} + {b}? Put the final answer in \\boxed{{}}."
         rows.append({"data_source": "rehearsal", "ability": "MATH", "index": i,
-                     "prompt": [{"role": "user", "content": f"What is {a} + {b}? Put the final answer in \\boxed{{}}."}],
+                     "prompt": [{"role": "user", "content": question}],
                      "reward_model": {"style": "rule", "ground_truth": str(a + b)}})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
