@@ -134,14 +134,20 @@ def test_data_file_is_dapo_layout_with_verifiable_answers(tmp_path):
 
 
 @pytest.mark.parametrize("name", FLAGSHIPS)
-def test_rehearsal_refuses_a_stage_that_would_pass_without_running(name, capsys):
+def test_rehearsal_refuses_a_stage_that_would_pass_without_running(name, capsys, monkeypatch):
     """Both flagships train an EAGLE-3 drafter online with the Megatron trainer, which trains only MTP heads: a
     rehearsal would serve that drafter frozen and look green. The run is refused before anything is built (exit 2,
     the stage named); `--dryrun` still prints the resolved rehearsal and says the same in a note."""
+    import launchers
+
     module = nemo_run_cli.load_recipe(ROOT / "recipes" / f"{name}.py")
-    assert module.main(["--rehearsal"]) == 2
-    err = capsys.readouterr().err
-    assert "cannot run: online drafter training" in err and "eagle3 drafter would be served frozen" in err
+    submitted = []
+    monkeypatch.setattr(launchers, "submit", lambda *a, **k: submitted.append(a))
+    for argv in ([], ["--executor", "ray-slurm", "--account", "A", "--partition", "cpu", "--gpus-per-node", "0"]):
+        assert module.main(["--rehearsal", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "cannot run: online drafter training" in err and "eagle3 drafter would be served frozen" in err
+    assert submitted == []
     dryrun(name, "--rehearsal")
     assert "note: --rehearsal of" in capsys.readouterr().err
 
