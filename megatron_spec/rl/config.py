@@ -214,6 +214,11 @@ class RunSection:
     """torch CPU threads."""
     report: bool = True
     """Write `report.html` (plots of reward, accuracy, stage times, acceptance) into out_dir when the run ends."""
+    loggers: tuple[str, ...] = ("tensorboard",)
+    """Where step metrics go besides metrics.jsonl: any of `tensorboard`, `wandb`, `mlflow` (the last two are the
+    `wandb` / `mlflow` extras and follow their own environment: WANDB_MODE, MLFLOW_TRACKING_URI, credentials)."""
+    logger_project: str = "megatron-spec"
+    """The wandb project and the MLflow experiment the run is logged under (its name: out_dir's last part)."""
     device: str = "cpu"
     """Where the embedded trainer and generator compute (`backend.placement=inline`): `cpu`, `cuda` or `cuda:N`. The
     policy, drafter, reference, optimizer state, KV caches and every tensor the engine, verifier, sampler and
@@ -227,6 +232,9 @@ class RunSection:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"run.steps must be >= 1 (a run of no steps trains nothing), got {self.steps}")
+        unknown = [name for name in self.loggers if name not in ("tensorboard", "wandb", "mlflow")]
+        if unknown:
+            raise ValueError(f"run.loggers: unknown {unknown}; use any of tensorboard, wandb, mlflow")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"run.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
 

@@ -2,7 +2,8 @@
 
 Per RL step, `StepLogger.log(metrics)`:
   - appends one JSON line to `RUN_DIR/metrics.jsonl` and flushes it, so a crash loses at most the step in flight;
-  - writes the numeric fields as TensorBoard scalars (when tensorboard is installed; otherwise a one-time note);
+  - writes the numeric fields as TensorBoard scalars (when tensorboard is installed; otherwise a one-time note),
+    and the same scalars to Weights & Biases and MLflow when `run.loggers` names them (`LOGGERS`);
   - prints one compact line: step, stage times, tokens/s, acceptance length, reward, accuracy, loss.
 
 `read_metrics(run_dir)` reads the file back. A process killed mid-write leaves a truncated last line, which is
@@ -11,9 +12,12 @@ ignored; a resumed run re-logs the steps after its checkpoint, and the last reco
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
+import time
+import uuid
 import warnings
 from pathlib import Path
 from typing import Iterable
@@ -39,9 +43,11 @@ class StepLogger:
     """One run's metrics sink. Use as a context manager or call `close()`; both are idempotent."""
 
     def __init__(self, run_dir: str | os.PathLike, total_steps: int, tensorboard: bool = True,
-                 stream=None, purge_step: int | None = None):
+                 stream=None, purge_step: int | None = None, loggers: Iterable[str] | None = None,
+                 config: dict | None = None, project: str = "megatron-spec"):
         # stream: where step lines go (stdout by default); purge_step: on resume, the first step being re-run,
-        # so TensorBoard drops the events a crashed attempt wrote for it and later steps.
+        # so TensorBoard drops the events a crashed attempt wrote for it and later steps. loggers: `LOGGERS` to
+        # write to (None: TensorBoard when `tensorboard`); config: the run's config, recorded by wandb / MLflow.
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
@@ -50,7 +56,10 @@ class StepLogger:
         path = self.run_dir / METRICS_FILE
         _drop_partial_line(path)
         self._file = open(path, "a", encoding="utf-8")
-        self._writer = _summary_writer(self.run_dir, purge_step) if tensorboard else None
+        loggers = tuple(loggers) if loggers is not None else (("tensorboard",) if tensorboard else ())
+        check_loggers(loggers)
+        self._writer = _summary_writer(self.run_dir, purge_step) if "tensorboard" in loggers else None
+        self._sinks = [SINKS[name](self.run_dir, project, config or {}) for name in loggers if name in SINKS]
 
     # -- per step ---------------------------------------------------------------------------------------------
 
@@ -59,6 +68,8 @@ class StepLogger:
         self._file.flush()
         if self._writer is not None:
             self._write_scalars(metrics)
+        if self._sinks:
+            self._write_sinks(metrics)
         line = format_line(metrics, self.total_steps)
         if self._bar is not None and not self._bar.disable:
             # tqdm.write clears the bar, prints the line above it and redraws the bar, so the two never interleave.
@@ -90,6 +101,9 @@ class StepLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
     def __enter__(self) -> "StepLogger":
         return self
@@ -109,6 +123,106 @@ class StepLogger:
             print(f"note: TensorBoard logging stopped ({type(err).__name__}: {err}); metrics.jsonl is unaffected",
                   file=sys.stderr)
             self._writer = None
+
+
+    def _write_sinks(self, metrics: dict) -> None:
+        step, values = int(metrics.get("step", 0)), dict(scalars(metrics))
+        for sink in list(self._sinks):
+            try:
+                sink.log(values, step)
+            except Exception as err:  # as with TensorBoard: the run goes on, metrics.jsonl has everything
+                print(f"note: {type(sink).__name__} logging stopped ({type(err).__name__}: {err}); "
+                      f"metrics.jsonl is unaffected", file=sys.stderr)
+                self._sinks.remove(sink)
+
+
+# -- optional experiment trackers -----------------------------------------------------------------------------
+
+LOGGERS = ("tensorboard", "wandb", "mlflow")
+"""What `run.loggers` may name. TensorBoard event files go to RUN_DIR/tensorboard; wandb and MLflow follow their own
+environment (WANDB_MODE=offline, WANDB_DIR, MLFLOW_TRACKING_URI, credentials) and get the same scalars."""
+
+
+def _tracker(module: str, extra: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(f"run.loggers names {extra}, which needs the `{extra}` extra: "
+                          f"pip install 'megatron-spec[{extra}]'") from err
+
+
+def check_loggers(loggers: Iterable[str]) -> None:
+    """Unknown names and trackers that are not installed fail here, before a run computes anything."""
+    for name in loggers:
+        if name not in LOGGERS:
+            raise ValueError(f"unknown logger {name!r}: use any of {LOGGERS}")
+        if name == "wandb":
+            _tracker("wandb", "wandb")
+        elif name == "mlflow":
+            _tracker("mlflow", "mlflow")
+
+
+class WandbSink:
+    """One wandb run per run directory: its id is kept in RUN_DIR/wandb_run_id, so a resumed run continues it."""
+
+    def __init__(self, run_dir: Path, project: str, config: dict):
+        wandb = _tracker("wandb", "wandb")
+        id_file = run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
+        id_file.write_text(run_id)
+        self.run = wandb.init(project=project, name=run_dir.name, id=run_id, resume="allow", config=config,
+                              dir=os.environ.get("WANDB_DIR", str(run_dir)))
+
+    def log(self, values: dict, step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MlflowSink:
+    """One MLflow run per run directory (experiment `project`): its id is kept in RUN_DIR/mlflow_run_id, so a
+    resumed run continues it."""
+
+    def __init__(self, run_dir: Path, project: str, config: dict):
+        mlflow = _tracker("mlflow", "mlflow")
+        self.client = mlflow.tracking.MlflowClient()
+        id_file = run_dir / "mlflow_run_id"
+        if id_file.is_file():
+            self.run_id = id_file.read_text().strip()
+        else:
+            experiment = self.client.get_experiment_by_name(project)
+            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
+            self.run_id = self.client.create_run(experiment_id, run_name=run_dir.name).info.run_id
+            id_file.write_text(self.run_id)
+            flat = _flatten(config)
+            for i in range(0, len(flat), 100):  # MLflow takes at most 100 params per call
+                params = [mlflow.entities.Param(k, str(v)[:500]) for k, v in list(flat.items())[i : i + 100]]
+                self.client.log_batch(self.run_id, params=params)
+        self.client.update_run(self.run_id, "RUNNING")
+        self._metric = mlflow.entities.Metric
+
+    def log(self, values: dict, step: int) -> None:
+        now = int(time.time() * 1000)
+        metrics = [self._metric(k, v, now, step) for k, v in values.items()]
+        for i in range(0, len(metrics), 1000):
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+SINKS = {"wandb": WandbSink, "mlflow": MlflowSink}
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def scalars(metrics: dict) -> list[tuple[str, float]]:

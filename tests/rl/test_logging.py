@@ -133,3 +133,92 @@ def test_progress_bar_on_a_tty_and_switched_off(tmp_path, monkeypatch):
     with StepLogger(tmp_path, 3, tensorboard=False, stream=io.StringIO()) as log:
         assert list(log.progress(range(2))) == [0, 1]
         assert log._bar.disable
+
+
+def _read_wandb_history(run_file) -> list[dict]:
+    """The history rows of an offline wandb run file: a 7-byte file header, then records of a 7-byte header
+    (checksum, length, type) and a `Record` protobuf each (one 32 KiB block suffices for these few steps). wandb's
+    writer process may still be flushing when `finish()` returns: read until its `exit` record is there (30 s)."""
+    import struct
+    import time
+
+    from wandb.proto import wandb_internal_pb2
+
+    deadline = time.monotonic() + 30
+    while True:
+        data, pos, rows, ended = run_file.read_bytes(), 7, [], False
+        assert data.startswith(b":W&B") and len(data) < 32768
+        while pos + 7 <= len(data):
+            _, n, _ = struct.unpack("<IHB", data[pos : pos + 7])
+            if n == 0 or pos + 7 + n > len(data):
+                break
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data[pos + 7 : pos + 7 + n])
+            pos += 7 + n
+            kind = record.WhichOneof("record_type")
+            ended |= kind == "exit"
+            if kind == "history":
+                rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item})
+        if ended or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)
+
+
+def test_wandb_offline_receives_every_scalar(tmp_path, monkeypatch):
+    """Offline wandb (its own file format, read back here record by record): each step's row holds exactly the
+    TensorBoard scalars of that step, at that step; the run id is kept for a resumed run."""
+    pytest.importorskip("wandb", reason="the `wandb` extra is not installed")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    records = [_metrics(0), _metrics(1, reward_mean=0.625), _metrics(2, spec=False, accuracy=0.5)]
+    with StepLogger(tmp_path / "run", 3, loggers=("wandb",), stream=io.StringIO(), config={"grpo": {"lr": 1e-5}}) as log:
+        for m in records:
+            log.log(m)
+    assert not (tmp_path / "run" / "tensorboard").exists()
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    rows = _read_wandb_history(run_file)
+    assert [r["_step"] for r in rows] == [0, 1, 2]
+    for row, m in zip(rows, records):
+        assert {k: v for k, v in row.items() if not k.startswith("_")} == pytest.approx(dict(scalars(m)))
+    run_id = (tmp_path / "run" / "wandb_run_id").read_text()
+    assert run_id in run_file.name
+
+
+def test_mlflow_file_store_receives_every_scalar(tmp_path, monkeypatch):
+    """MLflow with a local file store: every scalar's history per step as logged, the config as parameters, the
+    run ended; a second logger on the same run directory (a resume) continues the same MLflow run."""
+    pytest.importorskip("mlflow", reason="the `mlflow` extra is not installed")
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    records = [_metrics(0), _metrics(1, reward_mean=0.625)]
+    with StepLogger(tmp_path / "run", 3, loggers=("tensorboard", "mlflow"), stream=io.StringIO(),
+                    config={"grpo": {"lr": 1e-5}}, project="exp") as log:
+        log.log(records[0])
+    with StepLogger(tmp_path / "run", 3, loggers=("mlflow",), stream=io.StringIO(), project="exp") as log:
+        log.log(records[1])
+    client = mlflow.tracking.MlflowClient()
+    run = client.get_run((tmp_path / "run" / "mlflow_run_id").read_text())
+    assert run.info.status == "FINISHED" and run.data.params == {"grpo.lr": "1e-05"}
+    for tag, _ in scalars(records[0]):
+        history = [(h.step, h.value) for h in client.get_metric_history(run.info.run_id, tag)]
+        assert history == pytest.approx([(s, dict(scalars(m))[tag]) for s, m in enumerate(records)])
+    assert len(client.search_runs([client.get_experiment_by_name("exp").experiment_id])) == 1
+
+
+def test_unknown_or_missing_logger_fails_before_a_run(tmp_path, monkeypatch):
+    """An unknown name, and a tracker that is not installed (hidden here), are refused with the extra to install."""
+    from megatron_spec.rl.config import RunSection
+
+    with pytest.raises(ValueError, match="unknown logger 'neptune'"):
+        StepLogger(tmp_path, 1, loggers=("neptune",), stream=io.StringIO())
+    with pytest.raises(ValueError, match="run.loggers: unknown"):
+        RunSection(loggers=("tensorboard", "neptune"))
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(ImportError, match=r"pip install 'megatron-spec\[wandb\]'"):
+        rl_logging.check_loggers(("tensorboard", "wandb"))
+    with pytest.raises(ImportError, match=r"pip install 'megatron-spec\[mlflow\]'"):
+        StepLogger(tmp_path, 1, loggers=("mlflow",), stream=io.StringIO())
