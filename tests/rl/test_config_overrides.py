@@ -60,7 +60,7 @@ def test_unknown_keys_list_the_valid_keys_of_their_section():
         apply_overrides(RLConfig(), ["grpo.group_sze=3"])
     assert "did you mean grpo.group_size" in str(err.value)
     assert all(f.name in str(err.value) for f in dataclasses.fields(GRPOSection))
-    with pytest.raises(ValueError, match="unknown key 'optim'.*model, grpo, spec, drafter_train, run"):
+    with pytest.raises(ValueError, match="unknown key 'optim'.*model, data, grpo, spec, drafter_train, run"):
         apply_overrides(RLConfig(), ["optim.lr=1"])
     with pytest.raises(ValueError, match="unknown key 'spec.k'.*num_speculative_tokens"):
         apply_overrides(RLConfig(spec=None), ["spec.k=3"])  # checked even while the section is None
