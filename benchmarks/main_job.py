@@ -4,7 +4,8 @@ Runs the README's main command (`recipes/tiny_grpo_spec.py`) once per variant an
 otherwise idle machine, and reads each run's `metrics.jsonl`:
 
 - `spec`: the main job as shipped (MTP head, adaptive controller, online drafter training);
-- `plain`: the same job with `spec=null`, run right after `spec` with the same seed (paired), which is both the
+- `plain`: the same job with `spec=null`, run next to `spec` with the same seed (paired; which runs first
+  alternates between seeds), which is both the
   losslessness check at the RL level (it must learn as much) and the baseline of the gen-stage speed-up;
 - `frozen`: the main job with `drafter_train.online=false` (the drafter as `train-drafter` left it).
 
@@ -14,7 +15,10 @@ Printed and written to the JSON:
    rollouts with speculation forced on every step (`spec.adaptive=false`, so no step is left out by the
    controller), and the drafter's agreement with the policy on the train batch in the shipped (adaptive) runs;
 3. the gen stage's total time, plain over spec, per seed (paired) and pooled; the same per generated token; and
-   both over the steps where the spec run drafted nothing.
+   both over the steps where the spec run drafted nothing;
+4. the whole step's (every stage, the online drafter's training included), plain over spec, per seed and pooled,
+   beside the plain step's generation share, the steps the whole-step gate ran plainly, and the whole-step ratio
+   of the k = 3 runs against the plain run of their seed. Each run records the host's load average before and after.
 
     python benchmarks/main_job.py --seeds 0 1 2 --out research/records/main_job.json [--check main_job_avx2]
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -55,11 +60,12 @@ def run(variant: str, seed: int, runs_dir: Path, extra: list[str], reuse: bool =
             return {"variant": variant, "seed": seed, "wall_s": None, "dir": str(out), "rows": rows}
     argv = [sys.executable, str(ROOT / "recipes" / "tiny_grpo_spec.py"), f"run.seed={seed}", f"run.out_dir={out}",
             "run.resume=false", "run.report=false", *VARIANTS[variant], *extra]
-    start = time.perf_counter()
+    start, load = time.perf_counter(), os.getloadavg()[0]
     subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - start
     # read_metrics: the last record of a step wins (a run resumed after a crash logs its last steps again)
-    return {"variant": variant, "seed": seed, "wall_s": wall, "dir": str(out), "rows": read_metrics(out)}
+    return {"variant": variant, "seed": seed, "wall_s": wall, "dir": str(out), "rows": read_metrics(out),
+            "load": [load, os.getloadavg()[0]]}
 
 
 def mean(xs):
@@ -77,11 +83,30 @@ def summarize(result: dict, window: int) -> dict:
         "eval_before": rows[0].get("eval_accuracy_before"), "eval_curve": evals, "eval_after": evals[-1][1],
         "reward_curve": [r["reward_mean"] for r in rows],
         "gen_s": sum(r["stages"]["gen"] for r in rows), "train_s": sum(r["stages"]["train"] for r in rows),
+        "step_s": sum(r["step_time"] for r in rows), "drafter_s": sum(r.get("drafter_s") or 0.0 for r in rows),
+        "steps_gated_plain": sum(r.get("speculate") is False for r in rows),
+        "steps_drafter_trained": sum(r.get("drafter_s") is not None for r in rows),
+        "load": result.get("load"),
         "gen_tokens": sum(r["gen_tokens"] for r in rows),
         "gen_curve": [r["stages"]["gen"] for r in rows], "gen_tokens_curve": [r["gen_tokens"] for r in rows],
         "tau_curve": taus, "tau_first": mean(taus[:window]), "tau_last": mean(taus[-window:]),
         "agreement_curve": agree, "agreement_first": mean(agree[:window]), "agreement_last": mean(agree[-window:]),
     }
+
+
+def whole_step(spec: list[dict], plain: list[dict], online: list[dict], frozen: list[dict]) -> dict:
+    """The whole step (every stage, the online drafter's training in the train stage), plain over spec seconds, per
+    seed and pooled, with the plain runs' generation share and what the whole-step gate did; and the same ratio of
+    the k = 3 runs (online and frozen head) against the plain run of their seed, which ran in the same plan."""
+    by_seed = {r["seed"]: r for r in plain}
+    forced = {f"{r['variant']}_k3": (by_seed[r["seed"]]["step_s"] / r["step_s"] if r["seed"] in by_seed else None)
+              for r in online + frozen}
+    return {"paired": [pl["step_s"] / sp["step_s"] for sp, pl in zip(spec, plain)],
+            "pooled": sum(r["step_s"] for r in plain) / sum(r["step_s"] for r in spec),
+            "plain_gen_share": [r["gen_s"] / r["step_s"] for r in plain],
+            "spec_steps_gated_plain": [r["steps_gated_plain"] for r in spec],
+            "spec_drafter_s": [r["drafter_s"] for r in spec], **forced,
+            "goal": ">= 0.98 (speculation never makes the run slower); plain gen share >= 0.60"}
 
 
 def per_token(spec: list[dict], plain: list[dict]) -> dict:
@@ -158,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         return summarize_dirs(args.summarize, args.window, args.out, machine())
 
     runs_dir = Path(args.runs_dir)
-    plan = [(v, s) for s in args.seeds for v in ("spec", "plain")]
+    # spec and plain back to back, in alternating order, so that the host's load drifts hit both alike
+    plan = [(v, s) for i, s in enumerate(args.seeds) for v in (("spec", "plain") if i % 2 == 0 else ("plain", "spec"))]
     plan += [(v, s) for s in args.drafter_seeds for v in ("online", "frozen")]
     runs = []
     for variant, seed in plan:
@@ -185,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                         / sum(r["gen_s"] for r in of("spec")), "goal": ">= 1.3"},
     }
     claims["gen_speedup"].update(per_token(of("spec"), of("plain")))
+    claims["whole_step"] = whole_step(of("spec"), of("plain"), of("online"), of("frozen"))
     print(json.dumps(claims, indent=1))
     record = {"machine": machine(), "command": "python recipes/tiny_grpo_spec.py run.seed=S " + " ".join(
         args.overrides), "variants": VARIANTS, "window": args.window, "claims": claims, "runs": runs}

@@ -20,11 +20,18 @@ def tiny_grpo_spec() -> RLConfig:
     lr 1e-4 moves the policy to the careful style within the run (its text changes, so a drafter trained before RL
     goes stale), and the online MTP head keeps up by training its three chained drafts every step on the last 4
     steps' rollouts in 8 minibatches each. 160 tokens hold the longest careful solution; 128 held-out problems give
-    +-4.4 points of standard error."""
+    +-4.4 points of standard error.
+
+    The step is shaped as RL post-training's is, generation most of it: chain lengths long-tailed (2 terms 44 % of
+    the time, 5-8 terms 22 %), so each step's batch drains to a few long answers, and groups whose rollouts all got
+    the same reward (no advantage, no policy gradient) left out of the update (DAPO's dynamic sampling), in
+    micro-batches of up to 2048 tokens. On a 2-core CPU the plain step then spends about 60-70 % of its time
+    generating (about 35 % with uniform lengths and every group trained). The whole-step gate
+    (`drafter_train.gate`) runs steps plainly wherever speculation with the drafter's training does not pay."""
     return RLConfig(
         model=ModelSection(policy="checkpoints/tiny-qwen3-deep-careful",
-                           drafter="checkpoints/tiny-qwen3-deep-careful-mtp"),
-        grpo=GRPOSection(max_tokens=160, lr=1e-4),
+                           drafter="checkpoints/tiny-qwen3-deep-careful-mtp", terms_weights=(8, 4, 2, 1, 1, 1, 1)),
+        grpo=GRPOSection(max_tokens=160, lr=1e-4, drop_uniform_groups=True, micro_batch_tokens=2048),
         drafter_train=DrafterTrainSection(drafts=3, replay=4, minibatches=8),
         run=RunSection(eval_prompts=128),
     )

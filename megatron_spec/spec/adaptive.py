@@ -367,8 +367,8 @@ def octave(batch: int) -> int:
 
 
 GATE_WINDOW = 3  # latest steps per mode whose median prices it
-GATE_FIRST = 8  # RL steps a decision holds before the other mode is measured again, at first and after a switch
-GATE_MAX = 32  # the interval doubles up to this while re-measuring confirms the decision
+GATE_FIRST = 12  # RL steps a decision holds before the other mode is measured again, at first and after a switch
+GATE_MAX = 48  # the interval doubles up to this while re-measuring confirms the decision
 
 
 @dataclass
@@ -387,7 +387,8 @@ first `warmup` steps run plain and are not priced (first-use costs would be char
     speculation is off is measured as it is on the next speculative step; where it went stale, speculation stays
     off, which is right for that host: it could not pay there with a fresh one either. A speculative step whose
     generation alone costs plain decoding's or more skips the drafter's training (`drafter_pays`): on a host where
-    speculation does not speed generation up, measuring that costs nothing but the slower generation."""
+    speculation does not speed generation up, measuring that costs nothing but the slower generation; so does one
+    whose generation plus the training as last measured (`drafter_cost`) does not, and it is priced at that sum."""
 
     margin: float = 1.02
     warmup: int = 1  # first RL steps, plain and not priced: they pay for first-use costs (kernels, allocations)
@@ -396,6 +397,7 @@ first `warmup` steps run plain and are not priced (first-use costs would be char
     interval: int = GATE_FIRST
     next_probe: int = 0
     steps: int = 0  # RL steps recorded
+    drafter_cost: float | None = None  # the drafter's training per generated token, as last measured
 
     def speculate(self) -> bool:
         """The mode of the next RL step: True speculates (and trains the drafter)."""
@@ -414,7 +416,10 @@ first `warmup` steps run plain and are not priced (first-use costs would be char
         if self.warmup > 0:
             self.warmup -= 1
             return
-        self.costs[speculated].append((gen_s + drafter_s) / tokens)
+        if speculated and drafter_s > 0:
+            self.drafter_cost = drafter_s / tokens
+        cost = self.estimate(gen_s, tokens) if speculated and drafter_s == 0 else (gen_s + drafter_s) / tokens
+        self.costs[speculated].append(cost)
         self.steps += 1
         if not (self.costs[True] and self.costs[False]):
             return
@@ -429,9 +434,13 @@ first `warmup` steps run plain and are not priced (first-use costs would be char
 
     def drafter_pays(self, gen_s: float, tokens: int) -> bool:
         """Whether a speculative step whose gen stage took `gen_s` for `tokens` tokens should train the drafter: not
-        where its generation alone already costs plain decoding's margin or more per token, since no training cost
-        can make that step pay (the step is then priced at its generation, which decides the same way)."""
-        return not self.costs[False] or gen_s / max(tokens, 1) * self.margin < self.cost(False)
+        where its generation plus the training as last measured (none yet: its generation alone) costs plain
+        decoding's margin or more per token (the step is then priced at that `estimate`, which decides the same way)."""
+        return not self.costs[False] or self.estimate(gen_s, tokens) * self.margin < self.cost(False)
+
+    def estimate(self, gen_s: float, tokens: int) -> float:
+        """A speculative step's cost per token with the drafter's training as last measured (none yet: 0)."""
+        return gen_s / max(tokens, 1) + (self.drafter_cost or 0.0)
 
     def pays(self) -> bool:
         """Speculation's whole-step cost per token, `margin` times, is below plain decoding's."""
