@@ -6,13 +6,14 @@ minibatches, appending to the replay buffer).
 Runs the main job's recipe in this process (`recipes/tiny_grpo_spec.py`'s config, the overrides given laid over
 it) with wrappers that time each piece; step 0 (kernel warm-up) is left out of the means.
 
-    python research/drafter_cost/cost_profile.py --steps 6 --out research/drafter_cost/shipped.json [key=value ...]
+    python research/drafter_cost/cost_profile.py --steps 6 --out research/records/drafter_cost_profile.json [key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -110,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from megatron_spec.bench.common import machine
 
-    result = {"label": args.label, "machine": machine(), **profile(args.overrides, args.steps)}
+    load = os.getloadavg()[0]
+    result = {"label": args.label, "machine": machine(), "command": "python research/drafter_cost/cost_profile.py "
+              + " ".join(argv if argv is not None else sys.argv[1:]), **profile(args.overrides, args.steps)}
+    result["load_average"] = [load, os.getloadavg()[0]]  # before and after: the host is shared
     s = result["summary"]
     print(json.dumps({"label": args.label, **{k: s[k] for k in ("stages", "pieces", "calls_per_step",
                                                                   "policy_train", "drafter_share_of_train")}},
