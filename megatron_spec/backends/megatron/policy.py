@@ -1,6 +1,7 @@
 """`MegatronPolicy`: the Policy interface (`logprobs`, `train_step`, `export_weights`, `state_dict` /
 `load_state_dict`) on a Megatron-Core `GPTModel` split over TP / PP / EP, with the MTP head as Megatron's own MTP
-layers trained in the same backward and optimizer step.
+layers trained in the same backward and optimizer step, or an EAGLE-3 head trained online beside it, detached,
+with its own optimizer (`eagle3.py`).
 
 Every rank holds one `MegatronPolicy` and every method is collective. Either every rank makes the same calls
 (SPMD, `followers=False`: the tests), or, for the RL loop, which runs on rank 0 only and never sees
@@ -84,9 +85,12 @@ class MegatronPolicy:
                  drafter: MTP | str | os.PathLike | None = None, mtp_num_layers: int = 0,
                  mtp_coupling: str = "detached", mtp_loss_scaling_factor: float = 0.1, drafter_lr: float = 3e-4,
                  sequence_parallel: bool = False, seed: int = 0, followers: bool = False,
-                 params_dtype: str = "float32", recompute: str = "none", optimizer: str = "torch"):
+                 params_dtype: str = "float32", recompute: str = "none", optimizer: str = "torch",
+                 eagle3=None, drafter_cfg=None):
         """`model`: an HF checkpoint directory (each rank reads its own slices) or a loaded `CausalLM`; `drafter`:
-        an MTP drafter directory or module (None with `mtp_num_layers`: a new head, as train-drafter makes)."""
+        an MTP drafter directory or module (None with `mtp_num_layers`: a new head, as train-drafter makes);
+        `eagle3`: an EAGLE-3 head (directory or module) trained online beside the policy (`eagle3.py`) with the
+        `drafter_train` section `drafter_cfg`."""
         from_files = not isinstance(model, CausalLM)
         cfg = read_config(model) if from_files else model.config
         if grpo.kl_coef > 0:
@@ -119,6 +123,13 @@ class MegatronPolicy:
                              f"backend.megatron.mtp_num_layers={mtp_num_layers}")
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_parallelism(cfg, par, world)  # before any rank allocates a parameter
+        if eagle3 is not None:  # a head that does not fit, or beside MTP layers, fails before anything is built
+            from .eagle3 import check_combination, load_head
+
+            check_combination(mtp_num_layers, recompute)
+            if drafter_cfg is None:
+                raise ValueError("an online EAGLE-3 head needs its drafter_train section (drafter_cfg)")
+            eagle3 = load_head(eagle3, cfg)
         if not dist.is_initialized():
             raise RuntimeError("MegatronPolicy needs torch.distributed initialised on every rank "
                                "(backends.megatron.launch starts it; tests use parallel.spawn)")
@@ -158,6 +169,11 @@ class MegatronPolicy:
         if self.mtp_layers:
             groups.append(dict(params=[self.masters[p] for _, p in self.mtp_layers], lr=drafter_lr))
         self.opt = torch.optim.AdamW(groups, weight_decay=0.0)
+        self.eagle3 = None
+        if eagle3 is not None:
+            from .eagle3 import Eagle3Online
+
+            self.eagle3 = Eagle3Online(self.model, eagle3, grpo, sampling, drafter_cfg)
         # With followers, rank 0 announces each call (the RL loop); without, every rank makes the calls itself.
         self.leader = followers and dist.get_rank() == 0 and dist.get_world_size() > 1
 
@@ -178,7 +194,8 @@ class MegatronPolicy:
                    mtp_num_layers=m.mtp_num_layers, mtp_coupling=m.mtp_coupling,
                    mtp_loss_scaling_factor=m.mtp_loss_scaling_factor, drafter_lr=cfg.drafter_train.lr,
                    sequence_parallel=m.sequence_parallel, seed=cfg.run.seed, followers=world > 1,
-                   params_dtype=m.params_dtype, recompute=m.recompute, optimizer=m.optimizer)
+                   params_dtype=m.params_dtype, recompute=m.recompute, optimizer=m.optimizer,
+                   eagle3=eagle3_drafter_dir(cfg), drafter_cfg=cfg.drafter_train)
 
     # -- rank 0 announces, the others follow ------------------------------------------------------------------
 
@@ -241,7 +258,8 @@ class MegatronPolicy:
         self.opt.zero_grad(set_to_none=True)
         self.model.train()
         aux_loss_sum(self.model, 1)  # start from an empty router-loss tracker
-        outs = run_schedule(self.model, micros, spec, self.mtp, forward_only=False)
+        with self.eagle3.capture(micros) if self.eagle3 else contextlib.nullcontext():
+            outs = run_schedule(self.model, micros, spec, self.mtp, forward_only=False)
         contributes = self._contributes()
         keys = ("policy_loss", "clip_frac", "is_clip_frac", "drafter_loss")
         sums = sum_metrics(outs, contributes, keys)
@@ -267,6 +285,8 @@ class MegatronPolicy:
             metrics["drafter_loss"] = sums["drafter_loss"]
         self.opt.step()
         self._masters_to_params()
+        if self.eagle3:  # after the update: the head reads the updated embedding, as the embedded trainer's does
+            metrics.update(self.eagle3.step(batch))
         metrics["skipped"] = False
         metrics["memory"] = self._rank_memory()
         return metrics
@@ -316,6 +336,8 @@ class MegatronPolicy:
                     continue
                 name = DRAFTER_PREFIX + name
             yield name, t
+        if self.eagle3:  # replicated on every rank: nothing to gather
+            yield from self.eagle3.export()
 
     # -- checkpoints ------------------------------------------------------------------------------------------
 
@@ -354,6 +376,8 @@ class MegatronPolicy:
         steps = [float(s["step"]) for s in self.opt.state.values() if "step" in s]
         state["step"] = max(steps, default=0.0)
         state["layout"] = self.par.describe()
+        if self.eagle3:
+            state["eagle3"] = self.eagle3.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -369,6 +393,8 @@ class MegatronPolicy:
             with self._params_as(key, create=True):
                 import_hf(self.model, state[key])
         self._set_step(state["step"])
+        if self.eagle3 and "eagle3" in state:
+            self.eagle3.load_state_dict(state["eagle3"])
 
     def _set_step(self, step: float) -> None:
         for group in self.opt.param_groups:
@@ -417,7 +443,10 @@ class MegatronPolicy:
             dist_checkpointing.save(sd, str(out_dir))
         dist.barrier()  # every rank's files are on disk before the caller renames the directory into place
         steps = [float(s["step"]) for s in self.opt.state.values() if "step" in s]
-        return {"sharded_dir": out_dir.name, "step": max(steps, default=0.0), "layout": self.par.describe()}
+        out = {"sharded_dir": out_dir.name, "step": max(steps, default=0.0), "layout": self.par.describe()}
+        if self.eagle3:  # small and replicated: kept beside the shards
+            out["eagle3"] = self.eagle3.state_dict()
+        return out
 
     def load_sharded(self, ckpt_dir: str | os.PathLike, state: dict | None = None) -> None:
         """Every rank reads its own shards of a `save_sharded` checkpoint made at any TP / PP / EP layout."""
@@ -437,10 +466,19 @@ class MegatronPolicy:
                                  f"e.g. {missing[:3]}")
         self._masters_to_params()
         self._set_step((state or {}).get("step", 0.0))
+        if self.eagle3 and state and "eagle3" in state:
+            self.eagle3.load_state_dict(state["eagle3"])
 
 
 def _drafter_tensors(drafter: MTP) -> dict[str, torch.Tensor]:
     return {n: t.detach().float() for n, t in drafter.state_dict().items()}
+
+
+def eagle3_drafter_dir(cfg) -> str | None:
+    """The EAGLE-3 head the run names (`model.drafter`, else `spec.model` of an `eagle3` spec), or None."""
+    if cfg.spec is None or cfg.spec.method != "eagle3":
+        return None
+    return cfg.model.drafter or cfg.spec.model or None
 
 
 def mtp_drafter_dir(cfg) -> str | None:

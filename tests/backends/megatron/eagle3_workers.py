@@ -1,0 +1,89 @@
+"""What the spawned ranks run for `test_eagle3.py`: `MegatronPolicy` with an online EAGLE-3 head on a 4-layer tiny
+model whose head fuses layers (0, 1, 3), so at PP2 the fused layers sit on both stages; and the embedded trainer
+with the same head on the same weights and batches."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_spec.models import Eagle3Head
+from megatron_spec.models.eagle3 import Eagle3Config
+from megatron_spec.rl.config import DrafterTrainSection
+from megatron_spec.rl.policy import EmbeddedPolicy
+
+from .common import tiny
+from .policy_workers import SAMPLING, STEPS, batches, grpo, our_model, with_policy_old
+
+LAYERS, CAPTURE = 4, (0, 1, 3)
+D2T = torch.arange(0, 96, 2)
+"""A draft vocabulary of every other id: the loss learns the target restricted to it (`drafter_loss`)."""
+
+
+def cfg():
+    return tiny("dense", num_hidden_layers=LAYERS)
+
+
+def head() -> Eagle3Head:
+    torch.manual_seed(7)
+    return Eagle3Head(cfg(), Eagle3Config(LAYERS, CAPTURE, draft_vocab_size=len(D2T)), d2t=D2T)
+
+
+def drafter_cfg(**kw) -> DrafterTrainSection:
+    """lr 1e-3 as the policy's, so the weight tolerances of `test_policy.py` apply to the head too."""
+    return DrafterTrainSection(**{"lr": 1e-3, **kw})
+
+
+def head_weights(weights: dict) -> dict:
+    return {n: t for n, t in weights.items() if n.startswith("drafter.")}
+
+
+def embedded_run() -> dict:
+    model = our_model(cfg())
+    policy = EmbeddedPolicy(model, grpo(), SAMPLING, head(), "eagle3", drafter_cfg())
+    metrics, weights = [], []
+    for b in batches(cfg()):
+        b = with_policy_old(b, policy.logprobs(b))
+        metrics.append(policy.train_step(b))
+        weights.append({n: t.detach().clone() for n, t in policy.export_weights()})
+    return {"metrics": metrics, "weights": weights}
+
+
+def megatron_policy(par, with_head: bool = True, **kw):
+    from megatron_spec.backends.megatron.policy import MegatronPolicy
+
+    return MegatronPolicy(our_model(cfg()), grpo(**kw.pop("grpo", {})), SAMPLING, par,
+                          eagle3=head() if with_head else None, drafter_cfg=drafter_cfg(**kw.pop("drafter", {})), **kw)
+
+
+def megatron_run(par, steps: int = STEPS) -> dict:
+    policy = megatron_policy(par)
+    metrics, weights = [], []
+    for b in batches(cfg(), steps):
+        b = with_policy_old(b, policy.logprobs(b))
+        metrics.append(policy.train_step(b))
+        weights.append({n: t.clone() for n, t in policy.export_weights()})
+    return {"metrics": metrics, "weights": weights}
+
+
+def trunk_grads_run() -> dict:
+    """Trunk gradients of one step without and with the head (clip off: max_grad_norm 1e9 makes its factor 1)."""
+    from megatron_spec.backends.megatron.checks import Parallelism
+
+    out = {}
+    for name, with_head in (("none", False), ("eagle3", True)):
+        policy = megatron_policy(Parallelism(), with_head, grpo=dict(max_grad_norm=1e9))
+        m = policy.train_step(batches(cfg(), 1)[0])
+        out[name] = {"grads": {n: p.grad.clone() for n, p in policy.model.named_parameters()}, "metrics": m}
+    return out
+
+
+def one_rank(rank: int, world: int) -> dict:
+    from megatron_spec.backends.megatron.checks import Parallelism
+
+    return {"tp1": megatron_run(Parallelism()), "grads": trunk_grads_run()}
+
+
+def two_ranks(rank: int, world: int) -> dict:
+    from megatron_spec.backends.megatron.checks import Parallelism
+
+    return {"tp2": megatron_run(Parallelism(tp=2)), "pp2": megatron_run(Parallelism(pp=2))}
