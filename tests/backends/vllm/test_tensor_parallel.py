@@ -67,11 +67,19 @@ def check_equal_to_ours(gen, model, drafter, kind, prompts):
     return a_vllm
 
 
-def test_tp2_refit_with_another_model_and_drafter(tp2, target, prompts):
+def test_tp2_refit_with_another_model_and_drafter(tp2, target, prompts, monkeypatch):
     """The TP2 engine is our engine before any refit; after a collective refit of another policy (the target with
     N(0, 0.03^2) noise on every weight: its greedy tokens differ) and a re-initialised drafter, it is our engine on
     that pair (tokens; acceptance within 2 %, and lower than the trained head's, so the drafter really changed);
-    refitting the original pair restores the first outputs exactly."""
+    refitting the original pair restores the first outputs exactly. No refit writes a weights file from this
+    process (safetensors.save_file and torch.save raise here), which is where the file-based refit wrote one."""
+    import safetensors.torch
+
+    def no_file(*args, **kwargs):
+        raise AssertionError("a refit wrote a weights file")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", no_file)
+    monkeypatch.setattr(torch, "save", no_file)
     kind, gen, drafter = tp2
     fresh = check_equal_to_ours(gen, target, drafter, kind, prompts)
     assert fresh > 2.0  # the trained head drafts in the TP2 engine
