@@ -122,28 +122,31 @@ def recompute_runs(rank: int, world: int) -> dict:
 
 def dist_resume(rank: int, world: int, root: str) -> dict:
     """MoE + detached MTP: 4 steps at EP2, against 2 steps at EP2, a distributed checkpoint, and 2 more steps at
-    PP2 from it; dense: 4 steps at PP2 against 2 at PP2 + 2 at TP2 (Megatron's padded vocabulary differs). Also
-    which files each save wrote and their sizes."""
+    PP2 from it; dense: 4 steps at PP2 against 2 at PP2 + 2 at TP2 (Megatron's padded vocabulary differs); MoE +
+    MTP in bf16 with fp32 masters, resumed at the same layout. Also which files each save wrote and their sizes."""
     from megatron_spec.backends.megatron.checks import Parallelism
     from megatron_spec.backends.megatron.policy import MegatronPolicy
 
     out = {}
-    for kind, first_par, second_par, mtp in (("moe", dict(ep=2, etp=1), dict(pp=2), 1), ("dense", dict(pp=2), dict(tp=2), 0)):
+    cases = (("moe", "moe", dict(ep=2, etp=1), dict(pp=2), 1, "float32"),
+             ("dense", "dense", dict(pp=2), dict(tp=2), 0, "float32"),
+             ("moe_bf16", "moe", dict(ep=2, etp=1), dict(ep=2, etp=1), 1, "bfloat16"))
+    for name, kind, first_par, second_par, mtp, dtype in cases:
         cfg = tiny(kind)
 
-        def make(par, kind=kind, cfg=cfg, mtp=mtp):
+        def make(par, cfg=cfg, mtp=mtp, dtype=dtype):
             return MegatronPolicy(our_model(cfg), grpo(), SAMPLING, Parallelism(**par),
-                                  drafter=our_drafter(cfg) if mtp else None, mtp_num_layers=mtp)
+                                  drafter=our_drafter(cfg) if mtp else None, mtp_num_layers=mtp, params_dtype=dtype)
 
-        out[kind, "straight"] = megatron_steps(make(first_par), kind, 4)
+        out[name, "straight"] = megatron_steps(make(first_par), kind, 4)
         first = make(first_par)
         megatron_steps(first, kind, 2)
-        ckpt = Path(root) / f"{kind}_ckpt"
+        ckpt = Path(root) / f"{name}_ckpt"
         state = first.save_sharded(ckpt)
-        out[kind, "files"] = {f.name: f.stat().st_size for f in ckpt.iterdir() if f.is_file()}
+        out[name, "files"] = {f.name: f.stat().st_size for f in ckpt.iterdir() if f.is_file()}
         resumed = make(second_par)
         resumed.load_state_dict({**state, "sharded_dir": str(ckpt)})
-        out[kind, "resumed"] = megatron_steps(resumed, kind, 2, start=2)
+        out[name, "resumed"] = megatron_steps(resumed, kind, 2, start=2)
     return out
 
 

@@ -115,6 +115,18 @@ def test_distributed_checkpoint_resumes_at_another_layout(resumes, kind):
             close_weights(a, b)
 
 
+def test_bf16_distributed_checkpoint_resumes_exactly(resumes):
+    """bf16 parameters with fp32 masters, saved and resumed at the same layout: steps 3-4 equal the uninterrupted
+    run's bit for bit (metrics and exported weights), so the fp32 masters (not their bf16 rounding) and both fp32
+    moments were saved and restored."""
+    for rank in resumes:
+        straight, resumed = rank["moe_bf16", "straight"], rank["moe_bf16", "resumed"]
+        for a, b in zip(straight["metrics"][2:], resumed["metrics"]):
+            assert {k: v for k, v in a.items() if k != "memory"} == {k: v for k, v in b.items() if k != "memory"}
+        for a, b in zip(straight["weights"][2:], resumed["weights"]):
+            assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
 def test_distributed_checkpoint_is_written_by_every_rank(resumes):
     """Both ranks wrote a shard file of their own (torch_dist names them __<rank>_<n>.distcp) and neither holds
     the whole state: each file is at most 70 % of the shard bytes (an even split is 50 %; the replicated norms
