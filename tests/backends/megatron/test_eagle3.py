@@ -1,0 +1,104 @@
+"""An EAGLE-3 head trained online beside `MegatronPolicy` (`backends/megatron/eagle3.py`) against the embedded
+trainer's EAGLE-3 update, against itself at TP2 / PP2, and its trunk isolation.
+
+The model is the 4-layer tiny dense one of `common.py`; the head fuses layers (0, 1, 3), so at PP2 two of them
+come from the first stage and one from the last, and it has a draft vocabulary of 48 ids. 2 steps of lr 1e-3 on
+4 rows x 12 tokens (`policy_workers.batches`).
+
+Tolerances are those of `test_policy.py`, for the same reasons: the head's loss and agreement are the same fp32
+sums in another order (Megatron's fused QKV and TP-split matmuls move the captured states by a few ulps), rel
+1e-5; its weights after the Adam updates, |diff| <= 2 x lr x steps and mean |diff| <= 1e-6 (a wrong state, a
+missing stage's layer or a wrong embedding moves most elements by ~lr).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e .[megatron]")
+
+from . import eagle3_workers as w  # noqa: E402
+from .test_policy import REL, close_weights, same_metrics  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one():
+    from megatron_spec.backends.megatron.parallel import spawn
+
+    return spawn(w.one_rank, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def two():
+    from megatron_spec.backends.megatron.parallel import spawn
+
+    return spawn(w.two_ranks, 2)
+
+
+def same_head(a: dict, b: dict):
+    assert a["drafter_loss"] == pytest.approx(b["drafter_loss"], rel=REL)
+    assert a["drafter_agreement"] == pytest.approx(b["drafter_agreement"], rel=REL)
+
+
+@pytest.mark.megatron_dist
+def test_tp1_eagle3_step_equals_the_embedded_trainer(one):
+    """Same weights, head and batches: the head's loss, agreement and weights after each step equal the embedded
+    trainer's EAGLE-3 update, and the policy's update is the embedded one too; the head travels in the export."""
+    ours, ref = one["tp1"], w.embedded_run()
+    for step in range(w.STEPS):
+        same_metrics(ours["metrics"][step], ref["metrics"][step])
+        same_head(ours["metrics"][step], ref["metrics"][step])
+        heads = w.head_weights(ours["weights"][step])
+        assert sorted(heads) == sorted(w.head_weights(ref["weights"][step])) and "drafter.fc.weight" in heads
+        close_weights(heads, w.head_weights(ref["weights"][step]))
+        close_weights(ours["weights"][step], {n: t for n, t in ref["weights"][step].items() if n not in heads})
+    first, second = (w.head_weights(ours["weights"][s])["drafter.fc.weight"] for s in range(2))
+    assert not torch.equal(first, second)  # the head did move
+
+
+@pytest.mark.megatron_dist
+def test_the_head_leaves_the_trunk_gradients_bitwise_unchanged(one):
+    g = one["grads"]
+    assert sorted(g["eagle3"]["grads"]) == sorted(g["none"]["grads"])
+    different = [n for n, t in g["none"]["grads"].items() if not torch.equal(t, g["eagle3"]["grads"][n])]
+    assert not different, different[:3]
+    assert g["eagle3"]["metrics"]["drafter_loss"] > 0 and "drafter_loss" not in g["none"]["metrics"]
+
+
+@pytest.mark.megatron_dist
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_parallel_eagle3_steps_equal_the_tp1_step(one, two, layout):
+    """TP2 and PP2 (the fused layers on both stages) on 2 gloo ranks: the head's loss, agreement and exported
+    weights equal TP1's on every rank."""
+    ref = one["tp1"]
+    for rank in two:
+        ours = rank[layout]
+        for step in range(w.STEPS):
+            same_metrics(ours["metrics"][step], ref["metrics"][step])
+            same_head(ours["metrics"][step], ref["metrics"][step])
+            assert sorted(ours["weights"][step]) == sorted(ref["weights"][step])
+            close_weights(ours["weights"][step], ref["weights"][step])
+
+
+def test_unsupported_combinations_fail_before_anything_is_built():
+    """EAGLE-3 beside MTP layers, a head fusing a layer the policy lacks, full recompute: each raises in the
+    constructor, before torch.distributed or any model exists (no process group here)."""
+    from megatron_spec.backends.megatron.checks import Parallelism
+    from megatron_spec.backends.megatron.policy import MegatronPolicy
+    from megatron_spec.models import Eagle3Head
+    from megatron_spec.models.eagle3 import Eagle3Config
+
+    from .common import tiny
+    from .policy_workers import SAMPLING, grpo, our_model
+
+    model = our_model(w.cfg())
+    deep = tiny("dense", num_hidden_layers=8)
+    cases = [
+        (dict(eagle3=w.head(), mtp_num_layers=1), "mtp_num_layers=1"),
+        (dict(eagle3=Eagle3Head(deep, Eagle3Config(8, (0, 3, 7)))), r"fuses layer\(s\) \[7\]"),
+        (dict(eagle3=w.head(), recompute="full"), "full activation recompute"),
+    ]
+    for kw, message in cases:
+        with pytest.raises(ValueError, match=message):
+            MegatronPolicy(model, grpo(), SAMPLING, Parallelism(), drafter_cfg=w.drafter_cfg(), **kw)
