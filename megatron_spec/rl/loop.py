@@ -61,6 +61,10 @@ def check_inputs(cfg: RLConfig) -> None:
         raise ValueError("the Megatron trainer trains its MTP head jointly with the policy, one first-draft pass per "
                          "step (backend.megatron.mtp_*); drafter_train.drafts, updates, replay and minibatches > 1 "
                          "are the embedded trainer's: set them to 1")
+    mtp_layers = cfg.backend.megatron.mtp_num_layers
+    if cfg.backend.trainer == "megatron" and cfg.spec and cfg.spec.method == "eagle3" and mtp_layers:
+        raise ValueError(f"spec.method=eagle3 trains an EAGLE-3 head beside the Megatron policy; backend.megatron."
+                         f"mtp_num_layers={mtp_layers} would build MTP layers too: set it to 0")
     policy = cfg.model.policy
     if policy != "smollm2-135m" and not (Path(policy) / "config.json").is_file():
         raise FileNotFoundError(f"policy checkpoint {policy} not found (no config.json); "
