@@ -3,10 +3,11 @@ the allocation at hand.
 
 What changes, and only that (`overrides`, laid over the recipe's config before any YAML or user override):
 - the policy: a random checkpoint of the recipe's own architecture (`toy_architecture`: layers, experts, top-k,
-  attention and key-value heads kept; hidden size, head and FFN widths shrunk to `WIDTHS`), written as HF
+  attention and key-value heads kept; hidden size, head and FFN widths shrunk to `WIDTHS`), scaled so that it
+  repeats its last token (`shape_policy`: otherwise a random policy accepts no greedy draft), written as HF
   safetensors + config.json with a tokenizer and chat template (SmolLM2's: the real one is not on this machine);
 - the drafter: a fresh head of the recipe's method for that toy, built and saved by the drafter registry as
-  `megatron-spec train-drafter` does;
+  `megatron-spec train-drafter` does, an EAGLE-3 head set to draft what the toy repeats (`shape_drafter`);
 - the data: a small file in the recipe's data format (DAPO-Math layout parquet: chat-message prompts, boxed
   integer answers scored by the recipe's reward);
 - the cluster: `WORLD` trainer ranks with the recipe's kinds of parallelism at size 2 (those Megatron runs on
@@ -110,11 +111,19 @@ def overrides(name: str, cfg, recipe_scale) -> list[str]:
     return [f"{k}={v}" for k, v in sets.items()]
 
 
-def problems(cfg) -> list[str]:
-    """What the recipe's config asks for that its code path would skip without an error, so a rehearsal could not
-    show it working: each names the stage. Empty when everything the rehearsal exercises is there."""
+def problems(cfg, arch: dict) -> list[str]:
+    """What the recipe's config (with the toy of architecture `arch`) asks for that its code path would skip, or
+    fail at after the allocation starts, so that a rehearsal could not show it working: each names its stage, in
+    the order the run meets them. Each is read from the code it is about, so it clears when that code can."""
     out = []
     method = cfg.spec.method if cfg.spec else None
+    if cfg.backend.generator == "vllm" and method == "eagle3":
+        from megatron_spec.backends.vllm.export import EAGLE3_ARCHITECTURES
+
+        if arch["model_type"] not in EAGLE3_ARCHITECTURES:
+            out.append(f"vLLM engine start-up: the EAGLE-3 export for vLLM has no class for a {arch['model_type']} "
+                       f"target (megatron_spec.backends.vllm.export.EAGLE3_ARCHITECTURES: "
+                       f"{', '.join(EAGLE3_ARCHITECTURES)})")
     if cfg.backend.trainer == "megatron" and cfg.drafter_train.online and method not in (None, "mtp", "ngram",
                                                                                           "history"):
         out.append(f"online drafter training: backend.trainer=megatron trains only MTP heads (as Megatron-Core MTP "
@@ -124,6 +133,13 @@ def problems(cfg) -> list[str]:
             and cfg.backend.megatron.mtp_num_layers == 0:
         out.append("online drafter training: the MTP drafter is trained by the Megatron trainer only with "
                    "backend.megatron.mtp_num_layers > 0")
+    if cfg.backend.trainer == "megatron" and cfg.backend.placement in ("colocated", "disaggregated"):
+        from megatron_spec.backends.ray.groups import TrainerGroup
+
+        if not hasattr(TrainerGroup, "save_sharded"):
+            out.append("sharded checkpoint: under Ray the Megatron trainer's checkpoint is rank 0's state_dict() in "
+                       "one state.pt (megatron_spec.backends.ray.groups.TrainerGroup has no save_sharded), not "
+                       "Megatron-Core's distributed checkpoint written by every rank")
     return out
 
 
@@ -141,17 +157,58 @@ def build_toy(cfg, arch: dict, seed: int = 0) -> Path:
     made = policy / "config.json"
     if not (made.is_file() and _same_arch(json.loads(made.read_text()), arch)):
         torch.manual_seed(seed)
-        target = CausalLM(ModelConfig(**arch))
+        target = shape_policy(CausalLM(ModelConfig(**arch)))
         save_pretrained(target, policy)
         load_tokenizer(TOKENIZER).save_pretrained(str(policy))
         drafter_path = cfg.model.drafter or (cfg.spec.model if cfg.spec else None)
         if cfg.spec is not None and needs_weights(cfg.spec.method) and drafter_path:
             method = drafter_method(cfg.spec.method)
-            method.save(method.new(target, None, None), drafter_path, target)
+            method.save(shape_drafter(method.new(target, None, None)), drafter_path, target)
         del target
     if cfg.data.path and not Path(cfg.data.path).is_file():
         write_data(Path(cfg.data.path), seed)
     return policy
+
+
+EMBED_STD, LAYER_SCALE, HEAD_SCALE = 1.0, 0.1, 0.5
+"""How `shape_policy` scales a random toy (see there)."""
+
+
+def shape_policy(model):
+    """A random toy made to predict something a drafter can agree with at temperature 1. vLLM drafts greedily and
+    accepts a draft with the policy's probability of it, so a random near-uniform policy (49152 tokens) accepts
+    nothing. Here the embeddings are N(0, EMBED_STD), every layer's output projections (attention `o_proj`, MLP and
+    expert `down_proj`) are scaled by LAYER_SCALE so the residual stream stays close to the current token's
+    embedding, and `lm_head` is HEAD_SCALE x the embeddings: the policy repeats its last token with probability
+    close to 1, through all its layers (each still adds its own part)."""
+    import torch
+
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0.0, EMBED_STD)
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.mul_(LAYER_SCALE)
+        model.lm_head.weight.copy_(HEAD_SCALE * model.model.embed_tokens.weight)
+    return model
+
+
+def shape_drafter(drafter):
+    """An EAGLE-3 head that agrees with `shape_policy`'s toy: its fusion averages the three captured hidden states
+    (each close to the current token's embedding) and its layer's output projections are scaled as the policy's,
+    so with the target's `lm_head` (copied at creation) it drafts the token the policy repeats. Other drafters are
+    left as the registry made them."""
+    import torch
+
+    from megatron_spec.models.eagle3 import Eagle3Head
+
+    if isinstance(drafter, Eagle3Head):
+        with torch.no_grad():
+            h = drafter.fc.weight.shape[0]
+            drafter.fc.weight.copy_(torch.eye(h, dtype=drafter.fc.weight.dtype).repeat(1, 3) / 3)
+            for name, p in drafter.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    p.mul_(LAYER_SCALE)
+    return drafter
 
 
 def write_data(path: Path, seed: int) -> Path:

@@ -172,8 +172,8 @@ def recipe_main(build: Callable[[], RLConfig], argv: list[str] | None = None, sc
         if args.config:
             cfg = load_yaml(args.config, base=cfg)
         cfg = apply_overrides(cfg, args.overrides)
-        if toy_arch is not None and rehearsal.problems(cfg):  # a stage that would pass without running
-            why = f"--rehearsal of {name} cannot run: {'; '.join(rehearsal.problems(cfg))}"
+        if toy_arch is not None and rehearsal.problems(cfg, toy_arch):  # a stage it could not show working
+            why = f"--rehearsal of {name} cannot run: {'; '.join(rehearsal.problems(cfg, toy_arch))}"
             if not args.dryrun:
                 raise NotImplementedError(why)
             print(f"{name}: note: {why}", file=sys.stderr)
