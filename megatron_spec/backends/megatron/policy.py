@@ -22,7 +22,9 @@ Optimizer: torch's AdamW on each rank's shards with the embedded trainer's setti
 (0.9, 0.99); MTP layers: `drafter_train.lr`, torch's default betas, as the embedded drafter), after the
 gradients are reduced (`step.reduce_grads`) and clipped, policy and MTP layers separately (`grpo.max_grad_norm`,
 1.0), so a detached MTP head leaves the policy update exactly as without it. Megatron-Core's distributed
-optimizer (`optimizer="megatron"`) needs CUDA and is refused elsewhere before anything is built.
+optimizer (`optimizer="megatron"`: Megatron's DDP with fp32 gradient buffers, fp32 masters and Adam states sharded
+over data parallel, global clipping) is CUDA only, refused elsewhere before anything is built; it is written
+against megatron-core 0.16 but has not run on a GPU yet, and MTP layers and checkpoints still need the torch one.
 
 Checkpoints (`save_sharded` / `load_sharded`): Megatron-Core's `dist_checkpointing` in its `torch_dist` format.
 Each rank writes its own shards of the weights (the fp32 masters under bf16), of both Adam moments and of the
@@ -106,6 +108,9 @@ class MegatronPolicy:
                                       "needs CUDA; on the CPU use optimizer=torch (AdamW per shard, fp32 masters)")
         if optimizer not in ("torch", "megatron"):
             raise ValueError(f"optimizer must be torch or megatron, got {optimizer!r}")
+        if optimizer == "megatron" and mtp_num_layers:
+            raise NotImplementedError("backend.megatron.optimizer=megatron clips and steps all parameters together; "
+                                      "MTP layers (their own learning rate and clipping) need optimizer=torch")
         drafter_layers = None
         if isinstance(drafter, MTP):
             drafter_layers = drafter.mtp_config.num_layers
@@ -160,15 +165,18 @@ class MegatronPolicy:
         self.model.train()
         named = list(self.model.named_parameters())
         # fp32 master copies of low-precision shards: the optimizer updates these, the model gets them rounded.
-        self.masters = {p: (p if p.dtype == torch.float32 else torch.nn.Parameter(p.detach().float().clone()))
-                        for _, p in named}
+        self.masters = {p: (p if p.dtype == torch.float32 or optimizer != "torch"
+                            else torch.nn.Parameter(p.detach().float().clone())) for _, p in named}
         self.trunk = [(n, p) for n, p in named if not is_mtp(n)]
         self.mtp_layers = [(n, p) for n, p in named if is_mtp(n)]
         self.owned = norm_owned(self.model)
         groups = [dict(params=[self.masters[p] for _, p in self.trunk], lr=grpo.lr, betas=(0.9, 0.99))]
         if self.mtp_layers:
             groups.append(dict(params=[self.masters[p] for _, p in self.mtp_layers], lr=drafter_lr))
-        self.opt = torch.optim.AdamW(groups, weight_decay=0.0)
+        self.opt = torch.optim.AdamW(groups, weight_decay=0.0) if optimizer == "torch" else None
+        self.ddp = self.mopt = None
+        if optimizer == "megatron":
+            self._megatron_optimizer(grpo)
         self.eagle3 = None
         if eagle3 is not None:
             from .eagle3 import Eagle3Online
@@ -255,7 +263,7 @@ class MegatronPolicy:
         fold = batch.old_logprobs is None
         micros = self._micros(batch)
         spec = self._spec(batch, len(micros), fold)
-        self.opt.zero_grad(set_to_none=True)
+        self._zero_grad()
         self.model.train()
         aux_loss_sum(self.model, 1)  # start from an empty router-loss tracker
         with self.eagle3.capture(micros) if self.eagle3 else contextlib.nullcontext():
@@ -274,17 +282,27 @@ class MegatronPolicy:
             B, T = batch.mask.shape
             batch.old_logprobs = gather_rows([(o["rows"], o["logprobs"]) for o in outs], (B, T - 1), contributes)
         if not torch.isfinite(torch.tensor(metrics["loss"])):
-            self.opt.zero_grad(set_to_none=True)  # a NaN/inf loss never reaches the weights
+            self._zero_grad()  # a NaN/inf loss never reaches the weights
             metrics["skipped"] = True
             return metrics
-        reduce_grads(self.model)
-        self._grads_to_masters()
-        metrics["grad_norm"] = clip(self._master_named(self.trunk), self.owned, self.grpo.max_grad_norm)
-        if self.mtp:  # collective: stages without MTP layers take part with nothing
-            clip(self._master_named(self.mtp_layers), self.owned, 1.0)
-            metrics["drafter_loss"] = sums["drafter_loss"]
-        self.opt.step()
-        self._masters_to_params()
+        if self.mopt is not None:  # Megatron-Core: reduce(-scatter) in fp32, clip, step the sharded fp32 masters
+            from megatron.core.distributed import finalize_model_grads
+
+            finalize_model_grads([self.ddp])
+            updated, grad_norm, _ = self.mopt.step()
+            metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+            if not updated:
+                metrics["skipped"] = True
+                return metrics
+        else:
+            reduce_grads(self.model)
+            self._grads_to_masters()
+            metrics["grad_norm"] = clip(self._master_named(self.trunk), self.owned, self.grpo.max_grad_norm)
+            if self.mtp:  # collective: stages without MTP layers take part with nothing
+                clip(self._master_named(self.mtp_layers), self.owned, 1.0)
+                metrics["drafter_loss"] = sums["drafter_loss"]
+            self.opt.step()
+            self._masters_to_params()
         if self.eagle3:  # after the update: the head reads the updated embedding, as the embedded trainer's does
             metrics.update(self.eagle3.step(batch))
         metrics["skipped"] = False
@@ -308,6 +326,38 @@ class MegatronPolicy:
         if rank != 0:
             memory.reset_peak()
         return {k: row.tolist() for k, row in zip(keys, table.cpu())}
+
+    # -- optimizers -------------------------------------------------------------------------------------------
+
+    def _megatron_optimizer(self, grpo) -> None:
+        """Megatron-Core's distributed optimizer (CUDA only; checked by the caller): the model in Megatron's DDP
+        (gradients accumulated and reduce-scattered in fp32 buffers), Adam with the embedded trainer's settings over
+        fp32 masters sharded across the data-parallel ranks, Megatron's global gradient clipping. Written against
+        megatron-core 0.16's API and not run on a GPU yet; the CPU path is the torch optimizer."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                   use_distributed_optimizer=True)
+        self.ddp = DistributedDataParallel(config=self.model.config, ddp_config=ddp_config, module=self.model)
+        opt_config = OptimizerConfig(optimizer="adam", lr=grpo.lr, min_lr=grpo.lr, weight_decay=0.0,
+                                     adam_beta1=0.9, adam_beta2=0.99, adam_eps=1e-8,
+                                     bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
+                                     use_distributed_optimizer=True, clip_grad=grpo.max_grad_norm)
+        self.mopt = get_megatron_optimizer(opt_config, [self.ddp])
+        self.masters = {p: p for p in self.masters}  # the optimizer keeps its own (sharded) fp32 copies
+
+    def _zero_grad(self) -> None:
+        if self.mopt is not None:
+            self.ddp.zero_grad_buffer()
+            self.mopt.zero_grad()
+        else:
+            self.opt.zero_grad(set_to_none=True)
+
+    def _torch_optimizer_only(self, what: str) -> None:
+        if self.mopt is not None:
+            raise NotImplementedError(f"{what} with backend.megatron.optimizer=megatron is not wired yet "
+                                      "(its sharded optimizer state); use optimizer=torch")
 
     # -- fp32 masters -----------------------------------------------------------------------------------------
 
@@ -367,6 +417,7 @@ class MegatronPolicy:
 
     def state_dict(self) -> dict:
         """Full HF-named weights and Adam moments (layout-independent), the Adam step and the learning rates."""
+        self._torch_optimizer_only("state_dict")
         self._announce("state_dict")
         with self._params_as("master"):
             state = {"weights": {n: t.cpu().clone() for n, t in export_hf(self.model)}}
@@ -431,6 +482,7 @@ class MegatronPolicy:
         returns the small state the run checkpoint keeps beside it (`load_state_dict` of it loads the shards)."""
         from megatron.core import dist_checkpointing
 
+        self._torch_optimizer_only("save_sharded")
         self._announce("save_sharded", None if out_dir is None else str(out_dir))
         box = [None if out_dir is None else str(out_dir)]
         dist.broadcast_object_list(box, src=0)  # rank 0 names the directory (a temporary one, renamed after)
@@ -452,6 +504,7 @@ class MegatronPolicy:
         """Every rank reads its own shards of a `save_sharded` checkpoint made at any TP / PP / EP layout."""
         from megatron.core import dist_checkpointing
 
+        self._torch_optimizer_only("load_sharded")
         self._announce("load_sharded", str(ckpt_dir), state)
         for key in ("weights", *OPT_STATES):
             sd = self._sharded(key)
