@@ -217,3 +217,18 @@ def test_loop_with_megatron_trainer_never_loads_the_full_policy_for_it(tmp_path)
     assert len(m["trainer_peak_rss_mb"]) == 2
     assert all(100 < x < 8192 for x in m["trainer_peak_rss_mb"])
     assert m["trainer_peak_rss_mb"][0] <= m["loop_peak_rss_mb"]
+
+
+def test_megatron_optimizer_is_refused_without_cuda():
+    """Megatron-Core's distributed optimizer needs CUDA: on a machine without it the policy refuses before any
+    process group or parameter exists, naming the CPU alternative."""
+    from megatron_spec.backends.megatron.checks import Parallelism
+    from megatron_spec.backends.megatron.policy import MegatronPolicy
+
+    from .common import tiny
+    from .policy_workers import SAMPLING, grpo, our_model
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(NotImplementedError, match="needs CUDA; on the CPU use optimizer=torch"):
+        MegatronPolicy(our_model(tiny("dense")), grpo(), SAMPLING, Parallelism(), optimizer="megatron")
