@@ -28,6 +28,7 @@ width per tensor-parallel worker that is a multiple of 32, which set the two sma
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import random
 from pathlib import Path
@@ -115,6 +116,8 @@ def problems(cfg, arch: dict) -> list[str]:
     """What the recipe's config (with the toy of architecture `arch`) asks for that its code path would skip, or
     fail at after the allocation starts, so that a rehearsal could not show it working: each names its stage, in
     the order the run meets them. Each is read from the code it is about, so it clears when that code can."""
+    from megatron_spec.spec.registry import method_names
+
     out = []
     method = cfg.spec.method if cfg.spec else None
     if cfg.backend.generator == "vllm" and method == "eagle3":
@@ -124,15 +127,14 @@ def problems(cfg, arch: dict) -> list[str]:
             out.append(f"vLLM engine start-up: the EAGLE-3 export for vLLM has no class for a {arch['model_type']} "
                        f"target (megatron_spec.backends.vllm.export.EAGLE3_ARCHITECTURES: "
                        f"{', '.join(EAGLE3_ARCHITECTURES)})")
-    if cfg.backend.trainer == "megatron" and cfg.drafter_train.online and method not in (None, "mtp", "ngram",
-                                                                                          "history"):
-        out.append(f"online drafter training: backend.trainer=megatron trains only MTP heads (as Megatron-Core MTP "
-                   f"layers, backend.megatron.mtp_num_layers > 0); the recipe's {method} drafter would be served "
-                   "frozen while drafter_train.online=true says it is trained")
-    elif cfg.backend.trainer == "megatron" and cfg.drafter_train.online and method == "mtp" \
-            and cfg.backend.megatron.mtp_num_layers == 0:
-        out.append("online drafter training: the MTP drafter is trained by the Megatron trainer only with "
-                   "backend.megatron.mtp_num_layers > 0")
+    if cfg.backend.trainer == "megatron" and cfg.drafter_train.online and method in method_names(weights=True):
+        # what the Megatron trainer trains online: MTP heads as Megatron-Core MTP layers, EAGLE-3 heads beside it
+        trained = {"mtp": cfg.backend.megatron.mtp_num_layers > 0,
+                   "eagle3": importlib.util.find_spec("megatron_spec.backends.megatron.eagle3") is not None}
+        if not trained.get(method, False):
+            how = " unless backend.megatron.mtp_num_layers > 0" if method == "mtp" else ""
+            out.append(f"online drafter training: the Megatron trainer does not train a {method} drafter{how}; it "
+                       "would be served frozen while drafter_train.online=true says it is trained")
     if cfg.backend.trainer == "megatron" and cfg.backend.placement in ("colocated", "disaggregated"):
         from megatron_spec.backends.ray.groups import TrainerGroup
 

@@ -133,16 +133,16 @@ def test_data_file_is_dapo_layout_with_verifiable_answers(tmp_path):
         assert math_verify_reward(f"\\boxed{{{a + b + 1}}}", answer) == 0.0
 
 
-STAGES = {"qwen3_235b_grpo_spec": ["vLLM engine start-up", "online drafter training", "sharded checkpoint"],
-          "qwen3_8b_grpo_spec": ["online drafter training", "sharded checkpoint"]}
+STAGES = {"qwen3_235b_grpo_spec": ["vLLM engine start-up", "sharded checkpoint"],
+          "qwen3_8b_grpo_spec": ["sharded checkpoint"]}
 """The stages a rehearsal of each flagship cannot show working with the code as it is (see `problems`)."""
 
 
 @pytest.mark.parametrize("name", FLAGSHIPS)
 def test_rehearsal_refuses_a_stage_it_could_not_show_working(name, capsys, monkeypatch):
-    """A rehearsal that would pass by not doing something (an EAGLE-3 drafter the Megatron trainer serves frozen, a
-    checkpoint gathered on rank 0 under Ray) or fail only after the allocation starts (the 235B toy's EAGLE-3 export
-    for vLLM) is refused, here or as a SLURM job, before anything is built or submitted (exit 2), naming each stage
+    """A rehearsal that would pass by not doing something (a checkpoint gathered on rank 0 under Ray instead of
+    Megatron's distributed one) or fail only after the allocation starts (the 235B toy's EAGLE-3 export for vLLM) is
+    refused, here or as a SLURM job, before anything is built or submitted (exit 2), naming each stage
     in run order; `--dryrun` still prints the resolved rehearsal and says the same in a note."""
     import launchers
 
@@ -161,20 +161,20 @@ def test_rehearsal_refuses_a_stage_it_could_not_show_working(name, capsys, monke
 
 
 def test_problems_follow_the_config():
-    """The refusal is about what the config combines, not about the recipe: an MTP drafter trained as Megatron MTP
-    layers, or a drafter not trained online, is not refused; the embedded trainer has neither of the Megatron
-    stages' problems; a dense Qwen3 toy has a vLLM EAGLE-3 class."""
+    """The refusal is about what the config combines, not about the recipe: an MTP drafter the Megatron trainer
+    would not train (no MTP layers) while drafter_train.online says it is trained is refused, with MTP layers or not
+    trained online it is not; the embedded trainer has none of the Megatron stages' problems; a dense Qwen3 toy has
+    a vLLM EAGLE-3 class, a Qwen3-MoE toy has none."""
     cfg, _, _ = dryrun("qwen3_8b_grpo_spec", "--rehearsal")
     arch = rehearsal.toy_architecture("Qwen/Qwen3-8B")
     stages = lambda: [p.split(":")[0] for p in rehearsal.problems(cfg, arch)]  # noqa: E731
+    assert stages() == ["sharded checkpoint"]
+    cfg.spec.method, cfg.backend.megatron.mtp_num_layers = "mtp", 0
     assert stages() == ["online drafter training", "sharded checkpoint"]
     cfg.drafter_train.online = False
     assert stages() == ["sharded checkpoint"]
-    cfg.drafter_train.online = True
-    cfg.spec.method, cfg.backend.megatron.mtp_num_layers = "mtp", 1
+    cfg.drafter_train.online, cfg.backend.megatron.mtp_num_layers = True, 1
     assert stages() == ["sharded checkpoint"]
-    cfg.backend.megatron.mtp_num_layers = 0
-    assert stages() == ["online drafter training", "sharded checkpoint"]
     cfg.backend.trainer = "embedded"
     assert stages() == []
     cfg.spec.method = "eagle3"
