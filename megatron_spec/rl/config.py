@@ -80,7 +80,8 @@ class GRPOSection:
     drop_uniform_groups: bool = False
     """DAPO's dynamic sampling, without refilling: groups whose rewards are all equal (zero advantage) are left out of
     the update, so they do not dilute the token mean (logged as `groups_dropped`). A step whose groups are all
-    uniform keeps them (zero policy gradient; the drafter still trains)."""
+    uniform keeps them (zero policy gradient; the drafter still trains). Embedded trainer only (the Megatron trainer
+    splits a fixed row count over its data-parallel ranks)."""
     max_grad_norm: float = 1.0
     """Gradient clipping of the policy."""
     max_nan_steps: int = 3

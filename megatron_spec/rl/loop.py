@@ -61,6 +61,9 @@ def check_inputs(cfg: RLConfig) -> None:
         raise ValueError("the Megatron trainer trains its MTP head jointly with the policy, one first-draft pass per "
                          "step (backend.megatron.mtp_*); drafter_train.drafts, updates, replay and minibatches > 1 "
                          "are the embedded trainer's: set them to 1")
+    if cfg.backend.trainer == "megatron" and cfg.grpo.drop_uniform_groups:
+        raise ValueError("grpo.drop_uniform_groups changes a step's row count, and the Megatron trainer splits the "
+                         "rows evenly over its data-parallel ranks: use it with the embedded trainer")
     mtp_layers = cfg.backend.megatron.mtp_num_layers
     if cfg.backend.trainer == "megatron" and cfg.spec and cfg.spec.method == "eagle3" and mtp_layers:
         raise ValueError(f"spec.method=eagle3 trains an EAGLE-3 head beside the Megatron policy; backend.megatron."

@@ -249,3 +249,16 @@ def test_a_checkpoint_with_normalize_std_resumes_as_its_std():
         checkpoint.check_same_config({**saved, "grpo.normalize_std": False}, cfg, "run")
     cfg.grpo.std = "none"
     checkpoint.check_same_config({**saved, "grpo.normalize_std": False}, cfg, "run")
+
+
+def test_dropping_uniform_groups_is_refused_for_the_megatron_trainer():
+    """Megatron splits a fixed row count over its data-parallel ranks: the combination fails before anything is
+    built."""
+    from megatron_spec.rl.config import RLConfig
+    from megatron_spec.rl.loop import check_inputs
+
+    cfg = RLConfig()
+    cfg.backend.trainer = "megatron"
+    cfg.grpo.drop_uniform_groups = True
+    with pytest.raises(ValueError, match="drop_uniform_groups changes a step's row count"):
+        check_inputs(cfg)
