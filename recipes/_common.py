@@ -182,6 +182,8 @@ def recipe_main(build: Callable[[], RLConfig], argv: list[str] | None = None, sc
         plan = executor_plan(name, args, cfg, scale)
         if tuned is not None:
             plan["tuned"] = tuned
+        if toy_arch is not None:  # what the rehearsal replaced the model by
+            plan["rehearsal"] = {"toy_architecture": toy_arch, "refused_stages": rehearsal.problems(cfg, toy_arch)}
         check_before_launch(name, args, cfg, scale, plan)
         if args.dryrun:
             print(f"# {name}: resolved config\n{dump_yaml(cfg)}")

@@ -45,9 +45,10 @@ def test_toy_is_the_recipe_architecture_with_widths_shrunk(name):
     """Every architecture field of the recipe's preset is kept (layers, experts, top-k, attention and key-value
     heads, rope, norms) except the widths and the vocabulary (the toy tokenizer's); the widths are the ones vLLM's
     CPU kernels accept (head_dim >= 32; expert width per TP2 worker a multiple of 32)."""
-    cfg, _, module = dryrun(name, "--rehearsal")
+    cfg, plan, module = dryrun(name, "--rehearsal")
     recipe_policy = module.__dict__[name]().model.policy
     arch, full = rehearsal.toy_architecture(recipe_policy), PRESETS[FLAGSHIPS[name]]
+    assert plan["rehearsal"]["toy_architecture"] == arch  # the dry run prints the toy it would build
     changed = {k for k in full if arch.get(k) != full[k]}
     assert changed == {"vocab_size", *(k for k in rehearsal.WIDTHS if k in full)}
     assert set(arch) - set(full) <= {"head_dim"}
