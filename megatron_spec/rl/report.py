@@ -384,8 +384,8 @@ def write_report(run_dirs: list[str | Path], out: str | Path) -> Path:
         body.append(img("speedup.png", "generation speedup per step"))
     else:
         body.append("<p>Needs a plain run and a speculative run (<code>--compare</code>).</p>")
-    body += _whole_step_html(runs)
     body += _lossless_html(runs, colors, plots, img)
+    body += _whole_step_html(runs)
     body += ["<h2>Summary</h2>", _summary_html(runs), *_memory_html(runs)]
     return _write_html(out, runs, body)
 
