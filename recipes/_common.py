@@ -5,7 +5,7 @@ A recipe file is one function returning its `RLConfig` plus, for the at-scale mo
 parallelism); its `main(argv)` hands both to `recipe_main`:
 
     python recipes/<name>.py [key=value ...] [--config YAML] [--dryrun] [--executor local|slurm|ray-slurm]
-                             [--tune [--gpu h100]] [...]
+                             [--tune [--gpu h100]] [--rehearsal] [...]
 
 The config is the recipe's function, then (with --tune, at-scale recipes) the tuner's best layout for the
 allocation, then the YAML laid over it, then the overrides in order: what the user writes always wins. `--dryrun`
