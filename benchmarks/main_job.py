@@ -83,7 +83,7 @@ def summarize(result: dict, window: int) -> dict:
         "eval_before": rows[0].get("eval_accuracy_before"), "eval_curve": evals, "eval_after": evals[-1][1],
         "reward_curve": [r["reward_mean"] for r in rows],
         "gen_s": sum(r["stages"]["gen"] for r in rows), "train_s": sum(r["stages"]["train"] for r in rows),
-        "step_s": sum(r["step_time"] for r in rows), "drafter_s": sum(r.get("drafter_s") or 0.0 for r in rows),
+        "steps": len(rows), "step_s": sum(r["step_time"] for r in rows), "drafter_s": sum(r.get("drafter_s") or 0.0 for r in rows),
         "steps_gated_plain": sum(r.get("speculate") is False for r in rows),
         "steps_drafter_trained": sum(r.get("drafter_s") is not None for r in rows),
         "load": result.get("load"),
@@ -97,9 +97,14 @@ def summarize(result: dict, window: int) -> dict:
 def whole_step(spec: list[dict], plain: list[dict], online: list[dict], frozen: list[dict]) -> dict:
     """The whole step (every stage, the online drafter's training in the train stage), plain over spec seconds, per
     seed and pooled, with the plain runs' generation share and what the whole-step gate did; and the same ratio of
-    the k = 3 runs (online and frozen head) against the plain run of their seed, which ran in the same plan."""
+    the k = 3 runs (online and frozen head) against the plain run of their seed, by the mean step (a k = 3 run may
+    be longer)."""
     by_seed = {r["seed"]: r for r in plain}
-    forced = {f"{r['variant']}_k3": (by_seed[r["seed"]]["step_s"] / r["step_s"] if r["seed"] in by_seed else None)
+
+    def per_step(r: dict) -> float:
+        return r["step_s"] / r["steps"]
+
+    forced = {f"{r['variant']}_k3": (per_step(by_seed[r["seed"]]) / per_step(r) if r["seed"] in by_seed else None)
               for r in online + frozen}
     return {"paired": [pl["step_s"] / sp["step_s"] for sp, pl in zip(spec, plain)],
             "pooled": sum(r["step_s"] for r in plain) / sum(r["step_s"] for r in spec),

@@ -116,3 +116,29 @@ def test_a_gated_plain_step_is_a_spec_null_step(ckpts, tmp_path, shaped_reward):
     assert a.step(1)["speculate"] is False  # the plain step the gate prices plain decoding by
     m2 = a.step(2)
     assert m2["speculate"] is True and m2["acceptance_length"] is not None and m2["drafter_s"] > 0
+
+
+def test_report_shows_the_whole_step_beside_the_gen_stage_and_what_the_gate_did(tmp_path):
+    """A spec run whose gen stage is 2x its plain pair's (5 s against 10 s of 15.6 s) but whose train stage is 8 s
+    longer (the drafter's training): whole step 15.6 / 18.6, plain gen share 10 / 15.6; its gate ran every step
+    plainly but one and said speculation did not pay, which the page states with the counts."""
+    import json
+
+    from megatron_spec.rl import report
+
+    from .test_report import STEPS, write_run
+
+    plain = write_run(tmp_path / "plain", spec=False, seed=0, reward=0.5)
+    spec = write_run(tmp_path / "spec", spec=True, seed=0, reward=0.5, gen_s=5.0)
+    rows = [json.loads(line) for line in (spec / "metrics.jsonl").read_text().splitlines()]
+    for i, r in enumerate(rows):
+        r["stages"]["train"] += 8.0
+        r.update(drafter_s=8.0, speculate=i == 1, gate_pays=False, gate_spec_cost=0.013, gate_plain_cost=0.010)
+    (spec / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pair = report.whole_step_pairs(report.load_runs([plain, spec]))[0]
+    assert pair["gen_ratio"] == 2.0 and pair["step_ratio"] == pytest.approx(15.6 / 18.6)
+    assert pair["plain_gen_share"] == pytest.approx(10 / 15.6) and pair["plain_steps_gated"] == STEPS - 1
+    page = report.write_report([spec, plain], tmp_path / "r.html").read_text()
+    section = page.split("<h2>Whole step</h2>")[1].split("<h2>")[0]
+    assert "<td>0.641</td><td>2.000</td><td>0.839</td>" in section
+    assert f"so the gate ran {STEPS - 1} of {STEPS} steps plainly" in section
