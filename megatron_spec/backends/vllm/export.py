@@ -132,9 +132,3 @@ def export_drafter(drafter, out_dir: str | os.PathLike) -> Path:
         return export_eagle3(drafter, out_dir)
     return export_target(drafter, out_dir)
 
-
-def drafter_refit_tensors(drafter, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A streamed drafter state (our names, `drafter.` prefix removed) in the names and form vLLM's drafter loads."""
-    if drafter_kind(drafter) == "eagle3":
-        return eagle3_tensors(named, drafter.eagle_config.capture_layers, drafter.target_config.hidden_size)
-    return named

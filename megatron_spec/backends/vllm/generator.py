@@ -261,7 +261,8 @@ class VLLMGenerator:
         """Load a bucketed `(hf_name, tensor)` stream (policy, and drafter tensors under `drafter.` in our drafter's
         naming) into every worker through a local weight-update group (gloo, rank 0 this process, the workers the
         rest; formed on first use): bucket by bucket, in the served dtype, no file. Returns the bytes sent. Drafter
-        tensors for an engine without a drafter raise (never dropped silently)."""
+        tensors for an engine without a drafter raise (never dropped silently); the workers are told to abort, and
+        the engine's weights are then incomplete until the next full refit."""
         import threading
 
         from ..process_groups import free_port
