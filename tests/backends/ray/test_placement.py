@@ -102,3 +102,17 @@ def test_engine_of_tensor_parallel_size_2_is_one_tied_bundle():
     cfg.backend.placement = "colocated"
     with pytest.raises(ValueError, match="colocated placement of vLLM engines with tensor_parallel_size=2 on GPUs"):
         plan(cfg, {"CPU": 32.0, "GPU": 4.0})
+
+
+@pytest.mark.parametrize("override, message", [
+    ("backend.refit_transport=files", "backend.refit_transport must be one of collective, object_store"),
+    ("backend.init_timeout_s=0", "backend.init_timeout_s must be > 0"),
+    ("backend.vllm.tensor_parallel_size=0", "backend.vllm.tensor_parallel_size must be >= 1"),
+    ("backend.vllm.sleep_level=3", "backend.vllm.sleep_level must be 1 or 2"),
+])
+def test_refit_and_engine_settings_are_checked(override, message):
+    """Bad values of the refit / start-up / engine settings fail when the config is built, naming the key."""
+    from megatron_spec.rl.overrides import apply_overrides
+
+    with pytest.raises(ValueError, match=message):
+        apply_overrides(RLConfig(), [override])
