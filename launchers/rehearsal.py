@@ -147,8 +147,9 @@ def problems(cfg, arch: dict) -> list[str]:
 
 def build_toy(cfg, arch: dict, seed: int = 0) -> Path:
     """Write the toy policy of architecture `arch` (`toy_architecture`), its drafter and the data file where `cfg`
-    names them (model.policy, model.drafter, data.path), unless they are there already for this architecture;
-    returns the policy directory."""
+    names them (model.policy, model.drafter, data.path), each unless it is there already (the policy: for this
+    architecture, which also rebuilds the drafter); returns the policy directory. The policy is a function of
+    `arch` and `seed`, so a drafter made later is made for the same weights."""
     import torch
 
     from megatron_spec.models import CausalLM, ModelConfig, save_pretrained
@@ -157,13 +158,16 @@ def build_toy(cfg, arch: dict, seed: int = 0) -> Path:
 
     policy = Path(cfg.model.policy)
     made = policy / "config.json"
-    if not (made.is_file() and _same_arch(json.loads(made.read_text()), arch)):
+    fresh = not (made.is_file() and _same_arch(json.loads(made.read_text()), arch))
+    drafter_path = cfg.model.drafter or (cfg.spec.model if cfg.spec else None)
+    wants_drafter = cfg.spec is not None and needs_weights(cfg.spec.method) and drafter_path
+    if fresh or (wants_drafter and not Path(drafter_path).is_dir()):
         torch.manual_seed(seed)
         target = shape_policy(CausalLM(ModelConfig(**arch)))
-        save_pretrained(target, policy)
-        load_tokenizer(TOKENIZER).save_pretrained(str(policy))
-        drafter_path = cfg.model.drafter or (cfg.spec.model if cfg.spec else None)
-        if cfg.spec is not None and needs_weights(cfg.spec.method) and drafter_path:
+        if fresh:
+            save_pretrained(target, policy)
+            load_tokenizer(TOKENIZER).save_pretrained(str(policy))
+        if wants_drafter:
             method = drafter_method(cfg.spec.method)
             method.save(shape_drafter(method.new(target, None, None)), drafter_path, target)
         del target

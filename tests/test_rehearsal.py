@@ -7,6 +7,7 @@ itself (94 layers x 128 experts) takes too long to build for this suite; the SLU
 from __future__ import annotations
 
 import io
+import shutil
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from megatron_spec.rl.overrides import to_dict
 from .test_recipes import split_dryrun
 
 ROOT = Path(__file__).resolve().parents[1]
+BUILD_TOY = rehearsal.build_toy
 FLAGSHIPS = {"qwen3_235b_grpo_spec": "qwen3-235b-a22b", "qwen3_8b_grpo_spec": "qwen3-8b"}
 
 
@@ -202,3 +204,33 @@ def test_shaped_toy_repeats_its_token_and_its_eagle3_head_fuses_evenly():
     h = head.fc.weight.shape[0]
     assert torch.equal(head.fc.weight, torch.eye(h).repeat(1, 3) / 3)
     assert torch.equal(head.lm_head.weight, model.lm_head.weight)
+
+
+def test_build_toy_writes_a_loadable_policy_drafter_and_data(tmp_path):
+    """`build_toy` at a small width and depth (the flagship's own is for the SLURM tier): the policy loads with its
+    tokenizer and chat template, the EAGLE-3 head loads against it (the drafter's fingerprint check), the data file
+    is there; a drafter removed later is rebuilt for the same policy weights while the policy is left untouched."""
+    import torch
+
+    from megatron_spec.models import from_pretrained
+    from megatron_spec.models.drafters import load_drafter
+    from megatron_spec.models.gguf import load_tokenizer
+    from megatron_spec.rl.overrides import apply_overrides
+
+    cfg, _, _ = dryrun("qwen3_8b_grpo_spec", "--rehearsal")
+    cfg = apply_overrides(cfg, [f"model.policy={tmp_path / 'policy'}", f"model.drafter={tmp_path / 'drafter'}",
+                                f"spec.model={tmp_path / 'drafter'}", f"data.path={tmp_path / 'data.parquet'}"])
+    arch = {**rehearsal.toy_architecture("Qwen/Qwen3-8B"), "num_hidden_layers": 2}
+    build = BUILD_TOY  # the module's own function (the autouse fixture replaces it with a refusal)
+    build(cfg, arch)
+    policy = from_pretrained(tmp_path / "policy")
+    assert policy.config.num_hidden_layers == 2 and policy.config.vocab_size == 49152
+    assert load_tokenizer(tmp_path / "policy").apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    head = load_drafter(tmp_path / "drafter", policy.config)
+    assert torch.equal(head.lm_head.weight, policy.lm_head.weight) and (tmp_path / "data.parquet").is_file()
+    stamp = (tmp_path / "policy" / "model.safetensors").stat().st_mtime_ns
+    first = (tmp_path / "drafter" / "model.safetensors").read_bytes()
+    shutil.rmtree(tmp_path / "drafter")
+    build(cfg, arch)
+    assert (tmp_path / "policy" / "model.safetensors").stat().st_mtime_ns == stamp
+    assert (tmp_path / "drafter" / "model.safetensors").read_bytes() == first
