@@ -142,7 +142,8 @@ class VLLMGenerator:
                 os.environ["OMP_NUM_THREADS"] = saved
         self.next_id = 0
         self.model, self.tensor_parallel_size, self.sleep_level = str(model), tensor_parallel_size, sleep_level
-        self.asleep = self.weights_dropped = False
+        self.awake = {"weights", "kv_cache"}  # vLLM sleep-mode tags whose memory is mapped (GPU)
+        self.weights_dropped = False
         self.local_group, self.served_dtype = None, None
         self.has_drafter = bool(self.llm.collective_rpc("megatron_spec_has_drafter")[0])
         if check_refit:
@@ -323,23 +324,28 @@ class VLLMGenerator:
         if self.cpu:
             self.llm.reset_prefix_cache()
             return
-        self.llm.sleep(level=self.sleep_level)
-        self.asleep, self.weights_dropped = True, self.sleep_level == 2
+        if self.awake:
+            self.llm.sleep(level=self.sleep_level)
+            self.awake, self.weights_dropped = set(), self.sleep_level == 2
 
     def _wake_weights(self) -> None:
         """Before a refit: a sleeping engine gets its weight memory back (the refit then fills it)."""
-        if self.asleep and not self.cpu:
+        if not self.cpu and "weights" not in self.awake:
             self.llm.wake_up(tags=["weights"])
-            self.weights_dropped = False
+            self.awake.add("weights")
+        self.weights_dropped = False
 
     def wake(self) -> None:
-        if self.cpu or not self.asleep:
+        """GPU: map back what sleep released (only the tags still asleep: a refit may have woken the weights)."""
+        if self.cpu:
             return
         if self.weights_dropped:
             raise RuntimeError("vLLM engine: a level-2 sleep dropped its weights and no refit came since; refit "
                                "before waking it (or use backend.vllm.sleep_level=1)")
-        self.llm.wake_up()
-        self.asleep = False
+        asleep = [tag for tag in ("weights", "kv_cache") if tag not in self.awake]
+        if asleep:
+            self.llm.wake_up(tags=asleep)
+            self.awake.update(asleep)
 
     def close(self) -> None:
         """Shut the engine down (its worker processes with it)."""
