@@ -86,12 +86,32 @@ def summarize(result: dict, window: int) -> dict:
         "steps": len(rows), "step_s": sum(r["step_time"] for r in rows), "drafter_s": sum(r.get("drafter_s") or 0.0 for r in rows),
         "steps_gated_plain": sum(r.get("speculate") is False for r in rows),
         "steps_drafter_trained": sum(r.get("drafter_s") is not None for r in rows),
+        "gate_cost_in_run": gate_cost_in_run(rows),
         "load": result.get("load"),
         "gen_tokens": sum(r["gen_tokens"] for r in rows),
         "gen_curve": [r["stages"]["gen"] for r in rows], "gen_tokens_curve": [r["gen_tokens"] for r in rows],
         "tau_curve": taus, "tau_first": mean(taus[:window]), "tau_last": mean(taus[-window:]),
         "agreement_curve": agree, "agreement_first": mean(agree[:window]), "agreement_last": mean(agree[-window:]),
     }
+
+
+def gate_cost_in_run(rows: list[dict], reach: int = 3) -> float | None:
+    """What speculating cost a gated run, as a share of its own step time, measured inside the run: its speculative
+    steps' gen stage beyond what their tokens cost at the median per-token gen time of the plain steps within
+    `reach` steps of them, plus the drafter's training. Steps in one run share the host's load more closely than two
+    runs minutes apart do, so on a shared host this is the steadier estimate of the gate's cost; None for a run the
+    gate did not run."""
+    if not any(r.get("speculate") is not None for r in rows):
+        return None
+    extra = sum(r.get("drafter_s") or 0.0 for r in rows)
+    for i, r in enumerate(rows):
+        if not r.get("speculate"):
+            continue
+        near = [rows[j]["stages"]["gen"] / rows[j]["gen_tokens"] for j in range(max(0, i - reach), i + reach + 1)
+                if j < len(rows) and rows[j].get("speculate") is False]
+        if near:
+            extra += r["stages"]["gen"] - r["gen_tokens"] * statistics.median(near)
+    return extra / sum(r["step_time"] for r in rows)
 
 
 def whole_step(spec: list[dict], plain: list[dict], online: list[dict], frozen: list[dict]) -> dict:
@@ -111,6 +131,7 @@ def whole_step(spec: list[dict], plain: list[dict], online: list[dict], frozen: 
             "plain_gen_share": [r["gen_s"] / r["step_s"] for r in plain],
             "spec_steps_gated_plain": [r["steps_gated_plain"] for r in spec],
             "spec_drafter_s": [r["drafter_s"] for r in spec], **forced,
+            "gate_cost_in_run": [r["gate_cost_in_run"] for r in spec],
             "goal": ">= 0.98 (speculation never makes the run slower); plain gen share >= 0.60"}
 
 
