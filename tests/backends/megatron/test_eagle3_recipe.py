@@ -16,8 +16,10 @@ on the embedded engine (online: loss 4.73, 3.12, 2.60, 1.83, 2.28; first-draft a
 0.38; acceptance length 1.06, 1.12, 1.35, 1.63, 1.56; frozen: agreement 0.032-0.057, acceptance 1.03-1.06) with
 margins for batch noise: online, the last two steps' mean loss below 0.6 x step 0's and their mean agreement
 above 4 x step 0's; the frozen control's agreement never above 2 x its step 0's (it has nothing to learn from: the
-policy moves little at lr 1e-4); and the online run's last two acceptance lengths on average at least 0.25 above
-the frozen run's (observed 0.56; the frozen run's own steps vary by 0.04).
+policy moves little at lr 1e-4); and the online run's last two acceptance lengths on average at least 0.2 above
+the frozen run's (observed 0.56; the frozen run's own steps vary by 0.04). On vLLM the acceptance lengths were
+1.05, 1.14, 1.35, 1.44, 1.33 online and 1.05, 1.05, 1.08, 1.03, 1.05 frozen (gap 0.35; vLLM's step 0 is its own
+rollouts, so it differs from the embedded engine's).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def check(online: list[dict], frozen: list[dict]) -> None:
     assert max(still) <= 2 * still[0], still
     acc_on = mean(r["acceptance_length"] for r in online[-2:])
     acc_off = mean(r["acceptance_length"] for r in frozen[-2:])
-    assert acc_on >= acc_off + 0.25, (acc_on, acc_off)
+    assert acc_on >= acc_off + 0.2, (acc_on, acc_off)
 
 
 @pytest.mark.megatron_dist
