@@ -85,6 +85,9 @@ class Scale:
     """Decoder layers of the first pipeline stage; None: an even share [num_layers_in_first_pipeline_stage]."""
     last_stage_layers: int | None = None
     """Decoder layers of the last pipeline stage; None: an even share [num_layers_in_last_pipeline_stage]."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism where TP > 1 [sequence_parallel]; Megatron-Core refuses to train MoE layers
+    with tensor parallelism without it."""
     cpu_bundles: bool = False
     """Ray bundles are equal shares of the cluster's CPUs, not GPUs (a `--rehearsal` on a CPU allocation)."""
 
@@ -112,6 +115,7 @@ class Scale:
             trainer="megatron", generator="vllm", placement="colocated" if self.colocated else "disaggregated",
             generators=self.gen_gpus // self.vllm_tp or 1, async_lag=self.async_lag,
             megatron=MegatronSection(tp=self.tp, pp=self.pp, ep=self.ep, etp=1, cp=self.cp,
+                                     sequence_parallel=self.sequence_parallel and self.tp > 1,
                                      first_stage_layers=self.first_stage_layers,
                                      last_stage_layers=self.last_stage_layers,
                                      params_dtype="bfloat16", recompute="selective"),  # fp32 masters, Adam

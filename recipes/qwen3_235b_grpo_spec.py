@@ -2,16 +2,17 @@
 (policy lag 2), at scale: the configuration of the reference's 2.5x projection.
 
 Recommended: 16 nodes x 8 H100 (128 GPUs), disaggregated: the layout `megatron-spec tune` ranks best for 128 H100
-among those the code runs (context parallelism refused, `megatron_spec.layout.support_problems`) with speculation
-at k=5 and lag 2 allowed. Trainer on 96 GPUs: Megatron-Core TP2 PP8 CP1 EP4 (ETP1, DP6; the 128 experts 32 per
-rank; the 94 layers split unevenly over the 8 stages, 11 on the first and the last, 12 on the six others:
-`backend.megatron.first_stage_layers` / `last_stage_layers`, Megatron-Core's `num_layers_in_first_pipeline_stage`
-/ `..._last_...`, checked at import by the validator the backend and the simulator use, `megatron_spec.layout`).
-Generation on the other 32: 4 vLLM engines of TP8 (one node each), `spec.vllm()` as vLLM's `speculative_config`,
-running up to two policy versions ahead of the trainer (`backend.async_lag=2`, truncated importance sampling).
-The config selects exactly that (`SCALE.backend`), with engines serving a prompt of up to 1024 tokens plus the
-8192 of a rollout. 256 prompts x 16 rollouts = 4096 rollouts per step, the batch of the reference's projection.
-`--tune` picks the tuner's best runnable layout for another allocation instead.
+among those the code runs (context parallelism refused, `megatron_spec.layout.support_problems`) with speculation at
+k=5 and lag 2 allowed. Trainer on 96 GPUs: Megatron-Core TP2 PP8 CP1 EP4 with sequence parallelism (Megatron-Core
+trains MoE layers under TP only with it; ETP1, DP6; the 128 experts 32 per rank; the 94 layers split unevenly over
+the 8 stages, 11 on the first and the last, 12 on the six others: `backend.megatron.first_stage_layers` /
+`last_stage_layers`, Megatron-Core's `num_layers_in_first_pipeline_stage` / `..._last_...`, checked at import by the
+validator the backend and the simulator use, `megatron_spec.layout`). Generation on the other 32: 4 vLLM engines of
+TP8 (one node each), `spec.vllm()` as vLLM's `speculative_config`, running up to two policy versions ahead of the
+trainer (`backend.async_lag=2`, truncated importance sampling). The config selects exactly that (`SCALE.backend`),
+with engines serving a prompt of up to 1024 tokens plus the 8192 of a rollout. 256 prompts x 16 rollouts = 4096
+rollouts per step, the batch of the reference's projection. `--tune` picks the tuner's best runnable layout for
+another allocation instead.
 
 Projected by the simulator (H100 set calibrated on NeMo-RL's published step times; bf16 trainer with selective
 recompute, engines in bf16; response lengths log-normal with the projection's mean and spread under the 8192 cap;
@@ -37,7 +38,7 @@ from megatron_spec.spec.config import SpecConfig
 from recipes._common import Scale, recipe_main
 
 SCALE = Scale(nodes=16, gpus_per_node=8, tp=2, pp=8, cp=1, ep=4, vllm_tp=8, colocated=False, gen_gpus=32,
-              async_lag=2, time="04:00:00", first_stage_layers=11, last_stage_layers=11)
+              async_lag=2, sequence_parallel=True, time="04:00:00", first_stage_layers=11, last_stage_layers=11)
 check_layout(preset("qwen3-235b-a22b"), SCALE.train_layout(), SCALE.nodes * SCALE.gpus_per_node - SCALE.gen_gpus,
              runnable=True)
 

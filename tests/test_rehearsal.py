@@ -77,8 +77,8 @@ def test_rehearsal_keeps_what_it_rehearses(name):
     b, fb = toy.backend, full.backend
     assert (b.trainer, b.generator, b.placement, b.async_lag, b.is_clip, b.refit_transport) == \
         (fb.trainer, fb.generator, fb.placement, fb.async_lag, fb.is_clip, fb.refit_transport)
-    assert (b.megatron.params_dtype, b.megatron.recompute, b.megatron.optimizer) == \
-        (fb.megatron.params_dtype, fb.megatron.recompute, fb.megatron.optimizer)
+    assert (b.megatron.params_dtype, b.megatron.recompute, b.megatron.optimizer, b.megatron.sequence_parallel) == \
+        (fb.megatron.params_dtype, fb.megatron.recompute, fb.megatron.optimizer, fb.megatron.sequence_parallel)
     assert (toy.spec.method, toy.spec.num_speculative_tokens, toy.spec.adaptive) == \
         (full.spec.method, full.spec.num_speculative_tokens, full.spec.adaptive)
     assert toy.spec.model == toy.model.drafter == f"runs/rehearsal/{name}/toy/drafter"
@@ -102,8 +102,10 @@ def test_rehearsal_keeps_what_it_rehearses(name):
 def test_flagship_235b_is_speculation_with_async_lag_2_disaggregated():
     """The 235B recipe's default is the reference projection's configuration: EAGLE-3 at k=5 with policy lag 2, on
     a disaggregated 96 + 32 split of 16 x 8 GPUs (trainer TP2 PP8 EP4 DP6, 4 engines of TP8), no context
-    parallelism."""
+    parallelism; sequence parallelism on, without which Megatron-Core refuses to train MoE layers under TP (met by
+    the rehearsal at its first train step)."""
     cfg, plan, _ = dryrun("qwen3_235b_grpo_spec")
+    assert cfg.backend.megatron.sequence_parallel
     assert (cfg.spec.method, cfg.spec.num_speculative_tokens, cfg.backend.async_lag) == ("eagle3", 5, 2)
     rec = plan["recommended"]
     assert rec["ray"]["placement"] == "disaggregated" and rec["gpus"] == 128
