@@ -26,8 +26,8 @@ def tiny_grpo_spec() -> RLConfig:
     the time, 5-8 terms 22 %), so each step's batch drains to a few long answers, and groups whose rollouts all got
     the same reward (no advantage, no policy gradient) left out of the update (DAPO's dynamic sampling), in
     micro-batches of up to 2048 tokens. On a 2-core CPU (1 thread) that raised the plain step's generation share
-    from 0.30-0.33 to 0.45-0.46 over steps 1-9, back to back, and to 0.30-0.36 over whole 50-step runs, as the policy
-    learns and fewer groups are uniform: short of the 65-80 % of reasoning RL. The whole-step gate
+    from 0.30-0.33 to 0.45-0.46 over steps 1-9, back to back; over whole 50-step runs it was 0.30-0.36 (as the policy
+    learns, more groups carry an advantage and are trained): short of the 65-80 % of reasoning RL. The whole-step gate
     (`drafter_train.gate`) runs steps plainly wherever speculation with the drafter's training does not pay."""
     return RLConfig(
         model=ModelSection(policy="checkpoints/tiny-qwen3-deep-careful",
