@@ -11,7 +11,7 @@ What changes, and only that (`overrides`, laid over the recipe's config before a
 - the data: a small file in the recipe's data format (DAPO-Math layout parquet: chat-message prompts, boxed
   integer answers scored by the recipe's reward);
 - the cluster: `WORLD` trainer ranks with the recipe's kinds of parallelism at size 2 (those Megatron runs on
-  gloo), vLLM engines of tensor parallel 2 on CPU bundles, 3 steps of 2 prompts x 4 rollouts of a few tokens.
+  gloo: `megatron_split`), vLLM engines of tensor parallel 2 on CPU bundles, 3 steps of 2 prompts x 4 rollouts of a few tokens.
 Everything else stays the recipe's: backends, placement, async lag, speculation method and k, online drafter
 training, checkpoint cadence (the loop also saves the last step), pre-launch checks, sbatch template, Ray driver.
 
@@ -66,9 +66,13 @@ def toy_architecture(policy: str) -> dict:
 
 
 def megatron_split(scale) -> dict:
-    """The recipe's kinds of trainer parallelism at size 2 on `WORLD` ranks: each of TP, PP, EP the recipe uses
-    (> 1) becomes 2 (CP stays 1: the trainer does not run it); data parallelism takes the rest."""
+    """The recipe's kinds of trainer parallelism that run on gloo, at size 2 on `WORLD` ranks: each of TP, PP, EP the
+    recipe uses (> 1) becomes 2, except TP beside EP (Megatron-Core trains MoE layers under TP only with sequence
+    parallelism, whose norms need Transformer Engine or Apex, absent on the CPU); CP stays 1 (the trainer does not
+    run it); data parallelism takes the rest."""
     tp, pp, ep = (2 if getattr(scale, k) > 1 else 1 for k in ("tp", "pp", "ep"))
+    if ep > 1:
+        tp = 1
     if WORLD % (tp * pp):
         raise ValueError(f"a rehearsal on {WORLD} ranks cannot hold TP{tp} x PP{pp}")
     return {"tp": tp, "pp": pp, "ep": ep}
@@ -103,6 +107,7 @@ def overrides(name: str, cfg, recipe_scale) -> list[str]:
         "grpo.prompts_per_step": PROMPTS, "grpo.group_size": GROUP, "grpo.max_tokens": MAX_TOKENS,
         "backend.megatron.tp": split["tp"], "backend.megatron.pp": split["pp"], "backend.megatron.ep": split["ep"],
         "backend.megatron.etp": 1, "backend.megatron.cp": 1,
+        "backend.megatron.sequence_parallel": "false",
         "backend.megatron.first_stage_layers": "null", "backend.megatron.last_stage_layers": "null",
         "backend.vllm.tensor_parallel_size": ENGINE_TP, "backend.vllm.max_model_len": PROMPT_TOKENS + MAX_TOKENS,
         "backend.vllm.threads": 1, "backend.init_timeout_s": 600, "backend.generators": 1,
