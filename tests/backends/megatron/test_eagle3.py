@@ -102,3 +102,22 @@ def test_unsupported_combinations_fail_before_anything_is_built():
     for kw, message in cases:
         with pytest.raises(ValueError, match=message):
             MegatronPolicy(model, grpo(), SAMPLING, Parallelism(), drafter_cfg=w.drafter_cfg(), **kw)
+
+
+def test_the_run_check_refuses_eagle3_beside_mtp_layers():
+    """`check_inputs` (before any model or file is read) refuses spec.method=eagle3 with the Megatron trainer and
+    backend.megatron.mtp_num_layers > 0; with mtp_num_layers 0 it passes on to the next check (the policy files)."""
+    from megatron_spec.rl.config import RLConfig
+    from megatron_spec.rl.loop import check_inputs
+    from megatron_spec.spec.config import SpecConfig
+
+    cfg = RLConfig()
+    cfg.backend.trainer, cfg.spec = "megatron", SpecConfig(method="eagle3")
+    cfg.model.policy = "/nonexistent/policy"
+    cfg.drafter_train.drafts = cfg.drafter_train.replay = cfg.drafter_train.minibatches = 1
+    cfg.backend.megatron.mtp_num_layers = 1
+    with pytest.raises(ValueError, match="mtp_num_layers=1 would build MTP layers"):
+        check_inputs(cfg)
+    cfg.backend.megatron.mtp_num_layers = 0
+    with pytest.raises(FileNotFoundError, match="/nonexistent/policy"):
+        check_inputs(cfg)
