@@ -19,7 +19,9 @@ learns from the states of the forward before the policy's update and from the to
 
 Cost: the gather moves B x T x (3H + V) floats per step to every rank, fine at test and toy scale; at full scale
 a send to the last stage alone (and logits restricted to the head's draft vocabulary) is the cheaper layout.
-Full activation recompute would run the hooked layers twice per micro-batch and is refused.
+Full activation recompute would run the hooked layers twice per micro-batch and is refused. The sequence-parallel
+path (each TP rank adds its own slice of positions) cannot run on the CPU, where Megatron's torch norms refuse
+sequence parallelism without Apex / Transformer Engine; the CPU tests cover TP and PP without it.
 """
 
 from __future__ import annotations
