@@ -6,7 +6,9 @@
 - EAGLE-3: the checkpoint vLLM's `Eagle3LlamaForCausalLM` / `Eagle3Qwen3ForCausalLM` load: `fc`, `midlayer.*`, `norm`,
   `lm_head` (over the draft vocabulary when the head has one, with `d2t` as vLLM wants it: offsets target - draft
   id), and a config naming `draft_vocab_size`, `target_hidden_size` and the auxiliary layer ids. vLLM captures the
-  *inputs* of its aux layers, so our capture layer i (the output of layer i) is vLLM's aux id i + 1.
+  *inputs* of its aux layers, so our capture layer i (the output of layer i) is vLLM's aux id i + 1. The head's
+  layer is dense whatever the target: a Qwen3-MoE target's head is a Qwen3 layer (vLLM's Qwen3-MoE model records
+  the aux states), so its config is a dense `qwen3` one without the target's expert fields.
 """
 
 from __future__ import annotations
@@ -23,7 +25,15 @@ from ...models.hf_io import save_pretrained, write_atomically
 from ...models.mtp import MTP
 from .plugin import MTP_ARCHITECTURE
 
-EAGLE3_ARCHITECTURES = {"qwen3": "Eagle3Qwen3ForCausalLM", "llama": "Eagle3LlamaForCausalLM"}
+EAGLE3_ARCHITECTURES = {"qwen3": "Eagle3Qwen3ForCausalLM", "qwen3_moe": "Eagle3Qwen3ForCausalLM",
+                        "llama": "Eagle3LlamaForCausalLM"}
+"""vLLM's EAGLE-3 drafter class for each target model_type we export (its layer as the target family's dense one)."""
+
+EAGLE3_LAYER_TYPE = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "llama": "llama"}
+"""The model_type of the head's dense layer for each target model_type: what vLLM builds the drafter's config as."""
+
+MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef")
 
 
 def drafter_kind(drafter) -> str | None:
@@ -104,8 +114,10 @@ def export_eagle3(head: Eagle3Head, out_dir: str | os.PathLike) -> Path:
     if cfg.model_type not in EAGLE3_ARCHITECTURES:
         raise NotImplementedError(f"vLLM backend: no vLLM EAGLE-3 class for model_type {cfg.model_type!r}")
     ec = head.eagle_config
-    family = cfg.model_type if ec.qk_norm in (None, cfg.qk_norm) else ("qwen3" if ec.qk_norm else "llama")
-    config = {**cfg.to_hf(), "architectures": [EAGLE3_ARCHITECTURES[family]], "num_hidden_layers": 1,
+    dense = EAGLE3_LAYER_TYPE[cfg.model_type]
+    family = dense if ec.qk_norm in (None, cfg.qk_norm) else ("qwen3" if ec.qk_norm else "llama")
+    target = {k: v for k, v in cfg.to_hf().items() if k not in MOE_FIELDS}
+    config = {**target, "model_type": dense, "architectures": [EAGLE3_ARCHITECTURES[family]], "num_hidden_layers": 1,
               "intermediate_size": ec.intermediate_size, "draft_vocab_size": ec.draft_vocab_size or cfg.vocab_size,
               "target_hidden_size": cfg.hidden_size, "torch_dtype": dtype_name(head),
               "norm_before_residual": ec.norm_before_residual,
