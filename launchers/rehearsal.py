@@ -140,13 +140,6 @@ def problems(cfg, arch: dict) -> list[str]:
             how = " unless backend.megatron.mtp_num_layers > 0" if method == "mtp" else ""
             out.append(f"online drafter training: the Megatron trainer does not train a {method} drafter{how}; it "
                        "would be served frozen while drafter_train.online=true says it is trained")
-    if cfg.backend.trainer == "megatron" and cfg.backend.placement in ("colocated", "disaggregated"):
-        from megatron_spec.backends.ray.groups import TrainerGroup
-
-        if not hasattr(TrainerGroup, "save_sharded"):
-            out.append("sharded checkpoint: under Ray the Megatron trainer's checkpoint is rank 0's state_dict() in "
-                       "one state.pt (megatron_spec.backends.ray.groups.TrainerGroup has no save_sharded), not "
-                       "Megatron-Core's distributed checkpoint written by every rank")
     return out
 
 

@@ -65,8 +65,8 @@ class RayTrainer(loop.Trainer):
             raise RuntimeError(f"Ray could not place {self.placement.bundles} within {PLACEMENT_TIMEOUT_S} s on a "
                                f"cluster with {ray.available_resources()} free") from err
         self.pg = pg
-        trainer, generator = TrainerGroup(self.cfg, self.placement, self.pg), GeneratorGroup(self.cfg, self.placement,
-                                                                                            self.pg)
+        trainer = TrainerGroup.of(self.cfg, self.placement, self.pg)
+        generator = GeneratorGroup(self.cfg, self.placement, self.pg)
         self.transport = TRANSPORTS[self.cfg.backend.refit_transport](self.cfg, trainer, generator)
         return trainer, generator
 

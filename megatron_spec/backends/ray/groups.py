@@ -118,6 +118,11 @@ class TrainerGroup:
     def load_state_dict(self, state: dict) -> None:
         self.call("load_state_dict", state)
 
+    @classmethod
+    def of(cls, cfg, placement: Placement, pg) -> "TrainerGroup":
+        """The group for `cfg`'s trainer: a Megatron trainer's checkpoints are written shard by shard by every rank."""
+        return (ShardedTrainerGroup if cfg.backend.trainer == "megatron" else cls)(cfg, placement, pg)
+
     def close(self) -> None:
         ray = require_ray()
         if self.followers:
@@ -137,6 +142,14 @@ class Pending:
     params: object
     parts: list
     """(engine index, lo, hi, engine handle, object reference)."""
+
+
+class ShardedTrainerGroup(TrainerGroup):
+    """A Megatron trainer's group: `rl.checkpoint.save` finds `save_sharded` and every rank writes its own shards
+    (Megatron-Core `torch_dist`, the followers taking part through rank 0's announcement); nothing is gathered."""
+
+    def save_sharded(self, out_dir) -> dict:
+        return self.call("save_sharded", str(out_dir))
 
 
 class GeneratorGroup:

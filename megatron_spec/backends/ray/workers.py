@@ -135,6 +135,11 @@ class TrainerRank:
     def state_dict(self) -> dict:
         return self.policy.state_dict()
 
+    def save_sharded(self, out_dir: str) -> dict:
+        """Rank 0 of a Megatron trainer: every rank writes its own shards into `out_dir` (the followers take part
+        through rank 0's announcement); returns the small state the run checkpoint keeps."""
+        return self.policy.save_sharded(out_dir)
+
     def load_state_dict(self, state: dict) -> None:
         self.policy.load_state_dict(state)
 
