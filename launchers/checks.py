@@ -21,7 +21,8 @@ import importlib.util
 import json
 from pathlib import Path
 
-from megatron_spec.layout import Layout, layout_problems, support_problems, world_problems
+from megatron_spec.layout import (Layout, colocation_problems, layout_problems, sequence_parallel_problems,
+                                  support_problems, world_problems)
 from megatron_spec.models import ModelConfig, hub
 from megatron_spec.models.presets import PRESETS, preset
 from megatron_spec.rl.config import RLConfig
@@ -121,7 +122,8 @@ def import_check(extras: tuple[str, ...]) -> str:
 
 def layout_fit_problems(cfg: RLConfig, layout: dict) -> list[str]:
     """The trainer layout (`Scale.layout`: the split the job will use on the allocation asked for) must fit the
-    model and the allocation's GPUs; the engines must fit the allocation."""
+    model and the allocation's GPUs, with sequence parallelism where Megatron-Core needs it and none where it cannot
+    run; the engines must fit the allocation and, colocated on GPUs, be one GPU each (the Ray placement's rule)."""
     world, meg = layout["gpus"], layout["megatron"]
     lay = Layout(tp=meg["tp"], pp=meg["pp"], ep=meg["ep"], etp=meg["etp"], cp=meg["cp"],
                  first_stage_layers=meg.get("first_stage_layers"), last_stage_layers=meg.get("last_stage_layers"))
@@ -132,6 +134,11 @@ def layout_fit_problems(cfg: RLConfig, layout: dict) -> list[str]:
     if world > gen_gpus:  # a disaggregated trainer gets the rest (none left: the engines' problem below)
         problems += world_problems(world - gen_gpus, lay, who="train")
     problems += support_problems(lay, who="train")
+    on_gpus = "GPU" in layout["ray"].get("bundle", {"GPU": 1})  # a --rehearsal's bundles are CPUs
+    if cfg.backend.trainer == "megatron":
+        problems += sequence_parallel_problems(model, lay, cfg.backend.megatron.sequence_parallel, on_gpus=on_gpus,
+                                               who="train")
+    problems += colocation_problems(layout["ray"]["placement"] == "colocated", engine_tp, on_gpus=on_gpus)
     if engines * engine_tp > world:
         problems.append(f"{engines} generation engines x TP {engine_tp} = {engines * engine_tp} GPUs, more than the "
                         f"allocation's {world} (nodes x GPUs per node)")

@@ -17,6 +17,8 @@ no torch.distributed, no Megatron import; the rules are Megatron-Core's (and vLL
 Apart from what Megatron-Core accepts, `support_problems` says what this project's Megatron trainer runs: no
 context parallelism (CP > 1) yet. The config, the recipes, the launch checks, the backend and the tuner all refuse or
 skip such a layout through it, before anything is loaded; the simulator may still predict one when asked directly.
+`sequence_parallel_problems` (MoE under TP needs sequence parallelism, CPUs cannot run it) and
+`colocation_problems` (colocated engines of one GPU each) are the other rules found only after the allocation starts.
 """
 
 from __future__ import annotations
@@ -161,6 +163,38 @@ def support_problems(lay: Layout, who: str = "") -> list[str]:
     if lay.cp != SUPPORTED_CP:
         return [f"{p}cp={lay.cp}: context parallelism is not implemented in the Megatron trainer (a run would stop "
                 f"after loading the model); use cp=1 and put those GPUs into tp, pp or data parallelism"]
+    return []
+
+
+def sequence_parallel_problems(m: ModelConfig | None, lay: Layout, sequence_parallel: bool, *, on_gpus: bool = True,
+                               who: str = "") -> list[str]:
+    """Every way `backend.megatron.sequence_parallel` does not suit `lay` for model `m` (None: the model rule is
+    skipped) on GPUs or, with `on_gpus=False`, on CPUs. Megatron-Core's rules, met only at the first train step:
+    its MoE layer raises in training when the attention TP group has more than one rank and sequence parallelism
+    is off, so an MoE model with TP > 1 needs it; and its torch norm (the one used without Transformer Engine or
+    Apex, both absent on the CPU) asserts that sequence parallelism is off, so a CPU (gloo) run cannot use it."""
+    p = f"{who} " if who else ""
+    problems = []
+    if m is not None and m.is_moe and lay.tp > 1 and not sequence_parallel:
+        problems.append(f"{p}tp={lay.tp} on an MoE model needs sequence parallelism (Megatron-Core refuses to train "
+                        "MoE layers under tensor parallelism without it): set backend.megatron.sequence_parallel=true")
+    if sequence_parallel and not on_gpus:
+        moe = " (an MoE model then needs tp=1)" if m is not None and m.is_moe else ""
+        problems.append(f"{p}sequence parallelism on CPUs: Megatron-Core's torch norms refuse it without Transformer "
+                        f"Engine or Apex, which need CUDA; set backend.megatron.sequence_parallel=false{moe}")
+    return problems
+
+
+def colocation_problems(colocated: bool, engine_tp: int, *, on_gpus: bool = True, who: str = "") -> list[str]:
+    """Every way a placement's engines cannot share devices with the trainer: colocated on GPUs, each trainer rank
+    and engine share one one-GPU Ray bundle, so an engine of vLLM tensor parallel > 1 (a multi-GPU bundle group)
+    cannot be split GPU by GPU between the trainer's and the engine's actors. CPU bundles have no such limit. The
+    Ray placement (`backends/ray/placement.py`), the launch checks and the tuner all ask this."""
+    p = f"{who} " if who else ""
+    if colocated and on_gpus and engine_tp > 1:
+        return [f"{p}colocated placement of vLLM engines with tensor_parallel_size={engine_tp} on GPUs is not "
+                "supported: a trainer rank and an engine cannot split a multi-GPU Ray bundle GPU by GPU; use "
+                "backend.placement=disaggregated, or tensor_parallel_size=1"]
     return []
 
 

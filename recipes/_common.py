@@ -234,6 +234,15 @@ def check_before_launch(name: str, args: argparse.Namespace, cfg: RLConfig, scal
         print(f"{name}: note: a launch from this machine would be refused: {'; '.join(unresolved)}", file=sys.stderr)
 
 
+def tune_space(cfg: RLConfig):
+    """What `--tune` searches: the tuner's default space, plus disaggregated placements at the recipe's policy lag
+    when it allows one (`backend.async_lag` > 0): a model whose engines need TP > 1 has no colocated layout the Ray
+    placement runs (`megatron_spec.layout.colocation_problems`)."""
+    from megatron_spec.sim.tune import TuneSpace
+
+    return TuneSpace(lags=tuple(sorted({0, cfg.backend.async_lag})))
+
+
 def tune_recipe(name: str, cfg: RLConfig, scale: Scale | None, args: argparse.Namespace):
     """The tuner's best layout for the allocation (`megatron_spec.sim.tune.best_layout`) as the recipe's parallel
     settings: returns the config with it as backend overrides (and the tuner's k for the recipe's drafter; the
@@ -253,7 +262,8 @@ def tune_recipe(name: str, cfg: RLConfig, scale: Scale | None, args: argparse.Na
         spec = Speculation(k=cfg.spec.num_speculative_tokens, acceptance_length=min(TUNE_ACCEPTANCE,
                            cfg.spec.num_speculative_tokens + 1), drafter=cfg.spec.method)
     gpus = args.nodes * args.gpus_per_node
-    layout, stages = best_layout(model, gpus, args.gpu, spec=spec, gpu_memory_utilization=TUNE_GPU_MEMORY)
+    layout, stages = best_layout(model, gpus, args.gpu, spec=spec, space=tune_space(cfg),
+                                 gpu_memory_utilization=TUNE_GPU_MEMORY)
     overrides = {**layout.backend_overrides(), "backend.trainer": "megatron", "backend.generator": "vllm",
                  "backend.vllm.tensor_parallel_size": layout.gen_tp,
                  "backend.vllm.gpu_memory_utilization": TUNE_GPU_MEMORY}
@@ -265,7 +275,8 @@ def tune_recipe(name: str, cfg: RLConfig, scale: Scale | None, args: argparse.Na
                                 colocated=layout.placement == "colocated", async_lag=layout.async_lag,
                                 gen_gpus=0 if layout.placement == "colocated" else layout.engines * layout.gen_tp,
                                 first_stage_layers=layout.train.first_stage_layers,
-                                last_stage_layers=layout.train.last_stage_layers)
+                                last_stage_layers=layout.train.last_stage_layers,
+                                sequence_parallel=layout.train.tp > 1)
     chosen = {"gpus": gpus, "gpu": args.gpu, "train": layout.train.describe(), "train_dp": layout.train_dp,
               "gen_tp": layout.gen_tp, "engines": layout.engines, "placement": layout.placement,
               "async_lag": layout.async_lag, "spec": f"{layout.method} k={layout.k}" + (" adaptive" if

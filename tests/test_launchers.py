@@ -306,6 +306,38 @@ def test_context_parallelism_is_refused_before_launch(refused):
     assert "backend.megatron.cp=2: context parallelism is not implemented" in err and "use cp=1" in err
 
 
+def test_moe_tensor_parallelism_without_sequence_parallelism_is_refused_before_launch(refused):
+    """Qwen3-235B trains at TP 2: with sequence parallelism off Megatron-Core would raise at the first train step on
+    the cluster; the launch check refuses it here, naming the fix, and submits nothing."""
+    err = refused("qwen3_235b_grpo_spec", [*AT_SCALE_SUBMIT, "backend.megatron.sequence_parallel=false"])
+    assert ("train tp=2 on an MoE model needs sequence parallelism (Megatron-Core refuses to train MoE layers under "
+            "tensor parallelism without it): set backend.megatron.sequence_parallel=true") in err
+
+
+def test_colocated_engines_of_several_gpus_are_refused_before_launch(refused):
+    """The 235B's engines are vLLM TP 8; colocated, the Ray placement would refuse them after the allocation
+    starts: the launch check refuses them here with its reason and submits nothing."""
+    err = refused("qwen3_235b_grpo_spec", [*AT_SCALE_SUBMIT, "backend.placement=colocated", "backend.async_lag=0"])
+    assert ("colocated placement of vLLM engines with tensor_parallel_size=8 on GPUs is not supported") in err
+    assert "use backend.placement=disaggregated" in err
+
+
+def test_sequence_parallelism_on_cpu_bundles_is_a_launch_problem():
+    """A layout on CPU bundles (a --rehearsal's) cannot run sequence parallelism (Megatron's torch norms); on GPU
+    bundles the recipe's own layout, with it on, has no such problem."""
+    from launchers.checks import layout_fit_problems
+
+    mod = recipe("qwen3_235b_grpo_spec")
+    cfg = mod.qwen3_235b_grpo_spec()
+    layout = mod.SCALE.layout(cfg)
+    assert cfg.backend.megatron.sequence_parallel and not [p for p in layout_fit_problems(cfg, layout)
+                                                           if "sequence" in p]
+    layout["ray"]["bundle"] = {"CPU": 1}
+    assert [p for p in layout_fit_problems(cfg, layout) if "sequence" in p] == [
+        "train sequence parallelism on CPUs: Megatron-Core's torch norms refuse it without Transformer Engine or "
+        "Apex, which need CUDA; set backend.megatron.sequence_parallel=false (an MoE model then needs tp=1)"]
+
+
 @pytest.mark.parametrize("argv, message", [
     # TP 3 neither divides the 32 GPUs nor a node's 8
     (["backend.vllm.tensor_parallel_size=3"], "vLLM TP 3 does not divide the 8 GPUs of a node"),

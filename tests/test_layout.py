@@ -162,3 +162,68 @@ def test_context_parallelism_is_refused_where_a_layout_is_chosen_or_accepted():
     cp_keys = [k for k in result.rejected if "context parallelism" in k]
     assert len(cp_keys) == 1 and result.rejected[cp_keys[0]] == 2
     assert result.rejected.example[cp_keys[0]].startswith("train cp=2: context parallelism is not implemented")
+
+
+SP_FIX = "set backend.megatron.sequence_parallel=true"
+
+
+def test_moe_under_tensor_parallelism_needs_sequence_parallelism():
+    """Megatron-Core's MoE layer raises at the first training forward when TP > 1 and sequence parallelism is off:
+    the shared rule refuses exactly that case (an MoE model, TP 2, SP off) and names the fix; TP 1, SP on, or a
+    dense model pass. The backend check refuses it before any rank builds a parameter, and so does the local run's
+    check, before any model is built."""
+    from megatron_spec.backends.megatron.checks import Parallelism, check_parallelism
+    from megatron_spec.layout import sequence_parallel_problems
+    from megatron_spec.rl.config import RLConfig
+    from megatron_spec.rl.loop import check_inputs
+
+    assert sequence_parallel_problems(moe(), Layout(tp=2), False, who="train") == [
+        "train tp=2 on an MoE model needs sequence parallelism (Megatron-Core refuses to train MoE layers under "
+        "tensor parallelism without it): set backend.megatron.sequence_parallel=true"]
+    assert sequence_parallel_problems(moe(), Layout(tp=2), True) == []
+    assert sequence_parallel_problems(moe(), Layout(tp=1, ep=2), False) == []
+    dense = ModelConfig(model_type="qwen3", vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    assert sequence_parallel_problems(dense, Layout(tp=2), False) == []
+    with pytest.raises(ValueError, match=SP_FIX):
+        check_parallelism(moe(), Parallelism(tp=2), 2, sequence_parallel=False)
+    check_parallelism(moe(), Parallelism(tp=2), 2)  # building alone (export, logprobs) does not train: allowed
+    cfg = RLConfig()
+    cfg.model.policy, cfg.model.drafter, cfg.spec = "checkpoints/tiny-qwen3-moe", None, None
+    cfg.backend.trainer, cfg.backend.megatron.tp = "megatron", 2
+    with pytest.raises(ValueError, match=SP_FIX):
+        check_inputs(cfg)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU rule; this machine has CUDA")
+def test_sequence_parallelism_on_cpus_is_refused():
+    """Megatron's torch norms (used without Transformer Engine or Apex, which need CUDA) assert that sequence
+    parallelism is off: an in-process Megatron run on the CPU with it on is refused before any model is built,
+    naming the switch; the rule on GPUs and with SP off is silent."""
+    from megatron_spec.layout import sequence_parallel_problems
+    from megatron_spec.rl.config import RLConfig
+    from megatron_spec.rl.loop import check_inputs
+
+    assert sequence_parallel_problems(moe(), Layout(tp=2), True, on_gpus=False) == [
+        "sequence parallelism on CPUs: Megatron-Core's torch norms refuse it without Transformer Engine or Apex, "
+        "which need CUDA; set backend.megatron.sequence_parallel=false (an MoE model then needs tp=1)"]
+    assert sequence_parallel_problems(moe(), Layout(tp=2), True, on_gpus=True) == []
+    assert sequence_parallel_problems(moe(), Layout(tp=1), False, on_gpus=False) == []
+    cfg = RLConfig()
+    cfg.model.policy, cfg.model.drafter, cfg.spec = "checkpoints/tiny-qwen3", None, None
+    cfg.backend.trainer, cfg.backend.megatron.tp, cfg.backend.megatron.sequence_parallel = "megatron", 2, True
+    with pytest.raises(ValueError, match="sequence parallelism on CPUs.*sequence_parallel=false"):
+        check_inputs(cfg)
+
+
+def test_colocated_engines_must_be_one_gpu_each():
+    """The Ray placement's rule, shared with the tuner and the launch checks: colocated on GPUs, an engine of vLLM
+    TP > 1 is refused with the fix named; disaggregated, TP 1, or CPU bundles are not."""
+    from megatron_spec.layout import colocation_problems
+
+    assert colocation_problems(True, 8) == [
+        "colocated placement of vLLM engines with tensor_parallel_size=8 on GPUs is not supported: a trainer rank and "
+        "an engine cannot split a multi-GPU Ray bundle GPU by GPU; use backend.placement=disaggregated, or "
+        "tensor_parallel_size=1"]
+    assert colocation_problems(False, 8) == colocation_problems(True, 1) == []
+    assert colocation_problems(True, 2, on_gpus=False) == []

@@ -297,14 +297,15 @@ def test_tune_takes_the_tuners_best_layout(name, nodes, model, capsys):
     from megatron_spec.layout import check_layout
     from megatron_spec.models.presets import preset
     from megatron_spec.sim.config import Speculation
-    from megatron_spec.sim.tune import best_layout
+    from megatron_spec.sim.tune import TuneSpace, best_layout
 
     assert recipe(name).main(["--tune", "--dryrun", "--executor", "ray-slurm", "--account", "a",
                               "backend.async_lag=2"]) == 0
     cfg, plan = split_dryrun(capsys.readouterr().out)
     k = getattr(recipe(name), name)().spec.num_speculative_tokens  # the recipe's k, at the acceptance tune assumes
+    space = TuneSpace(lags=(0, 2) if name == "qwen3_235b_grpo_spec" else (0,))  # each recipe's own policy lag
     tuned, stages = best_layout(model, nodes * 8, "h100", spec=Speculation(k=k, acceptance_length=2.8,
-                                                                           drafter="eagle3"))
+                                                                           drafter="eagle3"), space=space)
     meg = cfg.backend.megatron
     assert (meg.tp, meg.pp, meg.ep, meg.cp, meg.first_stage_layers, meg.last_stage_layers) == (
         tuned.train.tp, tuned.train.pp, tuned.train.ep, tuned.train.cp, tuned.train.first_stage_layers,

@@ -72,6 +72,17 @@ def check_inputs(cfg: RLConfig) -> None:
     if policy != "smollm2-135m" and not (Path(policy) / "config.json").is_file():
         raise FileNotFoundError(f"policy checkpoint {policy} not found (no config.json); "
                                 f"`megatron-spec pretrain --preset tiny-qwen3 --out {policy}` makes the tiny one")
+    if cfg.backend.trainer == "megatron":  # Megatron-Core's sequence-parallel rules, met at its first train step
+        from ..layout import sequence_parallel_problems
+        from ..models.hf_io import read_config
+
+        m = cfg.backend.megatron
+        model = read_config(policy) if policy != "smollm2-135m" else None
+        # inline, the trainer runs in this process (on CUDA when there is one); under Ray each rank checks its own
+        on_gpus = torch.cuda.is_available() or cfg.backend.placement != "inline"
+        problems = sequence_parallel_problems(model, m.layout(), m.sequence_parallel, on_gpus=on_gpus)
+        if problems:
+            raise ValueError("; ".join(problems))
     from .task import task_difficulty
 
     try:

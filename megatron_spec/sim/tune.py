@@ -1,6 +1,7 @@
 """Tuner: search parallelism (trainer TP/PP/EP/CP, engine TP/EP and count), colocated vs disaggregated placement,
 sync vs async lag, drafter method, k and the adaptive controller for the most tokens trained per second per GPU
-(the shortest step on the given GPUs), keeping only configurations that fit in memory. Every configuration left out
+(the shortest step on the given GPUs), keeping only configurations that fit in memory and that the trainer and the
+Ray placement run (`megatron_spec.layout`: no CP > 1, no colocated engine of TP > 1). Every configuration left out
 is counted under the reason it was left out (`TuneResult.rejected`), so the table says why the rest lost.
 
 The search factorises the way the step does: the training side (data + logprob + train) depends only on the
@@ -19,7 +20,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from megatron_spec.layout import Layout, check_layout, suggest_split, support_problems
+from megatron_spec.layout import Layout, check_layout, colocation_problems, suggest_split, support_problems
 from megatron_spec.models.config import ModelConfig
 
 from .acceptance import tau_from_rate
@@ -177,7 +178,12 @@ def search(base: SimConfig, space: TuneSpace = TuneSpace()) -> TuneResult:
         sides.sort(key=lambda s: s[0])
         rejected.add("a slower training layout for the same GPU share", len(sides) - 1)
         for gtp, spec in itertools.product(space.gen_tp, _spec_variants(space, base.spec)):
-            for gep in ({1, gtp} if base.model_config.is_moe else {1}):
+            geps = {1, gtp} if base.model_config.is_moe else {1}
+            unplaceable = colocation_problems(colocated, gtp)  # the Ray placement's rule: never chosen, counted
+            if unplaceable:
+                rejected.add(unplaceable[0], len(geps))
+                continue
+            for gep in geps:
                 cand = _evaluate(base, sides[0][1], GenParallel(tp=gtp, ep=gep), colocated, gen_gpus, lag, spec,
                                  rejected)
                 if cand is not None:
@@ -193,8 +199,9 @@ def tune(base: SimConfig, space: TuneSpace = TuneSpace(), top: int = 10) -> list
     """Best configurations around `base`, highest tokens trained per second per GPU first."""
     result = search(base, space)
     if not result.ranked:
-        raise ValueError(f"no configuration of {base.model} on {base.gpus} {base.hardware} fits in memory: "
-                         + format_rejections(result.rejected))
+        hint = "" if any(lag > 0 for lag in space.lags) else " (a policy lag > 0 adds disaggregated placements)"
+        raise ValueError(f"no configuration of {base.model} on {base.gpus} {base.hardware} fits in memory and "
+                         f"runs{hint}: " + format_rejections(result.rejected))
     return result.ranked[:top]
 
 
@@ -276,12 +283,15 @@ class TunedLayout:
     """Whether the adaptive controller may lower k."""
 
     def backend_overrides(self) -> dict[str, object]:
-        """Dotted `RLConfig` overrides of the backend section this layout sets."""
+        """Dotted `RLConfig` overrides of the backend section this layout sets. Sequence parallelism goes with
+        TP > 1: the simulator's activation memory assumes it (split over TP), and Megatron-Core needs it to train
+        MoE layers under TP (`megatron_spec.layout.sequence_parallel_problems`)."""
         t = self.train
         return {"backend.megatron.tp": t.tp, "backend.megatron.pp": t.pp, "backend.megatron.ep": t.ep,
                 "backend.megatron.cp": t.cp, "backend.megatron.first_stage_layers": t.first_stage_layers,
                 "backend.megatron.last_stage_layers": t.last_stage_layers, "backend.generators": self.engines,
-                "backend.placement": self.placement, "backend.async_lag": self.async_lag}
+                "backend.placement": self.placement, "backend.async_lag": self.async_lag,
+                "backend.megatron.sequence_parallel": t.tp > 1}
 
 
 def best_layout(model: str | ModelConfig, gpus: int, gpu: str = "h100", workload: Workload | None = None,

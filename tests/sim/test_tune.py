@@ -62,23 +62,30 @@ def test_nothing_fits():
 def test_rejections_are_counted_by_reason(base):
     """Every configuration left out is counted under its reason, exactly: with TP 3 allowed on 8 GPUs, one
     colocated placement and trainer layouts TP 1/2/3 x PP 1, TP 3 is refused once (8 % 3), and one of the two
-    valid training layouts is dropped as the slower one for the same GPU share. The 21 configurations that fit
-    (engine TP 1/2/4 x 7 speculation variants: none, and k 2/3/5 each with the controller off or on) are all
-    ranked or counted as a k the controller never uses."""
+    valid training layouts is dropped as the slower one for the same GPU share. Of the engine TP 1/2/4 x 7
+    speculation variants (none, and k 2/3/5 each with the controller off or on), the 14 of engine TP 2 and 4 are
+    refused by the Ray placement's rule (colocated engines of one GPU each); the 7 of TP 1 are all ranked or
+    counted as a k the controller never uses."""
     space = TuneSpace(gen_tp=(1, 2, 4), train_tp=(1, 2, 3), train_pp=(1,), train_cp=(1,), ks=(0, 2, 3, 5),
                       adaptive=("off", "auto"), lags=(0,))
     result = search(base, space)
+    colocated = ("colocated placement of vLLM engines with tensor_parallel_size=# on GPUs is not supported: a "
+                 "trainer rank and an engine cannot split a multi-GPU Ray bundle GPU by GPU; use "
+                 "backend.placement=disaggregated, or tensor_parallel_size=#")
     assert result.rejected.example == {
         "train tp*pp*cp=# does not divide the # training GPUs": "train tp*pp*cp=3 does not divide the 8 training GPUs",
+        colocated: colocated.replace("=#", "=2", 1).replace("=#", "=1"),
         "a slower training layout for the same GPU share": "a slower training layout for the same GPU share",
         **({"a larger k the controller never uses (same step as a smaller one)":
             "a larger k the controller never uses (same step as a smaller one)"}
-           if len(result.ranked) < 21 else {}),
+           if len(result.ranked) < 7 else {}),
     }
     assert result.rejected["train tp*pp*cp=# does not divide the # training GPUs"] == 1
     assert result.rejected["a slower training layout for the same GPU share"] == 1
+    assert result.rejected[colocated] == 14
+    assert {c.cfg.gen.tp for c in result.ranked} == {1}
     assert len(result.ranked) + result.rejected.get(
-        "a larger k the controller never uses (same step as a smaller one)", 0) == 21
+        "a larger k the controller never uses (same step as a smaller one)", 0) == 7
     lines = format_rejections(result.rejected).splitlines()
     counts = [int(line.split(" x ")[0]) for line in lines]
     assert counts == sorted(counts, reverse=True) and sum(counts) == sum(result.rejected.values())
@@ -99,15 +106,16 @@ def test_methods_are_searched_and_checked(base):
 
 
 def test_best_layout_235b_passes_the_shared_validator():
-    """`best_layout` for Qwen3-235B-A22B on 128 H100 (a narrowed space, so the suite stays fast): its trainer
+    """`best_layout` for Qwen3-235B-A22B on 128 H100 (a narrowed space, so the suite stays fast: engines of TP 8
+    on a quarter of the GPUs at lag 2, the recipe's placement; colocated, TP 8 engines are refused): its trainer
     layout passes `megatron_spec.layout.check_layout` on the training GPUs with Megatron's uneven stages (94 layers),
     the backend overrides spell that layout, and the predicted stage times are `simulate`'s for the chosen
     configuration (same numbers, not a second model)."""
     from megatron_spec.layout import check_layout, stage_layers
     from megatron_spec.models.presets import preset
 
-    space = TuneSpace(gen_tp=(8,), train_tp=(1, 2), train_pp=(8, 16), train_cp=(1, 2), train_ep=(8, 16),
-                      ks=(3,), adaptive=("off",), lags=(0,))
+    space = TuneSpace(gen_tp=(8,), train_tp=(1, 2), train_pp=(4, 8), train_cp=(1, 2), train_ep=(4, 8),
+                      ks=(3,), adaptive=("off",), lags=(2,), gen_fractions=(0.25,))
     spec = Speculation(k=3, acceptance_length=2.8, drafter="mtp")
     layout, stages = best_layout("qwen3-235b-a22b", 128, "h100", spec=spec, space=space, gen_dtype_bytes=1)
     m = preset("qwen3-235b-a22b")
@@ -119,7 +127,10 @@ def test_best_layout_235b_passes_the_shared_validator():
     assert layout.train_dp * t.tp * t.pp * t.cp == train_gpus and layout.engines * layout.gen_tp == layout.gen_gpus
     o = layout.backend_overrides()
     assert (o["backend.megatron.tp"], o["backend.megatron.pp"], o["backend.megatron.ep"]) == (t.tp, t.pp, t.ep)
-    cfg = SimConfig(model="qwen3-235b-a22b", hardware="h100", gpus=128, gen_dtype_bytes=1,
+    assert o["backend.megatron.sequence_parallel"] == (t.tp > 1)  # Megatron-Core's rule for MoE under TP
+    assert (layout.placement, layout.gen_gpus, layout.async_lag) == ("disaggregated", 32, 2)
+    cfg = SimConfig(model="qwen3-235b-a22b", hardware="h100", gpus=128, gen_dtype_bytes=1, colocated=False,
+                    gen_gpus=layout.gen_gpus, policy_lag=layout.async_lag,
                     workload=__import__("megatron_spec.sim.projection", fromlist=["x"]).projection_workload(),
                     train=TrainParallel(tp=t.tp, pp=t.pp, ep=t.ep, cp=t.cp, dp=layout.train_dp),
                     gen=__import__("megatron_spec.sim", fromlist=["x"]).GenParallel(tp=layout.gen_tp, ep=layout.gen_ep),

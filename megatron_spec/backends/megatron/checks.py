@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_spec.layout import Layout, layout_problems, support_problems, world_problems
+from megatron_spec.layout import Layout, layout_problems, sequence_parallel_problems, support_problems, world_problems
 from megatron_spec.models import ModelConfig
 
 # Fields that define the parameter shapes and the function the model computes. A checkpoint that differs in any
@@ -30,10 +30,14 @@ class Parallelism(Layout):
         return cls(**vars(section.layout()))
 
 
-def check_parallelism(cfg: ModelConfig, par: Layout, world_size: int | None = None) -> None:
+def check_parallelism(cfg: ModelConfig, par: Layout, world_size: int | None = None, *,
+                      sequence_parallel: bool | None = None, on_gpus: bool = True) -> None:
     """Raise one ValueError listing every way `par` cannot split `cfg` (and `world_size`, when given): the shared
-    layout rules (`megatron_spec.layout`) plus what this backend does not implement."""
+    layout rules (`megatron_spec.layout`) plus what this backend does not implement; with `sequence_parallel`
+    given, also whether it suits the model and the device (`sequence_parallel_problems`; `on_gpus`: CUDA)."""
     problems = layout_problems(cfg, par) + support_problems(par)
+    if sequence_parallel is not None:
+        problems += sequence_parallel_problems(cfg, par, sequence_parallel, on_gpus=on_gpus)
     if cfg.attention_bias:
         problems.append("attention_bias=True is not supported by the Megatron backend (Qwen3 and Llama have none)")
     if world_size is not None:

@@ -127,7 +127,8 @@ class MegatronPolicy:
             raise ValueError(f"the MTP drafter has {drafter_layers} layer(s), "
                              f"backend.megatron.mtp_num_layers={mtp_num_layers}")
         world = dist.get_world_size() if dist.is_initialized() else 1
-        check_parallelism(cfg, par, world)  # before any rank allocates a parameter
+        check_parallelism(cfg, par, world, sequence_parallel=sequence_parallel,  # before any rank allocates
+                          on_gpus=torch.cuda.is_available())
         if eagle3 is not None:  # a head that does not fit, or beside MTP layers, fails before anything is built
             from .eagle3 import check_combination, load_head
 
@@ -193,7 +194,8 @@ class MegatronPolicy:
         (the loop passes None: it never loads the full policy for a Megatron trainer)."""
         m, g = cfg.backend.megatron, cfg.grpo
         world = dist.get_world_size() if dist.is_initialized() else 1
-        check_parallelism(read_config(cfg.model.policy), Parallelism.from_section(m), world)
+        check_parallelism(read_config(cfg.model.policy), Parallelism.from_section(m), world,
+                          sequence_parallel=m.sequence_parallel, on_gpus=torch.cuda.is_available())
         ensure_process_group()  # one process without torchrun: a one-rank group
         if dist.is_initialized() and dist.get_rank() == 0 and world > 1:
             dist.broadcast_object_list([(BUILD, (cfg,))], src=0)

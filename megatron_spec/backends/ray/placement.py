@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ...layout import colocation_problems
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -110,10 +112,8 @@ def plan(cfg, cluster: dict, layout: dict | None = None) -> Placement:
             raise ValueError(f"{kind} placement needs {n} GPUs ({world} trainer ranks, {engines} engines of "
                              f"{tp} GPU(s){'' if kind == 'colocated' else ' on separate GPUs'}), the Ray cluster "
                              f"has {gpus:g}")
-        if kind == "colocated" and tp > 1:
-            raise ValueError(f"colocated placement of vLLM engines with tensor_parallel_size={tp} on GPUs is not "
-                             "supported: a trainer rank and an engine cannot split a multi-GPU Ray bundle GPU by "
-                             "GPU; use backend.placement=disaggregated, or tensor_parallel_size=1")
+        for problem in colocation_problems(kind == "colocated", tp):  # the rule the tuner and launch checks read
+            raise ValueError(problem)
         cpus = float(cluster.get("CPU", 0)) / gpus
         bundle = {"CPU": math.floor(cpus) or cpus, "GPU": 1.0}
     else:
