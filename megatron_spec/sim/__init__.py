@@ -1,6 +1,6 @@
 """Performance simulator and tuner for GRPO steps with speculative-decoding rollouts on GPU clusters.
 
-Start at `pipeline.simulate(SimConfig(...))`; README.md in this folder derives the model of a step, and
+Start at `pipeline.simulate(SimConfig(...))`; docs/design/simulator.md derives the model of a step, and
 `calibration.py` holds every constant it uses. Nothing here imports torch: the package is arithmetic over a
 `ModelConfig` (torch still loads, because `megatron_spec/models/__init__.py`, which runs before `models.config`
 and `models.presets`, imports the model code). The CPU validation harness that models our eager
