@@ -22,7 +22,13 @@ from launchers import rehearsal
 
 from .cluster import ROOT, free_port, wait_for
 
-pytestmark = pytest.mark.slurm
+pytestmark = [
+    pytest.mark.slurm,
+    # Two SLURM jobs per flagship at toy width take 10-20 minutes each on a 2-core machine, beyond what the SLURM
+    # tier's share of CI allows; the tier runs them when asked.
+    pytest.mark.skipif(os.environ.get("MEGATRON_SPEC_REHEARSAL") != "1",
+                       reason="the flagship rehearsals run with MEGATRON_SPEC_REHEARSAL=1 (10-20 min each)"),
+]
 
 FLAGSHIPS = ("qwen3_235b_grpo_spec", "qwen3_8b_grpo_spec")
 JOB_TIMEOUT_S = 900
