@@ -26,6 +26,7 @@ from megatron_spec.layout import (Layout, colocation_problems, layout_problems, 
 from megatron_spec.models import ModelConfig, hub
 from megatron_spec.models.presets import PRESETS, preset
 from megatron_spec.rl.config import RLConfig
+from megatron_spec.spec.registry import needs_weights
 
 from .extras import EXTRAS, missing_extras
 
@@ -251,7 +252,7 @@ def _hub_problem(name: str, cache_dir: str | None, online: bool) -> str | None:
 def drafter_problems(cfg: RLConfig) -> list[str]:
     """A drafter with weights must be there, hold the recipe's method and draft in the policy's vocabulary (checked
     where both are on this machine)."""
-    if not cfg.spec or cfg.spec.method not in ("mtp", "eagle3", "draft_model"):
+    if not cfg.spec or not needs_weights(cfg.spec.method):
         return []
     name = cfg.model.drafter or cfg.spec.model
     if not name:
