@@ -96,10 +96,10 @@ def test_synchronous_steps_score_the_engines_tokens_as_the_trainer_does(rehearse
         [(m["step"], m["logprob_mismatch"]) for m in synchronous]
 
 
-def test_sharded_checkpoint_written_by_every_rank_and_resumed(rehearsed):
+def test_sharded_checkpoint_written_by_its_ranks_and_resumed(rehearsed):
     """The checkpoint of step 2 is a Megatron-Core distributed checkpoint with shard files from several trainer
-    ranks (`torch_dist` writes `__<rank>_<n>.distcp`; a replicated shard once); the second submission resumed from it (steps 3 and 4 appended,
-    nothing repeated) and completed."""
+    ranks (`torch_dist` writes `__<rank>_<n>.distcp`, a replicated shard once); the second submission resumed from
+    it (steps 3 and 4 appended, nothing repeated) and completed."""
     _, run_dir, _, _, latest, shards, (_, out) = rehearsed
     assert latest == "step_000002"
     ranks = {s.split("_")[2] for s in shards if s.endswith(".distcp")}
