@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-import torch
 
 from megatron_spec.rl import memory
 from megatron_spec.rl.logging import scalars
