@@ -18,28 +18,28 @@ from pathlib import Path
 MB = 2**20
 
 
-def peak_rss_bytes(pid: int | str = "self") -> int | None:
-    """Peak resident set of process `pid` since it started or since its last `reset_peak`; None if unreadable."""
+def _status_bytes(pid: int | str, field: str) -> int | None:
+    """A `/proc/<pid>/status` size field (reported in kB) in bytes; None if unreadable."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    if pid == "self":  # no /proc: the process's peak since start (kilobytes on Linux)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return None
+
+
+def peak_rss_bytes(pid: int | str = "self") -> int | None:
+    """Peak resident set of process `pid` since it started or since its last `reset_peak`; None if unreadable."""
+    peak = _status_bytes(pid, "VmHWM")
+    if peak is None and pid == "self":  # no /proc: the process's peak since start (kilobytes on Linux)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak
 
 
 def rss_bytes(pid: int | str = "self") -> int | None:
     """Current resident set of process `pid`."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return _status_bytes(pid, "VmRSS")
 
 
 def reset_peak(pid: int | str = "self") -> bool:
