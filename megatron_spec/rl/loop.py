@@ -64,10 +64,12 @@ def check_inputs(cfg: RLConfig) -> None:
     if cfg.backend.trainer == "megatron" and cfg.grpo.drop_uniform_groups:
         raise ValueError("grpo.drop_uniform_groups changes a step's row count, and the Megatron trainer splits the "
                          "rows evenly over its data-parallel ranks: use it with the embedded trainer")
-    mtp_layers = cfg.backend.megatron.mtp_num_layers
-    if cfg.backend.trainer == "megatron" and cfg.spec and cfg.spec.method == "eagle3" and mtp_layers:
-        raise ValueError(f"spec.method=eagle3 trains an EAGLE-3 head beside the Megatron policy; backend.megatron."
-                         f"mtp_num_layers={mtp_layers} would build MTP layers too: set it to 0")
+    if cfg.backend.trainer == "megatron" and cfg.spec and cfg.spec.method == "eagle3":
+        from ..layout import online_eagle3_problems
+
+        m = cfg.backend.megatron
+        if problems := online_eagle3_problems(m.mtp_num_layers, m.recompute):
+            raise ValueError("; ".join(problems))
     policy = cfg.model.policy
     if policy != "smollm2-135m" and not (Path(policy) / "config.json").is_file():
         raise FileNotFoundError(f"policy checkpoint {policy} not found (no config.json); "

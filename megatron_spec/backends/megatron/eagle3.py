@@ -75,17 +75,6 @@ def check_head(head: Eagle3Head, cfg: ModelConfig) -> None:
                          f"the policy has {cfg.hidden_size} and {cfg.vocab_size}")
 
 
-def check_combination(mtp_num_layers: int, recompute: str) -> None:
-    """Combinations the online head does not support, raised before anything is built."""
-    if mtp_num_layers:
-        raise ValueError(f"spec.method=eagle3 trains an EAGLE-3 head; backend.megatron.mtp_num_layers="
-                         f"{mtp_num_layers} would build MTP layers beside it: set mtp_num_layers=0 "
-                         "(or use spec.method=mtp)")
-    if recompute == "full":
-        raise ValueError("an online EAGLE-3 head captures layer outputs with forward hooks, which full activation "
-                         "recompute would fire twice: use backend.megatron.recompute=none or selective")
-
-
 class _Embeddings:
     """The target's `embed` for the head: the gathered embedding rows of the ids a batch holds."""
 

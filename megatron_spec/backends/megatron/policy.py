@@ -130,9 +130,11 @@ class MegatronPolicy:
         check_parallelism(cfg, par, world, sequence_parallel=sequence_parallel,  # before any rank allocates
                           on_gpus=torch.cuda.is_available())
         if eagle3 is not None:  # a head that does not fit, or beside MTP layers, fails before anything is built
-            from .eagle3 import check_combination, load_head
+            from ...layout import online_eagle3_problems
+            from .eagle3 import load_head
 
-            check_combination(mtp_num_layers, recompute)
+            if problems := online_eagle3_problems(mtp_num_layers, recompute):
+                raise ValueError("; ".join(problems))
             if drafter_cfg is None:
                 raise ValueError("an online EAGLE-3 head needs its drafter_train section (drafter_cfg)")
             eagle3 = load_head(eagle3, cfg)
