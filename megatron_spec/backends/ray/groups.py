@@ -134,6 +134,14 @@ class TrainerGroup:
             ray.kill(r)
 
 
+class ShardedTrainerGroup(TrainerGroup):
+    """A Megatron trainer's group: `rl.checkpoint.save` finds `save_sharded` and every rank writes its own shards
+    (Megatron-Core `torch_dist`, the followers taking part through rank 0's announcement); nothing is gathered."""
+
+    def save_sharded(self, out_dir) -> dict:
+        return self.call("save_sharded", str(out_dir))
+
+
 @dataclasses.dataclass
 class Pending:
     """Rollouts in flight: each engine's share of one `generate` call."""
@@ -142,14 +150,6 @@ class Pending:
     params: object
     parts: list
     """(engine index, lo, hi, engine handle, object reference)."""
-
-
-class ShardedTrainerGroup(TrainerGroup):
-    """A Megatron trainer's group: `rl.checkpoint.save` finds `save_sharded` and every rank writes its own shards
-    (Megatron-Core `torch_dist`, the followers taking part through rank 0's announcement); nothing is gathered."""
-
-    def save_sharded(self, out_dir) -> dict:
-        return self.call("save_sharded", str(out_dir))
 
 
 class GeneratorGroup:
