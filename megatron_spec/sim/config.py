@@ -155,7 +155,14 @@ class Speculation:
     """With adaptive on: sequences in flight per engine above which speculation is switched off; 0 lets the
     controller pick, at each point of the run, the k' <= k the cost model says emits tokens fastest."""
     online_drafter_training: bool = False
-    """Train the drafter every step (adds its forward + backward to `train`)."""
+    """Train the drafter every step (adds its forward, backward and optimizer steps to `train`)."""
+    drafter_passes: float = 1.0
+    """Online training: forward + backward passes of the drafter over one step's tokens per RL step, each at the
+    drafter's own size (the embedded trainer: drafts x replay x updates; an MTP head trained in the policy's
+    backward: its depths)."""
+    drafter_optimizer_steps: int = 1
+    """Online training: the drafter's AdamW steps per RL step (the embedded trainer: updates x replay x
+    minibatches)."""
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -176,6 +183,10 @@ class Speculation:
             raise ValueError("Speculation needs acceptance_length (tau) or per_position acceptance probabilities")
         if self.adaptive_threshold < 0:
             raise ValueError(f"adaptive_threshold must be >= 0, got {self.adaptive_threshold}")
+        if self.drafter_passes <= 0:
+            raise ValueError(f"Speculation.drafter_passes must be > 0, got {self.drafter_passes}")
+        if self.drafter_optimizer_steps < 1:
+            raise ValueError(f"Speculation.drafter_optimizer_steps must be >= 1, got {self.drafter_optimizer_steps}")
 
     @property
     def rate(self) -> float:

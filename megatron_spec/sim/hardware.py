@@ -40,8 +40,13 @@ class Hardware:
     host_bw: float = 64e9
     """Device <-> host memory bandwidth, bytes/s, one direction: what offloading optimizer states and sleeping an
     engine move over (PCIe Gen5 x16, 64 GB/s, on HGX H100 / H200 / B200; NVLink-C2C on GB200)."""
+    refit_bw: float = 0.0
+    """A measured weight-refit bandwidth, bytes/s, that replaces the link model (`refit_link`) on a profile whose
+    refit was timed end to end (the CPU host's gloo broadcast); 0: from the spec sheet's links."""
 
     def __post_init__(self) -> None:
+        if self.refit_bw < 0:
+            raise ValueError(f"Hardware {self.name!r}: refit_bw must be >= 0, got {self.refit_bw}")
         for field in ("flops_bf16", "mem_bw", "mem_bytes", "link_bw", "net_bw", "fp8_speedup", "host_bw"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"Hardware {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
@@ -58,17 +63,26 @@ class Hardware:
         return self.link_bw / 2 if group <= self.domain_size else self.net_bw
 
 
-# Inter-node figures (assumption, not on the GPU datasheets): one 400 Gb/s NIC per GPU on HGX H100/H200 (NVIDIA DGX
-# reference architecture), one 800 Gb/s NIC per GPU on Blackwell systems (ConnectX-8). 400 Gb/s = 50 GB/s.
+# Public figures behind the GPU profiles' links, one direction per GPU unless said otherwise:
+# - NVLink 4 on H100 / H200 SXM: 900 GB/s per GPU, both directions added (NVIDIA H100 Tensor Core GPU datasheet,
+#   "NVLink: 900GB/s"; H200 datasheet, same), i.e. 450 GB/s each way.
+# - InfiniBand NDR: 400 Gb/s per port = 50 GB/s each way (NVIDIA ConnectX-7 and Quantum-2 NDR product briefs; DGX
+#   H100 pairs each GPU with one such port).
+# - HBM3 of H100 SXM: 3.35 TB/s (datasheet): a device copy through a CUDA IPC handle reads and writes each byte.
+NVLINK4_BW = 900 * GB
+NDR_IB_BW = 400e9 / 8
+
+# Inter-node figures (not on the GPU datasheets): one 400 Gb/s NDR NIC per GPU on HGX H100/H200 (NVIDIA DGX H100
+# reference architecture; `NDR_IB_BW` above), one 800 Gb/s NIC per GPU on Blackwell systems (ConnectX-8).
 # Hopper memory: the sheets' "80 GB" / "141 GB" are what the driver reports as 81559 MiB / 143771 MiB (nvidia-smi's
 # total), 85.5 / 150.8 decimal GB, which is what vLLM's gpu_memory_utilization takes its share of.
 # GB200's host link (assumption): NVLink-C2C's 900 GB/s (both directions) shared by the two GPUs of a Grace,
 # 225 GB/s per GPU and direction.
 GPU_PROFILES: dict[str, Hardware] = {
-    "h100": Hardware("h100", flops_bf16=989e12, mem_bw=3.35 * TB, mem_bytes=81559 * MiB, link_bw=900 * GB,
-                     domain_size=8, net_bw=50 * GB),
-    "h200": Hardware("h200", flops_bf16=989e12, mem_bw=4.8 * TB, mem_bytes=143771 * MiB, link_bw=900 * GB,
-                     domain_size=8, net_bw=50 * GB),
+    "h100": Hardware("h100", flops_bf16=989e12, mem_bw=3.35 * TB, mem_bytes=81559 * MiB, link_bw=NVLINK4_BW,
+                     domain_size=8, net_bw=NDR_IB_BW),
+    "h200": Hardware("h200", flops_bf16=989e12, mem_bw=4.8 * TB, mem_bytes=143771 * MiB, link_bw=NVLINK4_BW,
+                     domain_size=8, net_bw=NDR_IB_BW),
     "b200": Hardware("b200", flops_bf16=2.25e15, mem_bw=8.0 * TB, mem_bytes=180 * GB, link_bw=1.8 * TB,
                      domain_size=8, net_bw=100 * GB),
     "gb200": Hardware("gb200", flops_bf16=2.5e15, mem_bw=8.0 * TB, mem_bytes=186 * GB, link_bw=1.8 * TB,
@@ -76,15 +90,32 @@ GPU_PROFILES: dict[str, Hardware] = {
 }
 
 
+# The CPU host: what this project's 2-core AVX-512 EPYC measured. The refit figure is the median of five rounds of
+# the collective refit (a 0.54 GB float32 SmolLM2-135M policy, 16 MiB buckets broadcast over a gloo group from the
+# trainer process to the engine process of a local two-CPU Ray cluster): 0.537 GB/s, against 0.259 GB/s through
+# Ray's object store on the same model. The rest are the CPU harness's 2-thread calibration (dense training
+# products, cold weight stream); the host's 24 GB are its memory. The compute and memory figures only scale the
+# step model on this host; the CPU calibration set (`calibration.CPU_HOST`) carries what its eager engine and
+# trainer reach.
+CPU_GLOO_REFIT_BW = 0.537e9
+
+CPU_PROFILES: dict[str, Hardware] = {
+    "cpu": Hardware("cpu", flops_bf16=177e9, mem_bw=22.8 * GB, mem_bytes=24 * GB, link_bw=2 * CPU_GLOO_REFIT_BW,
+                    domain_size=1, net_bw=CPU_GLOO_REFIT_BW, fp8_speedup=1.0, host_bw=22.8 * GB,
+                    refit_bw=CPU_GLOO_REFIT_BW),
+}
+
+
 def hardware(name: str | Hardware) -> Hardware:
-    """The GPU profile called `name` (a `Hardware` passes through: a profile built elsewhere, e.g. a what-if copy
+    """The GPU profile or CPU host called `name` (a `Hardware` passes through: a profile built elsewhere, e.g. a what-if copy
     or the CPU validation harness's measured profile in `research/sim_cpu`)."""
     if isinstance(name, Hardware):
         return name
     key = str(name).lower()
-    if key not in GPU_PROFILES:
-        raise ValueError(f"unknown hardware {name!r}: known are {', '.join(GPU_PROFILES)}")
-    return GPU_PROFILES[key]
+    profiles = {**GPU_PROFILES, **CPU_PROFILES}
+    if key not in profiles:
+        raise ValueError(f"unknown hardware {name!r}: known are {', '.join(profiles)}")
+    return profiles[key]
 
 
 def with_memory(hw: Hardware, mem_bytes: float) -> Hardware:

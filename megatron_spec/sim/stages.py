@@ -55,18 +55,42 @@ def offload_time(cfg: SimConfig, hw: Hardware, cal: Calibration, mem: MemoryRepo
     return nbytes / (hw.host_bw * cal.offload_eff)
 
 
+def refit_link(cfg: SimConfig, hw: Hardware, cal: Calibration) -> tuple[str, float]:
+    """(transport, bytes/s it reaches) of the weight refit.
+
+    - A profile with a measured refit figure (`Hardware.refit_bw`, the CPU host's gloo broadcast) uses it as
+      measured, whatever the placement.
+    - Colocated, trainer and engine on the same GPUs: each engine GPU reads the trainer's tensors through CUDA IPC
+      handles, a device copy that reads and writes every byte (half the HBM bandwidth at `mem_eff`), when neither
+      side is split across GPUs; otherwise the trainer's model-parallel group gathers each bucket to the engine's
+      layout over the scale-up link (the NIC if the group spans domains) at `refit_eff`.
+    - Disaggregated: the owning ranks broadcast over a weight-update group to engines on other GPUs, over NVLink
+      while the job fits one scale-up domain and over the network (InfiniBand) beyond it, at `refit_eff`."""
+    if hw.refit_bw:
+        return "gloo broadcast (measured)", hw.refit_bw
+    if cfg.colocated:
+        group = max(cfg.train.tp * cfg.train.pp * cfg.train.ep, cfg.gen.tp)
+        if group == 1:
+            return "CUDA IPC device copy (spec sheet)", hw.mem_bw / 2 * cal.mem_eff
+        link = "NVLink" if group <= hw.domain_size else "network"
+        return f"{link} gather + CUDA IPC (spec sheet)", hw.collective_bw(group) * cal.refit_eff
+    link = "NVLink" if cfg.gpus <= hw.domain_size else "InfiniBand"
+    return f"{link} broadcast (spec sheet)", hw.collective_bw(cfg.gpus) * cal.refit_eff
+
+
+def refit_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape, drafter: CostShape | None) -> float:
+    """Seconds to move one refit's bytes (`refit_bytes`) over `refit_link`."""
+    return refit_bytes(cfg, target, drafter) / refit_link(cfg, hw, cal)[1]
+
+
 def prepare_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape,
                  drafter: CostShape | None, mem: MemoryReport | None = None) -> float:
-    """Refit over the link plus engine wake-up. Colocated: the trainer's model-parallel group gathers the weights
-    and hands them to the engine on the same GPUs (scale-up link, or the NIC if that group spans domains), and the
-    host round trip of `offload_time`. Disaggregated: weights cross the network to engines on other GPUs; the
-    engine never sleeps."""
-    nbytes = refit_bytes(cfg, target, drafter)
+    """Refit (`refit_time`) plus, colocated, the wake-up of the sleeping engine and the host round trip of
+    `offload_time`; a disaggregated engine never sleeps."""
+    refit = refit_time(cfg, hw, cal, target, drafter)
     if cfg.colocated:
-        group = cfg.train.tp * cfg.train.pp * cfg.train.ep
-        refit = nbytes / (hw.collective_bw(max(group, cfg.gen.tp)) * cal.refit_eff)
         return refit + cal.engine_wake_s + offload_time(cfg, hw, cal, mem)
-    return nbytes / (hw.collective_bw(cfg.gpus) * cal.refit_eff)
+    return refit
 
 
 def _forward_flops(cfg: SimConfig, shape: CostShape, lengths: list[float]) -> tuple[float, float]:
@@ -161,12 +185,33 @@ def train_forwards(cfg: SimConfig, linear: float, attention: float) -> float:
     return 3 * one + extra
 
 
-def train_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape,
-               drafter: CostShape | None) -> float:
-    lengths = cfg.workload.response.quantiles()
-    flops = train_forwards(cfg, *_forward_flops(cfg, target, lengths))
-    if cfg.spec is not None and cfg.spec.online_drafter_training and drafter is not None:
-        flops += 3 * sum(_forward_flops(cfg, drafter, lengths))
+ADAM_BYTES_PER_PARAM = 28
+"""FP32 AdamW touches per parameter and step: reads weight, gradient and both moments (16 B), writes weight and
+moments (12 B)."""
+
+
+def drafter_train_time(cfg: SimConfig, hw: Hardware, cal: Calibration, drafter: CostShape | None) -> float:
+    """The online drafter's training per RL step, 0 when it does not train online: `drafter_passes` forward +
+    backward passes (3 forwards' FLOPs each) of the drafter over the step's tokens at the drafter's own size, at the
+    trainer's rate, and `drafter_optimizer_steps` AdamW steps over its parameters at the memory bandwidth. It
+    learns on the policy's detached states, so no trunk pass is added; its gradient never reaches the trunk."""
+    s = cfg.spec
+    if s is None or not s.online_drafter_training or drafter is None:
+        return 0.0
+    flops = s.drafter_passes * 3 * sum(_forward_flops(cfg, drafter, cfg.workload.response.quantiles()))
+    adam = s.drafter_optimizer_steps * ADAM_BYTES_PER_PARAM * drafter.total_params / (hw.mem_bw * cal.mem_eff)
+    return _compute_time(cfg, hw, cal, flops) + adam
+
+
+def policy_train_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape) -> float:
+    """The policy's forward + backward over the step's rollouts, its activation traffic and gradient sync."""
+    flops = train_forwards(cfg, *_forward_flops(cfg, target, cfg.workload.response.quantiles()))
     passes = 4 if cfg.recompute == "full" else 3
     comm = model_parallel_comm_time(cfg, hw, cal, target, passes=passes)
     return _compute_time(cfg, hw, cal, flops) + comm + cfg.optimizer_steps * grad_sync_time(cfg, hw, cal, target)
+
+
+def train_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape,
+               drafter: CostShape | None) -> float:
+    """The `train` stage: the policy's training and, when it trains online, the drafter's."""
+    return policy_train_time(cfg, hw, cal, target) + drafter_train_time(cfg, hw, cal, drafter)
