@@ -41,21 +41,48 @@ def gpu_cfg(kind: str):
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank():
+    """The trainer's own start-up path (`process_groups.start_process_group`, as torchrun ranks and Ray actors
+    start): NCCL on the GPU, its proving all-reduce on the device."""
     import torch.distributed as dist
 
     from megatron_spec.backends.megatron.parallel import destroy_model_parallel
+    from megatron_spec.backends.process_groups import free_port, start_process_group
 
-    from megatron_spec.backends.megatron.parallel import _free_port
-
-    torch.cuda.set_device(0)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    backend = start_process_group(0, 1, 0, "127.0.0.1", free_port(), timeout_s=120.0)
+    record("nccl_start_up", backend=backend, device=str(torch.cuda.current_device()),
+           gpu=torch.cuda.get_device_name())
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    yield
+    yield backend
     destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def record(key: str, **figures) -> None:
+    """Add `figures` under `key` to the JSON file named by MEGATRON_SPEC_GPU_RECORD (the GPU checks' record)."""
+    path = os.environ.get("MEGATRON_SPEC_GPU_RECORD")
+    if not path:
+        return
+    import json
+
+    data = json.loads(open(path).read()) if os.path.exists(path) else {}
+    data[key] = figures
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=float)
+
+
+@pytest.mark.gpu
+def test_start_up_path_forms_an_nccl_group_on_the_device(one_rank):
+    """World size 1 through the start-up path: the backend is NCCL and a collective on the GPU answers (a host
+    tensor sent to NCCL is what used to crash start-up)."""
+    import torch.distributed as dist
+
+    from megatron_spec.backends.process_groups import collective_device
+
+    assert one_rank == "nccl" and dist.get_backend() == "nccl"
+    x = torch.full((4,), 3.0, device=collective_device("nccl"))
+    dist.all_reduce(x)
+    assert x.device.type == "cuda" and x.tolist() == [3.0] * 4
 
 
 def build(cfg, hf, dtype):
@@ -180,3 +207,58 @@ def test_megatron_grpo_step_matches_the_embedded_trainer(kind):
     exported = {n: t.cpu() for n, t in policy.export_weights()}
     for n, t in ref.model.state_dict().items():
         assert (exported[n] - t).abs().max() <= 2 * w.grpo().lr, n
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_bf16_distributed_optimizer_recompute_step_tracks_the_fp32_cpu_step(kind):
+    """3 GRPO steps of `MegatronPolicy` on the GPU in bf16, with Megatron-Core's distributed optimizer (fp32 grad
+    buffers and fp32 sharded masters) and selective recompute, against the embedded trainer in fp32 on the CPU
+    (which the CPU tier holds equal to the fp32 Megatron step to 1e-5), same weights and batches. Bounds, as
+    `test_at_scale.py`'s bf16-vs-fp32 test reasons them for these 2-layer models:
+
+    - log-probs before each step: |diff| <= 0.05 (8 significant bits per op, O(1) logits, some tens of ops);
+    - loss: within 0.05 x mean |advantage| + 1e-3 (each ratio is exp of a log-prob difference <= 0.05);
+    - weights after 3 steps: Adam moves each element by about lr a step, so |diff| <= 2 x lr x 3 plus one bf16
+      spacing of the weight (|w| x 2^-7), and the mean |diff| <= lr / 4 plus the mean half-spacing; a lost or
+      doubled update gives ~lr per element everywhere.
+    The trainer's peak device memory is recorded from the step's own metrics."""
+    from megatron_spec.backends.megatron.parallel import Parallelism
+    from megatron_spec.backends.megatron.policy import MegatronPolicy
+    from megatron_spec.rl.policy import EmbeddedPolicy
+
+    from . import policy_workers as w
+
+    cfg = tiny(kind)
+    steps = w.batches(cfg, 3)
+    ref = EmbeddedPolicy(w.our_model(cfg), w.grpo(), w.SAMPLING)
+    policy = MegatronPolicy(w.our_model(cfg), w.grpo(), w.SAMPLING, Parallelism(), params_dtype="bfloat16",
+                            recompute="selective", optimizer="megatron")
+    assert policy.mopt is not None and [n for n, p in policy.model.named_parameters() if not p.is_cuda] == []
+    lr, figures = w.grpo().lr, []
+    for b in steps:
+        want_lp, got_lp = ref.logprobs(b), policy.logprobs(b).float().cpu()
+        want = ref.train_step(w.with_policy_old(b, want_lp))
+        got = policy.train_step(w.with_policy_old(b, got_lp))
+        lp_diff = float((want_lp - got_lp).abs().max())
+        figures.append(dict(logprob_max_diff=lp_diff, loss=got["loss"], loss_fp32_cpu=want["loss"],
+                            grad_norm=got["grad_norm"], grad_norm_fp32_cpu=want["grad_norm"], memory=got["memory"]))
+        assert got["skipped"] is False
+        assert lp_diff <= 0.05
+        assert abs(got["loss"] - want["loss"]) <= 0.05 * float(b.advantages.abs().mean()) + 1e-3
+    exported = {n: t.float().cpu() for n, t in policy.export_weights()}
+    ref_weights = ref.model.state_dict()
+    diffs, slack = [], []
+    for n, t in ref_weights.items():
+        if n not in exported:  # a tied head travels once
+            continue
+        d = (exported[n] - t).abs()
+        assert float((d - t.abs() * 2**-7).max()) <= 2 * lr * 3, n
+        diffs.append(d.flatten())
+        slack.append((t.abs() * 2**-8).flatten())
+    diffs, slack = torch.cat(diffs), torch.cat(slack)
+    assert float(diffs.mean()) <= lr / 4 + float(slack.mean())
+    peaks = figures[-1]["memory"]
+    assert peaks.get("trainer_cuda_peak_allocated_mb", [0])[0] > 0
+    record(f"megatron_bf16_distopt_recompute_{kind}", steps=figures, weight_max_diff=float(diffs.max()),
+           weight_mean_diff=float(diffs.mean()), lr=lr, gpu=torch.cuda.get_device_name())
