@@ -20,6 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bash benchmarks/gpu_checks.sh OUT_DIR}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 PY=${PYTHON:-python3}
 PARTS=" ${PARTS:-tier bench main} "
 MAIN_STEPS=${MAIN_STEPS:-8}
@@ -29,13 +30,13 @@ $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cu
 
 if [[ $PARTS == *" tier "* ]]; then
   echo "== GPU tier =="
-  timeout 300 env PYTHON="$PY" MEGATRON_SPEC_GPU_RECORD="$PWD/$out/gpu_scale.json" bash .ci/tier-gpu 2>&1 \
+  timeout 240 env PYTHON="$PY" MEGATRON_SPEC_GPU_RECORD="$out/gpu_scale.json" bash .ci/tier-gpu 2>&1 \
     | tee "$out/gpu_tier.log"
 fi
 
 if [[ $PARTS == *" ipc "* ]]; then
   echo "== refit over CUDA IPC vs gloo, two processes on one GPU =="
-  timeout 240 $PY benchmarks/refit_cuda_ipc.py --gib 2 --out "$out/refit_cuda_ipc.json" 2>&1 | tee "$out/ipc.log"
+  timeout 150 $PY benchmarks/refit_cuda_ipc.py --gib 2 --out "$out/refit_cuda_ipc.json" 2>&1 | tee "$out/ipc.log"
 fi
 
 if [[ $PARTS == *" bench "* ]]; then
@@ -49,7 +50,7 @@ fi
 
 if [[ $PARTS == *" loop "* ]]; then
   echo "== the RL loop with the Megatron trainer on the GPU =="
-  timeout 240 $PY recipes/tiny_moe_grpo_spec.py backend.trainer=megatron run.device=cuda run.steps=3 run.report=false \
+  timeout 150 $PY recipes/tiny_moe_grpo_spec.py backend.trainer=megatron run.device=cuda run.steps=3 run.report=false \
     run.out_dir=/tmp/moe_megatron_gpu backend.megatron.params_dtype=bfloat16 backend.megatron.optimizer=megatron \
     backend.megatron.recompute=selective 2>&1 | grep -v '^{' | tail -n 12
   cp /tmp/moe_megatron_gpu/metrics.jsonl "$out/moe_megatron_gpu.jsonl" 2>/dev/null
