@@ -119,9 +119,19 @@ overhead and the training MFU of dense and MoE models fitted on NeMo-RL's publis
 (`fit.py`; rows, values and their argument in docs/design/simulator-calibration.md). H200 shares it: the same
 Hopper die and software, so the same fractions of its own spec sheet."""
 
-CALIBRATIONS = {"h100": HOPPER, "h200": HOPPER, "b200": GPU, "gb200": GPU}
+CPU_HOST = Calibration(
+    mem_eff=1.0, gemm_eff=1.0, train_mfu=1.0, link_eff=1.0, collective_latency_s=0.0, forward_overhead_s=1.3e-3,
+    refit_eff=1.0, engine_wake_s=0.0, data_s_per_rollout=5e-6,
+)
+"""The CPU host (`hardware.CPU_PROFILES['cpu']`): its figures are used as measured (efficiencies 1; the refit's
+gloo figure already is an end-to-end rate). `forward_overhead_s`: the embedded engine's eager forward of the tiny
+deep policy at one thread costs ~1.3 ms beyond its arithmetic (a plain main-job gen stage of 0.14-0.19 s over its
+~100-130 decode steps), paid by every target and draft forward alike, which is why a draft forward there costs
+about what a decode step does. `data_s_per_rollout`: 0.3 ms of prompt batching for 64 rollouts."""
+
+CALIBRATIONS = {"h100": HOPPER, "h200": HOPPER, "b200": GPU, "gb200": GPU, "cpu": CPU_HOST}
 
 
 def calibration_for(hw_name: str) -> Calibration:
-    """The calibration set of a GPU profile (a profile built elsewhere, e.g. the CPU harness's, gets `GPU`)."""
+    """The calibration set of a GPU profile or the CPU host (a profile built elsewhere, e.g. the CPU harness's, gets `GPU`)."""
     return CALIBRATIONS.get(str(hw_name).lower(), GPU)

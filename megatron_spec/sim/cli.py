@@ -39,6 +39,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adaptive", action="store_true", help="let the controller change k as the batch shrinks")
     g.add_argument("--adaptive-threshold", type=int, default=0, help="sequences in flight above which k=0")
     g.add_argument("--online-drafter", action="store_true", help="train the drafter every step")
+    g.add_argument("--drafter-passes", type=float, default=1.0,
+                   help="online: drafter forward+backward passes over a step's tokens (drafts x replay x updates)")
+    g.add_argument("--drafter-optimizer-steps", type=int, default=1,
+                   help="online: drafter AdamW steps per RL step (updates x replay x minibatches)")
     g = p.add_argument_group("rollout engines")
     g.add_argument("--fp8", action="store_true", help="FP8 engine weights")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -108,7 +112,8 @@ def _spec(args):
     per_pos = tuple(float(x) for x in args.per_position.split(",") if x.strip())
     return Speculation(k=args.k, acceptance_length=0.0 if per_pos else args.acceptance, per_position=per_pos,
                        drafter=args.drafter, draft_model=args.draft_model, adaptive=args.adaptive,
-                       adaptive_threshold=args.adaptive_threshold, online_drafter_training=args.online_drafter)
+                       adaptive_threshold=args.adaptive_threshold, online_drafter_training=args.online_drafter,
+                       drafter_passes=args.drafter_passes, drafter_optimizer_steps=args.drafter_optimizer_steps)
 
 
 def _config(args, layout: bool = True):
@@ -165,11 +170,13 @@ def simulate_command(args) -> int:
     from .pipeline import simulate
     from .report import step_report
 
-    result = simulate(_config(args))
+    result = simulate(_config(args), with_plain=True)
     if args.json:
         print(json.dumps({"stages": result.stages, "step_s": result.step_s, "exposed_gen_s": result.exposed_gen_s,
                           "tokens_per_s_per_gpu": result.throughput, "mean_batch": result.gen.mean_batch,
-                          "mean_k": result.gen.mean_k}, indent=2))
+                          "mean_k": result.gen.mean_k, "drafter_train_s": result.drafter_train_s,
+                          "refit_s": result.refit_s, "refit_transport": result.refit_transport,
+                          "gen_ratio": result.gen_ratio, "whole_step_ratio": result.whole_step_ratio}, indent=2))
     else:
         print(step_report(result))
     return 0

@@ -18,7 +18,7 @@ from megatron_spec.models.config import ModelConfig
 from megatron_spec.models.presets import PRESETS, preset
 
 from .acceptance import check_tau, rate_from_tau, tau_from_positions, tau_from_rate
-from .hardware import GPU_PROFILES, Hardware
+from .hardware import CPU_PROFILES, GPU_PROFILES, Hardware
 from .shapes import DRAFTER_KINDS
 
 
@@ -335,9 +335,10 @@ class SimConfig:
             self.workload = Workload(**self.workload)
         self.model_config = resolve_model(self.model)
         named = not isinstance(self.hardware, Hardware)
-        if named and str(self.hardware).lower() not in GPU_PROFILES:
-            raise ValueError(f"unknown hardware {self.hardware!r}: known are {', '.join(GPU_PROFILES)} (the CPU "
-                             "model of the embedded engine is the validation harness in research/sim_cpu)")
+        if named and str(self.hardware).lower() not in {**GPU_PROFILES, **CPU_PROFILES}:
+            raise ValueError(f"unknown hardware {self.hardware!r}: known are {', '.join(GPU_PROFILES)} and cpu (the "
+                             "operator-level CPU model of the embedded engine is the validation harness in "
+                             "research/sim_cpu)")
         if self.gpus < 1:
             raise ValueError(f"gpus must be >= 1, got {self.gpus}")
         if self.gen_dtype_bytes not in (1, 2, 4):

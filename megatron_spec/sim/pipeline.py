@@ -25,7 +25,9 @@ from .generation import Engine, GenResult, simulate_generation
 from .hardware import Hardware, hardware
 from .memory import MemoryReport, check_fit, memory_report
 from .shapes import CostShape, drafter_shape, shape_of
-from .stages import data_time, logprob_time, prepare_time, train_time
+from .stages import (
+    data_time, drafter_train_time, logprob_time, prepare_time, refit_link, refit_time, train_time,
+)
 
 STAGES = ("data", "prepare", "gen", "logprob", "train")
 
@@ -48,6 +50,25 @@ class StepResult:
     """Per-engine generation details (steps, batch, preemptions, trace)."""
     memory: MemoryReport | None = field(repr=False, default=None)
     """Per-GPU memory of trainer and engine."""
+    drafter_train_s: float = 0.0
+    """Of `stages['train']`, the online drafter's training (0 when it is frozen or there is none)."""
+    refit_transport: str = ""
+    """How the refit in `prepare` moves the weights (`stages.refit_link`), and whether its figure is measured or
+    from a spec sheet."""
+    refit_s: float = 0.0
+    """Of `stages['prepare']`, the refit's transfer."""
+    plain: "StepResult | None" = field(repr=False, default=None)
+    """The same configuration without speculation (`simulate(..., with_plain=True)`), for the ratios below."""
+
+    @property
+    def gen_ratio(self) -> float | None:
+        """Plain gen stage over this one's: the gen-stage speedup of speculation (None without `plain`)."""
+        return self.plain.stages["gen"] / self.stages["gen"] if self.plain else None
+
+    @property
+    def whole_step_ratio(self) -> float | None:
+        """Plain step over this one's, the drafter's online training included: what speculation gives the run."""
+        return self.plain.step_s / self.step_s if self.plain else None
 
     @property
     def throughput(self) -> float:
@@ -97,9 +118,11 @@ def compose(cfg: SimConfig, stages: dict[str, float], gen_side_s: float) -> tupl
     return step, max(0.0, gen_side_s - train_side)
 
 
-def simulate(cfg: SimConfig, hw: Hardware | None = None, cal: Calibration | None = None) -> StepResult:
-    """Predict one RL step of `cfg` (with calibration `cal`, default the GPU's set); raises ValueError if it does
-    not fit in memory."""
+def simulate(cfg: SimConfig, hw: Hardware | None = None, cal: Calibration | None = None,
+             with_plain: bool = False) -> StepResult:
+    """Predict one RL step of `cfg` (with calibration `cal`, default the hardware's set); raises ValueError if it
+    does not fit in memory. `with_plain` also simulates the same step without speculation (`StepResult.plain`), so
+    the result carries the gen-stage and whole-step ratios."""
     hw, cal, target, drafter = build(cfg, hw, cal)
     mem = memory_report(cfg, hw, target, drafter)
     check_fit(cfg, mem)
@@ -115,6 +138,10 @@ def simulate(cfg: SimConfig, hw: Hardware | None = None, cal: Calibration | None
     }
     step, exposed = compose(cfg, stages, gen_side)
     w = cfg.workload
+    plain = simulate(_replace(cfg, spec=None), hw, cal) if with_plain and cfg.spec is not None else None
     return StepResult(stages=stages, step_s=step, exposed_gen_s=exposed,
                       tokens_per_step=w.rollouts * w.tokens_per_rollout, gpus=cfg.gpus, gen=gen, memory=mem,
-                      gen_tokens=w.rollouts * w.response.expected)
+                      gen_tokens=w.rollouts * w.response.expected,
+                      drafter_train_s=drafter_train_time(cfg, hw, cal, drafter),
+                      refit_transport=refit_link(cfg, hw, cal)[0],
+                      refit_s=refit_time(cfg, hw, cal, target, drafter), plain=plain)

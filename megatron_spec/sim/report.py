@@ -21,6 +21,13 @@ def step_report(r: StepResult) -> str:
     g = r.gen
     lines.append(f"engine: {g.steps:.0f} steps, mean batch {g.mean_batch:.1f} sequences, mean k {g.mean_k:.2f}, "
                  f"{g.preempted:.1f} sequences preempted, prefill {g.prefill_s:.2f} s")
+    if r.drafter_train_s:
+        lines.append(f"train includes the online drafter's training: {r.drafter_train_s:.2f} s "
+                     f"({100 * r.drafter_train_s / r.stages['train']:.0f} % of train)")
+    lines.append(f"refit: {r.refit_s:.3f} s, {r.refit_transport}")
+    if r.plain is not None:
+        lines.append(f"speculation vs plain (same config, spec off): gen stage {r.gen_ratio:.2f}x, whole step "
+                     f"{r.whole_step_ratio:.2f}x (plain step {r.plain.step_s:.2f} s)")
     if r.memory is not None:
         m = r.memory
         lines.append(f"memory per device: trainer {m.train_total / GiB:.1f} GiB, engine weights "
