@@ -4,6 +4,8 @@
     megatron-spec simulate --validate            # the reference paper's 8B runs, predicted from its AR columns
     megatron-spec simulate --project             # Qwen3-235B-A22B on GB200 / H100, sync and async, +- speculation
     megatron-spec simulate --compare-published   # NeMo-RL's published H100 step times, simulated, with stage parts
+    megatron-spec simulate --main-job RECORD.json  # a measured main job (CPU) against the step model
+    megatron-spec simulate --refit --model qwen3-235b-a22b   # refit seconds per transport, sources stated
     megatron-spec tune --model qwen3-8b --hardware h100 --gpus 64 --k 3 --acceptance 2.8 --lags 0 1 2 --plot top.png
     megatron-spec tune --model qwen3-235b-a22b --gpus 128 --gpu h100 --fp8 --k 3 --acceptance 2.8 --methods mtp eagle3 \
         --lags 0 2 --ks 0 3 5
@@ -89,6 +91,11 @@ def register(subparsers) -> None:
     mode.add_argument("--project", action="store_true", help="Qwen3-235B-A22B projection and sensitivity")
     mode.add_argument("--compare-published", action="store_true",
                       help="NeMo-RL's published H100 GRPO step times against the simulator, with stage parts")
+    mode.add_argument("--main-job", default="", metavar="RECORD",
+                      help="a measured main-job record (JSON with plain and speculative runs per seed) against the "
+                           "step model on the CPU host: gen, the drafter's training, gen-stage and whole-step ratios")
+    mode.add_argument("--refit", action="store_true",
+                      help="the refit of --model per transport: the CPU host's measured gloo figure, GPU spec sheets")
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
     sim.set_defaults(func=simulate_command)
 
@@ -149,6 +156,21 @@ def simulate_command(args) -> int:
         from .report import projection_report
 
         print(projection_report())
+        return 0
+    if args.main_job:
+        from pathlib import Path
+
+        from .main_job import format_pairs
+
+        path = Path(args.main_job)
+        if not path.is_file():
+            raise ValueError(f"--main-job: no record at {path}")
+        print(format_pairs(json.loads(path.read_text())))
+        return 0
+    if args.refit:
+        from .stages import refit_table
+
+        print(refit_table(args.model, args.fp8))
         return 0
     if args.compare_published:
         from .fit import FIT_ROWS

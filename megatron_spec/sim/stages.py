@@ -215,3 +215,32 @@ def train_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape
                drafter: CostShape | None) -> float:
     """The `train` stage: the policy's training and, when it trains online, the drafter's."""
     return policy_train_time(cfg, hw, cal, target) + drafter_train_time(cfg, hw, cal, drafter)
+
+
+def refit_table(model: str, fp8: bool = False) -> str:
+    """Seconds for one engine GPU to receive a whole copy of `model` over each transport the step model knows, with
+    where each figure comes from: the CPU host's measured gloo broadcast (float32, as that host serves), and, on
+    H100, the colocated CUDA IPC device copy, the NVLink gather and the InfiniBand broadcast (spec sheets, at the
+    calibration's efficiencies)."""
+    from .calibration import calibration_for
+    from .config import resolve_model
+    from .hardware import NDR_IB_BW, NVLINK4_BW, hardware
+    from .shapes import shape_of
+
+    params = shape_of(resolve_model(model)).total_params
+    cpu, h100 = hardware("cpu"), hardware("h100")
+    cal = calibration_for("h100")
+    served = 1 if fp8 else 2
+    rows = [("CPU host: gloo broadcast", "measured, 0.537 GB/s", 4, cpu.refit_bw),
+            ("H100 colocated: CUDA IPC device copy", "spec: HBM3 3.35 TB/s, read + write, x mem_eff",
+             served, h100.mem_bw / 2 * cal.mem_eff),
+            ("H100 NVLink 4 gather / broadcast", "spec: 900 GB/s both ways per GPU, x refit_eff", served,
+             NVLINK4_BW / 2 * cal.refit_eff),
+            ("InfiniBand NDR broadcast", "spec: 400 Gb/s per port, x refit_eff", served, NDR_IB_BW * cal.refit_eff)]
+    lines = [f"refit of {model} ({params / 1e9:.2f} B parameters), one whole copy per receiving engine GPU (divide "
+             "by the engine's TP for its share)",
+             f"{'transport':38} {'figure':48} {'GB':>8} {'GB/s':>8} {'seconds':>9}"]
+    for name, source, dtype_bytes, bw in rows:
+        nbytes = params * dtype_bytes
+        lines.append(f"{name:38} {source:48} {nbytes / 1e9:8.2f} {bw / 1e9:8.2f} {nbytes / bw:9.3f}")
+    return "\n".join(lines)

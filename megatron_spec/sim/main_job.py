@@ -1,0 +1,144 @@
+"""The step model against a measured main job on the CPU host: gen, the policy's training, the online drafter's
+training and the whole-step ratio of a speculative run against a plain one.
+
+The main job (the tiny deep Qwen3, 8 prompts x 8 rollouts, up to 160 tokens, an MTP head drafting k = 3 and
+trained online on its three chained drafts over the last 4 steps' states in 8 minibatches each) runs on a shared
+2-core host whose load moves a run's speed by several times between runs minutes apart. So the prediction takes
+its host rates from the plain run it is compared with, and predicts the speculative run from them:
+
+- gen: the plain run's seconds per generated token, times the simulated ratio of a speculative gen stage to a
+  plain one on the CPU host (`simulate(..., with_plain=True)` at the run's acceptance length), on the steps that
+  speculated; steps the whole-step gate ran plainly cost what plain ones do;
+- drafter training: the policy's training per step, times the simulated drafter-to-policy training ratio
+  (`stages.drafter_train_time` over `stages.policy_train_time`: FLOPs at the drafter's and the policy's sizes over
+  the same rows, and the drafter's AdamW steps), on the steps that trained it; checked within the speculative
+  run itself (its own policy training sets the rate), where the host's load cancels;
+- whole step: (plain gen + plain train) / (predicted gen + plain train + predicted drafter training), per step.
+
+Only ratios of the step model are used, so the host's absolute speed cancels; what load does to one run and not the
+other does not, and shows as error in the figures taken across the two runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import LengthDist, SimConfig, Speculation, TrainParallel, Workload
+from .pipeline import build, simulate
+from .stages import drafter_train_time, policy_train_time
+
+MAIN_JOB_MODEL = "tiny-qwen3-deep"
+"""Preset with the main job's policy shape (96 wide, 8 layers, 64-token vocabulary)."""
+MAIN_JOB_PROMPTS, MAIN_JOB_GROUP, MAIN_JOB_MAX_TOKENS = 8, 8, 160
+MAIN_JOB_PROMPT_LEN = 16
+"""BOS and an addition chain of 2-8 terms: about 16 tokens."""
+MAIN_JOB_SIGMA = 0.5
+"""Spread of the response lengths: a step's longest answer is about 3x its mean (e.g. mean 28, longest 82)."""
+MAIN_JOB_DRAFTER_PASSES = 12.0
+"""drafts 3 x replay 4 x updates 1: passes of the MTP layer over a step's rows per RL step."""
+MAIN_JOB_DRAFTER_OPTIMIZER_STEPS = 32
+"""replay 4 x minibatches 8."""
+
+
+def main_job_config(mean_len: float, k: int = 3, tau: float = 3.5, passes: float = MAIN_JOB_DRAFTER_PASSES,
+                    optimizer_steps: int = MAIN_JOB_DRAFTER_OPTIMIZER_STEPS, online: bool = True) -> SimConfig:
+    """The main job on the CPU host: one process, float32, whole rows in one micro-batch per 2048 tokens, no
+    recompute, MTP drafting `k` at acceptance length `tau`."""
+    spec = Speculation(k=k, acceptance_length=tau, drafter="mtp", online_drafter_training=online,
+                       drafter_passes=passes, drafter_optimizer_steps=optimizer_steps)
+    workload = Workload(MAIN_JOB_PROMPTS, MAIN_JOB_GROUP, MAIN_JOB_PROMPT_LEN,
+                        LengthDist(mean=mean_len, max_tokens=MAIN_JOB_MAX_TOKENS, sigma=MAIN_JOB_SIGMA))
+    return SimConfig(model=MAIN_JOB_MODEL, hardware="cpu", gpus=1, workload=workload, train=TrainParallel(),
+                     spec=spec, gen_dtype_bytes=4, micro_batch_tokens=2048, recompute="none", offload=False,
+                     max_num_seqs=MAIN_JOB_PROMPTS * MAIN_JOB_GROUP)
+
+
+def drafter_over_policy(cfg: SimConfig) -> float:
+    """Simulated online drafter training over the policy's own training, per RL step."""
+    hw, cal, target, drafter = build(cfg)
+    return drafter_train_time(cfg, hw, cal, drafter) / policy_train_time(cfg, hw, cal, target)
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    measured: float
+    simulated: float
+
+    @property
+    def error(self) -> float:
+        """simulated / measured - 1."""
+        return self.simulated / self.measured - 1 if self.measured else float("nan")
+
+
+def _mean_tau(run: dict) -> float:
+    taus = [t for t in run.get("tau_curve") or [] if t]
+    if not taus:
+        raise ValueError(f"run {run.get('variant')!r} seed {run.get('seed')} has no acceptance length: it never "
+                         "speculated, so there is nothing to compare")
+    return sum(taus) / len(taus)
+
+
+def compare_pair(plain: dict, spec: dict, k: int = 3, passes: float = MAIN_JOB_DRAFTER_PASSES,
+                 optimizer_steps: int = MAIN_JOB_DRAFTER_OPTIMIZER_STEPS) -> list[Row]:
+    """Per-step figures of a speculative main-job run against the step model (two runs of a main-job record:
+    `steps`, `gen_s`, `train_s`, `drafter_s`, `gen_tokens`, `tau_curve` and, for a gated run, `steps_gated_plain`
+    and `steps_drafter_trained`; a `frozen` variant's drafter only measures, without training).
+
+    `drafter_over_policy` and `drafter_train_s` are within the speculative run (its own policy training sets the
+    rate, so the host's load cancels); `gen_s`, `gen_ratio` and `whole_step_ratio` take the plain run's rates, so
+    they carry whatever load moved between the two runs."""
+    for run in (plain, spec):
+        missing = [key for key in ("steps", "gen_s", "train_s", "gen_tokens") if run.get(key) is None]
+        if missing or not run["steps"]:
+            raise ValueError(f"run {run.get('variant')!r} lacks {missing or ['steps']}")
+    n_plain, n_spec = plain["steps"], spec["steps"]
+    mean_len = spec["gen_tokens"] / n_spec / (MAIN_JOB_PROMPTS * MAIN_JOB_GROUP)
+    online = spec.get("variant") != "frozen"
+    cfg = main_job_config(mean_len, k, _mean_tau(spec), passes, optimizer_steps, online=online)
+    gen_ratio = simulate(cfg, with_plain=True).gen_ratio  # plain gen / speculative gen
+    speculated = (n_spec - int(spec.get("steps_gated_plain") or 0)) / n_spec
+    trained = float(spec.get("steps_drafter_trained", n_spec)) / n_spec if online else 0.0
+    ratio = drafter_over_policy(cfg)
+    measured_drafter = float(spec.get("drafter_s") or 0.0) / n_spec
+    spec_policy = spec["train_s"] / n_spec - measured_drafter
+    per_token = plain["gen_s"] / plain["gen_tokens"]
+    gen = per_token * spec["gen_tokens"] / n_spec * (speculated / gen_ratio + 1 - speculated)
+    policy = plain["train_s"] / n_plain
+    plain_step = (plain["gen_s"] + plain["train_s"]) / n_plain
+    step = gen + policy * (1 + ratio * trained)
+    measured_step = (spec["gen_s"] + spec["train_s"]) / n_spec
+    rows = [Row("gen_s", spec["gen_s"] / n_spec, gen)]
+    if online:
+        rows += [Row("drafter_over_policy", measured_drafter / spec_policy, ratio * trained),
+                 Row("drafter_train_s", measured_drafter, spec_policy * ratio * trained)]
+    return rows + [Row("gen_ratio", per_token / (spec["gen_s"] / spec["gen_tokens"]),
+                       per_token * spec["gen_tokens"] / n_spec / gen),
+                   Row("whole_step_ratio", plain_step / measured_step, plain_step / step)]
+
+
+def pairs(record: dict) -> list[tuple[dict, dict]]:
+    """(plain, speculative) runs of the same seed in a main-job record, every speculative variant against the plain
+    run of its seed."""
+    runs = record.get("runs")
+    if not isinstance(runs, list):
+        raise ValueError("a main-job record has a list of runs (variant, seed, steps, gen_s, train_s, ...)")
+    plain = {r["seed"]: r for r in runs if r.get("variant") == "plain"}
+    return [(plain[r["seed"]], r) for r in runs if r.get("variant") != "plain" and r.get("seed") in plain
+            and any(t for t in r.get("tau_curve") or [])]
+
+
+def format_pairs(record: dict, **kwargs) -> str:
+    """The comparison of every pair of a main-job record, one table each."""
+    out = []
+    for plain, spec in pairs(record):
+        out.append(f"{spec['variant']} vs plain, seed {spec['seed']} (per RL step; host rates from the plain run)")
+        out.append(f"  {'figure':18} {'measured':>9} {'simulated':>9} {'error':>7}")
+        for r in compare_pair(plain, spec, **kwargs):
+            out.append(f"  {r.name:18} {r.measured:9.3f} {r.simulated:9.3f} {100 * r.error:6.0f}%")
+    if not out:
+        raise ValueError("the record has no plain run beside a run that speculated, for the same seed")
+    return "\n".join(out)
+
+
+

@@ -1,0 +1,97 @@
+"""The step model against the measured main job on the CPU host (`sim/main_job.py`): the online drafter's training,
+the gen-stage and whole-step ratios, read from the committed records."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_spec.cli import main
+from megatron_spec.sim.main_job import compare_pair, drafter_over_policy, main_job_config, pairs
+from megatron_spec.sim.pipeline import simulate
+
+RECORDS = Path(__file__).resolve().parents[2] / "research" / "records"
+WHOLE_STEP = RECORDS / "main_job_whole_step.json"
+TRADEOFF = RECORDS / "drafter_cost_tradeoff.json"
+PROFILE = RECORDS / "drafter_cost_profile.json"
+
+
+def _rows(plain, spec):
+    return {r.name: r for r in compare_pair(plain, spec)}
+
+
+def test_drafter_training_within_run():
+    """The drafter's training over the policy's own, within one run (the load of the shared host cancels), for the
+    three online settings measured (replay x minibatches 4 x 8 as shipped, 2 x 4, 1 x 1; three chained drafts each):
+    50-step runs and 6-step profiles. The model counts FLOPs at the drafter's and the policy's sizes over the same
+    rows, and AdamW traffic; it under-predicts, and by more with more minibatches, because each minibatch is an
+    eager forward + backward + optimizer call over 1/minibatches of the rows, whose host cost and smaller products
+    the FLOPs do not count: -53 % (4 x 8 over 50 steps), -39 % (its profile), -29..-32 % (2 x 4), -9..-10 % (1 x 1).
+    Bound: the error lies in [-60 %, 0] for each, and it shrinks with the calls per step."""
+    tradeoff = json.loads(TRADEOFF.read_text())
+    measured = {
+        (4, 8): [tradeoff["runs"]["replay 4 x 8 minibatches (shipped)"]["drafter_over_policy_train"],
+                 json.loads(PROFILE.read_text())["summary"]["drafter_share_of_train"]
+                 / (1 - json.loads(PROFILE.read_text())["summary"]["drafter_share_of_train"])],
+        (2, 4): [tradeoff["runs"]["replay 2 x 4"]["drafter_over_policy_train"],
+                 tradeoff["profiles"]["r2m4"]["pieces"]["drafter_total"] / tradeoff["profiles"]["r2m4"]["policy_train"]],
+        (1, 1): [tradeoff["runs"]["replay 1 x 1"]["drafter_over_policy_train"],
+                 tradeoff["profiles"]["r1m1"]["pieces"]["drafter_total"] / tradeoff["profiles"]["r1m1"]["policy_train"]],
+    }
+    worst = {}
+    for (replay, minibatches), values in measured.items():
+        sim = drafter_over_policy(main_job_config(30.0, passes=3 * replay, optimizer_steps=replay * minibatches))
+        errors = [sim / m - 1 for m in values]
+        assert all(-0.60 <= e <= 0.0 for e in errors), ((replay, minibatches), sim, values)
+        worst[replay * minibatches] = min(errors)
+    assert worst[32] < worst[8] < worst[1]
+
+
+def test_drafter_training_in_the_step():
+    """The train stage holds the drafter's training: with 12 passes (3 drafts x 4 replayed steps) of an MTP layer
+    a seventh the size of the 8-layer trunk, the simulated drafter training is 1.8-1.9x the policy's own (the
+    measured 4.0x is the FLOPs-blind part above); frozen, nothing is added."""
+    cfg = main_job_config(30.0)
+    r = simulate(cfg, with_plain=True)
+    assert r.drafter_train_s / (r.stages["train"] - r.drafter_train_s) == pytest.approx(1.87, abs=0.05)
+    frozen = simulate(main_job_config(30.0, online=False))
+    assert frozen.drafter_train_s == 0.0 and frozen.stages["train"] == pytest.approx(r.stages["train"] - r.drafter_train_s)
+
+
+def test_whole_step_against_the_gated_runs():
+    """The three gated runs (speculation and the drafter's training only where the whole-step gate let them: 3-5
+    steps of 50). Their whole-step ratio measured inside each run, 1 / (1 + the gate's cost as a share of the step),
+    is 0.96 / 0.99 / 0.98; the model, fed the plain partner's rates, gives 0.97 / 0.98 / 0.93. Bound: within 0.06
+    (the plain partner of seed 2 ran under load 5 -> 32 and its train rate sets the drafter's). The cross-run ratios
+    (0.52 / 1.13 / 2.47) follow the host's load and are not a bound the model can meet."""
+    gated = [(p, s) for p, s in pairs(json.loads(WHOLE_STEP.read_text())) if s["variant"] == "spec"]
+    assert len(gated) == 3
+    for plain, spec in gated:
+        in_run = 1 / (1 + spec["gate_cost_in_run"])
+        assert _rows(plain, spec)["whole_step_ratio"].simulated == pytest.approx(in_run, abs=0.06), spec["seed"]
+
+
+def test_forced_speculation_does_not_pay_on_this_host():
+    """k = 3 on every step with the shipped online training (seed 0): the model says the step is 0.44x plain (gen
+    0.89x: every forward, draft or target, costs about the same fixed ~1.3 ms there; the drafter's training 1.9x
+    the policy's), the measurement 0.03x (its run under load 30-80 against the plain run's 10-16). Both below 0.6:
+    speculation with this training cannot pay on this CPU, which is what the gate acts on."""
+    plain, online = next((p, s) for p, s in pairs(json.loads(WHOLE_STEP.read_text())) if s["variant"] == "online")
+    rows = _rows(plain, online)
+    assert rows["whole_step_ratio"].simulated < 0.6 and rows["whole_step_ratio"].measured < 0.6
+    assert 0.8 < rows["gen_ratio"].simulated < 1.0
+
+
+def test_cli_prints_every_pair(capsys):
+    """`megatron-spec simulate --main-job RECORD` prints one table per speculative run of the record (3 gated, the
+    online and the frozen k = 3 runs), with the drafter's training and both ratios."""
+    assert main(["simulate", "--main-job", str(WHOLE_STEP)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("vs plain, seed") == 5
+    assert out.count("whole_step_ratio") == 5 and out.count("drafter_train_s") == 4
+
+
+def test_cli_refuses_a_missing_record(capsys):
+    """A missing record is a clear error before any arithmetic."""
+    assert main(["simulate", "--main-job", "no/such/record.json"]) != 0
+    assert "no record at no/such/record.json" in capsys.readouterr().err
