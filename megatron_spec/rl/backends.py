@@ -20,6 +20,12 @@ GENERATORS = {
     "embedded": ("megatron_spec.rl.generator:EmbeddedGenerator", None),
     "vllm": ("megatron_spec.backends.vllm:VLLMGenerator", "vllm"),
 }
+GENERATORS_FROM_FILES = {
+    "embedded": ("megatron_spec.backends.megatron.generator:ProcessGenerator", "megatron"),
+    "vllm": ("megatron_spec.backends.megatron.generator:vllm_from_files", "vllm"),
+}
+"""`(cfg) -> generator` for a run whose loop holds no policy model (a sharded trainer's): each generator reads the
+checkpoint files in processes of its own."""
 DRIVERS = {
     "colocated": ("megatron_spec.backends.ray.driver:train", "ray"),
     "disaggregated": ("megatron_spec.backends.ray.driver:train", "ray"),
@@ -45,4 +51,7 @@ def build_policy(cfg, model, drafter):
 
 
 def build_generator(cfg, model, drafter):
+    """The run's generator on `model` and `drafter`; with `model` None, one that loads them from the files."""
+    if model is None:
+        return resolve(GENERATORS_FROM_FILES, cfg.backend.generator, "generator")(cfg)
     return resolve(GENERATORS, cfg.backend.generator, "generator").from_rl(cfg, model, drafter)

@@ -14,9 +14,12 @@ from .refit import load_buckets
 
 
 class EmbeddedGenerator:
-    def __init__(self, policy_model, drafter=None, spec: SpecConfig | None = None, max_num_seqs: int = 256):
-        self.model = copy.deepcopy(policy_model).eval().requires_grad_(False)
-        self.drafter = copy.deepcopy(drafter).eval().requires_grad_(False) if drafter is not None else None
+    def __init__(self, policy_model, drafter=None, spec: SpecConfig | None = None, max_num_seqs: int = 256,
+                 own: bool = False):
+        """`own`: keep `policy_model` and `drafter` themselves instead of copies (they were loaded for it alone)."""
+        take = (lambda m: m) if own else copy.deepcopy
+        self.model = take(policy_model).eval().requires_grad_(False)
+        self.drafter = take(drafter).eval().requires_grad_(False) if drafter is not None else None
         self.engine = LLMEngine(self.model, max_num_seqs=max_num_seqs, spec=spec, drafter=self.drafter)
 
     @classmethod

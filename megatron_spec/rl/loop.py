@@ -197,14 +197,12 @@ class Trainer:
         from ..models import from_pretrained
         from .backends import build_generator, build_policy
 
+        if self.cfg.backend.trainer == "megatron":
+            # No full policy in this process: every Megatron rank reads its own shards from the checkpoint files,
+            # and the generator loads its copy in processes of its own.
+            return build_policy(self.cfg, None, None), build_generator(self.cfg, None, None)
         model = from_pretrained(self.cfg.model.policy, device=self.cfg.run.torch_device())
         drafter = load_drafter_for(self.cfg, model)
-        if self.cfg.backend.trainer == "megatron":
-            # The loaded model is the generator's alone: a Megatron trainer reads its own shards from the checkpoint
-            # files on every rank. The generator goes first, so the load's copy is freed before the shards exist.
-            generator = build_generator(self.cfg, model, drafter)
-            del model, drafter
-            return build_policy(self.cfg, None, None), generator
         return build_policy(self.cfg, model, drafter), build_generator(self.cfg, model, drafter)
 
     def step(self, step: int) -> dict:

@@ -59,8 +59,8 @@ from .parallel import ensure_process_group, init_model_parallel
 from .provider import build_model
 from .step import device as _device
 from .step import (
-    StepSpec, aux_loss_sum, clip, gather_rows, is_mtp, norm_owned, plan, reduce_grads, reset_router_tracker, run_schedule,
-    sum_metrics,
+    StepSpec, aux_loss_sum, clip, gather_rows, is_mtp, norm_owned, padded_tokens, plan, reduce_grads,
+    reset_router_tracker, run_schedule, sum_metrics,
 )
 
 require_megatron()
@@ -185,6 +185,7 @@ class MegatronPolicy:
             from .eagle3 import Eagle3Online
 
             self.eagle3 = Eagle3Online(self.model, eagle3, grpo, sampling, drafter_cfg)
+        self.packed = True  # micro-batches by token budget, padded to their own longest row (`step.plan`)
         # With followers, rank 0 announces each call (the RL loop); without, every rank makes the calls itself.
         self.leader = followers and dist.get_rank() == 0 and dist.get_world_size() > 1
 
@@ -242,7 +243,7 @@ class MegatronPolicy:
 
     def _micros(self, batch: Batch):
         return plan(batch, self.grpo.micro_batch_tokens, ps.get_data_parallel_world_size(),
-                    ps.get_data_parallel_rank(), fixed=self.par.pp > 1)
+                    ps.get_data_parallel_rank(), fixed=self.par.pp > 1, packed=self.packed)
 
     def _contributes(self) -> bool:
         return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
@@ -273,11 +274,11 @@ class MegatronPolicy:
         with self.eagle3.capture(micros) if self.eagle3 else contextlib.nullcontext():
             outs = run_schedule(self.model, micros, spec, self.mtp, forward_only=False)
         contributes = self._contributes()
-        keys = ("policy_loss", "clip_frac", "is_clip_frac", "drafter_loss")
-        sums = sum_metrics(outs, contributes, keys)
+        keys = ("policy_loss", "clip_frac", "is_clip_frac", "drafter_loss", "pad_tokens")
+        sums = sum_metrics([*outs, {"pad_tokens": padded_tokens(micros)}], contributes, keys)
         total_micro = len(micros) * ps.get_data_parallel_world_size()
         aux = aux_loss_sum(self.model, total_micro)
-        metrics = {"loss": sums["policy_loss"] + aux, "clip_frac": sums["clip_frac"]}
+        metrics = {"loss": sums["policy_loss"] + aux, "clip_frac": sums["clip_frac"], "pad_tokens": sums["pad_tokens"]}
         if self.model.config.num_moe_experts:  # the two parts: the GRPO loss and Megatron's router losses
             metrics.update(grpo_loss=sums["policy_loss"], moe_aux_loss=aux)
         if any("is_clip_frac" in o for o in outs) or batch.behaviour_logprobs is not None:
@@ -495,6 +496,7 @@ class MegatronPolicy:
             out_dir.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         sd = {k: v for key in ("weights", *OPT_STATES) for k, v in self._sharded(key).items()}
+        unviewed(sd)
         with on_cpu():
             dist_checkpointing.save(sd, str(out_dir))
         dist.barrier()  # every rank's files are on disk before the caller renames the directory into place
@@ -525,6 +527,34 @@ class MegatronPolicy:
         self._set_step((state or {}).get("step", 0.0))
         if self.eagle3 and state and "eagle3" in state:
             self.eagle3.load_state_dict(state["eagle3"])
+
+
+def _whole_storage(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or for a contiguous view into a larger storage the same memory as a tensor whose storage is exactly its
+    own bytes (no copy)."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    raw = torch.from_numpy(t.reshape(-1).view(torch.uint8).numpy())  # shares t's memory, keeps t alive
+    return raw.view(t.dtype).view(t.shape)
+
+
+def unviewed(sharded: dict) -> None:
+    """Build the sharded state dict's factories and hand every tensor to the writer as `_whole_storage`, in place.
+
+    Megatron-Core's `torch_dist` writer clones, before writing anything, every host tensor that is a view into a
+    larger storage; the gate and up halves of each SwiGLU weight (and of its Adam moments) are such views, so a save
+    held a second copy of two thirds of every MLP's state."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    apply_factories(sharded)
+
+    def fix(x):
+        if isinstance(x, ShardedTensor) and isinstance(x.data, torch.Tensor):
+            x.data = _whole_storage(x.data)
+        return x
+
+    dict_list_map_inplace(fix, sharded)
 
 
 def _drafter_tensors(drafter: MTP) -> dict[str, torch.Tensor]:

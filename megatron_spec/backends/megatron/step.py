@@ -59,16 +59,18 @@ def on_device(batch: Batch) -> Batch:
     return batch.to(device())
 
 
-def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int, fixed: bool = False) -> list[Micro]:
+def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int, fixed: bool = False, packed: bool = True) -> list[Micro]:
     """This data-parallel rank's micro-batches.
 
     One data-parallel rank and no pipeline (TP only): the embedded trainer's length buckets
-    (`microbatch.micro_batches`), so both trainers cut the same batch the same way. Otherwise every rank must run
-    micro-batches of one shape: the MoE dispatcher exchanges tokens between the data-parallel ranks (over which EP
-    spreads the experts) in every layer, and the pipeline schedule sends activations of one shape between stages
-    (Megatron's variable-length exchange does not work with the MoE all-gather dispatcher). So (`fixed`, or
-    dp > 1): consecutive rows in chunks of m (the largest divisor of B / dp with m x T within the budget) at the
-    batch's full length, chunk j on rank j mod dp.
+    (`microbatch.micro_batches`), so both trainers cut the same batch the same way. Otherwise (`fixed`, or dp > 1)
+    the ranks run their k-th micro-batches in lockstep, which must then have one shape on every rank: the MoE
+    dispatcher exchanges tokens between the data-parallel ranks (over which EP spreads the experts) in every layer,
+    and the pipeline schedule sends activations of its call's one shape between stages. So the rows, longest first,
+    are cut into slots of dp x m rows, m as large as the token budget allows at the slot's longest row (`packed`),
+    the slot's rows dealt out to the ranks in turn and padded to that longest row only; `run_schedule` runs each run
+    of equal shapes as one schedule call. `packed` False: consecutive rows in chunks of m (the largest divisor of
+    B / dp with m x T within the budget), all padded to the batch's full length T, chunk j on rank j mod dp.
     """
     B, T = batch.input_ids.shape
     if dp == 1 and not fixed:
@@ -77,11 +79,35 @@ def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int, fixed: bool = F
                 for rows in micro_batches(lengths, token_budget)]
     if B % dp:
         raise ValueError(f"a batch of {B} rollouts cannot be split evenly over {dp} data-parallel ranks")
+    if packed:
+        return [Micro(rows, on_device(batch.select(rows, length))) for rows, length in slots(batch, token_budget, dp,
+                                                                                              dp_rank)]
     per_rank = B // dp
     m = max([d for d in range(1, per_rank + 1) if per_rank % d == 0 and (token_budget <= 0 or d * T <= token_budget)],
             default=1)
     chunks = [list(range(s, s + m)) for s in range(0, B, m)]
     return [Micro(rows, on_device(batch.select(rows, T))) for j, rows in enumerate(chunks) if j % dp == dp_rank]
+
+
+def slots(batch: Batch, token_budget: int, dp: int, dp_rank: int) -> list[tuple[list[int], int]]:
+    """`plan`'s packed cut: this rank's (rows, padded length) per slot, the same slot shapes on every rank."""
+    B = batch.input_ids.shape[0]
+    lengths = sequence_lengths(batch.mask)
+    order = sorted(range(B), key=lambda i: (-lengths[i], i))
+    out, i = [], 0
+    while i < B:
+        longest = lengths[order[i]]
+        m = (B - i) // dp
+        if token_budget > 0:
+            m = max(1, min(m, token_budget // max(longest, 1)))
+        out.append((sorted(order[i + dp_rank : i + dp * m : dp]), longest))
+        i += dp * m
+    return out
+
+
+def padded_tokens(micros: list[Micro]) -> int:
+    """Positions of this rank's micro-batches that hold no token of a row (padding)."""
+    return sum(m.batch.mask.numel() - sum(sequence_lengths(m.batch.mask)) for m in micros)
 
 
 def stage_forward(model, input_ids: Tensor, mtp: str | None) -> tuple[Tensor, list[Tensor]]:
@@ -174,7 +200,35 @@ def forward_logprobs(spec: StepSpec, micro: Micro, logits: Tensor):
 
 
 def run_schedule(model, micros: list[Micro], spec: StepSpec, mtp: str | None, forward_only: bool) -> list[dict]:
-    """Megatron's forward(-backward) over this rank's micro-batches; the last stage's per-micro-batch outputs."""
+    """Megatron's forward(-backward) over this rank's micro-batches; the last stage's per-micro-batch outputs.
+
+    Each run of consecutive micro-batches of one shape is one schedule call (a call sends one activation shape
+    between stages). A call over n of the rank's N micro-batches divides each loss by n, not N: the config's
+    `grad_scale_func` multiplies by n / N during it, which restores the one-call weights of the GRPO loss and of the
+    router losses (whose scale the schedule derives from the same function)."""
+    groups: list[list[Micro]] = []
+    for m in micros:
+        if groups and groups[-1][0].batch.input_ids.shape == m.batch.input_ids.shape:
+            groups[-1].append(m)
+        else:
+            groups.append([m])
+    config = model.config
+    base, outs = config.grad_scale_func, []
+
+    def scaled(factor, t):
+        return (base(t) if base is not None else t) * factor
+
+    try:
+        for group in groups:
+            if len(groups) > 1:
+                config.grad_scale_func = partial(scaled, len(group) / len(micros))
+            outs += _schedule_call(model, group, spec, mtp, forward_only)
+    finally:
+        config.grad_scale_func = base
+    return outs
+
+
+def _schedule_call(model, micros: list[Micro], spec: StepSpec, mtp: str | None, forward_only: bool) -> list[dict]:
     it = iter(micros)
 
     def forward_step(data_iterator, model):

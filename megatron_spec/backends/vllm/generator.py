@@ -152,9 +152,11 @@ class VLLMGenerator:
     @classmethod
     def from_rl(cls, cfg, model, drafter=None) -> "VLLMGenerator":
         """Export the loaded policy (and drafter, in the layout vLLM loads) under `<run.out_dir>/vllm/` and start an
-        engine on them; the loop then refits it every step from the trainer's stream."""
+        engine on them; the loop then refits it every step from the trainer's stream. `model` None: the policy's
+        files are already linked there (`backends.megatron.generator.vllm_from_files`, a sharded trainer's run)."""
         out = Path(cfg.run.out_dir) / "vllm"
-        export_target(model, out / "policy")
+        if model is not None:
+            export_target(model, out / "policy")
         spec = cfg.spec
         if spec is not None and needs_weights(spec.method):
             if drafter is None:

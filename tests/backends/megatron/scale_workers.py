@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_spec.rl.policy import Batch
+
 from .common import hf_tensors, policy_part, save_hf_dir, tiny
 from .policy_workers import SAMPLING, batches, grpo, megatron_steps, our_drafter, our_model, with_policy_old
 
@@ -207,3 +209,86 @@ def interrupted_save(rank: int, world: int, root: str) -> dict:
     listing = sorted(os.listdir(run_dir / "checkpoints")) if rank == 0 else None
     return {"failed": failed, "step": saved and saved["step"], "listing": listing, "at_step0": at_step0,
             "loaded": loaded, "run_dir": str(run_dir)}
+
+
+def save_copies(rank: int, world: int, root: str) -> dict:
+    """Bytes Megatron-Core's `torch_dist` writer stages as copies (tensors outside every weight, master and Adam
+    moment this rank holds) in a save of the MoE tiny model at EP2 after one step: as `save_sharded` hands it the
+    state, and with the state's views left as they are. Also the bytes of this rank's state, for scale."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    from megatron_spec.backends.megatron import policy as policy_module
+    from megatron_spec.backends.megatron.checks import Parallelism
+    from megatron_spec.backends.megatron.policy import MegatronPolicy
+
+    cfg = tiny("moe")
+    policy = MegatronPolicy(our_model(cfg), grpo(), SAMPLING, Parallelism(ep=2, etp=1))
+    megatron_steps(policy, "moe", 1)
+    held = [p.data for p in policy.masters] + [s[k] for s in policy.opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+             for t in held]
+    staged = []
+    real = FileSystemWriterAsync.prepare_write_data
+
+    def counting(self, plan, planner):
+        real(self, plan, planner)
+        for _, _, (_, tensors) in self.write_buckets:
+            for _, t in tensors:
+                ptr = t.data_ptr()
+                if not any(a <= ptr < b for a, b in spans):
+                    staged[-1] += t.numel() * t.element_size()
+
+    FileSystemWriterAsync.prepare_write_data = counting
+    out = {"state_bytes": sum(t.numel() * t.element_size() for t in held)}
+    try:
+        staged.append(0)
+        policy.save_sharded(Path(root) / "as_saved")
+        out["copied"] = staged[-1]
+        keep = policy_module.unviewed
+        policy_module.unviewed = lambda sd: None
+        try:
+            staged.append(0)
+            policy.save_sharded(Path(root) / "views_left")
+            out["copied_with_views"] = staged[-1]
+        finally:
+            policy_module.unviewed = keep
+    finally:
+        FileSystemWriterAsync.prepare_write_data = real
+    return out
+
+
+def varied_batches(cfg, n: int = 2) -> list[Batch]:
+    """8 rows of prompt 4 and completions of 1-8 tokens (right-padded to 12), so rows differ in length."""
+    from .policy_workers import PROMPT, T
+
+    out = []
+    for s in range(n):
+        g = torch.Generator().manual_seed(200 + s)
+        ids = torch.randint(0, cfg.vocab_size, (8, T), generator=g)
+        mask = torch.zeros(8, T, dtype=torch.bool)
+        for i, k in enumerate(torch.randperm(8, generator=g).tolist()):
+            mask[i, PROMPT : PROMPT + 1 + k] = True
+        old = None if s == 0 else 0.3 * torch.randn(8, T - 1, generator=g)
+        out.append(Batch(ids, mask, torch.randn(8, generator=g), old))
+    return out
+
+
+def packed_vs_padded(rank: int, world: int) -> dict:
+    """The dense tiny model at PP2 and at DP2 (both cut micro-batches in lockstep), 2 steps on rows of varied
+    length with a 24-token budget, micro-batches packed by token budget and padded to their own longest row, and
+    every row padded to the batch's full length: metrics (with the padded positions) and exported weights."""
+    from megatron_spec.backends.megatron.checks import Parallelism
+    from megatron_spec.backends.megatron.policy import MegatronPolicy
+
+    cfg = tiny("dense")
+    out = {}
+    for name, par in (("pp2", dict(pp=2)), ("dp2", {})):
+        for packed in (True, False):
+            policy = MegatronPolicy(our_model(cfg), grpo(), SAMPLING, Parallelism(**par))
+            policy.packed = packed
+            metrics, weights = [], []
+            for b in varied_batches(cfg):
+                metrics.append(policy.train_step(with_policy_old(b, policy.logprobs(b))))
+                weights.append({n: t.clone() for n, t in policy.export_weights()})
+            out[name, packed] = {"metrics": metrics, "weights": weights}
+    return out
