@@ -5,7 +5,9 @@ The run directory gives the configuration (`config.yaml`: model, GRPO batch, spe
 measurements (`metrics.jsonl`: stage times, response lengths, acceptance length per step, averaged over the steps
 after the first, which pays one-off warm-up). The workload's response lengths are the log-normal whose quantiles
 have the run's mean and longest response (`LengthDist.fit`); the acceptance length is the run's measured mean.
-The hardware and GPU count are not in a run's config, so the caller names them. The simulator describes GPU
+The hardware and GPU count are not in a run's config, so the caller names them. Below the stages, the run's
+measured memory peaks (per trainer rank and generator process, `metrics.jsonl`'s `memory`) sit beside the
+simulator's memory per GPU for the same layout. The simulator describes GPU
 clusters only: an embedded CPU run is predicted by the validation harness in `research/sim_cpu` instead.
 """
 
@@ -76,11 +78,56 @@ def config_for_run(cfg: dict, figures: dict[str, float], hardware: str, gpus: in
                      workload=Workload(g["prompts_per_step"], g["group_size"], prompt_len, response),
                      train=TrainParallel(tp=m["tp"], pp=m["pp"], ep=m["ep"], cp=m["cp"], dp=train_gpus // per),
                      gen=GenParallel(tp=gen_tp), colocated=colocated, gen_gpus=0 if colocated else gen_gpus,
-                     spec=sim_spec, policy_lag=b.get("async_lag", 0), fold_logprob=bool(g.get("fold_logprob")))
+                     spec=sim_spec, policy_lag=b.get("async_lag", 0), fold_logprob=bool(g.get("fold_logprob")),
+                     recompute=m.get("recompute") or "selective")
+
+
+def measured_memory(run_dir: str | Path) -> dict[str, list[float]]:
+    """The largest per-step peak (MB) of each memory figure a run's steps logged (`rl/memory.py`: the loop's, each
+    trainer rank's, each generator process's); per-rank and per-process figures keep one value each."""
+    from ..rl.logging import read_metrics
+
+    peaks: dict[str, list[float]] = {}
+    for row in read_metrics(Path(run_dir)):
+        for key, value in (row.get("memory") or {}).items():
+            values = [float(v) for v in (value if isinstance(value, list) else [value]) if v is not None]
+            old = peaks.get(key, [])
+            peaks[key] = [max(a, b) for a, b in zip(old, values)] + values[len(old):] if old else values
+    return peaks
+
+
+def memory_lines(run_dir: str | Path, cfg: dict, result, hardware: str, gpus: int) -> list[str]:
+    """Measured per-rank peaks beside the simulator's memory per GPU for the run's layout on `gpus` x `hardware`:
+    the trainer's weights + gradients, optimizer states and activations (for the run's `params_dtype`), the
+    engine's weights and workspace with the KV cache it would get. Measured figures are what the run's processes
+    held (host RSS on a CPU run, CUDA peaks on a GPU one); the simulated ones are device memory on the named GPUs."""
+    from .memory import with_params_dtype
+
+    MB = 2 ** 20
+    peaks = measured_memory(run_dir)
+    m = with_params_dtype(result.memory, cfg["backend"]["megatron"].get("params_dtype", "bfloat16"))
+    fmt = lambda vs: " / ".join(f"{v:.0f}" for v in vs)  # noqa: E731
+    lines = [f"memory (MB)  measured peak per rank / process, beside simulated per GPU ({hardware} x {gpus})"]
+    trainer = [f"{name} {fmt(peaks[key])}" for key, name in (("trainer_peak_rss_mb", "RSS"),
+                                                            ("trainer_cuda_peak_allocated_mb", "CUDA allocated"),
+                                                            ("trainer_cuda_peak_reserved_mb", "CUDA reserved"))
+               if key in peaks]
+    lines.append(f"  trainer    measured: {'; '.join(trainer) or 'not logged'}")
+    lines.append(f"             simulated: {m.train_total / MB:.0f} = weights+grads {m.train_weights / MB:.0f} + "
+                 f"optimizer {m.train_optimizer / MB:.0f} + activations {m.train_activations / MB:.0f}")
+    loop = [f"{name} {fmt(peaks[key])}" for key, name in (("loop_peak_rss_mb", "loop RSS"),
+                                                         ("children_peak_rss_mb", "generator processes RSS"),
+                                                         ("cuda_peak_allocated_mb", "loop CUDA allocated"))
+            if key in peaks]
+    lines.append(f"  generator  measured: {'; '.join(loop) or 'not logged'}")
+    lines.append(f"             simulated: engine weights {m.engine_weights / MB:.0f} + workspace "
+                 f"{m.engine_workspace / MB:.0f}, KV cache {max(m.kv_bytes, 0) / MB:.0f}")
+    return lines
 
 
 def compare_run(run_dir: str | Path, target: str, prompt_len: int = 200) -> str:
-    """A table: stage, measured seconds, predicted seconds, predicted / measured."""
+    """A table: stage, measured seconds, predicted seconds, predicted / measured; then the measured memory peaks
+    beside the simulated memory per GPU (`memory_lines`)."""
     hardware, gpus = parse_target(target)
     cfg, stages, figures = measured(run_dir)
     if cfg["backend"]["trainer"] == "embedded" and cfg["backend"]["generator"] == "embedded":
@@ -93,4 +140,4 @@ def compare_run(run_dir: str | Path, target: str, prompt_len: int = 200) -> str:
         want = result.step_s if s == "step" else result.stages[s]
         ratio = f"{want / got:6.2f}" if got else "     -"
         lines.append(f"{s:8} {got:10.3f} {want:11.3f} {ratio}")
-    return "\n".join(lines)
+    return "\n".join(lines + memory_lines(run_dir, cfg, result, hardware, gpus))

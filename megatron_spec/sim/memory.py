@@ -17,7 +17,7 @@ during generation, as NeMo-RL does), so each side must fit on its own.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .config import SimConfig
 from .hardware import Hardware
@@ -90,6 +90,17 @@ def memory_report(cfg: SimConfig, hw: Hardware, target: CostShape, drafter: Cost
         engine_workspace=workspace, kv_bytes=kv, kv_capacity_tokens=max(kv, 0.0) / kv_per_token,
         device_bytes=hw.mem_bytes,
     )
+
+
+def with_params_dtype(report: MemoryReport, params_dtype: str) -> MemoryReport:
+    """The trainer's memory for parameters of `params_dtype`: float32 parameters take 4 B of weights and 4 B of
+    gradients (8 B instead of 6) and the optimizer the two Adam moments only, no separate FP32 master (8 B instead
+    of 12); bfloat16 is what `memory_report` describes."""
+    if params_dtype in ("bfloat16", "bf16"):
+        return report
+    if params_dtype not in ("float32", "fp32"):
+        raise ValueError(f"params_dtype must be float32 or bfloat16, got {params_dtype!r}")
+    return replace(report, train_weights=report.train_weights * 8 / 6, train_optimizer=report.train_optimizer * 8 / 12)
 
 
 def check_fit(cfg: SimConfig, report: MemoryReport) -> None:

@@ -59,3 +59,29 @@ def test_a_relogged_step_counts_once(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in old) + path.read_text())
     _, got, figures = measured(tmp_path)
     assert got["gen"] == pytest.approx(2 * stages["gen"]) and figures["mean"] == 1500.0
+
+
+def test_memory_beside_the_simulated(tmp_path):
+    """The memory the run logged (largest per-step peak of each trainer rank and of the loop and generator
+    processes) sits beside the simulator's memory per GPU for the run's layout: the trainer's total and its parts
+    for the run's params_dtype, the engine's weights and workspace. A bfloat16 run shows `memory_report` as it is;
+    the same run with float32 parameters shows weights + gradients x 8/6 and the optimizer x 8/12."""
+    write_run(tmp_path)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    memory = [{"trainer_peak_rss_mb": [900.0, 800.0], "loop_peak_rss_mb": 1000.0, "children_peak_rss_mb": [450.0]},
+              {"trainer_peak_rss_mb": [950.0, 700.0], "loop_peak_rss_mb": 990.0, "children_peak_rss_mb": [440.0]},
+              {"trainer_peak_rss_mb": [920.0, 810.0], "loop_peak_rss_mb": 995.0}]
+    rows = [dict(json.loads(line), memory=m) for line, m in zip(lines, memory)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    _, _, figures = measured(tmp_path)
+    mem = simulate(config_for_run(cfg, figures, "h100", 32, 200)).memory
+    MB = 2 ** 20
+    out = compare_run(tmp_path, "h100:32")
+    assert "RSS 950 / 810" in out and "loop RSS 1000" in out and "generator processes RSS 450" in out
+    assert f"simulated: {mem.train_total / MB:.0f} = weights+grads {mem.train_weights / MB:.0f}" in out
+    assert f"engine weights {mem.engine_weights / MB:.0f}" in out
+    cfg["backend"]["megatron"]["params_dtype"] = "float32"
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    out = compare_run(tmp_path, "h100:32")
+    assert f"weights+grads {mem.train_weights * 8 / 6 / MB:.0f} + optimizer {mem.train_optimizer * 8 / 12 / MB:.0f}" in out
