@@ -13,6 +13,9 @@ at hand and raises one ValueError naming every mismatch before a single tensor i
 another architecture either fails on shapes deep inside load_state_dict or, worse, loads and drafts garbage.
 
 A "draft_model" drafter is an ordinary `CausalLM` (`hf_io.from_pretrained`); `check_draft_model` is its guard.
+
+`export_trained_drafter` writes a drafter trained elsewhere (online, in a run) back in the layout its starting
+checkpoint has: ours, a public EAGLE-3 layout (`eagle3_public`), or an HF model directory for a draft model.
 """
 
 from __future__ import annotations
@@ -126,3 +129,29 @@ def check_draft_model(draft_cfg: ModelConfig, target_cfg: ModelConfig) -> None:
             f"draft model vocabulary ({draft_cfg.vocab_size} tokens) differs from the target's "
             f"({target_cfg.vocab_size}): speculative decoding needs one shared tokenizer"
         )
+
+
+def export_trained_drafter(source: str | os.PathLike, tensors: dict[str, torch.Tensor], target_config: ModelConfig,
+                           out_dir: str | os.PathLike) -> Path:
+    """The drafter checkpoint `source` with its weights replaced by `tensors` (the state dict of a trained copy),
+    written to `out_dir` in `source`'s layout: a public EAGLE-3 head as `save_public_eagle3` writes it (its
+    config, its names and dtypes, the tensors it keeps that our head does not), ours with its drafter_config.json,
+    a draft model as an HF checkpoint. Names or shapes that do not match `source` raise before anything is
+    written."""
+    from .decoder import CausalLM
+    from .eagle3_public import public_layout, save_public_eagle3
+    from .hf_io import from_pretrained, save_pretrained
+
+    source = Path(source)
+    weighted = (source / DRAFTER_CONFIG).is_file() or public_layout(source) is not None
+    module = load_drafter(source, target_config) if weighted else from_pretrained(source)
+    expected = module.state_dict()
+    if set(tensors) != set(expected) or any(tensors[k].shape != expected[k].shape for k in expected):
+        diff = sorted(set(tensors) ^ set(expected))[:5]
+        raise ValueError(f"the trained drafter's tensors do not match {source} (names differing: {diff})")
+    module.load_state_dict({k: v.to(expected[k].dtype) for k, v in tensors.items()}, strict=True)
+    if getattr(module, "public", None) is not None:
+        return save_public_eagle3(module, out_dir)
+    if isinstance(module, CausalLM):
+        return save_pretrained(module, out_dir)
+    return save_drafter(module, out_dir, read_drafter_config(source)["kind"], target_config)

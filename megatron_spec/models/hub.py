@@ -75,14 +75,20 @@ def resolve(name: str, cache_dir: str | None = None) -> str:
 
 def resolve_config(cfg):
     """`cfg` (an `RLConfig`) with every hub name among `model.policy`, `model.drafter` and `spec.model` replaced by
-    its local snapshot directory (`resolve`, into `model.hub_cache`); `cfg` itself when nothing is a hub name."""
+    its local snapshot directory (`resolve`, into `model.hub_cache`); `cfg` itself when nothing is a hub name. A
+    built-in policy name becomes its directory for the Megatron trainer, whose ranks read checkpoint files."""
     import dataclasses
 
     cache = cfg.model.hub_cache
     names = [cfg.model.policy, cfg.model.drafter, cfg.spec.model if cfg.spec else None]
-    if not any(n and is_hub_name(n) for n in names):
+    files = cfg.backend.trainer == "megatron" and cfg.model.policy in BUILTIN
+    if not files and not any(n and is_hub_name(n) for n in names):
         return cfg
     local = {n: resolve(n, cache) for n in names if n and is_hub_name(n)}
+    if files:  # SmolLM2, converted from its GGUF on first use
+        from .hf_io import smollm2_dir
+
+        local[cfg.model.policy] = str(smollm2_dir())
     model = dataclasses.replace(cfg.model, policy=local.get(cfg.model.policy, cfg.model.policy),
                                 drafter=local.get(cfg.model.drafter, cfg.model.drafter))
     spec = dataclasses.replace(cfg.spec, model=local.get(cfg.spec.model, cfg.spec.model)) if cfg.spec else None

@@ -1,4 +1,5 @@
-"""Run checkpoints: policy, optimizer, drafter (+ its optimizer), RNG, step and data position, written atomically.
+"""Run checkpoints: policy, optimizer, drafter (+ its optimizer), RNG, step and data position, written atomically;
+beside them the online-trained drafter as a checkpoint of its own (`drafter/`), ready for vLLM or another run.
 
 A checkpoint directory is complete before it gets its final name, and `latest` is rewritten after that, so an
 interrupted save leaves the previous checkpoint untouched and still pointed to.
@@ -17,6 +18,8 @@ from .config import RLConfig
 
 SHARDED = "policy"
 """Sub-directory of a checkpoint holding a distributed (per-rank sharded) policy checkpoint."""
+DRAFTER = "drafter"
+"""Sub-directory of a checkpoint holding the online-trained drafter, in the layout of the checkpoint it started from."""
 
 IGNORED_ON_RESUME = {"run.steps", "run.resume", "run.save_every", "run.eval_every", "run.out_dir", "run.report",
                      "grpo.micro_batch_tokens", "grpo.fold_logprob", "grpo.share_prompt", "run.device",
@@ -60,17 +63,36 @@ def check_same_config(saved: dict, cfg, run_dir: Path) -> None:
                          f"run.resume=false to start afresh there (the earlier run is moved to {run_dir}/previous)")
 
 
-def save(run_dir: Path, step: int, state, cfg) -> Path:
+def export_drafter(out: Path, policy_state: dict, cfg) -> None:
+    """The drafter the run trains online, taken from the policy's state (`drafter`: the embedded trainer's module;
+    `eagle3.head`: the Megatron trainer's EAGLE-3 head), written to `out` in the layout of the checkpoint it
+    started from (a public EAGLE-3 head in its speculators or SpecForge layout). The Megatron trainer's MTP layers
+    live in its shards: `megatron-spec export-hf` writes those."""
+    tensors = policy_state.get("drafter") or (policy_state.get("eagle3") or {}).get("head")
+    source = cfg.model.drafter or (cfg.spec.model if cfg.spec else None)
+    if tensors is None or not source or not cfg.drafter_train.online:
+        return
+    from ..models.drafters import export_trained_drafter
+    from ..models.hf_io import read_config, smollm2_dir
+
+    policy = cfg.model.policy
+    export_trained_drafter(source, tensors, read_config(smollm2_dir() if policy == "smollm2-135m" else policy), out)
+
+
+def save(run_dir: Path, step: int, state, cfg, gate: dict | None = None) -> Path:
     """`state`: the policy's state dict, or the policy itself; a policy with `save_sharded` (the Megatron trainer)
-    then writes its distributed checkpoint into the new directory from every rank, before it gets its name."""
+    then writes its distributed checkpoint into the new directory from every rank, before it gets its name. `gate`:
+    the whole-step gate's state, where the run has one."""
     ckpt_root = run_dir / "checkpoints"
 
     def write(tmp: Path) -> None:
         policy_state = state
         if not isinstance(state, dict):
             policy_state = state.save_sharded(tmp / SHARDED) if hasattr(state, "save_sharded") else state.state_dict()
-        payload = {"step": step, "state": policy_state, "rng": torch.get_rng_state(), "config": flatten(cfg)}
+        payload = {"step": step, "state": policy_state, "rng": torch.get_rng_state(), "config": flatten(cfg),
+                   "gate": gate}
         torch.save(payload, tmp / "state.pt")
+        export_drafter(tmp / DRAFTER, policy_state, cfg)
 
     out = write_atomically(ckpt_root / f"step_{step:06d}", write)
     tmp = ckpt_root / "latest.tmp"

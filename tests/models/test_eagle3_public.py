@@ -258,3 +258,44 @@ def test_a_llama_type_layer_on_a_qwen3_target(tmp_path, target, layout):
     assert set(before) == set(after) and all(same_bits(before[k], after[k]) for k in before)
     vllm_dir = export_eagle3(head, tmp_path / "vllm")
     assert json.loads((vllm_dir / "config.json").read_text())["architectures"] == ["Eagle3LlamaForCausalLM"]
+
+
+
+def check_run_export(source: Path, out: Path, trained: dict, layout: str, dtype: torch.dtype, target) -> None:
+    """`out` (a run checkpoint's `drafter/`) is `source`'s public layout with the trained head: the same config
+    bytes, tensor names and dtypes; d2t and t2d unchanged; the trained tensors moved (AdamW's first step moves every
+    entry with a gradient by ~lr) and are exactly `trained` (the head as the run checkpoint saved it) rounded to the
+    file's dtype."""
+    assert (out / "config.json").read_bytes() == (source / "config.json").read_bytes()
+    before, after = load_file(str(source / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert set(before) == set(after) and all(before[k].dtype == after[k].dtype for k in before)
+    assert torch.equal(before["d2t"], after["d2t"]) and torch.equal(before["t2d"], after["t2d"])
+    prefix = "layers.0." if layout == SPECULATORS else "midlayer."
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert {"fc.weight", "lm_head.weight", f"{prefix}self_attn.q_proj.weight", f"{prefix}mlp.down_proj.weight"} <= moved
+    again = load_public_eagle3(out, target.config)
+    assert set(again.state_dict()) == set(trained)
+    for k, v in again.state_dict().items():
+        assert same_bits(v, trained[k].to(dtype).to(v.dtype) if v.is_floating_point() else trained[k]), k
+
+
+@pytest.mark.parametrize("layout, dtype", [(SPECULATORS, torch.bfloat16), (SPECFORGE, torch.float32)])
+def test_a_run_checkpoints_its_online_head_in_the_layout_it_came_in(tmp_path, layout, dtype):
+    """The RL loop (embedded trainer, one step, EAGLE-3 online from a public checkpoint) writes `drafter/` beside its
+    run checkpoint in the starting checkpoint's layout (`check_run_export`): bf16 for the speculators case, fp32
+    for SpecForge (there no rounding at all)."""
+    from megatron_spec.rl.config import RLConfig
+    from megatron_spec.rl.loop import Trainer, run
+    from megatron_spec.rl.overrides import apply_overrides
+
+    target = from_pretrained(ROOT / "checkpoints" / "tiny-qwen3")
+    path = write_public(distinct_head(target), tmp_path / layout, layout, dtype=dtype)
+    cfg = apply_overrides(RLConfig(), [
+        f"model.policy={ROOT / 'checkpoints' / 'tiny-qwen3'}", f"model.drafter={path}", "spec.method=eagle3",
+        f"spec.model={path}", "spec.adaptive=false", "grpo.prompts_per_step=2", "grpo.group_size=4",
+        "grpo.max_tokens=24", "drafter_train.lr=1e-2", "run.steps=1", "run.eval_every=0", "run.report=false",
+        "run.loggers=[]", "run.resume=false", "run.save_every=1", f"run.out_dir={tmp_path / 'run'}"])
+    run(cfg, Trainer)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000000"
+    trained = torch.load(ckpt / "state.pt", weights_only=False)["state"]["drafter"]
+    check_run_export(path, ckpt / "drafter", trained, layout, dtype, target)

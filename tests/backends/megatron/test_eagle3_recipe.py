@@ -102,3 +102,32 @@ def test_eagle3_learns_online_through_megatron_and_vllm_drafts_better(tmp_path):
     pytest.importorskip("vllm")
     head = fresh_head(tmp_path / "head")
     check(run(tmp_path / "online", head, True, "vllm"), run(tmp_path / "frozen", head, False, "vllm"))
+
+
+@pytest.mark.megatron_dist
+def test_a_public_head_trained_through_megatron_is_checkpointed_in_its_layout(tmp_path):
+    """A SpecForge-layout head (bf16, three distinct fused layers, 48-id draft vocabulary) trained online by the
+    Megatron trainer for one step: the run checkpoint's `drafter/` is that layout with the trained head, as
+    `tests/models/test_eagle3_public.check_run_export` states it (the head from the checkpoint's `eagle3` state,
+    rounded to bf16)."""
+    import torch
+
+    from megatron_spec.models import from_pretrained
+    from megatron_spec.models.eagle3_public import SPECFORGE
+    from tests.models.test_eagle3_public import check_run_export, distinct_head, write_public
+
+    target = from_pretrained(ROOT / POLICY)
+    path = write_public(distinct_head(target), tmp_path / "public", SPECFORGE)
+    config = tmp_path / "run.yaml"  # the RLConfig defaults, then the overrides below
+    config.write_text("run:\n  steps: 1\n")
+    args = [sys.executable, "-m", "megatron_spec.cli", "train", "--config", str(config), "backend.trainer=megatron",
+            "spec.method=eagle3", "spec.adaptive=false", f"model.policy={POLICY}", f"model.drafter={path}",
+            f"spec.model={path}", "drafter_train.lr=1e-2", "grpo.prompts_per_step=2", "grpo.group_size=4",
+            "grpo.max_tokens=24", "run.eval_every=0", "run.save_every=1", "run.loggers=[]", "run.resume=false",
+            "run.report=false", f"run.out_dir={tmp_path / 'run'}"]
+    done = subprocess.run(args, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000000"
+    trained = torch.load(ckpt / "state.pt", weights_only=False)["state"]["eagle3"]["head"]
+    check_run_export(path, ckpt / "drafter", trained, SPECFORGE, torch.bfloat16, target)
