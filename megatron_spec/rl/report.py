@@ -545,7 +545,7 @@ def register(subparsers) -> None:
                    help="more runs on the same plots (plain and spec, several seeds for the losslessness band)")
     p.add_argument("--out", default="", help="HTML file to write (default RUN_DIR/report.html)")
     p.add_argument("--compare-sim", default="", metavar="HARDWARE:GPUS",
-                   help="also print measured stage times and memory peaks beside the simulator's for the same config on "
+                   help="also print measured stage times and memory peaks beside the simulator's for the config on "
                         "GPUS GPUs of HARDWARE (h100, h200, b200, gb200), e.g. h100:32 (megatron_spec/sim/compare.py)")
     p.add_argument("--sim-prompt-len", type=int, default=200, help="mean prompt tokens for --compare-sim")
     p.set_defaults(func=report_command)

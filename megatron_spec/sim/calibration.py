@@ -133,5 +133,6 @@ CALIBRATIONS = {"h100": HOPPER, "h200": HOPPER, "b200": GPU, "gb200": GPU, "cpu"
 
 
 def calibration_for(hw_name: str) -> Calibration:
-    """The calibration set of a GPU profile or the CPU host (a profile built elsewhere, e.g. the CPU harness's, gets `GPU`)."""
+    """The calibration set of a GPU profile or the CPU host (a profile built elsewhere, e.g. the CPU harness's,
+    gets `GPU`)."""
     return CALIBRATIONS.get(str(hw_name).lower(), GPU)

@@ -107,8 +107,8 @@ CPU_PROFILES: dict[str, Hardware] = {
 
 
 def hardware(name: str | Hardware) -> Hardware:
-    """The GPU profile or CPU host called `name` (a `Hardware` passes through: a profile built elsewhere, e.g. a what-if copy
-    or the CPU validation harness's measured profile in `research/sim_cpu`)."""
+    """The GPU profile or CPU host called `name` (a `Hardware` passes through: a profile built elsewhere, e.g. a
+    what-if copy or the CPU validation harness's measured profile in `research/sim_cpu`)."""
     if isinstance(name, Hardware):
         return name
     key = str(name).lower()

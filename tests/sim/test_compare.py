@@ -84,4 +84,5 @@ def test_memory_beside_the_simulated(tmp_path):
     cfg["backend"]["megatron"]["params_dtype"] = "float32"
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     out = compare_run(tmp_path, "h100:32")
-    assert f"weights+grads {mem.train_weights * 8 / 6 / MB:.0f} + optimizer {mem.train_optimizer * 8 / 12 / MB:.0f}" in out
+    weights, optimizer = mem.train_weights * 8 / 6 / MB, mem.train_optimizer * 8 / 12 / MB
+    assert f"weights+grads {weights:.0f} + optimizer {optimizer:.0f}" in out
