@@ -82,6 +82,13 @@ class GRPOSection:
     the update, so they do not dilute the token mean (logged as `groups_dropped`). A step whose groups are all
     uniform keeps them (zero policy gradient; the drafter still trains). Embedded trainer only (the Megatron trainer
     splits a fixed row count over its data-parallel ranks)."""
+    train_groups: int = 0
+    """At most this many groups enter a step's update: the first, in draw order, whose rewards differ (with an
+    advantage), every uniform group left out as `drop_uniform_groups` leaves it; 0: no cap. DAPO's dynamic sampling
+    fills its training batch so, from more prompts than it trains: with `prompts_per_step` above this, a step draws
+    more rollouts than it trains on, as RL post-training's long reasoning rollouts outweigh their update. A step with
+    no group carrying an advantage keeps its first `train_groups` groups (zero policy gradient; the drafter still
+    trains). Embedded trainer only, like `drop_uniform_groups`."""
     max_grad_norm: float = 1.0
     """Gradient clipping of the policy."""
     max_nan_steps: int = 3
@@ -134,6 +141,8 @@ class GRPOSection:
                              f"got {self.overlong_buffer}")
         if self.clip_low < 0 or self.clip_high < 0:
             raise ValueError("grpo.clip_low and grpo.clip_high must be >= 0")
+        if self.train_groups < 0:
+            raise ValueError(f"grpo.train_groups must be >= 0 (0: every group), got {self.train_groups}")
         if self.micro_batch_tokens < 0:
             raise ValueError(f"grpo.micro_batch_tokens must be >= 0 (0: no micro-batching), "
                              f"got {self.micro_batch_tokens}")

@@ -61,9 +61,10 @@ def check_inputs(cfg: RLConfig) -> None:
         raise ValueError("the Megatron trainer trains its MTP head jointly with the policy, one first-draft pass per "
                          "step (backend.megatron.mtp_*); drafter_train.drafts, updates, replay and minibatches > 1 "
                          "are the embedded trainer's: set them to 1")
-    if cfg.backend.trainer == "megatron" and cfg.grpo.drop_uniform_groups:
-        raise ValueError("grpo.drop_uniform_groups changes a step's row count, and the Megatron trainer splits the "
-                         "rows evenly over its data-parallel ranks: use it with the embedded trainer")
+    if cfg.backend.trainer == "megatron" and (cfg.grpo.drop_uniform_groups or cfg.grpo.train_groups):
+        raise ValueError("grpo.drop_uniform_groups and grpo.train_groups change a step's row count, and the Megatron "
+                         "trainer splits the rows evenly over its data-parallel ranks: use them with the embedded "
+                         "trainer")
     if cfg.backend.trainer == "megatron" and cfg.spec and cfg.spec.method == "eagle3":
         from ..layout import online_eagle3_problems
 
@@ -137,8 +138,8 @@ def make_batch(prompts: list[list[int]], outs) -> tuple[Batch, torch.Tensor]:
 def step_advantages(rewards: torch.Tensor, lengths: list[int], g) -> tuple[torch.Tensor, list[bool] | None, dict]:
     """The advantages [N] of a step's rollouts (rewards [N], prompt-major groups of `g.group_size`) under the GRPO
     section's options: DAPO's overlong shaping of the rewards, then the group baseline and std. With
-    `drop_uniform_groups`, also which rows to keep (None: all) and the advantages of the kept rows only; and the
-    counts to log (uniform groups, groups dropped, mean shaping)."""
+    `drop_uniform_groups` or `train_groups`, also which rows to keep (None: all) and the advantages of the kept rows
+    only; and the counts to log (uniform groups, groups dropped, mean shaping)."""
     shaped = rewards.double() + overlong_penalty(torch.tensor(lengths), g.max_tokens, g.overlong_buffer,
                                                  g.overlong_penalty)
     groups = shaped.view(-1, g.group_size)
@@ -148,12 +149,14 @@ def step_advantages(rewards: torch.Tensor, lengths: list[int], g) -> tuple[torch
         info["overlong_penalty_mean"] = float((shaped - rewards.double()).mean())
     advantages = group_advantages(groups, g.baseline, g.std).float()
     keep = None
-    if g.drop_uniform_groups:
-        dropped = int(uniform.sum()) if not uniform.all() else 0
-        info["groups_dropped"] = dropped
-        if dropped:
-            keep = (~uniform).repeat_interleave(g.group_size).tolist()
-            advantages = advantages[~uniform]
+    if g.drop_uniform_groups or g.train_groups:
+        kept = ~uniform if not uniform.all() else torch.ones_like(uniform)
+        if g.train_groups:  # the first train_groups of them, in draw order
+            kept &= kept.cumsum(0) <= g.train_groups
+        info["groups_dropped"] = int((~kept).sum())
+        if not kept.all():
+            keep = kept.repeat_interleave(g.group_size).tolist()
+            advantages = advantages[kept]
     return advantages.flatten(), keep, info
 
 
@@ -366,6 +369,8 @@ def run(cfg: RLConfig, make_trainer) -> dict:
     if saved is not None:
         trainer.policy.load_state_dict(saved["state"])
         torch.set_rng_state(saved["rng"])
+        if trainer.gate is not None and saved.get("gate"):
+            trainer.gate.load_state_dict(saved["gate"])
         start = saved["step"] + 1
         print(f"resumed from {run_dir}/checkpoints (step {saved['step']})")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -392,7 +397,8 @@ def run(cfg: RLConfig, make_trainer) -> dict:
                 raise RuntimeError(f"{nan_streak} consecutive steps with a non-finite loss (last at step {step}); "
                                    f"stopping. The last good checkpoint is in {run_dir}/checkpoints")
             if (step + 1) % cfg.run.save_every == 0 or last:
-                checkpoint.save(run_dir, step, trainer.policy, cfg)  # it writes its own shards, if sharded
+                checkpoint.save(run_dir, step, trainer.policy, cfg,  # it writes its own shards, if sharded
+                                gate=trainer.gate.state_dict() if trainer.gate is not None else None)
     finally:
         logger.close()
         trainer.close()

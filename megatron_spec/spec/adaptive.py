@@ -451,6 +451,20 @@ first `warmup` steps run plain and are not priced (first-use costs would be char
         """Seconds per generated token of the mode's gen stage (+ drafter training): the median of its latest steps."""
         return median(self.costs[speculated])
 
+    def state_dict(self) -> dict:
+        """Everything the next decisions depend on, for a checkpoint: a resumed run then picks the modes the
+        uninterrupted run would have picked from the same measured costs."""
+        fields = ("margin", "warmup", "decided", "interval", "next_probe", "steps", "drafter_cost")
+        return {"costs": {mode: list(q) for mode, q in self.costs.items()}, **{f: getattr(self, f) for f in fields}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` saved."""
+        for name, value in state.items():
+            if name == "costs":
+                self.costs = {mode: deque(q, maxlen=GATE_WINDOW) for mode, q in value.items()}
+            else:
+                setattr(self, name, value)
+
     def state(self) -> dict:
         """What the step's metrics log: both modes' costs per token and the latest decision."""
         out = {"gate_pays": self.decided}

@@ -226,6 +226,28 @@ def test_step_advantages_shapes_and_drops_uniform_groups():
     assert keep is None and info["groups_dropped"] == 0 and adv.tolist() == [0.0] * 12
 
 
+def test_train_groups_keeps_the_first_groups_with_an_advantage():
+    """Five groups of 2: 0 and 3 uniform, 1, 2 and 4 mixed. A cap of 2 trains groups 1 and 2 (the first two with an
+    advantage, in draw order) with their own advantages, and drops the uniform ones with or without
+    `drop_uniform_groups`; a cap above the mixed count keeps all three. A step whose groups are all uniform trains
+    its first two (zero advantages)."""
+    rewards = torch.tensor([1.0, 1, 0, 1, 1, 0, 0, 0, 0, 1])
+    for drop in (False, True):
+        g = GRPOSection(group_size=2, prompts_per_step=5, train_groups=2, drop_uniform_groups=drop)
+        adv, keep, info = step_advantages(rewards, [3] * 10, g)
+        assert keep == [False, False, True, True, True, True, False, False, False, False]
+        assert adv.tolist() == pytest.approx([-1.0, 1.0, 1.0, -1.0], abs=1e-5)  # std + eps in the denominator
+        assert info["groups_dropped"] == 3
+    g = GRPOSection(group_size=2, prompts_per_step=5, train_groups=4)
+    adv, keep, info = step_advantages(rewards, [3] * 10, g)
+    assert keep == [False, False, True, True, True, True, False, False, True, True] and info["groups_dropped"] == 2
+    adv, keep, info = step_advantages(torch.zeros(10), [3] * 10, GRPOSection(group_size=2, prompts_per_step=5,
+                                                                             train_groups=2))
+    assert keep == [True] * 4 + [False] * 6 and adv.tolist() == [0.0] * 4 and info["groups_dropped"] == 3
+    with pytest.raises(ValueError, match="grpo.train_groups must be >= 0"):
+        GRPOSection(train_groups=-1)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(baseline="median"), "grpo.baseline"), (dict(std="unbiased"), "grpo.std"),
     (dict(kl_estimator="k4"), "grpo.kl_estimator"), (dict(ratio_level="group"), "grpo.ratio_level"),
@@ -260,5 +282,8 @@ def test_dropping_uniform_groups_is_refused_for_the_megatron_trainer():
     cfg = RLConfig()
     cfg.backend.trainer = "megatron"
     cfg.grpo.drop_uniform_groups = True
-    with pytest.raises(ValueError, match="drop_uniform_groups changes a step's row count"):
+    with pytest.raises(ValueError, match="drop_uniform_groups and grpo.train_groups change a step's row count"):
+        check_inputs(cfg)
+    cfg.grpo.drop_uniform_groups, cfg.grpo.train_groups = False, 2
+    with pytest.raises(ValueError, match="grpo.train_groups change a step's row count"):
         check_inputs(cfg)

@@ -75,6 +75,54 @@ def test_gate_skips_the_drafters_training_where_generation_alone_does_not_pay():
     assert gate.costs[True][-1] == pytest.approx(0.013)
 
 
+def test_gate_state_restores_its_decisions_exactly():
+    """A gate saved after 20 steps of the schedule where speculation stops paying at step 20 (state through a
+    torch.save round trip, as a checkpoint holds it) and restored into a new gate picks, for the next 60 steps, the
+    very modes the uninterrupted gate picks, and ends in the same state; a new gate left unrestored picks others
+    (its warm-up and first measurements)."""
+    import io
+
+    def spec_cost(i):
+        return 0.5 if i < 20 else 2.0
+
+    whole = WholeStepGate()
+    run_gate(whole, 20, spec_cost, lambda i: 1.0)
+    buf = io.BytesIO()
+    torch.save(whole.state_dict(), buf)
+    restored, fresh = WholeStepGate(), WholeStepGate()
+    buf.seek(0)
+    restored.load_state_dict(torch.load(buf, weights_only=False))
+    later = [lambda i, f=f: f(i + 20) for f in (spec_cost, lambda i: 1.0)]
+    expected = run_gate(whole, 60, *later)
+    assert run_gate(restored, 60, *later) == expected
+    assert restored.state_dict() == whole.state_dict()
+    assert run_gate(fresh, 60, *later) != expected
+
+
+def test_a_resumed_run_continues_its_gate(ckpts, tmp_path, shaped_reward):  # noqa: F811
+    """The checkpoint holds the gate: a gated run of 3 steps (warm-up, plain, speculative) saved at its last step,
+    resumed for a fourth, starts that step with the saved gate (2 steps priced, one cost per mode) and ends it with
+    3 priced; a gate not restored would spend step 3 on its warm-up (0 priced)."""
+    from megatron_spec.rl import checkpoint
+
+    cfg = small_cfg(ckpts, tmp_path / "run")
+    cfg.spec = SpecConfig("mtp", 3, adaptive=True)
+    loop.train(cfg)
+    saved = checkpoint.load_latest(tmp_path / "run")["gate"]
+    assert saved["steps"] == 2 and saved["warmup"] == 0 and [len(saved["costs"][m]) for m in (False, True)] == [1, 1]
+    seen = []
+
+    class Seen(loop.Trainer):
+        def step(self, step):
+            seen.append(self.gate.state_dict())
+            return super().step(step)
+
+    cfg.run.steps = 4
+    loop.run(cfg, Seen)
+    assert seen[0] == saved and len(seen) == 1
+    assert checkpoint.load_latest(tmp_path / "run")["gate"]["steps"] == 3
+
+
 def test_gate_refuses_a_step_without_tokens():
     gate = WholeStepGate(warmup=0)
     with pytest.raises(ValueError, match="0 tokens"):
