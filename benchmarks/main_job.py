@@ -49,23 +49,34 @@ VARIANTS = {
 def run(variant: str, seed: int, runs_dir: Path, extra: list[str], reuse: bool = False) -> dict:
     """One run of the plan; with `reuse`, a run directory that already holds every step of the run is read instead
     (its wall time is then unknown: None)."""
+    return run_together([(variant, seed)], runs_dir, extra, reuse)[0]
+
+
+def run_together(plan: list[tuple[str, int]], runs_dir: Path, extra: list[str], reuse: bool = False) -> list[dict]:
+    """The runs of `plan` as processes started together (one: a run alone), each result as `run` gives it."""
     import yaml
 
     from megatron_spec.rl.logging import read_metrics
 
-    out = runs_dir / f"{variant}-s{seed}"
-    if reuse and (out / "config.yaml").exists():
-        rows = read_metrics(out)
-        if len(rows) == yaml.safe_load((out / "config.yaml").read_text())["run"]["steps"]:
-            return {"variant": variant, "seed": seed, "wall_s": None, "dir": str(out), "rows": rows}
-    argv = [sys.executable, str(ROOT / "recipes" / "tiny_grpo_spec.py"), f"run.seed={seed}", f"run.out_dir={out}",
-            "run.resume=false", "run.report=false", *VARIANTS[variant], *extra]
+    done, procs = {}, []
     start, load = time.perf_counter(), os.getloadavg()[0]
-    subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    wall = time.perf_counter() - start
-    # read_metrics: the last record of a step wins (a run resumed after a crash logs its last steps again)
-    return {"variant": variant, "seed": seed, "wall_s": wall, "dir": str(out), "rows": read_metrics(out),
-            "load": [load, os.getloadavg()[0]]}
+    for variant, seed in plan:
+        out = runs_dir / f"{variant}-s{seed}"
+        if reuse and (out / "config.yaml").exists():
+            rows = read_metrics(out)
+            if len(rows) == yaml.safe_load((out / "config.yaml").read_text())["run"]["steps"]:
+                done[variant, seed] = {"variant": variant, "seed": seed, "wall_s": None, "dir": str(out), "rows": rows}
+                continue
+        argv = [sys.executable, str(ROOT / "recipes" / "tiny_grpo_spec.py"), f"run.seed={seed}", f"run.out_dir={out}",
+                "run.resume=false", "run.report=false", *VARIANTS[variant], *extra]
+        procs.append(((variant, seed), out, subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL)))
+    for key, out, proc in procs:
+        if proc.wait():
+            raise subprocess.CalledProcessError(proc.returncode, f"{key[0]} seed {key[1]}")
+        # read_metrics: the last record of a step wins (a run resumed after a crash logs its last steps again)
+        done[key] = {"variant": key[0], "seed": key[1], "wall_s": time.perf_counter() - start, "dir": str(out),
+                     "rows": read_metrics(out), "load": [load, os.getloadavg()[0]]}
+    return [done[key] for key in plan]
 
 
 def mean(xs):
@@ -196,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", metavar="GROUP", default=None,
                    help="then check the published claims of GROUP (main_job_avx2, main_job_avx512: "
                         "benchmarks/claims.py) on this run's record; exit 1 if one fails")
+    p.add_argument("--together", action="store_true",
+                   help="run each pair (spec and plain of a seed; online and frozen) at the same time, one torch "
+                        "thread each (pass run.threads=1), instead of back to back")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = p.parse_args(argv)
     if __package__:  # imported as benchmarks.main_job
@@ -211,18 +225,22 @@ def main(argv: list[str] | None = None) -> int:
         return summarize_dirs(args.summarize, args.window, args.out, machine())
 
     runs_dir = Path(args.runs_dir)
-    # spec and plain back to back, in alternating order, so that the host's load drifts hit both alike
-    plan = [(v, s) for i, s in enumerate(args.seeds) for v in (("spec", "plain") if i % 2 == 0 else ("plain", "spec"))]
-    plan += [(v, s) for s in args.drafter_seeds for v in ("online", "frozen")]
+    # spec and plain back to back, in alternating order, so that the host's load drifts hit both alike; with
+    # --together each pair runs at the same time (one thread each), so the load hits both at once
+    pairs = [[(v, s) for v in (("spec", "plain") if i % 2 == 0 else ("plain", "spec"))] for i, s in enumerate(args.seeds)]
+    pairs += [[(v, s) for v in ("online", "frozen")] for s in args.drafter_seeds]
+    plan = pairs if args.together else [[one] for pair in pairs for one in pair]
     runs = []
-    for variant, seed in plan:
-        summary = summarize(run(variant, seed, runs_dir, args.overrides, args.reuse), args.window)
-        runs.append(summary)
-        wall = "-" if summary["wall_s"] is None else f"{summary['wall_s']:.0f}s"
-        print(f"{variant:>6} seed {seed}: eval {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}  "
-              f"gen {summary['gen_s']:.1f}s train {summary['train_s']:.1f}s wall {wall}  "
-              f"tau {summary['tau_first'] or float('nan'):.2f} -> {summary['tau_last'] or float('nan'):.2f}",
-              flush=True)
+    for group in plan:
+        for result in run_together(group, runs_dir, args.overrides, args.reuse):
+            summary = summarize(result, args.window)
+            runs.append(summary)
+            wall = "-" if summary["wall_s"] is None else f"{summary['wall_s']:.0f}s"
+            print(f"{summary['variant']:>6} seed {summary['seed']}: eval {summary['eval_before']:.3f} -> "
+                  f"{summary['eval_after']:.3f}  gen {summary['gen_s']:.1f}s train {summary['train_s']:.1f}s "
+                  f"(drafter {summary['drafter_s']:.1f}s) step {summary['step_s']:.1f}s wall {wall}  "
+                  f"tau {summary['tau_first'] or float('nan'):.2f} -> {summary['tau_last'] or float('nan'):.2f}",
+                  flush=True)
 
     def of(variant):
         return [r for r in runs if r["variant"] == variant]
@@ -241,8 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     claims["gen_speedup"].update(per_token(of("spec"), of("plain")))
     claims["whole_step"] = whole_step(of("spec"), of("plain"), of("online"), of("frozen"))
     print(json.dumps(claims, indent=1))
+    w = claims["whole_step"]
+    for seed, whole, gen, share in zip(args.seeds, w["paired"], paired, w["plain_gen_share"]):
+        print(f"seed {seed}: whole step (plain / spec) {whole:.3f}x, gen stage {gen:.3f}x, "
+              f"gen share of the plain step {share:.2f}")
+    print(f"pooled: whole step {w['pooled']:.3f}x, gen stage {claims['gen_speedup']['pooled']:.3f}x")
     record = {"machine": machine(), "command": "python recipes/tiny_grpo_spec.py run.seed=S " + " ".join(
-        args.overrides), "variants": VARIANTS, "window": args.window, "claims": claims, "runs": runs}
+        args.overrides), "variants": VARIANTS, "window": args.window, "together": args.together, "claims": claims,
+        "runs": runs}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     if args.check:
