@@ -77,6 +77,10 @@ class Calibration:
     """Fixed cost of one collective whose group spans scale-up domains (an engine wider than a node): NCCL's
     small-message all-reduce over InfiniBand between two HGX nodes takes a few tens of microseconds, against ~10
     inside NVLink."""
+    train_call_s: float = 0.0
+    """Host cost of one eager training call of the online drafter beyond its arithmetic (a minibatch's forward,
+    backward and optimizer step launch hundreds of small operators), paid once per drafter optimizer step; 0 on
+    GPUs, where a drafter's minibatch is large and its kernels queue behind each other."""
     fp8_train_gain: float = 0.3
     """Share of the spec sheet's extra FP8 throughput (`Hardware.fp8_speedup` - 1) that FP8 training realises end
     to end: 0.3 of the sheet's +100 % is 1.3x (public Transformer Engine figures for dense models: 1.2-1.4x)."""
@@ -88,7 +92,7 @@ class Calibration:
             if not 0 < value <= 1:
                 raise ValueError(f"Calibration.{name} must be in (0, 1], got {value}")
         for name in ("collective_latency_s", "forward_overhead_s", "engine_wake_s", "data_s_per_rollout",
-                     "net_collective_latency_s"):
+                     "net_collective_latency_s", "train_call_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Calibration.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.train_mfu_moe <= 1:
@@ -121,13 +125,17 @@ Hopper die and software, so the same fractions of its own spec sheet."""
 
 CPU_HOST = Calibration(
     mem_eff=1.0, gemm_eff=1.0, train_mfu=1.0, link_eff=1.0, collective_latency_s=0.0, forward_overhead_s=1.3e-3,
-    refit_eff=1.0, engine_wake_s=0.0, data_s_per_rollout=5e-6,
+    refit_eff=1.0, engine_wake_s=0.0, data_s_per_rollout=5e-6, train_call_s=4.9e-3,
 )
 """The CPU host (`hardware.CPU_PROFILES['cpu']`): its figures are used as measured (efficiencies 1; the refit's
 gloo figure already is an end-to-end rate). `forward_overhead_s`: the embedded engine's eager forward of the tiny
 deep policy at one thread costs ~1.3 ms beyond its arithmetic (a plain main-job gen stage of 0.14-0.19 s over its
 ~100-130 decode steps), paid by every target and draft forward alike, which is why a draft forward there costs
-about what a decode step does. `data_s_per_rollout`: 0.3 ms of prompt batching for 64 rollouts."""
+about what a decode step does. `data_s_per_rollout`: 0.3 ms of prompt batching for 64 rollouts. `train_call_s`:
+fitted on one profiled main job (the shipped online MTP training, 27 minibatch calls a step, within 6 quiet steps)
+as the drafter's training beyond its FLOPs and AdamW traffic per call, in this profile's units (the policy's
+training at its rates is the yardstick); the other settings and runs are checked against it
+(tests/sim/test_main_job.py)."""
 
 CALIBRATIONS = {"h100": HOPPER, "h200": HOPPER, "b200": GPU, "gb200": GPU, "cpu": CPU_HOST}
 

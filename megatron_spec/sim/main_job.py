@@ -11,8 +11,9 @@ its host rates from the plain run it is compared with, and predicts the speculat
   speculated; steps the whole-step gate ran plainly cost what plain ones do;
 - drafter training: the policy's training per step, times the simulated drafter-to-policy training ratio
   (`stages.drafter_train_time` over `stages.policy_train_time`: FLOPs at the drafter's and the policy's sizes over
-  the same rows, and the drafter's AdamW steps), on the steps that trained it; checked within the speculative
-  run itself (its own policy training sets the rate), where the host's load cancels;
+  the same rows, and the drafter's AdamW steps and training calls), with the replay holding as many steps as the
+  run had trained on (`replayed_steps`), on the steps that trained it; checked within the speculative run itself
+  (its own policy training sets the rate), where the host's load cancels;
 - whole step: (plain gen + plain train) / (predicted gen + plain train + predicted drafter training), per step.
 
 Only ratios of the step model are used, so the host's absolute speed cancels; what load does to one run and not the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .calibration import Calibration
 from .config import LengthDist, SimConfig, Speculation, TrainParallel, Workload
 from .pipeline import build, simulate
 from .stages import drafter_train_time, policy_train_time
@@ -34,10 +36,20 @@ MAIN_JOB_PROMPT_LEN = 16
 """BOS and an addition chain of 2-8 terms: about 16 tokens."""
 MAIN_JOB_SIGMA = 0.5
 """Spread of the response lengths: a step's longest answer is about 3x its mean (e.g. mean 28, longest 82)."""
-MAIN_JOB_DRAFTER_PASSES = 12.0
-"""drafts 3 x replay 4 x updates 1: passes of the MTP layer over a step's rows per RL step."""
-MAIN_JOB_DRAFTER_OPTIMIZER_STEPS = 32
-"""replay 4 x minibatches 8."""
+MAIN_JOB_DRAFTS, MAIN_JOB_REPLAY, MAIN_JOB_MINIBATCHES = 3, 4, 8
+"""The shipped online training (`drafter_train`: drafts, replay, minibatches; one update)."""
+MAIN_JOB_DRAFTER_PASSES = float(MAIN_JOB_DRAFTS * MAIN_JOB_REPLAY)
+"""Passes of the MTP layer over a step's rows per RL step once the replay is full."""
+MAIN_JOB_DRAFTER_OPTIMIZER_STEPS = MAIN_JOB_REPLAY * MAIN_JOB_MINIBATCHES
+
+
+def replayed_steps(trained_steps: int, replay: int = MAIN_JOB_REPLAY) -> float:
+    """Mean steps the replay holds over a run's first `trained_steps` drafter updates: it fills one trained step
+    at a time (1, 2, ... up to `replay`), so a run that trained the drafter on a few steps only (a gated run)
+    trained it on fewer than `replay` steps each time."""
+    if trained_steps < 1:
+        return 0.0
+    return sum(min(i, replay) for i in range(1, trained_steps + 1)) / trained_steps
 
 
 def main_job_config(mean_len: float, k: int = 3, tau: float = 3.5, passes: float = MAIN_JOB_DRAFTER_PASSES,
@@ -53,9 +65,10 @@ def main_job_config(mean_len: float, k: int = 3, tau: float = 3.5, passes: float
                      max_num_seqs=MAIN_JOB_PROMPTS * MAIN_JOB_GROUP)
 
 
-def drafter_over_policy(cfg: SimConfig) -> float:
-    """Simulated online drafter training over the policy's own training, per RL step."""
-    hw, cal, target, drafter = build(cfg)
+def drafter_over_policy(cfg: SimConfig, cal: Calibration | None = None) -> float:
+    """Simulated online drafter training over the policy's own training, per RL step (with calibration `cal`,
+    default the CPU host's)."""
+    hw, cal, target, drafter = build(cfg, cal=cal)
     return drafter_train_time(cfg, hw, cal, drafter) / policy_train_time(cfg, hw, cal, target)
 
 
@@ -79,8 +92,8 @@ def _mean_tau(run: dict) -> float:
     return sum(taus) / len(taus)
 
 
-def compare_pair(plain: dict, spec: dict, k: int = 3, passes: float = MAIN_JOB_DRAFTER_PASSES,
-                 optimizer_steps: int = MAIN_JOB_DRAFTER_OPTIMIZER_STEPS) -> list[Row]:
+def compare_pair(plain: dict, spec: dict, k: int = 3, drafts: int = MAIN_JOB_DRAFTS, replay: int = MAIN_JOB_REPLAY,
+                 minibatches: int = MAIN_JOB_MINIBATCHES) -> list[Row]:
     """Per-step figures of a speculative main-job run against the step model (two runs of a main-job record:
     `steps`, `gen_s`, `train_s`, `drafter_s`, `gen_tokens`, `tau_curve` and, for a gated run, `steps_gated_plain`
     and `steps_drafter_trained`; a `frozen` variant's drafter only measures, without training).
@@ -95,10 +108,13 @@ def compare_pair(plain: dict, spec: dict, k: int = 3, passes: float = MAIN_JOB_D
     n_plain, n_spec = plain["steps"], spec["steps"]
     mean_len = spec["gen_tokens"] / n_spec / (MAIN_JOB_PROMPTS * MAIN_JOB_GROUP)
     online = spec.get("variant") != "frozen"
-    cfg = main_job_config(mean_len, k, _mean_tau(spec), passes, optimizer_steps, online=online)
+    trained_steps = int(spec.get("steps_drafter_trained", n_spec)) if online else 0
+    held = replayed_steps(trained_steps, replay) or 1.0
+    cfg = main_job_config(mean_len, k, _mean_tau(spec), drafts * held, max(1, round(minibatches * held)),
+                          online=online)
     gen_ratio = simulate(cfg, with_plain=True).gen_ratio  # plain gen / speculative gen
     speculated = (n_spec - int(spec.get("steps_gated_plain") or 0)) / n_spec
-    trained = float(spec.get("steps_drafter_trained", n_spec)) / n_spec if online else 0.0
+    trained = trained_steps / n_spec
     ratio = drafter_over_policy(cfg)
     measured_drafter = float(spec.get("drafter_s") or 0.0) / n_spec
     spec_policy = spec["train_s"] / n_spec - measured_drafter

@@ -193,14 +193,15 @@ moments (12 B)."""
 def drafter_train_time(cfg: SimConfig, hw: Hardware, cal: Calibration, drafter: CostShape | None) -> float:
     """The online drafter's training per RL step, 0 when it does not train online: `drafter_passes` forward +
     backward passes (3 forwards' FLOPs each) of the drafter over the step's tokens at the drafter's own size, at the
-    trainer's rate, and `drafter_optimizer_steps` AdamW steps over its parameters at the memory bandwidth. It
-    learns on the policy's detached states, so no trunk pass is added; its gradient never reaches the trunk."""
+    trainer's rate, and `drafter_optimizer_steps` AdamW steps over its parameters at the memory bandwidth, each
+    one training call paying `Calibration.train_call_s` on a host that dispatches eagerly. It learns on the
+    policy's detached states, so no trunk pass is added; its gradient never reaches the trunk."""
     s = cfg.spec
     if s is None or not s.online_drafter_training or drafter is None:
         return 0.0
     flops = s.drafter_passes * 3 * sum(_forward_flops(cfg, drafter, cfg.workload.response.quantiles()))
-    adam = s.drafter_optimizer_steps * ADAM_BYTES_PER_PARAM * drafter.total_params / (hw.mem_bw * cal.mem_eff)
-    return _compute_time(cfg, hw, cal, flops) + adam
+    adam = ADAM_BYTES_PER_PARAM * drafter.total_params / (hw.mem_bw * cal.mem_eff) + cal.train_call_s
+    return _compute_time(cfg, hw, cal, flops) + s.drafter_optimizer_steps * adam
 
 
 def policy_train_time(cfg: SimConfig, hw: Hardware, cal: Calibration, target: CostShape) -> float:
