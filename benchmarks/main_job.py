@@ -195,8 +195,8 @@ def summarize_dirs(dirs: list[str], window: int, out: str | None, where: str) ->
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--drafter-seeds", type=int, nargs="+", default=[0],
-                   help="seeds of the online/frozen pair (fixed k) for the drafter-freshness claim")
+    p.add_argument("--drafter-seeds", type=int, nargs="*", default=[0],
+                   help="seeds of the online/frozen pair (fixed k) for the drafter-freshness claim (none: no pair)")
     p.add_argument("--window", type=int, default=10, help="steps averaged at the start and at the end")
     p.add_argument("--runs-dir", default="runs/main_job_bench")
     p.add_argument("--out", default=None, help="JSON to write")
