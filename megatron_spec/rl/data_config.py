@@ -46,7 +46,8 @@ class DataSection:
     """Reward function as `package.module:function`, called as `function(completion_text, answer) -> float`;
     importable by name in worker processes. The default is math-verify's equivalence check (1.0 or 0.0)."""
     reward_workers: int = 2
-    """Processes scoring the completions in parallel (0: in this process, one after another)."""
+    """Processes scoring the completions in parallel, or Ray actors where the run is placed on Ray
+    (`backend.placement` colocated / disaggregated); 0: in this process, one after another."""
     reward_timeout_s: float = 10.0
     """Longest a reward call may take; a completion that runs over scores 0 and is counted (`reward_timeouts`)."""
 

@@ -41,7 +41,8 @@ def build_tasks(cfg) -> tuple:
         from ..models.gguf import load_tokenizer
         from ..tasks.dataset import DatasetTask
 
-        return DatasetTask.load(cfg.data, load_tokenizer(m.policy), cfg.run.seed, cfg.run.eval_prompts)
+        return DatasetTask.load(cfg.data, load_tokenizer(m.policy), cfg.run.seed, cfg.run.eval_prompts,
+                                cfg.backend.placement)
     return (PromptTask.build(m.task, m.policy, cfg.run.dataset_size, cfg.run.seed, "train", m.terms_weights),
             PromptTask.build(m.task, m.policy, max(cfg.run.eval_prompts, 1), cfg.run.seed, "eval", m.terms_weights))
 

@@ -13,6 +13,7 @@ loaded.
 
 from __future__ import annotations
 
+import importlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,25 @@ def encode_messages(tokenizer, messages, template_kwargs: dict) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+RAY_SCORER = "megatron_spec.backends.ray.scoring:RayRewardScorer"
+"""The scorer of runs placed on Ray, named (not imported) here: the core never imports Ray."""
+
+
+def make_scorer(data, placement: str = "inline"):
+    """The scorer of `data`'s reward: `data.reward_workers` processes on this machine for an inline run, as many
+    Ray actors for a run placed on a Ray cluster (`colocated`, `disaggregated`), this process alone with 0
+    workers. Same per-item timeout and timed-out count either way."""
+    if placement == "inline" or data.reward_workers == 0:
+        return RewardScorer(data.reward, data.reward_workers, data.reward_timeout_s)
+    module, name = RAY_SCORER.split(":")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except ImportError as err:
+        raise ImportError(f"scoring rewards with backend.placement={placement} needs Ray: "
+                          f"pip install 'megatron-spec[ray]' ({err})") from err
+    return cls(data.reward, data.reward_workers, data.reward_timeout_s)
+
+
 class DatasetTask:
     """A dataset's problems in a seeded order, with the tokenizer that renders them and the scorer of their
     completions."""
@@ -120,10 +140,12 @@ class DatasetTask:
         self.reward_stats: dict = {}
 
     @classmethod
-    def load(cls, data, tokenizer, seed: int, eval_prompts: int) -> tuple["DatasetTask", "DatasetTask"]:
-        """(train task, held-out task) of the `data` section (`rl/data_config.py: DataSection`)."""
+    def load(cls, data, tokenizer, seed: int, eval_prompts: int,
+             placement: str = "inline") -> tuple["DatasetTask", "DatasetTask"]:
+        """(train task, held-out task) of the `data` section (`rl/data_config.py: DataSection`); `placement` is
+        the run's (`backend.placement`), which decides where rewards are scored (`make_scorer`)."""
         kwargs = data.template_kwargs()
-        scorer = RewardScorer(data.reward, data.reward_workers, data.reward_timeout_s)
+        scorer = make_scorer(data, placement)
 
         def problems(rows) -> list[DataProblem]:
             out, dropped = [], 0

@@ -4,7 +4,8 @@ A reward function is named by import path (`package.module:function`, called as 
 float`), so spawned workers import it themselves. Each call runs under a timer of `timeout_s` in its worker
 (`signal.setitimer`: a symbolic comparison that runs away is interrupted and scores 0, and is counted); a worker
 stuck where the timer cannot reach it is caught by a deadline on the whole batch, after which the pool is
-replaced. Workers are spawned (not forked): the trainer's process holds torch's threads.
+replaced. Workers are spawned (not forked): the trainer's process holds torch's threads. Runs placed on Ray score
+with the same contract in Ray actors (`backends/ray/scoring.py`, chosen by `tasks.dataset.make_scorer`).
 """
 
 from __future__ import annotations
