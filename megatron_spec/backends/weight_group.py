@@ -5,10 +5,13 @@ disturbs the trainer's or vLLM's) from the rank that owns the exported buckets (
     receivers:         the same broadcasts, the payload split back into (hf_name, tensor) views, bucket by bucket
 
 The header is JSON (names, dtypes, shapes); the payload is the bucket's tensors, cast to the dtype the engines serve,
-laid end to end as bytes. Nothing is written to a file or put in an object store, and neither side ever holds more
-than one bucket. gloo carries host tensors, NCCL device tensors (`collective_device`); a tensor on the wrong device
-for the group's backend is refused before the collective. Used by the Ray trainer and engine actors and by the
-vLLM worker extension (each vLLM worker is a receiver), so an engine of tensor parallel size N is N receivers.
+laid end to end as bytes. Nothing is written to a file or put in an object store; the sender holds the bucket it is
+given and one payload buffer it casts the bucket into, a receiver one received bucket. gloo carries host tensors,
+NCCL device tensors (`collective_device`); a tensor on the wrong device for the group's backend is refused before
+the collective. Used by the Ray trainer and engine actors and by the vLLM worker extension (each vLLM worker is a
+receiver), so an engine of tensor parallel size N is N receivers. Every member is made by `open_weight_group`, which
+maps the transport's name to the class that carries it (`GROUPS`): another transport (e.g. CUDA IPC handles between
+processes on one GPU) is one more class with `send(buckets, dtype) -> bytes` and `receive() -> buckets`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class WeightGroup:
         import torch.distributed as dist
 
         self.rank, self.world = rank, world
+        self._payload: torch.Tensor | None = None
         self.backend = backend or collective_backend()
         self.device = collective_device(self.backend, local_rank)
         self.store = rendezvous(host, port, rank, world, timeout_s, "weight-update group")
@@ -69,29 +73,47 @@ class WeightGroup:
 
     def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None = None) -> int:
         """Rank 0: stream `buckets` to every receiver, floating tensors cast to `dtype` (None: as they are); returns
-        the bytes sent (in the sent dtype)."""
+        the bytes sent (in the sent dtype). Each bucket is cast straight into one payload buffer, reused from bucket
+        to bucket (grown to the largest), so the sender holds the bucket it is given plus one payload."""
         if self.rank != 0:
             raise RuntimeError("weight group: only rank 0 sends")
         total = 0
         try:
             for bucket in buckets:
                 total += self._send_bucket(bucket, dtype)
+                del bucket  # not held while the next one is made
         except BaseException:
             self._broadcast(torch.tensor([ABORT, 0], dtype=torch.int64, device=self.device))
             raise
+        finally:
+            self._payload = None
         self._broadcast(torch.tensor([END, 0], dtype=torch.int64, device=self.device))
         return total
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> int:
-        tensors = [t.detach().to(dtype) if dtype is not None and t.is_floating_point() else t.detach()
-                   for _, t in bucket]
-        header = json.dumps([[name, str(t.dtype), list(t.shape)] for (name, _), t in zip(bucket, tensors)])
+        """Broadcast one bucket: sizes, the JSON header, then the payload (the tensors' bytes end to end, in the
+        sent dtype) written into the send's payload buffer. Returns the payload's bytes."""
+        sent = [dtype if dtype is not None and t.is_floating_point() else t.dtype for _, t in bucket]
+        header = json.dumps([[name, str(dt), list(t.shape)] for (name, t), dt in zip(bucket, sent)])
+        sizes = [t.numel() * torch.empty((), dtype=dt).element_size() for (_, t), dt in zip(bucket, sent)]
+        n_payload = sum(sizes)
+        if self._payload is None or self._payload.numel() < n_payload:
+            self._payload = None  # the old one is released before the larger one is made
+            self._payload = torch.empty(n_payload, dtype=torch.uint8, device=self.device)
+        payload, offset = self._payload[:n_payload], 0
+        with torch.no_grad():
+            for (_, t), dt, n in zip(bucket, sent, sizes):
+                dst = payload[offset:offset + n]
+                if offset % torch.empty((), dtype=dt).element_size() == 0:
+                    dst.view(dt).view(t.shape).copy_(t.detach())  # cast and copy in one pass
+                else:  # a view at this offset would be misaligned for dt: stage this one tensor
+                    dst.copy_(t.detach().to(device=self.device, dtype=dt).contiguous().reshape(-1).view(torch.uint8))
+                offset += n
         head = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8).to(self.device)
-        payload = torch.cat([t.to(self.device).contiguous().reshape(-1).view(torch.uint8) for t in tensors])
-        self._broadcast(torch.tensor([head.numel(), payload.numel()], dtype=torch.int64, device=self.device))
+        self._broadcast(torch.tensor([head.numel(), n_payload], dtype=torch.int64, device=self.device))
         self._broadcast(head)
         self._broadcast(payload)
-        return payload.numel()
+        return n_payload
 
     def receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Receivers: the buckets as they arrive, each a list of (hf_name, tensor) views of one received buffer
@@ -114,11 +136,28 @@ class WeightGroup:
                 numel = 1
                 for s in shape:
                     numel *= s
-                nbytes = numel * torch.empty((), dtype=dt).element_size()
-                bucket.append((name, payload[offset:offset + nbytes].view(dt).view(shape)))
+                size = torch.empty((), dtype=dt).element_size()
+                nbytes, part = numel * size, payload[offset:offset + numel * size]
+                if offset % size:  # laid end to end after a tensor of a smaller dtype: a view would be misaligned
+                    part = part.clone()
+                bucket.append((name, part.view(dt).view(shape)))
                 offset += nbytes
             yield bucket
 
     def close(self) -> None:
         self.pg = None
         self.store = None
+
+
+GROUPS = {"gloo": WeightGroup, "nccl": WeightGroup}
+"""Weight-update group classes by transport name; each takes WeightGroup's constructor arguments."""
+
+
+def open_weight_group(host: str, port: int, rank: int, world: int, timeout_s: float, backend: str | None = None,
+                      local_rank: int = 0):
+    """Join a weight-update group as `rank` of `world` over `backend` (one of GROUPS; None: nccl where there is a
+    GPU, else gloo). Every member of one group must name the same backend."""
+    backend = backend or collective_backend()
+    if backend not in GROUPS:
+        raise ValueError(f"weight group: unknown transport {backend!r} (one of {', '.join(GROUPS)})")
+    return GROUPS[backend](host, port, rank, world, timeout_s, backend, local_rank=local_rank)

@@ -22,6 +22,14 @@ def resolve(pending: list) -> list[tuple[int, float]]:
     return [ray.get(p) if isinstance(p, ray.ObjectRef) else p for p in pending]
 
 
+def weight_backend(placement) -> str:
+    """The one place the collective refit's transport is chosen (a name of `weight_group.GROUPS`): NCCL between
+    separate GPUs; gloo on CPUs and between processes that share a GPU (two ranks on one GPU cannot share an NCCL
+    group)."""
+    gpus = placement.bundle.get("GPU", 0)
+    return "nccl" if gpus and placement.kind == "disaggregated" else "gloo"
+
+
 class ObjectStoreRefit:
     name = "object_store"
 
@@ -42,8 +50,7 @@ class CollectiveRefit:
 
     def __init__(self, cfg, trainer, generator):
         self.cfg, self.trainer, self.generator = cfg, trainer, generator
-        gpus = generator.placement.bundle.get("GPU", 0)
-        self.backend = "nccl" if gpus and generator.placement.kind == "disaggregated" else "gloo"
+        self.backend = weight_backend(generator.placement)
         self.dtype: str | None = None
         self.version: int | None = None
         generator.reconnect = self.reconnect

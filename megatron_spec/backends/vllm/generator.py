@@ -269,14 +269,14 @@ class VLLMGenerator:
         import threading
 
         from ..process_groups import free_port
-        from ..weight_group import WeightGroup, dtype_of
+        from ..weight_group import dtype_of, open_weight_group
 
         if self.local_group is None:
             port, box = free_port(), {}
             joining = threading.Thread(target=self._call, args=(box, self.join_weight_group, "127.0.0.1", port,
                                                                  self.workers + 1, 1, LOCAL_GROUP_TIMEOUT_S, "gloo"))
             joining.start()
-            group = WeightGroup("127.0.0.1", port, 0, self.workers + 1, LOCAL_GROUP_TIMEOUT_S, "gloo")
+            group = open_weight_group("127.0.0.1", port, 0, self.workers + 1, LOCAL_GROUP_TIMEOUT_S, "gloo")
             joining.join()
             if "error" in box:
                 raise box["error"]

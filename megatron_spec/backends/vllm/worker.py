@@ -36,10 +36,10 @@ class WorkerExtension:
         """Join the weight-update group as rank `base_rank` + this worker's rank in its engine; returns the dtype
         this worker serves (what the sender casts to). `drafter_form`: how streamed drafter tensors become vLLM's
         (`{"eagle3": [capture layers, hidden size]}`), None when they load as they are."""
-        from ..weight_group import WeightGroup
+        from ..weight_group import open_weight_group
 
-        self.megatron_spec_group = WeightGroup(host, port, base_rank + self.rank, world, timeout_s, backend,
-                                               local_rank=getattr(self, "local_rank", 0))
+        self.megatron_spec_group = open_weight_group(host, port, base_rank + self.rank, world, timeout_s, backend,
+                                                     local_rank=getattr(self, "local_rank", 0))
         self.megatron_spec_drafter_form = drafter_form
         return str(self.model_config.dtype).removeprefix("torch.")
 

@@ -13,7 +13,7 @@ from megatron_spec.backends.weight_group import RefitAborted, WeightGroup
 
 def buckets():
     g = torch.Generator().manual_seed(0)
-    return [[("a", torch.randn(3, 4, generator=g)), ("ids", torch.arange(5))],
+    return [[("a", torch.randn(3, 4, generator=g)), ("odd", torch.randn(3, generator=g)), ("ids", torch.arange(5))],
             [("c", torch.randn(2, 2, generator=g, dtype=torch.float64)), ("scalar", torch.tensor(2.5))],
             [("empty", torch.zeros(0, 7))]]
 
@@ -50,9 +50,10 @@ def _run(fail):
 def test_buckets_arrive_in_the_served_dtype():
     """Every receiver gets the three buckets with the same names and shapes; floating tensors are exactly the
     sender's cast to bf16, the integer tensor unchanged; the sender reports the bytes it sent (bf16: 2 per
-    element, int64: 8)."""
+    element, int64: 8). The int64 tensor follows 15 bf16 elements, so it sits at an offset no int64 view can
+    start at: both sides must stage it rather than view it."""
     results = _run(fail=False)
-    assert results[0] == ["sent", 12 * 2 + 5 * 8 + 4 * 2 + 1 * 2]
+    assert results[0] == ["sent", 12 * 2 + 3 * 2 + 5 * 8 + 4 * 2 + 1 * 2]
     for rank in (1, 2):
         status, got = results[rank]
         assert status == "received" and len(got) == 3
