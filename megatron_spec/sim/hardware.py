@@ -71,6 +71,11 @@ class Hardware:
 # - HBM3 of H100 SXM: 3.35 TB/s (datasheet): a device copy through a CUDA IPC handle reads and writes each byte.
 NVLINK4_BW = 900 * GB
 NDR_IB_BW = 400e9 / 8
+# Measured once on one H100 (torch 2.11, CUDA 13): a trainer process handed an engine process 2 GiB in 256 MiB
+# buckets through CUDA IPC handles in 0.059 s, 36.2 GB/s, opening the handles and synchronising included (gloo on
+# the same host: 0.53 GB/s). The step model keeps the device-copy bound above for colocated refits; this figure
+# is shown beside it (`stages.refit_table`): the bound is optimistic for small refits, whose fixed costs it omits.
+H100_CUDA_IPC_MEASURED_BW = 36.2e9
 
 # Inter-node figures (not on the GPU datasheets): one 400 Gb/s NDR NIC per GPU on HGX H100/H200 (NVIDIA DGX H100
 # reference architecture; `NDR_IB_BW` above), one 800 Gb/s NIC per GPU on Blackwell systems (ConnectX-8).

@@ -222,10 +222,10 @@ def refit_table(model: str, fp8: bool = False) -> str:
     """Seconds for one engine GPU to receive a whole copy of `model` over each transport the step model knows, with
     where each figure comes from: the CPU host's measured gloo broadcast (float32, as that host serves), and, on
     H100, the colocated CUDA IPC device copy, the NVLink gather and the InfiniBand broadcast (spec sheets, at the
-    calibration's efficiencies)."""
+    calibration's efficiencies), with the one CUDA IPC refit measured on an H100 beside them."""
     from .calibration import calibration_for
     from .config import resolve_model
-    from .hardware import NDR_IB_BW, NVLINK4_BW, hardware
+    from .hardware import H100_CUDA_IPC_MEASURED_BW, NDR_IB_BW, NVLINK4_BW, hardware
     from .shapes import shape_of
 
     params = shape_of(resolve_model(model)).total_params
@@ -235,6 +235,8 @@ def refit_table(model: str, fp8: bool = False) -> str:
     rows = [("CPU host: gloo broadcast", "measured, 0.537 GB/s", 4, cpu.refit_bw),
             ("H100 colocated: CUDA IPC device copy", "spec: HBM3 3.35 TB/s, read + write, x mem_eff",
              served, h100.mem_bw / 2 * cal.mem_eff),
+            ("H100 colocated: CUDA IPC, 2 GiB", "measured once, handles and sync included", served,
+             H100_CUDA_IPC_MEASURED_BW),
             ("H100 NVLink 4 gather / broadcast", "spec: 900 GB/s both ways per GPU, x refit_eff", served,
              NVLINK4_BW / 2 * cal.refit_eff),
             ("InfiniBand NDR broadcast", "spec: 400 Gb/s per port, x refit_eff", served, NDR_IB_BW * cal.refit_eff)]

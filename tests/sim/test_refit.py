@@ -8,11 +8,14 @@ import pytest
 
 from megatron_spec.sim.calibration import HOPPER
 from megatron_spec.sim.config import LengthDist, SimConfig, TrainParallel, Workload
-from megatron_spec.sim.hardware import CPU_GLOO_REFIT_BW, GPU_PROFILES, NDR_IB_BW, NVLINK4_BW, hardware
+from megatron_spec.sim.hardware import (
+    CPU_GLOO_REFIT_BW, GPU_PROFILES, H100_CUDA_IPC_MEASURED_BW, NDR_IB_BW, NVLINK4_BW, hardware,
+)
 from megatron_spec.sim.pipeline import build, simulate
 from megatron_spec.sim.stages import refit_bytes, refit_link
 
-RECORD = Path(__file__).resolve().parents[2] / "research" / "records" / "refit_collective.json"
+RECORDS = Path(__file__).resolve().parents[2] / "research" / "records"
+RECORD = RECORDS / "refit_collective.json"
 W = Workload(64, 16, 200, LengthDist(mean=2000, max_tokens=8192))
 
 
@@ -22,6 +25,12 @@ def test_cpu_figure_is_the_committed_measurement():
     runs = {r["transport"]: r for r in json.loads(RECORD.read_text())["runs"]}
     assert CPU_GLOO_REFIT_BW == pytest.approx(runs["collective"]["gb_per_s"] * 1e9, rel=1e-3)
     assert hardware("cpu").refit_bw == CPU_GLOO_REFIT_BW
+
+
+def test_measured_cuda_ipc_figure_is_the_committed_one():
+    """The H100 CUDA IPC figure shown beside the device-copy bound is the committed measurement's GB/s."""
+    rows = {r["transport"]: r for r in json.loads((RECORDS / "refit_cuda_ipc_h100.json").read_text())["rows"]}
+    assert H100_CUDA_IPC_MEASURED_BW == pytest.approx(rows["cuda_ipc"]["gb_per_s"] * 1e9, rel=2e-3)
 
 
 def test_gpu_figures_are_the_spec_sheets():
