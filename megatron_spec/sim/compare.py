@@ -70,10 +70,16 @@ def config_for_run(cfg: dict, figures: dict[str, float], hardware: str, gpus: in
     gen_tp = max(gen_gpus // max(b.get("generators", 1), 1), 1)
     sim_spec = None
     if spec and spec.get("num_speculative_tokens", 0) > 0 and figures["tau"] > 0:
+        d = cfg.get("drafter_train") or {}
+        # The embedded trainer replays and splits into minibatches; the Megatron trainer updates the drafter once
+        # a step, over its drafts (MTP in the policy's backward, EAGLE-3's unrolled steps).
+        replayed = d.get("replay", 1) * d.get("updates", 1) if b["trainer"] == "embedded" else 1
         sim_spec = Speculation(k=spec["num_speculative_tokens"], acceptance_length=figures["tau"],
                                drafter=drafter_method(spec["method"]).sim_profile,
-                               adaptive=bool(spec.get("adaptive")),
-                               online_drafter_training=bool(cfg.get("drafter_train", {}).get("online")))
+                               adaptive=bool(spec.get("adaptive")), online_drafter_training=bool(d.get("online")),
+                               drafter_passes=d.get("drafts", 1) * replayed,
+                               drafter_optimizer_steps=replayed * (d.get("minibatches", 1)
+                                                                   if b["trainer"] == "embedded" else 1))
     return SimConfig(model=_model(cfg["model"]["policy"]), hardware=hardware, gpus=gpus,
                      workload=Workload(g["prompts_per_step"], g["group_size"], prompt_len, response),
                      train=TrainParallel(tp=m["tp"], pp=m["pp"], ep=m["ep"], cp=m["cp"], dp=train_gpus // per),

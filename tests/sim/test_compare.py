@@ -86,3 +86,18 @@ def test_memory_beside_the_simulated(tmp_path):
     out = compare_run(tmp_path, "h100:32")
     weights, optimizer = mem.train_weights * 8 / 6 / MB, mem.train_optimizer * 8 / 12 / MB
     assert f"weights+grads {weights:.0f} + optimizer {optimizer:.0f}" in out
+
+
+def test_drafter_training_settings_reach_the_prediction(tmp_path):
+    """The run's online drafter settings set the drafter's training in the prediction: the embedded trainer's
+    drafts x replay x updates passes and replay x updates x minibatches optimizer steps; the Megatron trainer's
+    drafts in one update a step."""
+    write_run(tmp_path)
+    cfg = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    cfg["drafter_train"].update(online=True, drafts=3, replay=4, minibatches=8, updates=1)
+    figures = {"mean": 1500.0, "longest": 6000.0, "tau": 2.6}
+    spec = config_for_run(cfg, figures, "h100", 32, 200).spec
+    assert (spec.online_drafter_training, spec.drafter_passes, spec.drafter_optimizer_steps) == (True, 3, 1)
+    cfg["backend"]["trainer"] = "embedded"
+    spec = config_for_run(cfg, figures, "h100", 32, 200).spec
+    assert (spec.drafter_passes, spec.drafter_optimizer_steps) == (12, 32)
