@@ -4,7 +4,8 @@ Dense BF16 FLOP/s (without sparsity), HBM size and bandwidth and NVLink bandwidt
 figures: NVIDIA H100 SXM and H200 datasheets (989 TFLOP/s, 3.35 / 4.8 TB/s, 80 / 141 GB, NVLink 900 GB/s), the
 DGX B200 and GB200 NVL72 product pages (2.25 / 2.5 PFLOP/s per GPU, 8 TB/s, 180 / 186 GB, NVLink 5 at 1.8 TB/s).
 Inter-node figures are marked "assumption" where they are set, with their source; they only matter for
-collectives that leave an NVLink domain.
+collectives that leave an NVLink domain. One CPU host (`CPU_PROFILES['cpu']`, this project's 2-core machine) sits
+beside them with measured figures, its weight refit the gloo broadcast as timed end to end.
 
 How much of these peaks real kernels reach is *not* stored here: that lives in `calibration.py`, one set of
 factors per GPU profile, so a profile stays a plain copy of a spec sheet.
