@@ -54,14 +54,16 @@ def replayed_steps(trained_steps: int, replay: int = MAIN_JOB_REPLAY) -> float:
 
 def main_job_config(mean_len: float, k: int = 3, tau: float = 3.5, passes: float = MAIN_JOB_DRAFTER_PASSES,
                     optimizer_steps: int = MAIN_JOB_DRAFTER_OPTIMIZER_STEPS, online: bool = True) -> SimConfig:
-    """The main job on the CPU host: one process, float32, whole rows in one micro-batch per 2048 tokens, no
-    recompute, MTP drafting `k` at acceptance length `tau`."""
+    """The main job on the CPU host: one process, float32, micro-batches of up to 2048 tokens, no recompute, the
+    behaviour log-probs folded into the train forward (the embedded trainer's default), MTP drafting `k` at
+    acceptance length `tau`."""
     spec = Speculation(k=k, acceptance_length=tau, drafter="mtp", online_drafter_training=online,
                        drafter_passes=passes, drafter_optimizer_steps=optimizer_steps)
     workload = Workload(MAIN_JOB_PROMPTS, MAIN_JOB_GROUP, MAIN_JOB_PROMPT_LEN,
                         LengthDist(mean=mean_len, max_tokens=MAIN_JOB_MAX_TOKENS, sigma=MAIN_JOB_SIGMA))
     return SimConfig(model=MAIN_JOB_MODEL, hardware="cpu", gpus=1, workload=workload, train=TrainParallel(),
                      spec=spec, gen_dtype_bytes=4, micro_batch_tokens=2048, recompute="none", offload=False,
+                     fold_logprob=True,
                      max_num_seqs=MAIN_JOB_PROMPTS * MAIN_JOB_GROUP)
 
 
