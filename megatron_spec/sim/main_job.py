@@ -1,5 +1,5 @@
-"""The step model against a measured main job on the CPU host: gen, the policy's training, the online drafter's
-training and the whole-step ratio of a speculative run against a plain one.
+"""The step model against a measured main job on the CPU host: gen, the online drafter's training (over the
+policy's own and in seconds) and the gen-stage and whole-step ratios of a speculative run against a plain one.
 
 The main job (the tiny deep Qwen3, 8 prompts x 8 rollouts, up to 160 tokens, an MTP head drafting k = 3 and
 trained online on its three chained drafts over the last 4 steps' states in 8 minibatches each) runs on a shared
@@ -12,8 +12,9 @@ its host rates from the plain run it is compared with, and predicts the speculat
 - drafter training: the policy's training per step, times the simulated drafter-to-policy training ratio
   (`stages.drafter_train_time` over `stages.policy_train_time`: FLOPs at the drafter's and the policy's sizes over
   the same rows, and the drafter's AdamW steps and training calls), with the replay holding as many steps as the
-  run had trained on (`replayed_steps`), on the steps that trained it; checked within the speculative run itself
-  (its own policy training sets the rate), where the host's load cancels;
+  run had trained on (`replayed_steps`: steps the gate ran plainly add nothing to it), on the steps that trained it;
+  checked within the speculative run itself (its own policy training sets the rate), where the host's load
+  cancels;
 - whole step: (plain gen + plain train) / (predicted gen + plain train + predicted drafter training), per step.
 
 Only ratios of the step model are used, so the host's absolute speed cancels; what load does to one run and not the
