@@ -19,20 +19,20 @@ def tiny_grpo_spec() -> RLConfig:
     writer drops 90 % of carries and a rare careful one (2 %) works each units column first and is right. GRPO at
     lr 1e-4 moves the policy to the careful style within the run (its text changes, so a drafter trained before RL
     goes stale), and the online MTP head keeps up by training its three chained drafts every step on the last 4
-    steps' rollouts in 8 minibatches each. 160 tokens hold the longest careful solution; 128 held-out problems give
-    +-4.4 points of standard error.
+    steps' trained rollouts in 8 minibatches each. 160 tokens hold the longest careful solution; 128 held-out
+    problems give +-4.4 points of standard error.
 
-    The step is shaped as RL post-training's is, generation most of it: chain lengths long-tailed (2 terms 44 % of
-    the time, 5-8 terms 22 %), so each step's batch drains to a few long answers, and groups whose rollouts all got
-    the same reward (no advantage, no policy gradient) left out of the update (DAPO's dynamic sampling), in
-    micro-batches of up to 2048 tokens. On a 2-core CPU (1 thread) that raised the plain step's generation share
-    from 0.30-0.33 to 0.45-0.46 over steps 1-9, back to back; over whole 50-step runs it was 0.30-0.36 (as the policy
-    learns, more groups carry an advantage and are trained): short of the 65-80 % of reasoning RL. The whole-step gate
-    (`drafter_train.gate`) runs steps plainly wherever speculation with the drafter's training does not pay."""
+    The step is shaped as RL post-training's is, generation most of it: 24 prompts x 8 rollouts are generated and
+    the first 4 groups whose rewards differ are trained (`grpo.train_groups`, DAPO's dynamic sampling), chain lengths
+    long-tailed (2 terms 44 % of the time, 5-8 terms 22 %), so each step's batch drains to a few long answers. On a
+    2-core CPU (1 thread) the plain step spent 0.66 of its time generating over a 50-step run, against 0.30-0.36
+    when all 8 prompts' groups with an advantage were trained. The whole-step gate (`drafter_train.gate`) runs steps
+    plainly wherever speculation with the drafter's training does not pay."""
     return RLConfig(
         model=ModelSection(policy="checkpoints/tiny-qwen3-deep-careful",
                            drafter="checkpoints/tiny-qwen3-deep-careful-mtp", terms_weights=(8, 4, 2, 1, 1, 1, 1)),
-        grpo=GRPOSection(max_tokens=160, lr=1e-4, drop_uniform_groups=True, micro_batch_tokens=2048),
+        grpo=GRPOSection(prompts_per_step=24, max_tokens=160, lr=1e-4, drop_uniform_groups=True, train_groups=4,
+                         micro_batch_tokens=2048),
         drafter_train=DrafterTrainSection(drafts=3, replay=4, minibatches=8),
         run=RunSection(eval_prompts=128),
     )
