@@ -109,8 +109,9 @@ class ProjectionRow:
 
 def run(hardware: str, gpus: int, lag: int, k: int = 0, tau: float = 1.0,
         workload: Workload | None = None) -> ProjectionRow:
-    """One projection point, with its speedups against sync AR on the same GPUs."""
-    spec = Speculation(k=k, acceptance_length=tau) if k else None
+    """One projection point, with its speedups against sync AR on the same GPUs; speculation drafts with an
+    EAGLE-3 head trained online (one pass over the step's rows and one optimizer step, in `train`)."""
+    spec = Speculation(k=k, acceptance_length=tau, online_drafter_training=True) if k else None
     base = simulate(projection_config(hardware, gpus, 0, None, workload=workload))
     if lag == 0:
         cfg = projection_config(hardware, gpus, 0, spec, workload=workload)

@@ -83,7 +83,8 @@ def projection_report() -> str:
     from .projection import format_rows, headline, sensitivity, spread_sensitivity
 
     rows = headline()
-    lines = ["Qwen3-235B-A22B GRPO, 4096 rollouts/step, FP8 engines TP8/EP8, trainer TP2 PP8 EP16, full recompute",
+    lines = ["Qwen3-235B-A22B GRPO, 4096 rollouts/step, FP8 engines TP8/EP8, trainer TP2 PP8 EP16, full recompute, "
+             "EAGLE-3 head trained online",
              "speedups vs synchronous autoregressive on the same GPUs (H100: calibrated on NeMo-RL's published "
              "step times; GB200: spec-sheet set, optimistic against NeMo-RL's GB200 rows)", "", format_rows(rows), ""]
     sens = sensitivity("h100", 2048)
