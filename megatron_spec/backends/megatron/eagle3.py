@@ -4,24 +4,27 @@ Megatron forward.
     capture   during the train step's forward (Megatron's schedule), forward hooks on the decoder layers the head
               fuses keep each micro-batch's layer outputs, detached, on whichever pipeline stage holds them, and a
               hook on the output layer keeps the policy's logits on the last stage
-    gather    after the policy's optimizer step, one all-reduce over the whole job assembles the batch's captured
-              states [B, T, H] per layer, its logits [B, T, V] and the (updated) embedding rows of the tokens it
-              holds: each value is added in by exactly one rank (its stage's first tensor-parallel rank, or with
-              sequence parallelism every tensor-parallel rank its own slice of positions; the data-parallel rank
-              that ran the micro-batch), every other rank adds zeros
-    update    the head is replicated on every rank and every rank makes the same update from the same gathered
-              inputs (deterministic), so every rank can export it; the update is `EmbeddedPolicy.drafter_step`
-              itself, over the embedded trainer's micro-batches of the batch, with the registry's EAGLE-3 loss
+    gather    after the policy's optimizer step, every rank sends the head rank (the last pipeline stage's first
+              tensor- and data-parallel rank) what it holds and nothing else, point to point: its stage's fused
+              layers for its micro-batches (the first tensor-parallel rank the whole states; with sequence
+              parallelism every tensor-parallel rank its own slice of positions, so the states are gathered over
+              TP there), the last stage's logits, the first stage's (updated) embedding rows of the batch's tokens.
+              A small manifest of what comes (rows, positions, shapes) reaches the head rank first. No other rank
+              receives any of it.
+    update    on the head rank only, which alone has the head's optimizer: `EmbeddedPolicy.drafter_step` itself,
+              over the embedded trainer's micro-batches of the batch, with the registry's EAGLE-3 loss; its
+              metrics are broadcast (a few numbers), and the head's weights (a broadcast of the head alone) when
+              they are exported or checkpointed
 
 The head reads everything detached and has its own AdamW (`drafter_train.lr`), so no gradient reaches the policy:
 its trunk's gradients are those of a step without the head, bit for bit. As in the embedded trainer, the head
 learns from the states of the forward before the policy's update and from the token embeddings after it.
 
-Cost: the gather moves B x T x (3H + V) floats per step to every rank, fine at test and toy scale; at full scale
-a send to the last stage alone (and logits restricted to the head's draft vocabulary) is the cheaper layout.
-Full activation recompute would run the hooked layers twice per micro-batch and is refused. The sequence-parallel
-path (each TP rank adds its own slice of positions) cannot run on the CPU, where Megatron's torch norms refuse
-sequence parallelism without Apex / Transformer Engine; the CPU tests cover TP and PP without it.
+Cost: the head rank receives B x T x (3H + V) floats per step (the logits dominate: restricting them to the head's
+draft vocabulary would be the next saving); every other rank sends only its own share. Full activation recompute
+would run the hooked layers twice per micro-batch and is refused. Sequence parallelism cannot run on the CPU
+(Megatron's torch norms refuse it without Apex / Transformer Engine); `assemble` is tested with the slices it
+sends.
 """
 
 from __future__ import annotations
@@ -75,6 +78,18 @@ def check_head(head: Eagle3Head, cfg: ModelConfig) -> None:
                          f"the policy has {cfg.hidden_size} and {cfg.vocab_size}")
 
 
+def head_rank() -> int:
+    """Global rank of the last pipeline stage's first tensor- and data-parallel rank, where the head trains.
+    Collective (one all-reduce of one number)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return 0
+    mine = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank() == 0)
+    flag = torch.tensor([dist.get_rank() if mine else -1], device=device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
 class _Embeddings:
     """The target's `embed` for the head: the gathered embedding rows of the ids a batch holds."""
 
@@ -92,21 +107,24 @@ class _HeadTrainer:
     drafter_step = EmbeddedPolicy.drafter_step
     drafter_pass = EmbeddedPolicy.drafter_pass
 
-    def __init__(self, head: Eagle3Head, grpo, sampling: dict, drafter_cfg):
+    def __init__(self, head: Eagle3Head, grpo, sampling: dict, drafter_cfg, updates: bool = True):
         self.drafter, self.drafter_method, self.drafter_cfg = head, "eagle3", drafter_cfg
         self.grpo, self.sampling, self.model = grpo, sampling, None
         self.drafter_opt = (torch.optim.AdamW(head.parameters(), lr=drafter_cfg.lr, weight_decay=0.0)
-                            if drafter_cfg.online else None)
+                            if drafter_cfg.online and updates else None)
         self.replay = deque(maxlen=drafter_cfg.replay)
 
 
 class Eagle3Online:
     """Capture (`capture`), gather and update (`step`), export (`export`) of an EAGLE-3 head beside `model`, a
-    Megatron-Core `GPTModel` stage. Every method except `export` and the state methods is collective."""
+    Megatron-Core `GPTModel` stage. Every rank holds one and makes the same calls (construction, `step`,
+    `export`, `state_dict` are collective); the head is updated on the head rank (`head_rank`) alone."""
 
     def __init__(self, model, head: Eagle3Head, grpo, sampling: dict, drafter_cfg):
         self.model, self.head = model, head
-        self.trainer = _HeadTrainer(head, grpo, sampling, drafter_cfg)
+        self.head_rank = head_rank()
+        self.trainer = _HeadTrainer(head, grpo, sampling, drafter_cfg,
+                                    updates=not dist.is_initialized() or dist.get_rank() == self.head_rank)
         self.reads = drafter_cfg.online or drafter_cfg.agreement
         offset = layer_offset(model)
         self.local = {offset + j: layer for j, layer in enumerate(model.decoder.layers)
@@ -138,76 +156,142 @@ class Eagle3Online:
             self.layers[i].append((out[0] if isinstance(out, tuple) else out).detach())
         return hook
 
-    @torch.no_grad()
-    def _gather(self, batch: Batch) -> tuple[dict[int, Tensor], Tensor, _Embeddings]:
-        """The batch's captured layers [B, T, H], logits [B, T, V] and token embeddings, on every rank."""
-        B, T = batch.input_ids.shape
+    def _pieces(self, batch: Batch, ids: Tensor) -> list[tuple[tuple, Tensor]]:
+        """What this rank holds for the head, as (key, tensor) (`assemble` reads the keys)."""
         cfg = self.model.hf_config
-        H, V = cfg.hidden_size, cfg.vocab_size
-        fused = list(dict.fromkeys(self.head.capture_layers))
-        ids = batch.input_ids.unique().to(device())
-        dev = device()
-        layers = torch.zeros(len(fused), B, T, H, device=dev)
-        logits = torch.zeros(B, T, V, device=dev)
-        rows = torch.zeros(len(ids), H, device=dev)
-        tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-        sp = self.model.config.sequence_parallel and tp > 1
-        for k, i in enumerate(fused):
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        sp = self.model.config.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
+        pieces = []
+        for k, i in enumerate(dict.fromkeys(self.head.capture_layers)):
             for micro, h in zip(self.micros, self.layers.get(i, [])):  # h [t, b, H] (t / tp of them under SP)
-                if sp:
-                    start = tp_rank * h.shape[0]
-                    layers[k, micro.rows, start : start + h.shape[0]] = h.transpose(0, 1).float()
-                elif tp_rank == 0:
-                    layers[k, micro.rows, : h.shape[0]] = h.transpose(0, 1).float()
+                if sp or tp_rank == 0:
+                    start = tp_rank * h.shape[0] if sp else 0
+                    pieces.append((("layer", k, list(micro.rows), start), h.transpose(0, 1).float().contiguous()))
         if tp_rank == 0:
             for micro, lg in zip(self.micros, self.logits):  # [t, b, V padded], gathered over TP
-                logits[micro.rows, : lg.shape[0]] = lg.transpose(0, 1)[..., :V].float()
+                pieces.append((("logits", list(micro.rows)), lg.transpose(0, 1)[..., : cfg.vocab_size].float()
+                               .contiguous()))
         if ps.is_pipeline_first_stage() and ps.get_data_parallel_rank() == 0:
             emb = self.model.embedding.word_embeddings  # vocabulary-parallel: each TP rank its own rows
-            inside = (ids >= emb.vocab_start_index) & (ids < emb.vocab_end_index)
-            rows[inside] = emb.weight[ids[inside] - emb.vocab_start_index].float()
-        flat = torch.cat([layers.flatten(), logits.flatten(), rows.flatten()])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flat)
-        n1, n2 = layers.numel(), logits.numel()
-        layers = flat[:n1].view_as(layers)
-        return ({i: layers[k] for k, i in enumerate(fused)}, flat[n1 : n1 + n2].view_as(logits),
-                _Embeddings(ids, flat[n1 + n2 :].view_as(rows)))
+            lo, hi = emb.vocab_start_index, emb.vocab_end_index
+            inside = (ids >= lo) & (ids < hi)
+            pieces.append((("embed", lo, hi), emb.weight[ids[inside] - lo].float().contiguous()))
+        return pieces
+
+    @torch.no_grad()
+    def _gather(self, batch: Batch) -> tuple[dict[int, Tensor], Tensor, _Embeddings] | None:
+        """The batch's captured layers [B, T, H], logits [B, T, V] and token embeddings on the head rank (None on
+        every other rank): each rank's pieces, sent point to point after a manifest of their keys and shapes."""
+        ids = batch.input_ids.unique().to(device())
+        pieces = self._pieces(batch, ids)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            rank = dist.get_rank()
+            manifest = [(key, tuple(t.shape)) for key, t in pieces]
+            manifests = [None] * world if rank == self.head_rank else None
+            dist.gather_object(manifest, manifests, dst=self.head_rank)
+            if rank != self.head_rank:
+                for n, (_, t) in enumerate(pieces):
+                    dist.send(t, self.head_rank, tag=n)
+                return None
+            for src, entries in enumerate(manifests):
+                if src == rank:
+                    continue
+                for n, (key, shape) in enumerate(entries):
+                    t = torch.empty(shape, device=ids.device)
+                    dist.recv(t, src, tag=n)
+                    pieces.append((key, t))
+        cfg = self.model.hf_config
+        fused = list(dict.fromkeys(self.head.capture_layers))
+        layers, logits, rows = assemble(pieces, len(fused), batch.input_ids.shape, cfg.hidden_size, cfg.vocab_size,
+                                        ids)
+        return {i: layers[k] for k, i in enumerate(fused)}, logits, _Embeddings(ids, rows)
 
     def step(self, batch: Batch) -> dict:
         """The head's update (online) and agreement on this step's captured forward, as the embedded trainer
-        makes them: its micro-batches of the batch, each with the captured states and logits of its rows."""
+        makes them: its micro-batches of the batch, each with the captured states and logits of its rows. Computed
+        on the head rank; every rank returns its metrics."""
         if not self.reads:
             return {}
         import time
 
         started = time.perf_counter()
-        layers, logits, embeddings = self._gather(batch)
+        gathered = self._gather(batch)
         self.layers, self.logits = {}, []
-        self.trainer.model = embeddings
-        ids, mask = batch.input_ids.to(device()), batch.mask.to(device())
-        lengths = sequence_lengths(batch.mask)
-        forwards = []
-        for rows in micro_batches(lengths, self.trainer.grpo.micro_batch_tokens):
-            L, idx = max(lengths[r] for r in rows), torch.tensor(rows, device=ids.device)
-            out = TrunkOutput(logits.new_zeros(len(rows), L, 0), {i: h[idx, :L] for i, h in layers.items()})
-            forwards.append(DrafterInputs(ids[idx, :L], mask[idx, :L], out, logits[idx, :L]))
-        metrics = self.trainer.drafter_step(forwards, float(batch.mask.sum()))
-        metrics["drafter_s"] = time.perf_counter() - started
+        metrics = {}
+        if gathered is not None:
+            layers, logits, embeddings = gathered
+            self.trainer.model = embeddings
+            ids, mask = batch.input_ids.to(device()), batch.mask.to(device())
+            lengths = sequence_lengths(batch.mask)
+            forwards = []
+            for rows in micro_batches(lengths, self.trainer.grpo.micro_batch_tokens):
+                L, idx = max(lengths[r] for r in rows), torch.tensor(rows, device=ids.device)
+                out = TrunkOutput(logits.new_zeros(len(rows), L, 0), {i: h[idx, :L] for i, h in layers.items()})
+                forwards.append(DrafterInputs(ids[idx, :L], mask[idx, :L], out, logits[idx, :L]))
+            metrics = self.trainer.drafter_step(forwards, float(batch.mask.sum()))
+            metrics["drafter_s"] = time.perf_counter() - started
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [metrics]
+            dist.broadcast_object_list(box, src=self.head_rank)
+            metrics = box[0]
         return metrics
 
+    def _share(self, with_optimizer: bool = False) -> dict | None:
+        """The head's weights from the head rank to every rank (a broadcast of the head, small next to what the
+        gather moves), so every rank exports and checkpoints the head it trained; with `with_optimizer`, also its
+        optimizer's state, returned. Collective."""
+        opt = self.trainer.drafter_opt.state_dict() if self.trainer.drafter_opt is not None else None
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return opt
+        with torch.no_grad():
+            for t in self.head.state_dict().values():
+                dist.broadcast(t, self.head_rank)
+        if with_optimizer:
+            box = [opt]
+            dist.broadcast_object_list(box, src=self.head_rank)
+            opt = box[0]
+        return opt
+
     def export(self):
-        """The head's tensors under `drafter.` (as the embedded trainer's refit stream carries them)."""
+        """The head's tensors under `drafter.` (as the embedded trainer's refit stream carries them). Collective:
+        every rank drains it."""
+        self._share()
         for name, t in self.head.state_dict().items():
             yield DRAFTER_PREFIX + name, t.detach()
 
     def state_dict(self) -> dict:
+        """The head and its optimizer's state. Collective."""
+        opt = self._share(with_optimizer=True)
         state = {"head": {n: t.detach().cpu().clone() for n, t in self.head.state_dict().items()}}
-        if self.trainer.drafter_opt is not None:
-            state["opt"] = self.trainer.drafter_opt.state_dict()
+        if opt is not None:
+            state["opt"] = opt
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.head.load_state_dict(state["head"])
         if self.trainer.drafter_opt is not None and "opt" in state:
             self.trainer.drafter_opt.load_state_dict(state["opt"])
+
+
+def assemble(pieces: list[tuple[tuple, Tensor]], n_layers: int, shape: tuple[int, int], hidden: int, vocab: int,
+             ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(layers [n_layers, B, T, H], logits [B, T, V], embedding rows [len(ids), H]) from the ranks' pieces:
+    `("layer", k, rows, start)` [b, t, H] holds fused layer k's states of `rows` at positions start.. (a slice of
+    them under sequence parallelism); `("logits", rows)` [b, t, V]; `("embed", lo, hi)` the embedding rows of the
+    `ids` in [lo, hi), in order. Positions no piece covers (padding) stay 0."""
+    B, T = shape
+    dev = ids.device
+    layers = torch.zeros(n_layers, B, T, hidden, device=dev)
+    logits = torch.zeros(B, T, vocab, device=dev)
+    rows = torch.zeros(len(ids), hidden, device=dev)
+    for key, t in pieces:
+        if key[0] == "layer":
+            _, k, at, start = key
+            layers[k, at, start : start + t.shape[1]] = t
+        elif key[0] == "logits":
+            logits[key[1], : t.shape[1]] = t
+        else:
+            _, lo, hi = key
+            rows[(ids >= lo) & (ids < hi)] = t
+    return layers, logits, rows

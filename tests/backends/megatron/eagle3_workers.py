@@ -77,6 +77,41 @@ def trunk_grads_run() -> dict:
     return out
 
 
+def gather_run(par) -> dict:
+    """One train step whose head inputs are also gathered the way every rank once received them: each rank's own
+    pieces placed in zero buffers (`eagle3.assemble`) and all-reduced over the job. Returns this rank's number, the
+    head rank, whether this rank received the inputs and whether they equal that all-reduce."""
+    import torch.distributed as dist
+
+    from megatron_spec.backends.megatron import eagle3
+
+    policy = megatron_policy(par)
+    online, seen = policy.eagle3, {}
+    gather = online._gather
+
+    def both(batch):
+        ids = batch.input_ids.unique()
+        fused = list(dict.fromkeys(online.head.capture_layers))
+        cfg = online.model.hf_config
+        placed = eagle3.assemble(online._pieces(batch, ids), len(fused), tuple(batch.input_ids.shape),
+                                 cfg.hidden_size, cfg.vocab_size, ids)
+        reference = torch.cat([t.flatten() for t in placed])
+        dist.all_reduce(reference)
+        out = gather(batch)
+        seen["got"] = None if out is None else torch.cat(
+            [torch.stack([out[0][i] for i in fused]).flatten(), out[1].flatten(), out[2].rows.flatten()])
+        seen["reference"] = reference
+        return out
+
+    online._gather = both
+    batch = batches(cfg(), 1)[0]
+    policy.train_step(with_policy_old(batch, policy.logprobs(batch)))
+    got = seen["got"]
+    return {"rank": dist.get_rank(), "head_rank": online.head_rank, "received": got is not None,
+            "equal": got is not None and torch.equal(got, seen["reference"]),
+            "nonzero": int((seen["reference"] != 0).sum())}
+
+
 def one_rank(rank: int, world: int) -> dict:
     from megatron_spec.backends.megatron.checks import Parallelism
 
@@ -86,4 +121,5 @@ def one_rank(rank: int, world: int) -> dict:
 def two_ranks(rank: int, world: int) -> dict:
     from megatron_spec.backends.megatron.checks import Parallelism
 
-    return {"tp2": megatron_run(Parallelism(tp=2)), "pp2": megatron_run(Parallelism(pp=2))}
+    return {"tp2": megatron_run(Parallelism(tp=2)), "pp2": megatron_run(Parallelism(pp=2)),
+            "gather_tp2": gather_run(Parallelism(tp=2)), "gather_pp2": gather_run(Parallelism(pp=2))}

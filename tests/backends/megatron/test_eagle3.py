@@ -81,6 +81,41 @@ def test_parallel_eagle3_steps_equal_the_tp1_step(one, two, layout):
             close_weights(ours["weights"][step], ref["weights"][step])
 
 
+@pytest.mark.megatron_dist
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_only_the_head_rank_receives_the_head_inputs_and_they_equal_the_all_reduce(two, layout):
+    """The head rank is the last stage's first TP / DP rank (rank 0 at TP2, rank 1 at PP2); it alone receives the
+    captured states, logits and embedding rows, and they equal, value for value, the all-reduce of every rank's
+    pieces (each value added by one rank, zeros by the others: what every rank used to receive)."""
+    results = [r[f"gather_{layout}"] for r in two]
+    head = results[0]["head_rank"]
+    assert [r["head_rank"] for r in results] == [head, head] and head == (1 if layout == "pp2" else 0)
+    assert [r["received"] for r in results] == [r["rank"] == head for r in results]
+    assert results[head]["equal"] and results[head]["nonzero"] > 0
+
+
+def test_sequence_parallel_slices_assemble_to_the_whole_states():
+    """Under sequence parallelism each TP rank holds its own slice of positions of a fused layer's states and sends
+    that slice with its start; `assemble` puts two ranks' slices where the whole states (as one rank without SP
+    holds them) go: the same tensors, value for value, and the padding past a micro-batch's length stays 0."""
+    from megatron_spec.backends.megatron.eagle3 import assemble
+
+    g = torch.Generator().manual_seed(0)
+    B, T, H, V = 4, 10, 8, 16
+    ids = torch.tensor([1, 3, 5, 9])
+    micros = [([0, 2], 8), ([1, 3], 6)]  # (rows, padded length), lengths divisible by tp = 2
+    states = {rows[0]: torch.randn(len(rows), t, H, generator=g) for rows, t in micros}
+    logits = {rows[0]: torch.randn(len(rows), t, V, generator=g) for rows, t in micros}
+    embed = torch.randn(len(ids), H, generator=g)
+    common = [(("logits", rows), logits[rows[0]]) for rows, _ in micros] + [(("embed", 0, V), embed)]
+    whole = [(("layer", 0, rows, 0), states[rows[0]]) for rows, _ in micros] + common
+    sliced = [(("layer", 0, rows, r * t // 2), states[rows[0]][:, r * t // 2 : (r + 1) * t // 2])
+              for rows, t in micros for r in (1, 0)] + common
+    a, b = assemble(whole, 1, (B, T), H, V, ids), assemble(sliced, 1, (B, T), H, V, ids)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert torch.equal(a[0][0, [0, 2], :8], states[0]) and not a[0][0, :, 8:].any() and torch.equal(a[2], embed)
+
+
 def test_unsupported_combinations_fail_before_anything_is_built():
     """EAGLE-3 beside MTP layers, a head fusing a layer the policy lacks, full recompute: each raises in the
     constructor, before torch.distributed or any model exists (no process group here)."""
