@@ -94,6 +94,8 @@ def register(subparsers) -> None:
     mode.add_argument("--main-job", default="", metavar="RECORD",
                       help="a measured main-job record (JSON with plain and speculative runs per seed) against the "
                            "step model on the CPU host: gen, the drafter's training, gen-stage and whole-step ratios")
+    sim.add_argument("--main-job-prompts", type=int, default=0,
+                     help="--main-job: prompts per step of the record's runs (0: the record's own, else 8)")
     mode.add_argument("--refit", action="store_true",
                       help="the refit of --model per transport: the CPU host's measured gloo figure, GPU spec sheets")
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -165,7 +167,7 @@ def simulate_command(args) -> int:
         path = Path(args.main_job)
         if not path.is_file():
             raise ValueError(f"--main-job: no record at {path}")
-        print(format_pairs(json.loads(path.read_text())))
+        print(format_pairs(json.loads(path.read_text()), prompts=args.main_job_prompts))
         return 0
     if args.refit:
         from .stages import refit_table

@@ -23,6 +23,7 @@ other does not, and shows as error in the figures taken across the two runs.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .calibration import Calibration
@@ -33,6 +34,7 @@ from .stages import drafter_train_time, policy_train_time
 MAIN_JOB_MODEL = "tiny-qwen3-deep"
 """Preset with the main job's policy shape (96 wide, 8 layers, 64-token vocabulary)."""
 MAIN_JOB_PROMPTS, MAIN_JOB_GROUP, MAIN_JOB_MAX_TOKENS = 8, 8, 160
+"""Prompts per step (the records that do not say ran 8), rollouts per prompt, response cap."""
 MAIN_JOB_PROMPT_LEN = 16
 """BOS and an addition chain of 2-8 terms: about 16 tokens."""
 MAIN_JOB_SIGMA = 0.5
@@ -54,18 +56,19 @@ def replayed_steps(trained_steps: int, replay: int = MAIN_JOB_REPLAY) -> float:
 
 
 def main_job_config(mean_len: float, k: int = 3, tau: float = 3.5, passes: float = MAIN_JOB_DRAFTER_PASSES,
-                    optimizer_steps: int = MAIN_JOB_DRAFTER_OPTIMIZER_STEPS, online: bool = True) -> SimConfig:
+                    optimizer_steps: int = MAIN_JOB_DRAFTER_OPTIMIZER_STEPS, online: bool = True,
+                    prompts: int = MAIN_JOB_PROMPTS) -> SimConfig:
     """The main job on the CPU host: one process, float32, micro-batches of up to 2048 tokens, no recompute, the
     behaviour log-probs folded into the train forward (the embedded trainer's default), MTP drafting `k` at
-    acceptance length `tau`."""
+    acceptance length `tau`, `prompts` x 8 rollouts a step."""
     spec = Speculation(k=k, acceptance_length=tau, drafter="mtp", online_drafter_training=online,
                        drafter_passes=passes, drafter_optimizer_steps=optimizer_steps)
-    workload = Workload(MAIN_JOB_PROMPTS, MAIN_JOB_GROUP, MAIN_JOB_PROMPT_LEN,
+    workload = Workload(prompts, MAIN_JOB_GROUP, MAIN_JOB_PROMPT_LEN,
                         LengthDist(mean=mean_len, max_tokens=MAIN_JOB_MAX_TOKENS, sigma=MAIN_JOB_SIGMA))
     return SimConfig(model=MAIN_JOB_MODEL, hardware="cpu", gpus=1, workload=workload, train=TrainParallel(),
                      spec=spec, gen_dtype_bytes=4, micro_batch_tokens=2048, recompute="none", offload=False,
                      fold_logprob=True,
-                     max_num_seqs=MAIN_JOB_PROMPTS * MAIN_JOB_GROUP)
+                     max_num_seqs=prompts * MAIN_JOB_GROUP)
 
 
 def drafter_over_policy(cfg: SimConfig, cal: Calibration | None = None) -> float:
@@ -96,7 +99,7 @@ def _mean_tau(run: dict) -> float:
 
 
 def compare_pair(plain: dict, spec: dict, k: int = 3, drafts: int = MAIN_JOB_DRAFTS, replay: int = MAIN_JOB_REPLAY,
-                 minibatches: int = MAIN_JOB_MINIBATCHES) -> list[Row]:
+                 minibatches: int = MAIN_JOB_MINIBATCHES, prompts: int = MAIN_JOB_PROMPTS) -> list[Row]:
     """Per-step figures of a speculative main-job run against the step model (two runs of a main-job record:
     `steps`, `gen_s`, `train_s`, `drafter_s`, `gen_tokens`, `tau_curve` and, for a gated run, `steps_gated_plain`
     and `steps_drafter_trained`; a `frozen` variant's drafter only measures, without training).
@@ -109,12 +112,12 @@ def compare_pair(plain: dict, spec: dict, k: int = 3, drafts: int = MAIN_JOB_DRA
         if missing or not run["steps"]:
             raise ValueError(f"run {run.get('variant')!r} lacks {missing or ['steps']}")
     n_plain, n_spec = plain["steps"], spec["steps"]
-    mean_len = spec["gen_tokens"] / n_spec / (MAIN_JOB_PROMPTS * MAIN_JOB_GROUP)
+    mean_len = spec["gen_tokens"] / n_spec / (prompts * MAIN_JOB_GROUP)
     online = spec.get("variant") != "frozen"
     trained_steps = int(spec.get("steps_drafter_trained", n_spec)) if online else 0
     held = replayed_steps(trained_steps, replay) or 1.0
     cfg = main_job_config(mean_len, k, _mean_tau(spec), drafts * held, max(1, round(minibatches * held)),
-                          online=online)
+                          online=online, prompts=prompts)
     gen_ratio = simulate(cfg, with_plain=True).gen_ratio  # plain gen / speculative gen
     speculated = (n_spec - int(spec.get("steps_gated_plain") or 0)) / n_spec
     trained = trained_steps / n_spec
@@ -147,13 +150,25 @@ def pairs(record: dict) -> list[tuple[dict, dict]]:
             and any(t for t in r.get("tau_curve") or [])]
 
 
-def format_pairs(record: dict, **kwargs) -> str:
-    """The comparison of every pair of a main-job record, one table each."""
+def record_prompts(record: dict) -> int:
+    """Prompts per step of a main-job record: its `prompts_per_step`, else a `grpo.prompts_per_step=N` override in
+    its command, else `MAIN_JOB_PROMPTS` (the records written before the main job generated more)."""
+    if record.get("prompts_per_step"):
+        return int(record["prompts_per_step"])
+    match = re.search(r"grpo\.prompts_per_step=(\d+)", str(record.get("command", "")))
+    return int(match.group(1)) if match else MAIN_JOB_PROMPTS
+
+
+def format_pairs(record: dict, prompts: int = 0, **kwargs) -> str:
+    """The comparison of every pair of a main-job record, one table each; `prompts` per step (0: the record's,
+    `record_prompts`)."""
+    prompts = prompts or record_prompts(record)
     out = []
     for plain, spec in pairs(record):
-        out.append(f"{spec['variant']} vs plain, seed {spec['seed']} (per RL step; host rates from the plain run)")
+        out.append(f"{spec['variant']} vs plain, seed {spec['seed']} ({prompts} prompts x {MAIN_JOB_GROUP} a step; "
+                   "per RL step; host rates from the plain run)")
         out.append(f"  {'figure':18} {'measured':>9} {'simulated':>9} {'error':>7}")
-        for r in compare_pair(plain, spec, **kwargs):
+        for r in compare_pair(plain, spec, prompts=prompts, **kwargs):
             out.append(f"  {r.name:18} {r.measured:9.3f} {r.simulated:9.3f} {100 * r.error:6.0f}%")
     if not out:
         raise ValueError("the record has no plain run beside a run that speculated, for the same seed")

@@ -112,3 +112,18 @@ def test_cli_refuses_a_missing_record(capsys):
     """A missing record is a clear error before any arithmetic."""
     assert main(["simulate", "--main-job", "no/such/record.json"]) != 0
     assert "no record at no/such/record.json" in capsys.readouterr().err
+
+
+def test_prompts_per_step_come_from_the_record():
+    """A record's prompts per step set the batch the model generates: its `prompts_per_step`, else a
+    `grpo.prompts_per_step=N` override in its command, else 8 (the committed records); the mean response length
+    the model takes is the generated tokens over that many rollouts."""
+    from megatron_spec.sim.main_job import record_prompts
+
+    assert record_prompts({"prompts_per_step": 24, "command": "x grpo.prompts_per_step=12"}) == 24
+    assert record_prompts({"command": "python recipes/tiny_grpo_spec.py grpo.prompts_per_step=12"}) == 12
+    assert record_prompts(json.loads(WHOLE_STEP.read_text())) == 8
+    plain, spec = pairs(json.loads(WHOLE_STEP.read_text()))[0]
+    wide = {**spec, "gen_tokens": 3 * spec["gen_tokens"]}
+    assert compare_pair({**plain, "gen_tokens": 3 * plain["gen_tokens"], "gen_s": 3 * plain["gen_s"]}, wide,
+                        prompts=24)[0].simulated == pytest.approx(3 * compare_pair(plain, spec)[0].simulated, rel=0.05)
