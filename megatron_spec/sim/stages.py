@@ -1,16 +1,18 @@
 """The stages around generation: `data`, `prepare` (refit + wake), `logprob` and `train`, as pure functions.
 
     data     host time per rollout (batching prompts, scoring rewards)
-    prepare  refit bytes (policy + drafter at the rollout dtype) each engine GPU receives, over the link that
-             connects trainer and engine, at the refit efficiency; colocated, also the wake-up of the sleeping
+    prepare  refit bytes (policy + drafter at the rollout dtype) each engine GPU receives, over the placement's
+             transport (`refit_link`: CUDA IPC or an NVLink gather colocated, an NVLink or InfiniBand broadcast
+             disaggregated, a measured gloo figure on the CPU host); colocated, also the wake-up of the sleeping
              engine and the host round trip of the trainer's states and the engine's weights (`SimConfig.offload`)
     logprob  2 x active params x tokens + causal attention FLOPs, over the training GPUs at the training MFU of the
              model's kind, with the pipeline bubble and uneven stages, plus tensor/expert-parallel activation
              traffic; a second pass (and a host swap of its weights) for the reference policy when
              `SimConfig.reference_logprob`; 0 when the recompute is folded into the train forward
     train    3 forwards' FLOPs (forward + backward), 4 with full recomputation and 3 plus the attention core with
-             selective; the drafter's own when it trains online; the same bubble and traffic per optimizer step,
-             and the gradient reduce-scatter + all-gather over data parallel once per optimizer step
+             selective; the same bubble and traffic per optimizer step, and the gradient reduce-scatter +
+             all-gather over data parallel once per optimizer step; plus, when it trains online, the drafter's
+             passes at its own size and its optimizer steps (`drafter_train_time`)
 """
 
 from __future__ import annotations
