@@ -162,12 +162,20 @@ def simulate_command(args) -> int:
     if args.main_job:
         from pathlib import Path
 
-        from .main_job import format_pairs
+        from .main_job import compare_pair, format_pairs, pairs, record_prompts
 
         path = Path(args.main_job)
         if not path.is_file():
             raise ValueError(f"--main-job: no record at {path}")
-        print(format_pairs(json.loads(path.read_text()), prompts=args.main_job_prompts))
+        record = json.loads(path.read_text())
+        if args.json:
+            prompts = args.main_job_prompts or record_prompts(record)
+            print(json.dumps([{"variant": s["variant"], "seed": s["seed"], "prompts_per_step": prompts,
+                               **{r.name: {"measured": r.measured, "simulated": r.simulated, "error": r.error}
+                                  for r in compare_pair(p, s, prompts=prompts)}}
+                              for p, s in pairs(record)], indent=2))
+        else:
+            print(format_pairs(record, prompts=args.main_job_prompts))
         return 0
     if args.refit:
         from .stages import refit_table

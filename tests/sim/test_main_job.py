@@ -108,6 +108,16 @@ def test_cli_prints_every_pair(capsys):
     assert out.count("whole_step_ratio") == 5 and out.count("drafter_train_s") == 4
 
 
+def test_cli_json(capsys):
+    """`--json` gives the same figures per pair as the table, for scripts."""
+    assert main(["simulate", "--main-job", str(WHOLE_STEP), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    plain, online = next((p, s) for p, s in pairs(json.loads(WHOLE_STEP.read_text())) if s["variant"] == "online")
+    row = next(g for g in got if g["variant"] == "online")
+    assert row["whole_step_ratio"]["simulated"] == pytest.approx(_rows(plain, online)["whole_step_ratio"].simulated)
+    assert len(got) == 5 and row["prompts_per_step"] == 8
+
+
 def test_cli_refuses_a_missing_record(capsys):
     """A missing record is a clear error before any arithmetic."""
     assert main(["simulate", "--main-job", "no/such/record.json"]) != 0
