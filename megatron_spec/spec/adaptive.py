@@ -366,7 +366,7 @@ def octave(batch: int) -> int:
     return (batch - 1).bit_length()
 
 
-GATE_WINDOW = 3  # latest steps per mode whose median prices it
+GATE_WINDOW = 3  # latest steps per mode whose least cost prices it
 GATE_FIRST = 12  # RL steps a decision holds before the other mode is measured again, at first and after a switch
 GATE_MAX = 48  # the interval doubles up to this while re-measuring confirms the decision
 
@@ -377,7 +377,7 @@ class WholeStepGate:
     fresh, is counted: the engine's controller above prices decode steps and cannot see that training, which runs in
     the train stage. Per generated token, a speculative step costs its generation plus the drafter's training and a
     plain step its generation (the policy's own training is the same in both, so it cancels); each mode is priced by
-    the median of its latest GATE_WINDOW steps, and speculation runs only where it costs `margin` times less. The
+    the least of its latest GATE_WINDOW steps, and speculation runs only where it costs `margin` times less. The
 first `warmup` steps run plain and are not priced (first-use costs would be charged to whichever mode ran them).
 
     Off means a plain step: plain generation (no drafting, no drafter upkeep) and no drafter training, so it costs
@@ -448,8 +448,11 @@ first `warmup` steps run plain and are not priced (first-use costs would be char
         return spec * self.margin < plain
 
     def cost(self, speculated: bool) -> float:
-        """Seconds per generated token of the mode's gen stage (+ drafter training): the median of its latest steps."""
-        return median(self.costs[speculated])
+        """Seconds per generated token of the mode's gen stage (+ drafter training): the least of its latest steps.
+        Another job's load on a shared host only ever slows a step down, by up to several times for one step, so the
+        least cost is the mode's own; a median of the one or two steps measured early takes such a spike for it and
+        trains the drafter on the strength of it."""
+        return min(self.costs[speculated])
 
     def state_dict(self) -> dict:
         """Everything the next decisions depend on, for a checkpoint: a resumed run then picks the modes the
