@@ -53,7 +53,7 @@ from megatron_spec.rl.refit import DRAFTER_PREFIX
 from . import require_megatron
 from .checks import Parallelism, check_parallelism
 from .cpu import on_cpu
-from .exporter import DEFAULT_BUCKET_BYTES, export_hf
+from .exporter import export_hf
 from .importer import import_hf
 from .parallel import ensure_process_group, init_model_parallel
 from .provider import build_model
@@ -233,6 +233,21 @@ class MegatronPolicy:
         """Rank 0: release the followers."""
         self._announce(STOP)
 
+    def offload(self) -> dict:
+        """Colocated: optimizer states and fp32 masters to host memory, gradients freed, caches emptied, on every
+        rank, while the engine on the same devices generates (`backends.offload`); rank 0's memory metrics."""
+        from ..offload import offload
+
+        self._announce("offload")
+        return offload(self)
+
+    def onload(self) -> dict:
+        """Every rank takes back what `offload` moved (before the next train step)."""
+        from ..offload import onload
+
+        self._announce("onload")
+        return onload(self)
+
     # -- Policy interface -------------------------------------------------------------------------------------
 
     def _spec(self, batch: Batch, n_micro: int, fold: bool) -> StepSpec:
@@ -381,11 +396,20 @@ class MegatronPolicy:
             if m is not p:
                 p.copy_(m)
 
-    def export_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        """(hf_name, full tensor) of the policy, then the MTP layers as the generator's drafter (`drafter.mtp.*`).
+    def export_weights(self, bucket_bytes: int | None = None, dtype: str | None = None):
+        """(hf_name, full tensor) of the policy, then the MTP layers as the generator's drafter (`drafter.mtp.*`),
+        gathered one refit bucket at a time (`bucket_bytes`, default the loop's refit bucket), floating shards cast
+        to `dtype` (the engines' dtype name; None: as trained) before they are gathered (`refit_stream`).
         Collective: the caller must drain the iterator (the loop's refit does)."""
-        self._announce("export_weights", bucket_bytes)
-        for name, t in export_hf(self.model, bucket_bytes):
+        from megatron_spec.rl.loop import REFIT_BUCKET_BYTES
+
+        from ..weight_group import dtype_of
+        from .refit_stream import refit_buckets
+
+        bucket_bytes = bucket_bytes or REFIT_BUCKET_BYTES
+        self._announce("export_weights", bucket_bytes, dtype)
+        stream = refit_buckets(self.model, bucket_bytes, dtype_of(dtype) if dtype else None)
+        for name, t in (item for bucket in stream for item in bucket):
             if is_mtp(name):
                 if not self.has_drafter:
                     continue

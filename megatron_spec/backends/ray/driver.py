@@ -48,6 +48,7 @@ class RayTrainer(loop.Trainer):
         self.synced = -1  # the version last sent to the engines
         self.pending: dict[int, object] = {}  # step -> rollouts in flight
         self.sync_futures: list = []
+        self.offload_info: dict = {}  # the last offload's memory metrics (colocated)
         self.sync_info = {"weight_sync_bytes": 0, "weight_sync_s": 0.0, "weight_sync_gbps": 0.0,
                           "weight_sync_transport": cfg.backend.refit_transport}
         super().__init__(cfg)
@@ -80,6 +81,8 @@ class RayTrainer(loop.Trainer):
         when synchronous (with a lag they load after the generation already queued)."""
         if self.synced == self.version:
             return
+        if self.placement.kind == "colocated":  # the engines wake on the trainer's devices: make room first
+            self.offload_info = self.policy.offload()
         t0 = time.perf_counter()
         pending = self.transport.start(self.version)
         self.synced = self.version
@@ -101,8 +104,25 @@ class RayTrainer(loop.Trainer):
                 self.pending[s] = self.submit(s, self.draw(s)[1])
         outs, versions = self.generator.collect(self.pending.pop(step))
         lag = self.version - min(versions)
-        metrics = {"policy_lag": lag, "generator_restarts": self.generator.restarts, **self.sync_metrics()}
+        metrics = {"policy_lag": lag, "generator_restarts": self.generator.restarts, **self.sync_metrics(),
+                   "engine_memory": self.engine_memory()}
+        if self.offload_info:
+            metrics["trainer_offload"] = dict(self.offload_info)
         return Rollouts(outs, lag, metrics)
+
+    def engine_memory(self) -> dict:
+        """Every engine's peak resident memory since the last step, MB, by engine: its actor process and the sum
+        of its vLLM worker processes (CUDA peaks on GPUs)."""
+        ray = require_ray()
+        try:
+            per = self.generator.memory()
+        except ray.exceptions.RayActorError:  # a dead engine: replaced at its next generate call
+            return {}
+        out = {"engine_peak_rss_mb": [m.get("loop_peak_rss_mb") for m in per],
+               "engine_workers_peak_rss_mb": [sum(m.get("children_peak_rss_mb", [])) for m in per]}
+        for key in sorted({k for m in per for k in m if k.startswith("cuda_")}):
+            out[f"engine_{key}"] = [m.get(key) for m in per]
+        return out
 
     def submit(self, step: int, prompts: list[list[int]]):
         return self.generator.submit(prompts, self.sampling_params(step), self.cfg.grpo.group_size)

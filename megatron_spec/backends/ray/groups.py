@@ -109,6 +109,9 @@ class TrainerGroup:
     def logprobs(self, batch):
         return self.call("logprobs", batch)
 
+    def offload(self) -> dict:
+        return self.call("offload")
+
     def export(self, bucket_bytes: int) -> tuple[list, int, float]:
         return self.call("export", bucket_bytes)
 
@@ -211,6 +214,10 @@ class GeneratorGroup:
             self.reconnect()
         elif self.weights is not None:
             ray.get(self.engines[j].update_weights.remote(*self.weights))
+
+    def memory(self) -> list[dict]:
+        """Each engine's peak memory since the last call (`Engine.memory`)."""
+        return require_ray().get([e.memory.remote() for e in self.engines])
 
     def generate(self, prompts: list, params) -> list:
         """The Generator interface (greedy evaluation): one call over all engines, prompts split evenly."""

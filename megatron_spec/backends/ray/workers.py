@@ -10,6 +10,7 @@ engine fetches them itself, so the driver never holds a copy.
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 
@@ -87,9 +88,25 @@ class TrainerRank:
         if hasattr(self.policy, "stop"):
             self.policy.stop()
 
+    def offload(self) -> dict:
+        """Colocated: release the optimizer states, masters and gradients while the engines generate (a sharded
+        policy on every rank); the memory metrics (`backends.offload`)."""
+        from .. import offload
+
+        return self.policy.offload() if hasattr(self.policy, "offload") else offload.offload(self.policy)
+
+    def _onload(self) -> dict:
+        from .. import offload
+
+        return self.policy.onload() if hasattr(self.policy, "onload") else offload.onload(self.policy)
+
     def train_step(self, batch):
-        """One update; returns the metrics and the old log-probs the step used (filled in when folded)."""
+        """One update (first taking back what an offload released); returns the metrics and the old log-probs the
+        step used (filled in when folded)."""
+        back = self._onload()
         metrics = self.policy.train_step(batch)
+        if back:
+            metrics["memory"] = {**metrics.get("memory", {}), **back}
         self.crash.check("train_step")
         return metrics, batch.old_logprobs
 
@@ -105,19 +122,28 @@ class TrainerRank:
 
         t0 = time.perf_counter()
         refs, nbytes = [], 0
-        for bucket in buckets(self.policy.export_weights(), bucket_bytes):
+        for bucket in buckets(self._exported(bucket_bytes, None), bucket_bytes):
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
             if self.rank == 0:
                 refs.append(ray.put([(name, t.detach().cpu().contiguous()) for name, t in bucket]))
         return refs, nbytes, time.perf_counter() - t0
 
+    def _exported(self, bucket_bytes: int, dtype: str | None):
+        """The policy's (hf_name, tensor) stream. A sharded policy gathers it one `bucket_bytes` bucket at a time
+        with its shards cast to `dtype` before gathering (`MegatronPolicy.export_weights`); a whole one has
+        nothing to gather, and the weight group casts as it sends."""
+        params = inspect.signature(self.policy.export_weights).parameters
+        if "dtype" in params:
+            return self.policy.export_weights(bucket_bytes, dtype)
+        return self.policy.export_weights()
+
     def join_weights(self, host: str, port: int, world: int, timeout_s: float, backend: str) -> None:
         """Rank 0: join a weight-update group as its sender (rank 0, hosting the rendezvous at `host:port`)."""
-        from ..weight_group import WeightGroup
+        from ..weight_group import open_weight_group
 
         if self.rank != 0:
             raise RuntimeError("only trainer rank 0 sends weights (it holds each gathered bucket)")
-        self.weights = WeightGroup(host, port, 0, world, timeout_s, backend)
+        self.weights = open_weight_group(host, port, 0, world, timeout_s, backend)
 
     def send_weights(self, bucket_bytes: int, dtype: str | None) -> tuple[int, float]:
         """Stream the policy and drafter to the weight-update group, bucket by bucket as the export gathers them,
@@ -127,7 +153,7 @@ class TrainerRank:
         from ..weight_group import dtype_of
 
         t0 = time.perf_counter()
-        nbytes = self.weights.send(buckets(self.policy.export_weights(), bucket_bytes),
+        nbytes = self.weights.send(buckets(self._exported(bucket_bytes, dtype), bucket_bytes),
                                    dtype_of(dtype) if dtype else None)
         self.crash.check("send_weights")
         return nbytes, time.perf_counter() - t0
@@ -186,9 +212,9 @@ class Engine:
         this engine serves (the sender casts to it)."""
         if hasattr(self.generator, "join_weight_group"):
             return self.generator.join_weight_group(host, port, world, base_rank, timeout_s, backend)
-        from ..weight_group import WeightGroup
+        from ..weight_group import open_weight_group
 
-        self.weights = WeightGroup(host, port, base_rank, world, timeout_s, backend)
+        self.weights = open_weight_group(host, port, base_rank, world, timeout_s, backend)
         return str(next(self.generator.model.parameters()).dtype).removeprefix("torch.")
 
     def receive_weights(self, version: int) -> tuple[int, float]:
@@ -203,6 +229,13 @@ class Engine:
         self.version = version
         self.crash.check("receive_weights")
         return nbytes, time.perf_counter() - t0
+
+    def memory(self) -> dict:
+        """This engine's peak resident memory since the last call (its actor process, and its vLLM worker
+        processes as `children_peak_rss_mb`; CUDA peaks on GPUs), then a new peak starts (`rl.memory`)."""
+        from ...rl import memory
+
+        return memory.step_memory()
 
     def wake(self) -> None:
         self.generator.wake()

@@ -189,6 +189,12 @@ def test_megatron_ranks_in_actors_train_and_refit_the_engine(ray_cluster, ckpts,
     emb, meg = runs["embedded"], runs["megatron"]
     assert [emb[0][k] for k in ("gen_tokens", "reward_mean")] == [meg[0][k] for k in ("gen_tokens", "reward_mean")]
     assert all(m["logprob_mismatch"] < 1e-4 for m in meg) and not any(m["skipped"] for m in meg)
+    # Colocated: before each refit the trainer released its gradients (none before the first update), and both
+    # sides' memory is logged every step.
+    assert [m["trainer_offload"]["offload_freed_grad_mb"] > 0 for m in meg] == [False, True]
+    assert all(m["trainer_offload"]["trainer_rss_mb_offloaded"] > 0 for m in meg)
+    assert all(len(m["engine_memory"]["engine_peak_rss_mb"]) == 1 for m in meg)
+    assert "trainer_offload" not in emb[0] and "engine_memory" not in emb[0]
 
 
 def test_megatron_ranks_in_actors_write_and_resume_a_sharded_checkpoint(ray_cluster, ckpts, moe_policy, tmp_path,

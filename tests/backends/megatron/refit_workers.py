@@ -1,0 +1,90 @@
+"""What each of the 2 gloo ranks runs for `test_refit_stream.py`: the refit stream against the export the refit
+used before (checkpoint-sized buckets, cast by the weight group after gathering), and the sending rank's peak
+memory while it streams a model many buckets large into a one-rank weight-update group (no receivers, so the
+measured process is the sender alone)."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from .common import hf_tensors, tiny
+
+LAYOUTS = [("dense", dict(tp=2)), ("moe", dict(ep=2, etp=1)), ("moe", dict(pp=2))]
+SMALL_BUCKET = 80 * 1024
+"""Above the largest parameter of the tiny models in bf16, small enough for many buckets."""
+BIG = dict(vocab_size=2048, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+           head_dim=64, intermediate_size=2048)
+"""A dense model of 33.6 M parameters (134 MB fp32, 67 MB bf16) whose largest parameter is 4 MiB in bf16."""
+BIG_BUCKET = 4 << 20
+
+
+def run_all(rank: int, world: int) -> dict:
+    from megatron_spec.backends.megatron.parallel import Parallelism
+
+    out = {}
+    for kind, sizes in LAYOUTS:
+        out[kind, tuple(sorted(sizes.items()))] = _identity(tiny(kind), Parallelism(**sizes))
+    out["memory"] = _memory(rank, Parallelism(tp=2))
+    return out
+
+
+def _model(cfg, par, mtp_layers):
+    from megatron_spec.backends.megatron.importer import import_hf
+    from megatron_spec.backends.megatron.parallel import init_model_parallel
+    from megatron_spec.backends.megatron.provider import build_model
+
+    init_model_parallel(par, cfg)
+    model = build_model(cfg, par, mtp_num_layers=mtp_layers, init=False)
+    hf = hf_tensors(cfg, mtp_layers=mtp_layers)
+    import_hf(model, hf)
+    return model
+
+
+def _identity(cfg, par) -> dict:
+    from megatron_spec.backends.megatron.exporter import export_hf
+    from megatron_spec.backends.megatron.refit_stream import refit_buckets
+
+    model = _model(cfg, par, mtp_layers=2)
+    before = {n: t.to(torch.bfloat16) for n, t in export_hf(model)}  # gathered in fp32, cast by the sender
+    buckets = [[(n, t.clone()) for n, t in b] for b in refit_buckets(model, SMALL_BUCKET, torch.bfloat16)]
+    fp32 = {n: t.clone() for b in refit_buckets(model, SMALL_BUCKET) for n, t in b}
+    return {"before": before, "before_fp32": {n: t.clone() for n, t in export_hf(model)},
+            "streamed": {n: t for b in buckets for n, t in b}, "streamed_fp32": fp32,
+            "bucket_bytes": [sum(t.numel() * t.element_size() for _, t in b) for b in buckets]}
+
+
+def _memory(rank: int, par) -> dict:
+    """Peak resident memory above the resident memory at the start, for a refit of the big model through the
+    refit stream (re-bucketed, as the trainer sends it) and then through the export the refit used before, the
+    heap trimmed before each. Both ranks gather; rank 0 also sends."""
+    from megatron_spec.backends.megatron.exporter import export_hf
+    from megatron_spec.backends.megatron.refit_stream import refit_buckets
+    from megatron_spec.backends.offload import release_caches
+    from megatron_spec.backends.process_groups import free_port
+    from megatron_spec.backends.weight_group import open_weight_group
+    from megatron_spec.rl import memory
+    from megatron_spec.rl.refit import buckets
+
+    model = _model(tiny("dense", **BIG), par, mtp_layers=0)
+    gc.collect()
+    group = open_weight_group("127.0.0.1", free_port(), 0, 1, 60, "gloo") if rank == 0 else None
+
+    def measure(stream) -> dict:
+        gc.collect()
+        release_caches()  # what an earlier measurement freed goes back to the system, not to the next one
+        start = memory.rss_bytes()
+        memory.reset_peak()
+        if group is not None:
+            sent = group.send(stream, torch.bfloat16)
+        else:
+            sent = sum(t.numel() * 2 for b in stream for _, t in b)
+        return {"peak_above_start": memory.peak_rss_bytes() - start, "bytes": sent}
+
+    def pairs(stream):  # what the policy's export_weights yields, and the trainer's refit buckets again
+        return buckets((item for bucket in stream for item in bucket), BIG_BUCKET)
+
+    streamed = measure(pairs(refit_buckets(model, BIG_BUCKET, torch.bfloat16)))
+    before = measure(buckets(export_hf(model), BIG_BUCKET))
+    return {"streamed": streamed, "before": before}
