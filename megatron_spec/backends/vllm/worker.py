@@ -69,6 +69,7 @@ class WorkerExtension:
         if len(target_names) != unread:
             raise KeyError(f"megatron_spec refit: vLLM's loader stopped before {target_names[unread:][:3]} ...")
         repack_cpu_experts(self.model_runner.model, target_names)
+        retie_output_head(self.model_runner.model, self.model_config.hf_config)
         if drafter:
             form = self.megatron_spec_drafter_form or {}
             if "eagle3" in form:
@@ -132,6 +133,23 @@ class WorkerExtension:
 
     def megatron_spec_has_drafter(self) -> bool:
         return self.model_runner.get_draft_model() is not None
+
+
+def retie_output_head(model, hf_config) -> None:
+    """Tie the output head to the embedding again after a refit, for a model that ties them (SmolLM2, Llama 3.2):
+    the stream carries the embedding only (tied checkpoints hold no `lm_head`), and the layer-wise reload puts a
+    layer that loaded nothing back as it was, so the head would keep the weights the engine started with (the
+    engine's log-probs then drift from the trainer's step by step). The head's own post-load step (the CPU GEMM
+    dispatch, which packs the weight it sees) runs again on the tied weight, also where the two stayed one tensor."""
+    if not getattr(hf_config, "tie_word_embeddings", False):
+        return
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None:
+        return
+    head.weight = embed.weight
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
 
 
 def repack_cpu_experts(model, names) -> None:
