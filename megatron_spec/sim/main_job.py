@@ -24,7 +24,7 @@ other does not, and shows as error in the figures taken across the two runs.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .calibration import Calibration
 from .config import LengthDist, SimConfig, Speculation, TrainParallel, Workload
@@ -35,6 +35,12 @@ MAIN_JOB_MODEL = "tiny-qwen3-deep"
 """Preset with the main job's policy shape (96 wide, 8 layers, 64-token vocabulary)."""
 MAIN_JOB_PROMPTS, MAIN_JOB_GROUP, MAIN_JOB_MAX_TOKENS = 8, 8, 160
 """Prompts per step (the records that do not say ran 8), rollouts per prompt, response cap."""
+TRAINED_GROUPS = 8
+"""Groups the drafter-to-policy training ratio is taken over. The policy and the drafter train on the same rows, so
+their number enters the ratio only through the drafter's cost per training call against the policy's pass; the
+records do not keep how many groups each step trained (the earlier main job trained those with an advantage, the
+current one the first 4 of them), and `CPU_HOST.train_call_s` was fitted with 8 (all of that job's groups), so the
+ratio is taken at 8 whatever the run generated."""
 MAIN_JOB_PROMPT_LEN = 16
 """BOS and an addition chain of 2-8 terms: about 16 tokens."""
 MAIN_JOB_SIGMA = 0.5
@@ -121,7 +127,8 @@ def compare_pair(plain: dict, spec: dict, k: int = 3, drafts: int = MAIN_JOB_DRA
     gen_ratio = simulate(cfg, with_plain=True).gen_ratio  # plain gen / speculative gen
     speculated = (n_spec - int(spec.get("steps_gated_plain") or 0)) / n_spec
     trained = trained_steps / n_spec
-    ratio = drafter_over_policy(cfg)
+    ratio = drafter_over_policy(replace(cfg, workload=replace(cfg.workload, prompts_per_step=TRAINED_GROUPS),
+                                        max_num_seqs=TRAINED_GROUPS * MAIN_JOB_GROUP))
     measured_drafter = float(spec.get("drafter_s") or 0.0) / n_spec
     spec_policy = spec["train_s"] / n_spec - measured_drafter
     per_token = plain["gen_s"] / plain["gen_tokens"]
