@@ -78,8 +78,13 @@ def rank_params(cfg: dict, ep: int, pp: int) -> list[int]:
     return out
 
 
+GENERATOR = "megatron_spec.backends.megatron.generator"
+"""The module the embedded generator's own process runs (a child of rank 0, without torchrun's RANK)."""
+
+
 class Watcher(threading.Thread):
-    """Polls every descendant of `pid` that has RANK in its environment: max VmHWM / VmRSS per rank (bytes)."""
+    """Polls every descendant of `pid`: max VmHWM / VmRSS per rank (RANK in its environment) and of the
+    generator's process (key "generator"), in bytes."""
 
     def __init__(self, pid: int, period: float = 0.2):
         super().__init__(daemon=True)
@@ -99,10 +104,12 @@ class Watcher(threading.Thread):
             for p in kids:
                 try:
                     rank = int(p.environ().get("RANK", "-1"))
+                    if rank < 0 and GENERATOR in " ".join(p.cmdline()):
+                        rank = "generator"
                     status = Path(f"/proc/{p.pid}/status").read_text()
                 except (psutil.Error, OSError, ValueError):
                     continue
-                if rank < 0:
+                if rank == -1:
                     continue
                 fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in status.splitlines()
                           if line.startswith(("VmHWM", "VmRSS"))}
@@ -112,6 +119,22 @@ class Watcher(threading.Thread):
             avail = psutil.virtual_memory().available
             self.min_available = avail if self.min_available is None else min(self.min_available, avail)
             time.sleep(self.period)
+
+
+def budget_check(peaks: dict, shares: list[int], metrics: list[dict]) -> dict:
+    """Per rank: outside peak (MB), the largest peak the run logged for it, its share + 1.5 GB, and whether the
+    peak stays below that; the generator's outside peak against the largest logged child peak."""
+    out = {}
+    for rank, share in enumerate(shares):
+        hwm = peaks.get(rank, {}).get("hwm", 0) / 2**20
+        logged = max(m["memory"]["trainer_peak_rss_mb"][rank] for m in metrics)
+        bound = share / 2**20 + 1536
+        out[rank] = {"outside_mb": hwm, "logged_mb": logged, "bound_mb": bound, "below": hwm < bound}
+    if "generator" in peaks:
+        out["generator"] = {"outside_mb": peaks["generator"]["hwm"] / 2**20,
+                            "logged_largest_child_mb": max(max(m["memory"].get("children_peak_rss_mb") or [0])
+                                                           for m in metrics)}
+    return out
 
 
 def torchrun(nproc: int, policy: Path, out: Path, overrides: list[str]) -> tuple[dict, float, int, str]:
@@ -142,7 +165,14 @@ def main() -> int:
     args = ap.parse_args()
     work = Path(args.work)
     policy = work / f"policy_{args.hidden}x{args.layers}"
-    model = make_model(policy, args.hidden, args.layers, args.experts, args.ffn, args.heads, args.kv)
+    sizes = (args.hidden, args.layers, args.experts, args.ffn, args.heads, args.kv)
+    if not (policy / "config.json").is_file():  # written by a child process, whose memory is then returned
+        import multiprocessing
+
+        child = multiprocessing.get_context("spawn").Process(target=make_model, args=(policy, *sizes))
+        child.start()
+        child.join()
+    model = make_model(policy, *sizes)
     print(f"model: {model['params'] / 1e9:.3f} B parameters at {policy}", flush=True)
 
     straight = work / "run_ep2pp2"
@@ -164,14 +194,15 @@ def main() -> int:
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
         "model": {"params": model["params"], "hidden": args.hidden, "layers": args.layers, "experts": args.experts,
                   "top_k": 2, "moe_ffn": args.ffn, "checkpoint_dtype": "bfloat16", "params_dtype": "float32"},
-        "layout": "EP2 x PP2, 4 gloo ranks, embedded generator in rank 0's process",
+        "layout": "EP2 x PP2, 4 gloo ranks, the embedded generator in a process of its own (a child of rank 0)",
         "seconds": seconds,
-        "outside_peak_mb": {r: {"hwm": v["hwm"] / 2**20, "rss": v["rss"] / 2**20} for r, v in sorted(watch["peaks"].items())},
+        "outside_peak_mb": {r: {"hwm": v["hwm"] / 2**20, "rss": v["rss"] / 2**20} for r, v in watch["peaks"].items()},
         "min_available_mb": (watch["min_available"] or 0) / 2**20,
         "share_of_training_state_mb": [s / 2**20 for s in shares],
         "logged_memory": [m.get("memory") for m in metrics],
         "losses": [{k: m.get(k) for k in ("step", "loss", "grpo_loss", "moe_aux_loss", "grad_norm", "reward_mean")}
                    for m in metrics],
+        "budget_check": budget_check(watch["peaks"], shares, metrics),
         "checkpoint_files_bytes": files,
         "model_fp32_bytes": model_bytes,
         "largest_checkpoint_file_share_of_model": max(files.values()) / model_bytes,
@@ -197,7 +228,7 @@ def main() -> int:
             "step1_resumed": {k: step1.get(k) for k in ("step", "loss", "grpo_loss", "moe_aux_loss", "grad_norm",
                                                          "reward_mean")},
             "outside_peak_mb": {r: {"hwm": v["hwm"] / 2**20, "rss": v["rss"] / 2**20}
-                                for r, v in sorted(watch2["peaks"].items())},
+                                for r, v in watch2["peaks"].items()},
             "seconds": seconds2,
         }
     out = ROOT / "research" / "records" / f"megatron_memory_{args.hidden}x{args.layers}.json"

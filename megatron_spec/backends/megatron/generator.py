@@ -62,7 +62,7 @@ class ProcessGenerator:
         child.close()
         self.conn = Connection(parent.detach())
         self.closed = False
-        self.conn.send(cfg)
+        self._send(cfg)
         self._result()  # loaded (or the load's error)
 
     @classmethod
@@ -72,18 +72,27 @@ class ProcessGenerator:
             raise ValueError("ProcessGenerator loads the policy and drafter in its own process; pass None")
         return cls(cfg)
 
+    def _exited(self, err: Exception) -> RuntimeError:
+        code = self.proc.wait(timeout=60)
+        return RuntimeError(f"the generator's process exited (code {code}; -9 is a kill, e.g. for memory): {err!r}")
+
+    def _send(self, obj=None, data: bytes | None = None) -> None:
+        try:
+            self.conn.send(obj) if data is None else self.conn.send_bytes(data)
+        except OSError as err:  # a broken pipe: the process is gone
+            raise self._exited(err) from err
+
     def _result(self):
         try:
             status, value = self.conn.recv()
         except (EOFError, OSError) as err:
-            code = self.proc.wait(timeout=60)
-            raise RuntimeError(f"the generator's process exited (code {code}; -9 is a kill, e.g. for memory)") from err
+            raise self._exited(err) from err
         if status == "error":
             raise RuntimeError(f"in the generator's process:\n{value}")
         return value
 
     def _call(self, name: str, *args):
-        self.conn.send((name, args))
+        self._send((name, args))
         return self._result()
 
     def generate(self, prompts, params):
@@ -91,10 +100,10 @@ class ProcessGenerator:
 
     def update_weights(self, stream) -> int:
         """Send the bucketed `(hf_name, tensor)` stream one bucket at a time; returns the bytes loaded."""
-        self.conn.send(("update_weights", ()))
+        self._send(("update_weights", ()))
         for bucket in stream:
-            self.conn.send_bytes(_pack(bucket))
-        self.conn.send_bytes(b"")
+            self._send(data=_pack(bucket))
+        self._send(data=b"")
         return self._result()
 
     def sleep(self) -> None:

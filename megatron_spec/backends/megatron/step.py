@@ -68,7 +68,8 @@ def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int, fixed: bool = F
     dispatcher exchanges tokens between the data-parallel ranks (over which EP spreads the experts) in every layer,
     and the pipeline schedule sends activations of its call's one shape between stages. So the rows, longest first,
     are cut into slots of dp x m rows, m as large as the token budget allows at the slot's longest row (`packed`),
-    the slot's rows dealt out to the ranks in turn and padded to that longest row only; `run_schedule` runs each run
+    rank r taking the slot's r-th m rows, all padded to that longest row only (rows of one length keep their
+    order, so every layout of the same budget cuts them alike); `run_schedule` runs each run
     of equal shapes as one schedule call. `packed` False: consecutive rows in chunks of m (the largest divisor of
     B / dp with m x T within the budget), all padded to the batch's full length T, chunk j on rank j mod dp.
     """
@@ -100,7 +101,8 @@ def slots(batch: Batch, token_budget: int, dp: int, dp_rank: int) -> list[tuple[
         m = (B - i) // dp
         if token_budget > 0:
             m = max(1, min(m, token_budget // max(longest, 1)))
-        out.append((sorted(order[i + dp_rank : i + dp * m : dp]), longest))
+        start = i + dp_rank * m
+        out.append((sorted(order[start : start + m]), longest))
         i += dp * m
     return out
 

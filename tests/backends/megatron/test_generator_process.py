@@ -63,3 +63,15 @@ def test_process_generator_reports_a_bad_refit_and_keeps_serving(run, tiny_model
         gen.update_weights(iter(stream))
     params = SamplingParams(temperature=0, max_tokens=4)
     assert len(gen.generate(PROMPTS, params)) == len(PROMPTS)
+
+
+def test_a_dead_generator_process_is_reported_with_its_exit_code(run, tiny_model):
+    """Killed mid-run (as the kernel kills for memory), the generator's process is reported, with its exit code,
+    by the next call and by a refit that finds the pipe broken, not as a bare pipe error."""
+    gen, _ = run
+    gen.proc.kill()
+    gen.proc.wait()
+    with pytest.raises(RuntimeError, match=r"generator's process exited \(code -9"):
+        gen.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=2))
+    with pytest.raises(RuntimeError, match=r"generator's process exited \(code -9"):
+        gen.update_weights(buckets(named_weights(tiny_model), 1 << 10))
