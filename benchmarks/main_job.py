@@ -219,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_spec.bench.common import machine
 
     if args.check and args.check not in {c.group for c in CLAIMS if c.group.startswith("main_job")}:
-        p.error(f"--check {args.check}: the main job's claim groups are main_job_avx2 and main_job_avx512")
+        p.error(f"--check {args.check}: the main job's claim groups are main_job_avx2, main_job_avx512 and "
+                "main_job_gen_share")
 
     if args.summarize:
         return summarize_dirs(args.summarize, args.window, args.out, machine())
