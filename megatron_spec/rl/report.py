@@ -398,12 +398,23 @@ def _write_html(out: Path, runs: list[Run], body: list[str]) -> Path:
     return out
 
 
+def plain_step(run, m: dict) -> bool:
+    """Whether a step ran without speculation: every step of a plain run, the steps a gated run ran plainly."""
+    return run.kind != "spec" or m.get("speculate") is False
+
+
 def _whole_step_html(runs) -> list[str]:
     """The whole-step ratio beside the gen stage's, per same-seed pair, and what the gate decided."""
     out = ["<h2>Whole step</h2>"]
+    shares = [[r.name, len(steps), _f(sum(m["stages"]["gen"] for m in steps)
+                                      / sum(sum(m["stages"].values()) for m in steps), 3)]
+              for r in runs if (steps := [m for m in r.metrics if plain_step(r, m)])]
+    if shares:  # RL post-training's steps are mostly generation; speculation can only speed up that share
+        out.append(_table(["run", "plain steps", "gen share of the plain step"], shares))
     pairs = whole_step_pairs(runs)
     if not pairs:
-        return out + ["<p>Needs a speculative run and the plain run of its seed (<code>--compare</code>).</p>"]
+        return out + ["<p>The ratios need a speculative run and the plain run of its seed (<code>--compare</code>)."
+                      "</p>"]
     out.append(_table(["spec run", "plain run", "steps", "plain gen share", "gen stage (plain / spec)",
                        "whole step (plain / spec)", "drafter training s", "steps run plainly by the gate"],
                       [[p["spec"], p["plain"], p["steps"], _f(p["plain_gen_share"], 3), _f(p["gen_ratio"], 3),

@@ -197,3 +197,8 @@ def test_report_shows_the_whole_step_beside_the_gen_stage_and_what_the_gate_did(
     section = page.split("<h2>Whole step</h2>")[1].split("<h2>")[0]
     assert "<td>0.641</td><td>2.000</td><td>0.839</td>" in section
     assert f"so the gate ran {STEPS - 1} of {STEPS} steps plainly" in section
+    # each run's gen share over the steps it ran plainly: all of the plain run's, all but one of the gated run's
+    assert f"<td>plain</td><td>{STEPS}</td><td>0.641</td>" in section
+    assert f"<td>spec</td><td>{STEPS - 1}</td>" in section
+    alone = report.write_report([plain], tmp_path / "alone.html").read_text()
+    assert f"<td>plain</td><td>{STEPS}</td><td>0.641</td>" in alone.split("<h2>Whole step</h2>")[1]
