@@ -25,7 +25,7 @@ def tiny_grpo_spec() -> RLConfig:
     The step is shaped as RL post-training's is, generation most of it: 24 prompts x 8 rollouts are generated and
     the first 4 groups whose rewards differ are trained (`grpo.train_groups`, DAPO's dynamic sampling), chain lengths
     long-tailed (2 terms 44 % of the time, 5-8 terms 22 %), so each step's batch drains to a few long answers. On a
-    2-core CPU (1 thread) the plain step spent 0.66 of its time generating over a 50-step run, against 0.30-0.36
+    2-core CPU (1 thread) the plain step spent 0.64-0.69 of its time generating over 50-step runs, against 0.30-0.36
     when all 8 prompts' groups with an advantage were trained. The whole-step gate (`drafter_train.gate`) runs steps
     plainly wherever speculation with the drafter's training does not pay."""
     return RLConfig(
