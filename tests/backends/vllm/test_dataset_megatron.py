@@ -5,7 +5,8 @@ rewards are math-verify's verdicts on the decoded completions; vLLM's behaviour 
 trainer's recompute; the update changes the Megatron weights exactly when some group has unequal rewards.
 
 The run happens in its own process (`dataset_megatron_worker.py`): the Megatron trainer makes a process group
-there. About 3 minutes on a 2-core CPU (vLLM's start-up and SmolLM2's first conversion from GGUF dominate).
+there. 3-5 minutes on a 2-core CPU (vLLM's start-up and the Megatron build dominate; SmolLM2 is converted
+from its GGUF once).
 """
 
 from __future__ import annotations
