@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-rows", type=int, default=2048)
     p.add_argument("--test-rows", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reward", default=None, help="data.reward (default: math-verify, which this task lets the policy "
+                   "game by restating the question's expression; megatron_spec.tasks.reward:reward reads the final "
+                   "'The answer is N')")
     p.add_argument("--out", required=True, help="record JSON (the figure goes beside it as .png)")
     p.add_argument("extra", nargs="*", help="further overrides (after --)")
     args = p.parse_args(argv)
@@ -98,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
 
     data = write_data(ROOT / args.data, args.train_rows, args.test_rows, args.seed)
     overrides = [*RUN, f"data.path={data}", f"run.steps={args.steps}", f"run.seed={args.seed}",
-                 f"run.out_dir={ROOT / args.run_dir}", *args.extra]
+                 f"run.out_dir={ROOT / args.run_dir}", *([f"data.reward={args.reward}"] if args.reward else []),
+                 *args.extra]
     started = time.time()
     done = subprocess.run([sys.executable, "recipes/smollm2_grpo_spec.py", *overrides], cwd=ROOT)
     wall = time.time() - started
