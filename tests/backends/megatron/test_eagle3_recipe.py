@@ -57,7 +57,7 @@ def run(out: Path, head: Path, online: bool, generator: str) -> list[dict]:
             "model.terms_weights=[]",
             "drafter_train.drafts=1", "drafter_train.replay=1", "drafter_train.minibatches=1",
             "drafter_train.lr=3e-3", f"drafter_train.online={str(online).lower()}", "grpo.prompts_per_step=4",
-            "grpo.max_tokens=64", "grpo.drop_uniform_groups=false",
+            "grpo.max_tokens=64", "grpo.drop_uniform_groups=false", "grpo.train_groups=0",
             f"run.steps={STEPS}", "run.eval_every=0", "run.save_every=100", "run.loggers=[]",
             "run.resume=false", "run.report=false", f"run.out_dir={out}"]
     done = subprocess.run(args, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
