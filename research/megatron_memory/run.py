@@ -179,11 +179,23 @@ def main() -> int:
     shutil.rmtree(straight, ignore_errors=True)
     watch, seconds, rc, log = torchrun(4, policy, straight, ["run.resume=false"])
     (work / "straight.log").write_text(log)
-    if rc:
+    shares = [n * 16 for n in rank_params(model["config"], ep=2, pp=2)]
+    out = ROOT / "research" / "records" / f"megatron_memory_{args.hidden}x{args.layers}.json"
+    if rc:  # what the failed run measured, kept: the outside peaks, the steps it logged, why it stopped
         print(log[-4000:])
+        logged = straight / "metrics.jsonl"
+        out.write_text(json.dumps({
+            "question": __doc__.splitlines()[0], "failed": True, "returncode": rc, "command": " ".join(sys.argv),
+            "machine": f"{platform.node()}: {os.cpu_count()} CPUs, shared with other jobs (load varies)",
+            "model": {"params": model["params"], "hidden": args.hidden, "layers": args.layers},
+            "outside_peak_mb": {r: {"hwm": v["hwm"] / 2**20, "rss": v["rss"] / 2**20} for r, v in watch["peaks"].items()},
+            "min_available_mb": (watch["min_available"] or 0) / 2**20,
+            "share_of_training_state_mb": [x / 2**20 for x in shares],
+            "logged": [json.loads(line) for line in logged.read_text().splitlines()] if logged.is_file() else [],
+            "log_tail": [line for line in log.splitlines() if "rror" in line or "Killed" in line][-12:],
+        }, indent=2))
         return rc
     metrics = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
-    shares = [n * 16 for n in rank_params(model["config"], ep=2, pp=2)]
     ckpt = straight / "checkpoints" / "step_000000"
     files = {str(p.relative_to(ckpt)): p.stat().st_size for p in ckpt.rglob("*") if p.is_file()}
     model_bytes = model["params"] * 4
@@ -231,7 +243,6 @@ def main() -> int:
                                 for r, v in watch2["peaks"].items()},
             "seconds": seconds2,
         }
-    out = ROOT / "research" / "records" / f"megatron_memory_{args.hidden}x{args.layers}.json"
     out.write_text(json.dumps(record, indent=2))
     print(json.dumps(record, indent=2))
     return 0
