@@ -30,14 +30,12 @@ def weights(n_bytes: int, seed: int, device) -> dict[str, torch.Tensor]:
 
 
 def _member(rank: int, transport: str, port: int, n_bytes: int, result) -> None:
-    from megatron_spec.backends.cuda_ipc import CudaIpcWeightGroup
-    from megatron_spec.backends.weight_group import WeightGroup
+    from megatron_spec.backends.weight_group import open_weight_group
     from megatron_spec.rl.memory import peak_rss_bytes
     from megatron_spec.rl.refit import buckets
 
     torch.cuda.set_device(0)
-    group = (CudaIpcWeightGroup("127.0.0.1", port, rank, 2, 120.0) if transport == "cuda_ipc"
-             else WeightGroup("127.0.0.1", port, rank, 2, 120.0, "gloo"))
+    group = open_weight_group("127.0.0.1", port, rank, 2, 120.0, transport)
     device = torch.device("cuda", 0)
     if rank == 0:
         mine = weights(n_bytes, seed=1, device=device)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from .process_groups import local_device
-from .weight_group import ABORT, END, RefitAborted, WeightGroup, dtype_of
+from .weight_group import ABORT, END, RefitAborted, WeightGroup, bucket_views
 
 _DEVICE_ARG = 6
 """Index of the storage's device in the arguments `torch.multiprocessing.reductions.reduce_tensor` gives for a CUDA
@@ -31,7 +31,10 @@ differently, e.g. under CUDA_VISIBLE_DEVICES)."""
 class CudaIpcWeightGroup(WeightGroup):
     """A member of a weight-update group whose members all sit on one GPU (`WeightGroup`'s `send` / `receive`)."""
 
-    def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float, local_rank: int = 0):
+    def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float, backend: str = "cuda_ipc",
+                 local_rank: int = 0):
+        if backend != "cuda_ipc":
+            raise ValueError(f"CudaIpcWeightGroup carries cuda_ipc, not {backend!r}")
         if not torch.cuda.is_available():
             raise RuntimeError("the cuda_ipc refit transport needs CUDA: trainer and engine sharing one GPU")
         super().__init__(host, port, rank, world, timeout_s, "gloo", local_rank)
@@ -84,12 +87,7 @@ class CudaIpcWeightGroup(WeightGroup):
             args = list(pickle.loads(handle.numpy().tobytes()))
             args[_DEVICE_ARG] = self.gpu.index
             payload = rebuild_cuda_tensor(*args)
-            bucket, offset = [], 0
-            for name, dtype, shape in json.loads(head.numpy().tobytes().decode()):
-                dt = dtype_of(dtype)
-                nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-                bucket.append((name, payload[offset:offset + nbytes].view(dt).view(shape)))
-                offset += nbytes
+            bucket = bucket_views(head.numpy().tobytes(), payload)
             yield bucket
             torch.cuda.current_stream(self.gpu).synchronize()  # the loader's copies out of the buffer are done
             del bucket, payload

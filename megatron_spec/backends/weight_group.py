@@ -39,6 +39,21 @@ def dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
+def bucket_views(header: bytes, payload: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Split a received payload back into (hf_name, tensor) views, as its JSON header lays them out end to end."""
+    bucket, offset = [], 0
+    for name, dtype, shape in json.loads(header.decode()):
+        dt = dtype_of(dtype)
+        size = torch.empty((), dtype=dt).element_size()
+        nbytes = torch.Size(shape).numel() * size
+        part = payload[offset:offset + nbytes]
+        if offset % size:  # laid end to end after a tensor of a smaller dtype: a view would be misaligned
+            part = part.clone()
+        bucket.append((name, part.view(dt).view(shape)))
+        offset += nbytes
+    return bucket
+
+
 class WeightGroup:
     """One member (`rank` of `world`) of a weight-update group rendezvousing at `host:port` (rank 0 hosts it).
     `backend`: gloo or nccl (None: nccl where there is a GPU); `timeout_s` bounds the start-up and each bucket."""
@@ -130,27 +145,22 @@ class WeightGroup:
             self._broadcast(head)
             payload = torch.empty(n_payload, dtype=torch.uint8, device=self.device)
             self._broadcast(payload)
-            bucket, offset = [], 0
-            for name, dtype, shape in json.loads(bytes(head.cpu().tolist()).decode()):
-                dt = dtype_of(dtype)
-                numel = 1
-                for s in shape:
-                    numel *= s
-                size = torch.empty((), dtype=dt).element_size()
-                nbytes, part = numel * size, payload[offset:offset + numel * size]
-                if offset % size:  # laid end to end after a tensor of a smaller dtype: a view would be misaligned
-                    part = part.clone()
-                bucket.append((name, part.view(dt).view(shape)))
-                offset += nbytes
-            yield bucket
+            yield bucket_views(bytes(head.cpu().tolist()), payload)
 
     def close(self) -> None:
         self.pg = None
         self.store = None
 
 
-GROUPS = {"gloo": WeightGroup, "nccl": WeightGroup}
-"""Weight-update group classes by transport name; each takes WeightGroup's constructor arguments."""
+def _cuda_ipc():
+    from .cuda_ipc import CudaIpcWeightGroup
+
+    return CudaIpcWeightGroup
+
+
+GROUPS = {"gloo": lambda: WeightGroup, "nccl": lambda: WeightGroup, "cuda_ipc": _cuda_ipc}
+"""Weight-update group classes by transport name (each loaded when first used); each takes WeightGroup's
+constructor arguments."""
 
 
 def open_weight_group(host: str, port: int, rank: int, world: int, timeout_s: float, backend: str | None = None,
@@ -160,4 +170,4 @@ def open_weight_group(host: str, port: int, rank: int, world: int, timeout_s: fl
     backend = backend or collective_backend()
     if backend not in GROUPS:
         raise ValueError(f"weight group: unknown transport {backend!r} (one of {', '.join(GROUPS)})")
-    return GROUPS[backend](host, port, rank, world, timeout_s, backend, local_rank=local_rank)
+    return GROUPS[backend]()(host, port, rank, world, timeout_s, backend, local_rank=local_rank)

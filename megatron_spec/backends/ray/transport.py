@@ -3,7 +3,8 @@
 - `collective` (default): one weight-update group (`backends/weight_group.py`): trainer rank 0, which holds each
   bucket as the export gathers it, is the sender; every engine worker is a receiver (an engine of vLLM tensor
   parallel size N takes N ranks). Buckets stream in the dtype the engines serve; no file, no object store. gloo on
-  CPUs and for colocated GPUs (two ranks on one GPU cannot share an NCCL group), NCCL between separate GPUs. The
+  CPUs and for colocated GPUs (two ranks on one GPU cannot share an NCCL group), CUDA IPC handles when the trainer
+  and a single engine share one GPU, NCCL between separate GPUs (`weight_backend`). The
   group is formed once; when an engine is replaced it is formed again and the current weights resent.
 - `object_store` (fallback): rank 0 puts size-bounded buckets in Ray's object store, every engine fetches them.
 
@@ -24,10 +25,15 @@ def resolve(pending: list) -> list[tuple[int, float]]:
 
 def weight_backend(placement) -> str:
     """The one place the collective refit's transport is chosen (a name of `weight_group.GROUPS`): NCCL between
-    separate GPUs; gloo on CPUs and between processes that share a GPU (two ranks on one GPU cannot share an NCCL
-    group)."""
+    separate GPUs; CUDA IPC when the one engine worker shares the sender's GPU (colocated on one GPU: the buckets
+    never leave the device); gloo on CPUs and for the other colocated layouts (two ranks on one GPU cannot share an
+    NCCL group, and an IPC handle only opens on the GPU it was made on)."""
     gpus = placement.bundle.get("GPU", 0)
-    return "nccl" if gpus and placement.kind == "disaggregated" else "gloo"
+    if gpus and placement.kind == "disaggregated":
+        return "nccl"
+    if gpus and placement.generators * placement.engine_tp == 1:
+        return "cuda_ipc"
+    return "gloo"
 
 
 class ObjectStoreRefit:

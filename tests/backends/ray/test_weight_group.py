@@ -77,3 +77,31 @@ def test_wrong_device_is_refused_before_the_collective():
     group = WeightGroup("127.0.0.1", free_port(), 0, 1, 30, "gloo")
     with pytest.raises(RuntimeError, match="a tensor on meta where cpu is needed"):
         group._broadcast(torch.empty(2, device="meta"))
+
+
+def test_transport_follows_the_placement():
+    """NCCL between separate GPUs; CUDA IPC only where the single engine worker shares the sender's GPU (a handle
+    opens on the GPU it was made on, and under Ray each actor sees only its own GPU); gloo on CPUs and for the
+    other colocated layouts."""
+    from megatron_spec.backends.ray.placement import Placement
+    from megatron_spec.backends.ray.transport import weight_backend
+
+    gpu, cpu = {"CPU": 4.0, "GPU": 1.0}, {"CPU": 1.0}
+    assert weight_backend(Placement("disaggregated", 2, 2, gpu)) == "nccl"
+    assert weight_backend(Placement("colocated", 1, 1, gpu)) == "cuda_ipc"
+    assert weight_backend(Placement("colocated", 2, 1, gpu, engine_tp=2)) == "gloo"
+    assert weight_backend(Placement("colocated", 2, 2, gpu)) == "gloo"
+    assert weight_backend(Placement("colocated", 1, 1, cpu)) == "gloo"
+    assert weight_backend(Placement("disaggregated", 1, 1, cpu)) == "gloo"
+
+
+def test_cuda_ipc_without_cuda_is_refused_before_the_rendezvous():
+    """No rendezvous is attempted (the port is never listened on): the error names what is missing at once."""
+    from megatron_spec.backends.weight_group import open_weight_group
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(RuntimeError, match="cuda_ipc refit transport needs CUDA"):
+        open_weight_group("127.0.0.1", free_port(), 1, 2, 0.5, "cuda_ipc")
+    with pytest.raises(ValueError, match="unknown transport 'ipc'"):
+        open_weight_group("127.0.0.1", free_port(), 1, 2, 0.5, "ipc")
