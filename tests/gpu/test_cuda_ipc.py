@@ -1,4 +1,4 @@
-"""The CUDA IPC refit transport (`backends/cuda_ipc.py`) between two processes on one GPU, a colocated trainer and
+"""The CUDA IPC refit transport (`weight_group.CudaIpcWeightGroup`) between two processes on one GPU, a colocated trainer and
 engine: every tensor arrives bit for bit, over several buckets, and the sender never holds more than about one
 bucket beyond its own weights (the acknowledgement frees each buffer before the next is cast)."""
 
