@@ -61,6 +61,20 @@ def test_reward_equals_math_verify_on_crafted_pairs():
     assert [math_verify_reward(c, g) for g, c, _ in PAIRS] == expected
 
 
+def test_unevaluated_arithmetic_is_not_an_answer():
+    """math-verify scores a restated expression (`7 + 9` for 16) as equal; our reward gives it 0, while the same
+    completions with the value computed, and final forms that contain an operator (a fraction, a root, a
+    polynomial), keep math-verify's verdict."""
+    restated = [("16", "What is 7 plus 9? 7 + 9"), ("16", "The answer is \\boxed{7+9}"),
+                ("36", "It is $12 \\times 3$"), ("6", "4 - -2")]
+    for gold, completion in restated:
+        assert direct(gold, completion) == 1.0  # what the guard is for
+        assert math_verify_reward(completion, gold) == 0.0
+    computed = [("16", "What is 7 plus 9? 16"), ("16", "The answer is \\boxed{16}"), ("3/4", "\\boxed{3/4}"),
+                ("2\\sqrt{3}", "\\boxed{\\sqrt{12}}"), ("x^2+2x+1", "\\boxed{(x+1)^2}"), ("-5", "\\boxed{-5}")]
+    assert [math_verify_reward(c, g) for g, c in computed] == [1.0] * len(computed)
+
+
 def test_parallel_scorer_equals_in_process_and_direct():
     """The same 30 through 2 spawned workers and in this process: identical rewards, no timeouts."""
     texts, answers = [c for _, c, _ in PAIRS], [g for g, _, _ in PAIRS]
