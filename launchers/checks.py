@@ -151,14 +151,11 @@ def memory_per_gpu(cfg: RLConfig, layout: dict, gpu: str = "h100"):
     model (weights, gradients, fp32 masters and Adam moments over data parallel, activations of the in-flight
     micro-batches with the chosen recompute and `grpo.micro_batch_tokens`) and for one vLLM engine's weights and a
     KV cache holding at least one full sequence, from the simulator's memory model (`megatron_spec.sim.memory`).
-    Rollouts are taken at `grpo.max_tokens` (the worst case). The model counts bf16 parameters; with
-    `params_dtype=float32` weights and gradients take 8 B instead of 6 B per parameter and the optimizer 8 B
-    (two moments, no separate masters) instead of 12 B. None for the embedded trainer or an unresolved policy."""
-    from dataclasses import replace
-
+    Rollouts are taken at `grpo.max_tokens` (the worst case), parameters in `backend.megatron.params_dtype`
+    (`sim.memory.with_params_dtype`). None for the embedded trainer or an unresolved policy."""
     from megatron_spec.sim.config import GenParallel, LengthDist, SimConfig, TrainParallel, Workload
     from megatron_spec.sim.hardware import hardware
-    from megatron_spec.sim.memory import memory_report
+    from megatron_spec.sim.memory import memory_report, with_params_dtype
     from megatron_spec.sim.shapes import shape_of
 
     model = policy_config(cfg.model.policy, cfg.model.hub_cache)
@@ -178,10 +175,7 @@ def memory_per_gpu(cfg: RLConfig, layout: dict, gpu: str = "h100"):
                     gpu_memory_utilization=cfg.backend.vllm.gpu_memory_utilization,
                     micro_batch_tokens=g.micro_batch_tokens or None, recompute=cfg.backend.megatron.recompute)
     report = memory_report(sim, hardware(gpu), shape_of(model), None)
-    if cfg.backend.megatron.params_dtype == "float32":
-        report = replace(report, train_weights=report.train_weights * 8 / 6,
-                         train_optimizer=report.train_optimizer * 8 / 12)
-    return sim, report
+    return sim, with_params_dtype(report, cfg.backend.megatron.params_dtype)
 
 
 def memory_problems(cfg: RLConfig, layout: dict, gpu: str = "h100") -> list[str]:
