@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-rows", type=int, default=2048)
     p.add_argument("--test-rows", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--reward", default=None, help="data.reward (default: math-verify, which this task lets the policy "
-                   "game by restating the question's expression; megatron_spec.tasks.reward:reward reads the final "
+    p.add_argument("--reward", default=None, help="data.reward (default: math-verify, which scores a restated "
+                   "expression such as '7 + 9' as 0; megatron_spec.tasks.reward:reward reads the final "
                    "'The answer is N')")
     p.add_argument("--out", required=True, help="record JSON (the figure goes beside it as .png)")
     p.add_argument("extra", nargs="*", help="further overrides (after --)")
