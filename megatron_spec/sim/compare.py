@@ -112,20 +112,20 @@ def memory_lines(run_dir: str | Path, cfg: dict, result, hardware: str, gpus: in
     MB = 2 ** 20
     peaks = measured_memory(run_dir)
     m = with_params_dtype(result.memory, cfg["backend"]["megatron"].get("params_dtype", "bfloat16"))
-    fmt = lambda vs: " / ".join(f"{v:.0f}" for v in vs)  # noqa: E731
+
+    def logged(*names: tuple[str, str]) -> str:
+        return "; ".join(f"{name} {' / '.join(f'{v:.0f}' for v in peaks[key])}"
+                         for key, name in names if key in peaks) or "not logged"
+
     lines = [f"memory (MB)  measured peak per rank / process, beside simulated per GPU ({hardware} x {gpus})"]
-    trainer = [f"{name} {fmt(peaks[key])}" for key, name in (("trainer_peak_rss_mb", "RSS"),
-                                                            ("trainer_cuda_peak_allocated_mb", "CUDA allocated"),
-                                                            ("trainer_cuda_peak_reserved_mb", "CUDA reserved"))
-               if key in peaks]
-    lines.append(f"  trainer    measured: {'; '.join(trainer) or 'not logged'}")
+    trainer = logged(("trainer_peak_rss_mb", "RSS"), ("trainer_cuda_peak_allocated_mb", "CUDA allocated"),
+                     ("trainer_cuda_peak_reserved_mb", "CUDA reserved"))
+    lines.append(f"  trainer    measured: {trainer}")
     lines.append(f"             simulated: {m.train_total / MB:.0f} = weights+grads {m.train_weights / MB:.0f} + "
                  f"optimizer {m.train_optimizer / MB:.0f} + activations {m.train_activations / MB:.0f}")
-    loop = [f"{name} {fmt(peaks[key])}" for key, name in (("loop_peak_rss_mb", "loop RSS"),
-                                                         ("children_peak_rss_mb", "generator processes RSS"),
-                                                         ("cuda_peak_allocated_mb", "loop CUDA allocated"))
-            if key in peaks]
-    lines.append(f"  generator  measured: {'; '.join(loop) or 'not logged'}")
+    loop = logged(("loop_peak_rss_mb", "loop RSS"), ("children_peak_rss_mb", "generator processes RSS"),
+                  ("cuda_peak_allocated_mb", "loop CUDA allocated"))
+    lines.append(f"  generator  measured: {loop}")
     lines.append(f"             simulated: engine weights {m.engine_weights / MB:.0f} + workspace "
                  f"{m.engine_workspace / MB:.0f}, KV cache {max(m.kv_bytes, 0) / MB:.0f}")
     return lines
