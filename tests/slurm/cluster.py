@@ -50,10 +50,21 @@ def job_state(job_id: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", text))
 
 
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+                "DEADLINE"}
+
+
+def _listed(job_id: str) -> bool:
+    """Whether `squeue` still lists the job; a failed `squeue` (slurmctld busy on a loaded host) counts as listed,
+    since an empty answer from a failed call would end the wait while the job still runs."""
+    done = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True)
+    return done.returncode != 0 or bool(done.stdout.strip())
+
+
 def wait_for(job_id: str, timeout_s: float) -> dict[str, str]:
-    """Wait until the job has left the queue (`squeue` no longer lists it); returns its final `scontrol` record."""
+    """Wait until the job has left the queue and `scontrol` records a final state; returns that record."""
     deadline = time.time() + timeout_s
-    while subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout.strip():
+    while _listed(job_id) or job_state(job_id).get("JobState") not in FINAL_STATES:
         if time.time() > deadline:
             subprocess.run(["scancel", job_id])
             pytest.fail(f"job {job_id} still queued or running after {timeout_s:.0f} s: {job_state(job_id)}")
