@@ -145,19 +145,25 @@ class WeightGroup:
     def receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Receivers: the buckets as they arrive, each a list of (hf_name, tensor) views of one received buffer
         (valid until the next bucket is requested: loaders copy them). Must be drained to the end."""
-        while True:
-            sizes = torch.empty(2, dtype=torch.int64, device=self.device)
-            self._broadcast(sizes)
-            n_head, n_payload = sizes.tolist()
-            if n_head == END:
-                return
-            if n_head == ABORT:
-                raise RefitAborted("weight group: the sender failed mid-refit; this refit is incomplete")
-            head = torch.empty(n_head, dtype=torch.uint8, device=self.device)
-            self._broadcast(head)
-            payload = torch.empty(n_payload, dtype=torch.uint8, device=self.device)
-            self._broadcast(payload)
-            yield bucket_views(bytes(head.cpu().tolist()), payload)
+        while (frame := self._receive_frame()) is not None:
+            head, payload = frame
+            yield bucket_views(head, payload)
+
+    def _receive_frame(self) -> tuple[bytes, torch.Tensor] | None:
+        """One frame as the sender broadcasts it: [header bytes, body bytes], the JSON header, the body; None at
+        the end mark, RefitAborted at the abort mark."""
+        sizes = torch.empty(2, dtype=torch.int64, device=self.device)
+        self._broadcast(sizes)
+        n_head, n_body = sizes.tolist()
+        if n_head == END:
+            return None
+        if n_head == ABORT:
+            raise RefitAborted("weight group: the sender failed mid-refit; this refit is incomplete")
+        head = torch.empty(n_head, dtype=torch.uint8, device=self.device)
+        self._broadcast(head)
+        body = torch.empty(n_body, dtype=torch.uint8, device=self.device)
+        self._broadcast(body)
+        return bytes(head.cpu().tolist()), body
 
     def close(self) -> None:
         self.pg = None
@@ -214,22 +220,12 @@ class CudaIpcWeightGroup(WeightGroup):
         them). Must be drained to the end."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        while True:
-            sizes = torch.empty(2, dtype=torch.int64)
-            self._broadcast(sizes)
-            n_head, n_handle = sizes.tolist()
-            if n_head == END:
-                return
-            if n_head == ABORT:
-                raise RefitAborted("weight group: the sender failed mid-refit; this refit is incomplete")
-            head = torch.empty(n_head, dtype=torch.uint8)
-            self._broadcast(head)
-            handle = torch.empty(n_handle, dtype=torch.uint8)
-            self._broadcast(handle)
+        while (frame := self._receive_frame()) is not None:  # the body is the buffer's IPC handle
+            head, handle = frame
             args = list(pickle.loads(handle.numpy().tobytes()))
             args[_DEVICE_ARG] = self.gpu.index
             payload = rebuild_cuda_tensor(*args)
-            bucket = bucket_views(head.numpy().tobytes(), payload)
+            bucket = bucket_views(head, payload)
             yield bucket
             torch.cuda.current_stream(self.gpu).synchronize()  # the loader's copies out of the buffer are done
             del bucket, payload
