@@ -53,12 +53,12 @@ class LLMEngine:
         if is_prefill:
             logits, out = self.runner.prefill(seqs)
             self.drafted_last = False
-            emitted = self.accept(seqs, Drafts([[] for _ in seqs]), logits[:, None])
+            emitted = self.accept(seqs, Drafts.none(len(seqs)), logits[:, None])
             valid = [len(s.prompt) for s in seqs]
         else:
             after_drafting, started = self.drafted_last, time.perf_counter()
             drafts = self.propose(seqs)
-            logits, out = self.runner.verify(seqs, drafts.tokens)
+            logits, out = self.runner.verify(seqs, drafts.padded(self.model.device), drafts.lengths)
             emitted = self.accept(seqs, drafts, logits)
             valid = [len(tokens) for tokens, _ in emitted]  # the last token and the accepted drafts
         self.proposer.observe(seqs, out, starts, valid)
@@ -89,7 +89,7 @@ class LLMEngine:
         k = self.controller.choose_k(len(seqs)) if self.controller else self.k_max
         if k == 0:
             self.drafted_last = False
-            return Drafts([[] for _ in seqs])
+            return Drafts.none(len(seqs))
         drafts = self.proposer.propose(seqs, k)
         self.drafted_last = True
         return drafts
@@ -105,10 +105,12 @@ class LLMEngine:
             tokens, lps = sample_tokens(logprobs[:, 0], u, p.greedy)
             return [([t], [lp]) for t, lp in zip(tokens.tolist(), lps.tolist())]
         # Everything the verifier reads lives where the logits do (the model's device); only the per-sequence
-        # Python lists below come back to the host, once per step.
+        # Python lists below come back to the host, in two reads a step (on a GPU each read waits for the device):
+        # the verdict with the drafts, and the log-probs.
         dev = logits.device
-        draft_len = long_tensor([len(d) for d in drafts.tokens], dev)
-        padded = long_tensor([d + [0] * (k - len(d)) for d in drafts.tokens], dev)
+        counts = drafts.lengths
+        draft_len = long_tensor(counts, dev)
+        padded = drafts.padded(dev)
         if p.greedy:
             verdict = verify_greedy(logprobs, padded, draft_len)
             lps = emitted_logprobs(logprobs, padded, verdict)
@@ -120,31 +122,30 @@ class LLMEngine:
             else:
                 verdict = verify_sampled(logprobs.exp(), padded, draft_len, u[:, :k], u[:, k], drafts.probs)
                 lps = emitted_logprobs(logprobs, padded, verdict)
-        all_lps = lps.tolist()
-        accepted, nxt = verdict.num_accepted.tolist(), verdict.next_token.tolist()
+        decided = torch.cat([verdict.num_accepted[:, None], verdict.next_token[:, None], padded], 1).tolist()
         emitted = []
-        for b, seq in enumerate(seqs):
-            n = accepted[b]
-            tokens = drafts.tokens[b][:n] + [nxt[b]]
-            lps = all_lps[b][: n + 1]
-            seq.num_cached -= len(drafts.tokens[b]) - n  # rollback: rejected drafts' keys are now stale
-            if drafts.tokens[b]:
-                self.record_stats(seq, len(drafts.tokens[b]), n)
-            emitted.append((tokens, lps))
+        for (n, last, *row), lps, drafted, seq in zip(decided, lps.tolist(), counts, seqs):
+            emitted.append((row[:n] + [last], lps[: n + 1]))
+            if drafted:
+                seq.num_cached -= drafted - n  # rollback: rejected drafts' keys are now stale
+                self.record_stats(seq, drafted, n)
         if self.controller and k:
-            self.controller.record_acceptance([len(d) for d in drafts.tokens], accepted)
+            self.controller.record_acceptance(counts, [n for n, *_ in decided])
         return emitted
 
     @staticmethod
     def record_stats(seq: Sequence, drafted: int, accepted: int) -> None:
+        """Count one verify step of `drafted` drafts, the first `accepted` of which stood (accepted <= drafted)."""
         seq.drafted += drafted
         seq.verify_steps += 1
-        if len(seq.accepted_per_pos) < drafted:
-            seq.accepted_per_pos += [0] * (drafted - len(seq.accepted_per_pos))
-            seq.drafted_per_pos += [0] * (drafted - len(seq.drafted_per_pos))
+        offered, stood = seq.drafted_per_pos, seq.accepted_per_pos
+        if len(stood) < drafted:
+            stood += [0] * (drafted - len(stood))
+            offered += [0] * (drafted - len(offered))
         for i in range(drafted):
-            seq.drafted_per_pos[i] += 1
-            seq.accepted_per_pos[i] += i < accepted
+            offered[i] += 1
+        for i in range(accepted):
+            stood[i] += 1
 
     # -- pieces ---------------------------------------------------------------------------------------------
     def start(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
@@ -191,6 +192,10 @@ class LLMEngine:
 
     def append(self, seq: Sequence, tokens: list[int], logprobs: list[float]) -> None:
         """Append emitted tokens, stopping at the first stop token or at the length limit."""
+        if len(tokens) < seq.remaining and self.stop_ids.isdisjoint(tokens):  # most steps: all of them, no end
+            seq.output += tokens
+            seq.logprobs += logprobs
+            return
         for token, logprob in zip(tokens, logprobs):
             seq.output.append(token)
             seq.logprobs.append(logprob)

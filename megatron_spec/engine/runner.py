@@ -23,10 +23,14 @@ class ModelRunner:
         """Feed each sequence its `new_tokens` (ragged, right-padded) after its cached ones; advance its cache."""
         T = max(len(t) for t in new_tokens)
         ids = long_tensor([t + [0] * (T - len(t)) for t in new_tokens], self.model.device)
-        view = self.cache.view([s.slot for s in seqs], [s.num_cached for s in seqs], T)
+        return self.forward_ids(seqs, ids, [len(t) for t in new_tokens])
+
+    def forward_ids(self, seqs: list[Sequence], ids: Tensor, counts: list[int]) -> TrunkOutput:
+        """Feed sequence b the first counts[b] of `ids` [B, T] (the rest is padding) after its cached tokens."""
+        view = self.cache.view([s.slot for s in seqs], [s.num_cached for s in seqs], ids.shape[1])
         out = self.model.trunk(ids, view.positions, view, capture=self.capture)
-        for seq, toks in zip(seqs, new_tokens):
-            seq.num_cached += len(toks)
+        for seq, n in zip(seqs, counts):
+            seq.num_cached += n
         return out
 
     def logits(self, hidden: Tensor) -> Tensor:
@@ -59,7 +63,11 @@ class ModelRunner:
         rows = torch.arange(len(seqs), device=out.hidden.device)
         return self.logits(out.hidden[rows, last]), out
 
-    def verify(self, seqs: list[Sequence], drafts: list[list[int]]) -> tuple[Tensor, TrunkOutput]:
-        """Logits [B, 1 + k, V] after feeding each sequence its last token and its drafts (plain decode: none)."""
-        out = self.forward(seqs, [[s.last_token] + d for s, d in zip(seqs, drafts)])
+    def verify(self, seqs: list[Sequence], drafts: Tensor, counts: list[int]) -> tuple[Tensor, TrunkOutput]:
+        """Logits [B, 1 + k, V] after feeding each sequence its last token and its counts[b] drafts (`drafts` [B, k]
+        right-padded with 0; plain decode: k = 0)."""
+        ids = long_tensor([s.last_token for s in seqs], self.model.device)[:, None]
+        if drafts.shape[1]:
+            ids = torch.cat([ids, drafts], 1)
+        out = self.forward_ids(seqs, ids, [1 + n for n in counts])
         return self.logits(out.hidden), out

@@ -2,21 +2,52 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import numpy as np
 from torch import Tensor
 
 from ...models.decoder import TrunkOutput
-from ...models.host import float_tensor
+from ...models.host import float_tensor, long_tensor
 from ..sampling import processed_logprobs, sample_inverse_cdf
 
 
-@dataclass
 class Drafts:
-    tokens: list[list[int]]
-    """Drafted tokens per sequence (ragged: a drafter may propose fewer than k, or none)."""
-    probs: Tensor | None = None
-    """[B, k, V] drafter distributions q when drafts were sampled; None for deterministic drafts (q one-hot)."""
+    """What a proposer drafted for each sequence of a step: ragged token lists, or one padded tensor."""
+
+    def __init__(self, tokens: list[list[int]] | None, probs: Tensor | None = None, table: Tensor | None = None,
+                 lengths: list[int] | None = None):
+        self._tokens = tokens
+        """Drafted tokens per sequence (ragged: a drafter may propose fewer than k, or none); None where the
+        drafter gave them as `table` only (`tokens` then reads them back)."""
+        self.probs = probs
+        """[B, k, V] drafter distributions q when drafts were sampled; None for deterministic drafts (q one-hot)."""
+        self.table = table
+        """[B, k] the same drafts as one tensor on the model's device, right-padded with 0, k the longest: what a
+        drafter running on the device made them as. The engine feeds and verifies them as they are and reads them
+        back once, with the verdict, instead of once per drafting round (a host sync on a GPU) into a Python list
+        per sequence."""
+        self.lengths = lengths if lengths is not None else [len(d) for d in tokens]
+        """Drafts per sequence."""
+
+    @classmethod
+    def none(cls, batch: int) -> "Drafts":
+        """No drafts for any of `batch` sequences (plain decoding)."""
+        return cls([[] for _ in range(batch)], lengths=[0] * batch)
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        """Each sequence's drafts as a list (read back from `table` where they are only there)."""
+        if self._tokens is None:
+            self._tokens = [row[:n] for row, n in zip(self.table.tolist(), self.lengths)]
+        return self._tokens
+
+    def padded(self, device) -> Tensor:
+        """`table`, or `tokens` right-padded with 0 into one [B, k] tensor (k: the most drafts of a sequence)."""
+        if self.table is not None:
+            return self.table
+        k = max(self.lengths, default=0)
+        if k == 0:
+            return long_tensor(np.zeros((len(self.lengths), 0)), device)
+        return long_tensor([d + [0] * (k - len(d)) for d in self._tokens], device)
 
 
 class Proposer:

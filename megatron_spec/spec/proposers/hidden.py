@@ -156,17 +156,14 @@ class HiddenStateProposer(Proposer):
         device = self.target.device
         if len(self.pending) == 1 and self.depths == 1:
             f_slots, f_starts, f_valid, parts = self.pending[0]
-            where = {slot: b for b, slot in enumerate(f_slots)}
-            index, offsets = [], []
-            for slot, c, n in zip(slots, starts, counts):
-                b = where.get(slot)
-                if b is None or c < f_starts[b] or c + n > f_starts[b] + f_valid[b]:
-                    break
-                index.append(b)
-                offsets.append(c - f_starts[b])
-            else:
+            slot_row = np.full(max(max(f_slots), max(slots)) + 1, -1)
+            slot_row[f_slots] = np.arange(len(f_slots))
+            index = slot_row[slots]  # each sequence's row in that forward, -1 where it had none
+            c, n = np.asarray(starts), np.asarray(counts)
+            f_start = np.asarray(f_starts)[index]
+            if (index >= 0).all() and (c >= f_start).all() and (c + n <= f_start + np.asarray(f_valid)[index]).all():
                 self.pending, self.pending_bytes = [], 0
-                rows = spans(offsets, T, parts[0].shape[1] - 1, device)
+                rows = spans(c - f_start, T, parts[0].shape[1] - 1, device)
                 index = long_tensor(index, device)[:, None]
                 return joined([part[index, rows] for part in parts], -1)
         self.flush()
@@ -187,35 +184,37 @@ class HiddenStateProposer(Proposer):
     def propose(self, seqs, k: int) -> Drafts:
         B, device = len(seqs), self.target.device
         budget = [max(0, min(k, s.remaining - 1)) for s in seqs]
-        if max(budget) == 0:  # every sequence is one token from its end: nothing to draft, the frontier stays
-            return Drafts([[] for _ in seqs])
-        ext = [s.tokens for s in seqs]  # grows by each round's drafts
+        width = max(budget)
+        if width == 0:  # every sequence is one token from its end: nothing to draft, the frontier stays
+            return Drafts.none(B)
         starts = [self.frontier[s.index] for s in seqs]
-        counts = [len(e) - 1 - c for e, c in zip(ext, starts)]  # positions c .. L-2
+        counts = [s.length - 1 - c for s, c in zip(seqs, starts)]  # positions c .. L-2
         T = max(counts)
         slots = [s.slot for s in seqs]
         hidden = self.catch_up_rows(slots, starts, counts, T)
         if not self.is_mtp:
             hidden = self.head.fc(hidden)
         last = long_tensor([n - 1 for n in counts], device)
-        drafts, probs = [[] for _ in seqs], []
-        rounds = max(max(budget), self.depths)
+        # The tokens the catch-ups read, from position c + 1 on, each round's drafts written after them as they
+        # come (depth j reads columns j .. j + T - 1, zero past the end): one tensor built once, where a Python
+        # list per sequence grew by every round's drafts, read back from the device every round.
+        ahead = ahead_tokens(seqs, starts, counts, T + self.depths - 1, device)
+        columns, probs = [], []
+        rounds = max(width, self.depths)
         # Every depth runs its catch-up even when k is below the number of depths (adaptive k=1 on a 2-layer MTP):
         # the frontier below moves for all depths, and a depth skipped here would miss its keys from then on.
         for j in range(rounds):
             depth = min(j, self.depths - 1)
             if j < self.depths:  # catch-up rows c..L-2 for this depth, tokens j+1 ahead
-                ids = long_tensor([e[c + j + 1 : c + j + 1 + T] + [0] * (T - len(e[c + j + 1 : c + j + 1 + T]))
-                                   for e, c in zip(ext, starts)], device)
+                ids = ahead[:, j : j + T].contiguous()
                 view = self.cache.view(slots, starts, T)
                 if depth == self.depths - 1 and self.greedy_mtp():
                     # The last depth's catch-up and every round after it in one kernel call, where it applies.
                     chained = self.head.draft(hidden, ids, last, rounds - j, self.target.lm_head,
                                               self.target.model.embed_tokens.weight, view)
                     if chained is not None:
-                        for b, row in enumerate(chained.tolist()):
-                            drafts[b] += row[: max(0, budget[b] - j)]
-                        probs += [None] * (max(budget) - j)
+                        columns.append(chained)
+                        probs += [None] * (width - j)
                         break
                 rows_b = torch.arange(B, device=device)
                 if depth == self.depths - 1 and T >= STORE_ONLY_FROM:
@@ -236,16 +235,29 @@ class HiddenStateProposer(Proposer):
             logits = self.logits(state)
             tokens, q = choose_mapped(logits, self.d2t, self.target.config.vocab_size,
                                       self.params, seqs, self.sample)
-            if j < max(budget):
+            if j < width:
                 probs.append(q)
-            for b, t in enumerate(tokens.tolist()):
-                ext[b].append(t)
-                if j < budget[b]:
-                    drafts[b].append(t)
+            columns.append(tokens[:, None])
+            if j + 1 < self.depths:  # the next depth's catch-up reads this draft after each sequence's tokens
+                ahead.scatter_(1, long_tensor([n + j for n in counts], device)[:, None], tokens[:, None])
         for s in seqs:  # depth i is final up to L-2-i, so everything from L-D on is redone next round
             self.frontier[s.index] = max(s.length - self.depths, 0)
         stacked = torch.stack(probs, 1) if probs and probs[0] is not None else None
-        return Drafts(drafts, stacked)
+        table = joined(columns, 1)[:, :width]
+        table = table.masked_fill(torch.arange(width, device=device) >= long_tensor(budget, device)[:, None], 0)
+        return Drafts(None, stacked, table, budget)
+
+
+def ahead_tokens(seqs, starts: list[int], counts: list[int], width: int, device) -> Tensor:
+    """[B, width] int64: sequence b's tokens at positions starts[b] + 1 .. starts[b] + counts[b] (its last), then
+    zeros."""
+    rows = []
+    for s, c in zip(seqs, starts):
+        P = len(s.prompt)
+        rows += s.prompt[c + 1 :] + s.output if c + 1 < P else s.output[c + 1 - P :]
+    table = np.zeros((len(seqs), width), dtype=np.int64)
+    table[np.arange(width) < np.asarray(counts)[:, None]] = rows  # row-major: each sequence's tokens in order
+    return long_tensor(table, device)
 
 
 class FeatureRecorder(Proposer):
