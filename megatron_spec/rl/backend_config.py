@@ -57,7 +57,9 @@ class MegatronSection:
     [recompute_granularity]."""
     optimizer: str = "torch"
     """`torch`: torch AdamW on each rank's shards (CPU and GPU); `megatron`: Megatron-Core's distributed optimizer
-    (`get_megatron_optimizer`, states sharded over data-parallel ranks, gradients reduced in fp32; CUDA only)."""
+    (`get_megatron_optimizer`, states sharded over data-parallel ranks, gradients reduced in fp32; CUDA only). Both
+    train MTP layers at `drafter_train.lr`, clipped apart from the policy, and save resharding checkpoints; a
+    checkpoint loads only under the optimizer that saved it."""
 
     def layout(self) -> Layout:
         """The parallel split these sizes describe, for the shared validator (`megatron_spec/layout.py`)."""

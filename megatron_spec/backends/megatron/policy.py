@@ -23,15 +23,19 @@ Optimizer: torch's AdamW on each rank's shards with the embedded trainer's setti
 gradients are reduced (`step.reduce_grads`) and clipped, policy and MTP layers separately (`grpo.max_grad_norm`,
 1.0), so a detached MTP head leaves the policy update exactly as without it. Megatron-Core's distributed
 optimizer (`optimizer="megatron"`: Megatron's DDP with fp32 gradient buffers, fp32 masters and Adam states sharded
-over data parallel, global clipping) is CUDA only, refused elsewhere before anything is built; it is written
-against megatron-core 0.16 but has not run on a GPU yet, and MTP layers and checkpoints still need the torch one.
+over data parallel) is CUDA only, refused elsewhere before anything is built. It keeps the same contract: the MTP
+layers are their own parameter groups in the one optimizer (`drafter_train.lr`, torch's default betas) and are
+clipped apart from the policy (`_megatron_step`), so a detached MTP head leaves the policy update as without it.
 
 Checkpoints (`save_sharded` / `load_sharded`): Megatron-Core's `dist_checkpointing` in its `torch_dist` format.
 Each rank writes its own shards of the weights (the fp32 masters under bf16), of both Adam moments and of the
 MTP layers; nothing is gathered. The optimizer's moments are saved as the model's own sharded state dict with the
 moment in place of each weight, so they carry the same sharding metadata and reshard the same way: a run saved
-at one TP / PP / EP layout loads at another. `state_dict` / `load_state_dict` (full HF-named tensors gathered on
-every rank) stay for small models and tools.
+at one TP / PP / EP layout loads at another. With `optimizer="megatron"` the checkpoint is Megatron-Core's own: the
+model's sharded state dict and the distributed optimizer's `sharded_state_dict` of it in the `fully_reshardable`
+form (each weight's fp32 master and moments in the weight's shape, keyed and sharded as the weight), which loads at
+another TP / PP / EP / DP layout. The two forms do not load into each other. `state_dict` / `load_state_dict` (full
+HF-named tensors gathered on every rank) stay for small models and tools (torch optimizer only).
 """
 
 from __future__ import annotations
@@ -69,6 +73,16 @@ from megatron.core import parallel_state as ps  # noqa: E402
 STOP = "__stop__"
 BUILD = "__build__"
 OPT_STATES = ("exp_avg", "exp_avg_sq")
+MTP_MAX_GRAD_NORM = 1.0
+"""The MTP layers' gradient clip, the embedded drafter trainer's."""
+MTP_BETAS = (0.9, 0.999)
+"""The MTP layers' Adam betas: torch's default, as the embedded drafter trainer's."""
+MEGATRON_CKPT = dict(distrib_optim_sharding_type="fully_reshardable", chained_optim_avoid_prefix=True)
+"""Megatron-Core's checkpoint metadata: the distributed optimizer's state in the model's space (each weight's fp32
+master and Adam moments shaped and sharded as the weight, so it loads at any TP / PP / EP / DP layout; to save or
+load it every rank holds its model-parallel part's whole states in host memory for a moment, gathered over data
+parallel), and the same tensor keys whatever the optimizer chain. (Megatron's per-rank `fully_sharded_model_space`
+form is refused by megatron-core 0.16's own checks: its flattened ranges are no longer supported.)"""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -108,9 +122,6 @@ class MegatronPolicy:
                                       "needs CUDA; on the CPU use optimizer=torch (AdamW per shard, fp32 masters)")
         if optimizer not in ("torch", "megatron"):
             raise ValueError(f"optimizer must be torch or megatron, got {optimizer!r}")
-        if optimizer == "megatron" and mtp_num_layers:
-            raise NotImplementedError("backend.megatron.optimizer=megatron clips and steps all parameters together; "
-                                      "MTP layers (their own learning rate and clipping) need optimizer=torch")
         drafter_layers = None
         if isinstance(drafter, MTP):
             drafter_layers = drafter.mtp_config.num_layers
@@ -177,9 +188,10 @@ class MegatronPolicy:
         if self.mtp_layers:
             groups.append(dict(params=[self.masters[p] for _, p in self.mtp_layers], lr=drafter_lr))
         self.opt = torch.optim.AdamW(groups, weight_decay=0.0) if optimizer == "torch" else None
+        self.optimizer = optimizer
         self.ddp = self.mopt = None
         if optimizer == "megatron":
-            self._megatron_optimizer(grpo)
+            self._megatron_optimizer(grpo, drafter_lr)
         self.eagle3 = None
         if eagle3 is not None:
             from .eagle3 import Eagle3Online
@@ -309,8 +321,13 @@ class MegatronPolicy:
             from megatron.core.distributed import finalize_model_grads
 
             finalize_model_grads([self.ddp])
-            updated, grad_norm, _ = self.mopt.step()
+            if self.mtp:  # every rank, with or without MTP layers on its stage
+                updated, grad_norm = self._megatron_step()
+            else:
+                updated, grad_norm, _ = self.mopt.step()
             metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+            if self.mtp:
+                metrics["drafter_loss"] = sums["drafter_loss"]
             if not updated:
                 metrics["skipped"] = True
                 return metrics
@@ -319,7 +336,7 @@ class MegatronPolicy:
             self._grads_to_masters()
             metrics["grad_norm"] = clip(self._master_named(self.trunk), self.owned, self.grpo.max_grad_norm)
             if self.mtp:  # collective: stages without MTP layers take part with nothing
-                clip(self._master_named(self.mtp_layers), self.owned, 1.0)
+                clip(self._master_named(self.mtp_layers), self.owned, MTP_MAX_GRAD_NORM)
                 metrics["drafter_loss"] = sums["drafter_loss"]
             self.opt.step()
             self._masters_to_params()
@@ -349,13 +366,21 @@ class MegatronPolicy:
 
     # -- optimizers -------------------------------------------------------------------------------------------
 
-    def _megatron_optimizer(self, grpo) -> None:
+    def _megatron_optimizer(self, grpo, drafter_lr: float) -> None:
         """Megatron-Core's distributed optimizer (CUDA only; checked by the caller): the model in Megatron's DDP
         (gradients accumulated and reduce-scattered in fp32 buffers), Adam with the embedded trainer's settings over
-        fp32 masters sharded across the data-parallel ranks, Megatron's global gradient clipping. Written against
-        megatron-core 0.16's API and not run on a GPU yet; the CPU path is the torch optimizer."""
+        fp32 masters sharded across the data-parallel ranks. Megatron's global gradient clipping without MTP layers.
+
+        MTP layers: Megatron's own parameter-group overrides (`config_overrides`, megatron-core 0.16) give them
+        their own groups with `lr` = `drafter_lr` and torch's default betas, set on the group itself (no learning-rate
+        scheduler runs; `max_lr` / `min_lr` say the same for one that would). The groups are marked
+        `is_decoupled_lr`, one of the keys Megatron matches groups by when it loads a checkpoint, so a policy group
+        and an MTP group with otherwise equal keys never swap their settings. One optimizer steps both, but
+        `_megatron_step` clips the policy groups and the MTP groups each by their own norm, as the torch path does."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import (
+            OptimizerConfig, ParamKey, ParamPredicate, get_megatron_optimizer, get_standard_config_overrides,
+        )
 
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=True)
@@ -364,8 +389,60 @@ class MegatronPolicy:
                                      adam_beta1=0.9, adam_beta2=0.99, adam_eps=1e-8,
                                      bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype,
                                      use_distributed_optimizer=True, clip_grad=grpo.max_grad_norm)
-        self.mopt = get_megatron_optimizer(opt_config, [self.ddp])
+        overrides = None
+        if self.mtp:  # every rank: Megatron aligns the parameter groups across ranks
+            overrides = get_standard_config_overrides(opt_config)  # what Megatron applies when given none
+            mtp_ids = {id(p) for _, p in self.mtp_layers}
+            mtp_key = ParamKey(predicate=ParamPredicate(name="mtp_layers", fn=lambda p: id(p) in mtp_ids))
+            overrides[mtp_key] = dict(lr=drafter_lr, max_lr=drafter_lr, min_lr=drafter_lr, betas=MTP_BETAS,
+                                      is_decoupled_lr=True)
+        self.mopt = get_megatron_optimizer(opt_config, [self.ddp], config_overrides=overrides)
         self.masters = {p: p for p in self.masters}  # the optimizer keeps its own (sharded) fp32 copies
+
+    def _megatron_subs(self) -> list:
+        return list(getattr(self.mopt, "chained_optimizers", [self.mopt]))
+
+    @torch.no_grad()
+    def _megatron_step(self) -> tuple[bool, float]:
+        """Megatron-Core's optimizer step with the policy groups and the MTP groups clipped apart: (updated, the
+        policy's gradient norm before clipping). Megatron's `step` with its norm split in two: the main gradients
+        are prepared (`prepare_grads`), each part's norm is taken over what Megatron's own norm counts (this rank's
+        shard, no tied copy twice, no tensor-parallel duplicate), reduced over the optimizer's group, and each
+        part is clipped by its own norm before the update (`step_with_ready_grads`). Collective: every rank goes
+        through every sub-optimizer and part, with or without parameters of it."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32, get_grad_norm_fp32
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        if self.mopt.prepare_grads():  # an inf / nan main gradient (checked only under a loss scale)
+            return False, None
+        norms = []
+        for mtp, max_norm in ((False, self.grpo.max_grad_norm), (True, MTP_MAX_GRAD_NORM)):
+            parts, squares = [], 0.0
+            for sub in self._megatron_subs():
+                params = _group_params(sub, mtp)
+                tp = getattr(sub, "tp_group", None)
+                grads = [p.grad for p in params if p.grad is not None and param_is_not_shared(p)
+                         and param_is_not_tensor_parallel_duplicate(p, tp)]
+                squares += get_grad_norm_fp32(grads, grad_stats_parallel_group=sub.get_grad_stats_parallel_group()) ** 2
+                parts.append(params)
+            norm = squares ** 0.5
+            for params in parts:
+                if params:
+                    clip_grad_by_total_norm_fp32(params, max_norm, norm)
+            norms.append(norm)
+        return self.mopt.step_with_ready_grads(), norms[0]
+
+    def _megatron_adam_step(self) -> float:
+        """Adam's step count in Megatron-Core's optimizer (TE / Apex keep it per group, torch per parameter)."""
+        steps = []
+        for sub in self._megatron_subs():
+            inner = getattr(sub, "optimizer", None)
+            if inner is None:
+                continue
+            steps += [float(g["step"]) for g in inner.param_groups if g["params"] and "step" in g]
+            steps += [float(s["step"]) for s in inner.state.values() if "step" in s]
+        return max(steps, default=0.0)
 
     def _zero_grad(self) -> None:
         if self.mopt is not None:
@@ -376,8 +453,8 @@ class MegatronPolicy:
 
     def _torch_optimizer_only(self, what: str) -> None:
         if self.mopt is not None:
-            raise NotImplementedError(f"{what} with backend.megatron.optimizer=megatron is not wired yet "
-                                      "(its sharded optimizer state); use optimizer=torch")
+            raise NotImplementedError(f"{what} (full HF-named tensors) with backend.megatron.optimizer=megatron is "
+                                      "not wired; its checkpoint is save_sharded / load_sharded")
 
     # -- fp32 masters -----------------------------------------------------------------------------------------
 
@@ -465,6 +542,7 @@ class MegatronPolicy:
         if "sharded_dir" in state:  # a run checkpoint of `save_sharded`
             self.load_sharded(state["sharded_dir"], state)
             return
+        self._torch_optimizer_only("load_state_dict")
         self._announce("load_state_dict", state)
         with self._params_as("master"):
             import_hf(self.model, state["weights"])
@@ -505,13 +583,32 @@ class MegatronPolicy:
             detach(sd)
         return sd
 
+    def _megatron_sharded(self, is_loading: bool) -> dict:
+        """Megatron-Core's checkpoint of the model and its distributed optimizer, as its training loop builds it:
+        the model's sharded state dict (the weights themselves, so the optimizer finds each one's shards) and the
+        optimizer's `sharded_state_dict` of it (`MEGATRON_CKPT`)."""
+        from megatron.core.optimizer import distrib_optimizer
+
+        metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True), **MEGATRON_CKPT}
+        model = self.model.sharded_state_dict(prefix="", metadata=metadata)
+        if is_loading and not distrib_optimizer.HAVE_APEX_OR_TE:
+            # torch's Adam (no TE / Apex) keeps its step per parameter, and building the state dict to load into
+            # reads it: a fresh optimizer first takes Megatron's own zero-gradient step (its update is 0; the load
+            # overwrites states and step). TE's and Apex's FusedAdam keep the step per group and need none.
+            for sub in self._megatron_subs():
+                inner = None if getattr(sub, "is_stub_optimizer", False) else getattr(sub, "optimizer", None)
+                if inner is not None and len(inner.state) == 0:
+                    sub._init_optimizer_states_with_dummy_values()
+        return {"model": model, "optimizer": self.mopt.sharded_state_dict(model, is_loading, metadata=metadata)}
+
     def save_sharded(self, out_dir: str | os.PathLike | None) -> dict:
         """Every rank writes its own shards of the weights (fp32 masters), both Adam moments and the MTP layers
         into `out_dir` (Megatron-Core `torch_dist`; rank 0's `out_dir` counts, the others may pass None). Collective;
-        returns the small state the run checkpoint keeps beside it (`load_state_dict` of it loads the shards)."""
+        returns the small state the run checkpoint keeps beside it (`load_state_dict` of it loads the shards).
+        With `optimizer="megatron"`: Megatron-Core's checkpoint of the model and the distributed optimizer
+        (`_megatron_sharded`); ranks holding a data-parallel replica of a shard leave its writing to the first."""
         from megatron.core import dist_checkpointing
 
-        self._torch_optimizer_only("save_sharded")
         self._announce("save_sharded", None if out_dir is None else str(out_dir))
         box = [None if out_dir is None else str(out_dir)]
         dist.broadcast_object_list(box, src=0)  # rank 0 names the directory (a temporary one, renamed after)
@@ -519,23 +616,36 @@ class MegatronPolicy:
         if dist.get_rank() == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
         dist.barrier()
-        sd = {k: v for key in ("weights", *OPT_STATES) for k, v in self._sharded(key).items()}
+        if self.mopt is not None:
+            sd = self._megatron_sharded(is_loading=False)
+            step = self._megatron_adam_step()
+        else:
+            sd = {k: v for key in ("weights", *OPT_STATES) for k, v in self._sharded(key).items()}
+            step = max((float(s["step"]) for s in self.opt.state.values() if "step" in s), default=0.0)
         unviewed(sd)
         with on_cpu():
             dist_checkpointing.save(sd, str(out_dir))
         dist.barrier()  # every rank's files are on disk before the caller renames the directory into place
-        steps = [float(s["step"]) for s in self.opt.state.values() if "step" in s]
-        out = {"sharded_dir": out_dir.name, "step": max(steps, default=0.0), "layout": self.par.describe()}
+        out = {"sharded_dir": out_dir.name, "step": step, "layout": self.par.describe(), "optimizer": self.optimizer}
         if self.eagle3:  # small and replicated: kept beside the shards
             out["eagle3"] = self.eagle3.state_dict()
         return out
 
     def load_sharded(self, ckpt_dir: str | os.PathLike, state: dict | None = None) -> None:
-        """Every rank reads its own shards of a `save_sharded` checkpoint made at any TP / PP / EP layout."""
+        """Every rank reads its own shards of a `save_sharded` checkpoint made at any TP / PP / EP layout (and,
+        with `optimizer="megatron"`, data-parallel size) by a policy with the same `optimizer`."""
         from megatron.core import dist_checkpointing
 
-        self._torch_optimizer_only("load_sharded")
+        saved_by = (state or {}).get("optimizer", "torch")
+        if saved_by != self.optimizer:
+            raise ValueError(f"checkpoint {ckpt_dir} holds optimizer={saved_by} state; this policy has "
+                             f"backend.megatron.optimizer={self.optimizer}")
         self._announce("load_sharded", str(ckpt_dir), state)
+        if self.mopt is not None:
+            self._load_megatron(ckpt_dir)
+            if self.eagle3 and state and "eagle3" in state:
+                self.eagle3.load_state_dict(state["eagle3"])
+            return
         for key in ("weights", *OPT_STATES):
             sd = self._sharded(key)
             with on_cpu():
@@ -551,6 +661,27 @@ class MegatronPolicy:
         self._set_step((state or {}).get("step", 0.0))
         if self.eagle3 and state and "eagle3" in state:
             self.eagle3.load_state_dict(state["eagle3"])
+
+    def _load_megatron(self, ckpt_dir: str | os.PathLike) -> None:
+        """The model's weights, then the distributed optimizer's fp32 masters, moments, step and groups, from
+        `_megatron_sharded`'s checkpoint, as Megatron-Core's training loop loads them."""
+        from megatron.core import dist_checkpointing
+
+        loaded = dist_checkpointing.load(self._megatron_sharded(is_loading=True), str(ckpt_dir))
+        missing, _ = self.model.load_state_dict(loaded["model"], strict=False)
+        missing = [n for n in missing if not n.endswith("_extra_state")]
+        if missing:
+            raise ValueError(f"checkpoint {ckpt_dir} has no weights for {len(missing)} parameter(s), "
+                             f"e.g. {missing[:3]}")
+        self.mopt.load_state_dict(loaded["optimizer"])
+
+
+def _group_params(sub, mtp: bool) -> list:
+    """The main parameters of one Megatron sub-optimizer's MTP groups (`mtp`) or policy groups (the MTP groups are
+    the ones marked `is_decoupled_lr`, `_megatron_optimizer`); none for a rank without parameters in it."""
+    inner = None if getattr(sub, "is_stub_optimizer", False) else getattr(sub, "optimizer", None)
+    groups = inner.param_groups if inner is not None else []
+    return [p for g in groups if bool(g.get("is_decoupled_lr", False)) == mtp for p in g["params"]]
 
 
 def _whole_storage(t: torch.Tensor) -> torch.Tensor:

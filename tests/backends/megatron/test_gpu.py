@@ -13,6 +13,9 @@ Transformer Engine spec when TE is installed, else the local spec), one process.
 - a GRPO step of `MegatronPolicy` on the GPU equals the embedded trainer's (loss, grad norm, weights).
 - import -> export is bitwise on the GPU spec too (TE fuses the pre-attention / pre-MLP norms into the next linear,
   so this checks those names).
+- Megatron-Core's distributed optimizer with MTP layers (bf16): the MTP layers step at `drafter_lr`, and the
+  policy's update equals the run without MTP layers (they are clipped apart); its checkpoint (`save_sharded` /
+  `load_sharded`) restores masters, moments and step exactly, and the next step equals the uninterrupted one.
 
 Without CUDA every test skips and says why.
 """
@@ -262,3 +265,169 @@ def test_bf16_distributed_optimizer_recompute_step_tracks_the_fp32_cpu_step(kind
     assert peaks.get("trainer_cuda_peak_allocated_mb", [0])[0] > 0
     record(f"megatron_bf16_distopt_recompute_{kind}", steps=figures, weight_max_diff=float(diffs.max()),
            weight_mean_diff=float(diffs.mean()), lr=lr, gpu=torch.cuda.get_device_name())
+
+
+DRAFTER_LR = 1e-4
+"""The MTP layers' learning rate in the distributed-optimizer tests: 10x below the policy's (`policy_workers.grpo`,
+1e-3), so an MTP layer stepped at the policy's rate, or not at all, is plain."""
+
+
+def megatron_policy(kind: str, mtp: bool):
+    from megatron_spec.backends.megatron.parallel import Parallelism
+    from megatron_spec.backends.megatron.policy import MegatronPolicy
+
+    from . import policy_workers as w
+
+    cfg = tiny(kind)
+    return MegatronPolicy(w.our_model(cfg), w.grpo(), w.SAMPLING, Parallelism(), params_dtype="bfloat16",
+                          optimizer="megatron", drafter=w.our_drafter(cfg) if mtp else None,
+                          mtp_num_layers=1 if mtp else 0, drafter_lr=DRAFTER_LR)
+
+
+def megatron_states(policy) -> dict[str, dict[str, torch.Tensor]]:
+    """Parameter name -> its fp32 master (`param`) and Adam moments (once stepped), flat, on the host, from
+    Megatron-Core's distributed optimizer (one rank holds every shard whole)."""
+    named = list(policy.model.named_parameters())
+    out = {}
+    for sub in policy.mopt.chained_optimizers:
+        for name, p in named:
+            if p in sub.model_param_group_index_map:  # read without adding an (empty) state entry
+                group, order = sub.model_param_group_index_map[p]
+                main = sub.optimizer.param_groups[group]["params"][order]
+                states = {"param": main, **sub.optimizer.state.get(main, {})}
+                out[name] = {k: states[k].detach().float().cpu().clone()
+                             for k in ("param", "exp_avg", "exp_avg_sq") if k in states}
+    assert sorted(out) == sorted(n for n, _ in named)
+    return out
+
+
+def megatron_step(policy, b):
+    from . import policy_workers as w
+
+    return policy.train_step(w.with_policy_old(b, policy.logprobs(b)))
+
+
+def loss_of(metrics: dict) -> float:
+    return metrics.get("grpo_loss", metrics["loss"])  # MoE: without the router losses (the MTP layer has one)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_megatron_optimizer_steps_mtp_layers_at_drafter_lr_apart_from_the_policy(kind):
+    """bf16, Megatron-Core's distributed optimizer, one detached MTP layer, 2 GRPO steps (the policy's clip 0.2 is
+    active on step 2), against the same run without the MTP layer.
+
+    - groups: the MTP layers' have lr = `drafter_lr` and torch's default betas, the policy's `grpo.lr` and (0.9,
+      0.99);
+    - step 1 moves each fp32 master by Adam's first step, lr x |g| / (|g| + 1e-8): every MTP element by at most
+      1.01 x `drafter_lr` (fp32 rounding of the weight is < 1e-6 here) and the median MTP element by >= 0.9 x it
+      (gradients far above 1e-8); the policy's by at most 1.01 x `grpo.lr`;
+    - the policy: loss, grad norm (of the policy alone) and fp32 masters after both steps equal the run without
+      MTP within what GPU accumulation-order nondeterminism leaves: loss rel 1e-5, grad norm rel 1e-4, masters
+      within 0.05 x lr (step 2's Adam update mixes both steps' clipped gradients, so a clip that counted the MTP
+      gradients would change the ratio of the two steps' clip factors and move masters by a sizeable part of lr),
+      and the bf16 weights within one bf16 spacing (|w| x 2^-7) of each other."""
+    from . import policy_workers as w
+
+    cfg = tiny(kind)
+    batches, lr = w.batches(cfg, 2), w.grpo().lr
+    runs = {}
+    for mtp in (False, True):
+        policy = megatron_policy(kind, mtp)
+        before = megatron_states(policy)
+        metrics, states = [], []
+        for b in batches:
+            metrics.append(megatron_step(policy, b))
+            states.append(megatron_states(policy))
+        groups = [g for sub in policy.mopt.chained_optimizers for g in sub.optimizer.param_groups]
+        runs[mtp] = dict(before=before, metrics=metrics, states=states, groups=groups,
+                         weights={n: t.float().cpu() for n, t in policy.export_weights()})
+        del policy
+    plain, ours = runs[False], runs[True]
+    mtp_groups = [g for g in ours["groups"] if g.get("is_decoupled_lr")]
+    assert any(g["params"] for g in mtp_groups)
+    assert all(g["lr"] == DRAFTER_LR and tuple(g["betas"]) == (0.9, 0.999) for g in mtp_groups)
+    policy_groups = [g for g in ours["groups"] if not g.get("is_decoupled_lr")]
+    assert all(g["lr"] == lr and tuple(g["betas"]) == (0.9, 0.99) for g in policy_groups)
+
+    def moved(names):
+        return torch.cat([(ours["states"][0][n]["param"] - ours["before"][n]["param"]).abs() for n in names])
+
+    mtp_names = [n for n in ours["before"] if n.startswith("mtp.")]
+    trunk_names = [n for n in ours["before"] if not n.startswith("mtp.")]
+    assert mtp_names and sorted(trunk_names) == sorted(plain["before"])
+    d_mtp, d_trunk = moved(mtp_names), moved(trunk_names)
+    assert float(d_mtp.max()) <= 1.01 * DRAFTER_LR
+    assert float(d_mtp.median()) >= 0.9 * DRAFTER_LR
+    assert float(d_trunk.max()) <= 1.01 * lr
+    figures = []
+    for step, (got, want) in enumerate(zip(ours["metrics"], plain["metrics"])):
+        assert got["skipped"] is False and want["skipped"] is False
+        assert loss_of(got) == pytest.approx(loss_of(want), rel=1e-5)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
+        assert got["drafter_loss"] > 0
+        master_diff = max(float((ours["states"][step][n]["param"] - plain["states"][step][n]["param"]).abs().max())
+                          for n in trunk_names)
+        assert master_diff <= 0.05 * lr
+        figures.append(dict(loss=loss_of(got), loss_without_mtp=loss_of(want), grad_norm=got["grad_norm"],
+                            grad_norm_without_mtp=want["grad_norm"], drafter_loss=got["drafter_loss"],
+                            trunk_master_max_diff=master_diff))
+    for n, t in plain["weights"].items():
+        d = (ours["weights"][n] - t).abs()
+        assert float((d - t.abs() * 2**-7).max()) <= 0.05 * lr, n
+    record(f"megatron_distopt_mtp_{kind}", steps=figures, mtp_step1_max_move=float(d_mtp.max()),
+           mtp_step1_median_move=float(d_mtp.median()), drafter_lr=DRAFTER_LR, lr=lr,
+           gpu=torch.cuda.get_device_name())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_megatron_optimizer_checkpoint_resumes_the_next_step(kind, tmp_path):
+    """bf16, Megatron-Core's distributed optimizer, one detached MTP layer: a step, `save_sharded`, then the next
+    step; a freshly built policy loads the checkpoint the way the RL loop does (`load_state_dict` of the returned
+    state) and takes the same next step.
+
+    - the load is exact: bf16 weights, fp32 masters and both Adam moments bitwise equal to the saved policy's,
+      Adam's step 1, the MTP groups' lr `drafter_lr` (all copies of saved values);
+    - the next step's loss and drafter loss equal the uninterrupted run's to rel 1e-6 (the same forward on the same
+      weights), its grad norm to rel 1e-5 and the masters after it within 0.01 x lr (GPU accumulation-order
+      nondeterminism in the backward; a lost moment or step count changes Adam's second update by a sizeable part of
+      lr)."""
+    from . import policy_workers as w
+
+    cfg = tiny(kind)
+    first_batch, next_batch = w.batches(cfg, 2)
+    lr = w.grpo().lr
+    first = megatron_policy(kind, mtp=True)
+    megatron_step(first, first_batch)
+    state = first.save_sharded(tmp_path / "ckpt")
+    assert state["optimizer"] == "megatron" and state["step"] == 1.0
+    saved_weights = {n: t.cpu().clone() for n, t in first.export_weights()}
+    saved_states = megatron_states(first)
+    want = megatron_step(first, next_batch)
+    want_states = megatron_states(first)
+    del first
+
+    resumed = megatron_policy(kind, mtp=True)
+    resumed.load_state_dict({**state, "sharded_dir": str(tmp_path / "ckpt")})
+    loaded_weights = {n: t.cpu() for n, t in resumed.export_weights()}
+    assert sorted(loaded_weights) == sorted(saved_weights)
+    assert [n for n, t in saved_weights.items() if not torch.equal(loaded_weights[n], t)] == []
+    loaded_states = megatron_states(resumed)
+    assert [(n, k) for n, s in saved_states.items() for k, t in s.items()
+            if not torch.equal(loaded_states[n][k], t)] == []
+    assert all(sorted(s) == ["exp_avg", "exp_avg_sq", "param"] for s in loaded_states.values())
+    assert resumed._megatron_adam_step() == 1.0
+    groups = [g for sub in resumed.mopt.chained_optimizers for g in sub.optimizer.param_groups]
+    assert all(g["lr"] == (DRAFTER_LR if g.get("is_decoupled_lr") else lr) for g in groups)
+    got = megatron_step(resumed, next_batch)
+    got_states = megatron_states(resumed)
+    assert got["skipped"] is False
+    assert loss_of(got) == pytest.approx(loss_of(want), rel=1e-6)
+    assert got["drafter_loss"] == pytest.approx(want["drafter_loss"], rel=1e-6)
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    master_diff = max(float((got_states[n]["param"] - want_states[n]["param"]).abs().max()) for n in want_states)
+    assert master_diff <= 0.01 * lr
+    record(f"megatron_distopt_mtp_resume_{kind}", loss=loss_of(got), loss_uninterrupted=loss_of(want),
+           grad_norm=got["grad_norm"], grad_norm_uninterrupted=want["grad_norm"], master_max_diff=master_diff,
+           files=sorted(f.name for f in (tmp_path / "ckpt").iterdir()), gpu=torch.cuda.get_device_name())
