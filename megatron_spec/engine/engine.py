@@ -20,7 +20,7 @@ from ..spec.adaptive import AdaptiveController
 from ..spec.config import SpecConfig
 from ..spec.proposers import Drafts, Proposer
 from ..spec.registry import build_proposer
-from ..spec.sampling import processed_logprobs, sample_tokens
+from ..spec.sampling import UniformStreams, processed_logprobs, sample_tokens, uniforms
 from ..spec.verify import Verdict, emitted_logprobs, verify_greedy, verify_sampled
 from ..models.kv_cache import KVCache
 from .params import Completion, SamplingParams
@@ -101,7 +101,7 @@ class LLMEngine:
         logprobs = processed_logprobs(logits, p.temperature, p.top_k, p.top_p)
         k = logits.shape[1] - 1
         if k == 0:  # plain decoding (or prefill): sampling from p is all there is to it
-            u = float_tensor([s.uniforms(1)[0] for s in seqs], logits.device)
+            u = float_tensor(uniforms(seqs, 1)[:, 0], logits.device)
             tokens, lps = sample_tokens(logprobs[:, 0], u, p.greedy)
             return [([t], [lp]) for t, lp in zip(tokens.tolist(), lps.tolist())]
         # Everything the verifier reads lives where the logits do (the model's device); only the per-sequence
@@ -115,7 +115,7 @@ class LLMEngine:
             verdict = verify_greedy(logprobs, padded, draft_len)
             lps = emitted_logprobs(logprobs, padded, verdict)
         else:
-            u = float_tensor([s.uniforms(k + 1) for s in seqs], dev)
+            u = float_tensor(uniforms(seqs, k + 1), dev)
             if drafts.probs is None and kernels.usable(logprobs):  # the same verdict in one call, on the CPU
                 num_accepted, next_token, lps = kernels.verify_onehot(logprobs, padded, draft_len, u)
                 verdict = Verdict(num_accepted, next_token)
@@ -161,9 +161,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, self.max_num_seqs, self.max_prefill_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.proposer.capture_layers)
         seqs = []
-        for i, prompt in enumerate(prompts):
-            gen = torch.Generator().manual_seed(params.seed * 1_000_003 + i)
-            seq = Sequence(i, list(prompt), min(params.max_tokens, context - len(prompt)), gen)
+        generators = [torch.Generator().manual_seed(params.seed * 1_000_003 + i) for i in range(len(prompts))]
+        stream = UniformStreams(generators)
+        for i, (prompt, gen) in enumerate(zip(prompts, generators)):
+            seq = Sequence(i, list(prompt), min(params.max_tokens, context - len(prompt)), gen, stream=stream,
+                           stream_row=i)
             self.scheduler.add(seq)
             seqs.append(seq)
         self.proposer.start(seqs, params, max_len, self.cache.num_slots)

@@ -2,11 +2,13 @@
 
 `processed_logprobs` is THE definition of the distribution a rollout samples from (temperature, then top-k, then
 top-p). The engine samples from it, the speculative verifier accepts against it, and the trainer computes its
-behaviour log-probs with it, so all three agree by construction.
+behaviour log-probs with it, so all three agree by construction. Each sequence samples with uniforms from its own
+seeded generator (`UniformStreams`), so its tokens do not depend on the batch it runs in.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -58,3 +60,42 @@ def sample_tokens(logprobs: Tensor, u: Tensor, greedy: bool) -> tuple[Tensor, Te
     """(token ids [B], their log-probs [B]) from processed `logprobs` [B, V]."""
     tokens = logprobs.argmax(-1) if greedy else sample_inverse_cdf(logprobs.exp(), u)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+UNIFORM_BLOCK = 256
+"""Uniforms drawn from a sequence's generator at a time: one generator call per step per sequence cost ~2.3 us,
+150 us of a 3.5 ms decode step at batch 64."""
+
+
+class UniformStreams:
+    """Each sequence's own stream of uniforms in [0, 1), drawn from its generator UNIFORM_BLOCK at a time and held
+    in one array: a step takes the batch's next n in a few numpy operations, where a Python call per sequence cost
+    ~0.6 us a sequence (~120 us of a step at 192 sequences). A block not long enough for a request is dropped and
+    the next one drawn (one longer than UNIFORM_BLOCK where n is), so each sequence's values depend on its own
+    requests only, never on the batch it is in."""
+
+    def __init__(self, generators: list[torch.Generator]):
+        self.generators = generators
+        self.blocks = np.zeros((len(generators), UNIFORM_BLOCK), dtype=np.float32)
+        self.next = np.full(len(generators), UNIFORM_BLOCK)
+        """Each row's first unused column (UNIFORM_BLOCK: none left, the next request draws a block)."""
+
+    def take(self, rows: np.ndarray, n: int) -> np.ndarray:
+        """[len(rows), n] float32: the next n uniforms of each of `rows` (distinct)."""
+        if n > UNIFORM_BLOCK:  # a block of its own for each request, used up at once
+            self.next[rows] = UNIFORM_BLOCK
+            return np.stack([torch.rand(n, generator=self.generators[r]).numpy() for r in rows])
+        at = self.next[rows]
+        for i in np.flatnonzero(at + n > UNIFORM_BLOCK):
+            self.blocks[rows[i]] = torch.rand(UNIFORM_BLOCK, generator=self.generators[rows[i]]).numpy()
+            at[i] = 0
+        self.next[rows] = at + n
+        return self.blocks[rows[:, None], at[:, None] + np.arange(n)]
+
+
+def uniforms(seqs, n: int) -> np.ndarray:
+    """[B, n] float32: each of `seqs`' (`engine.Sequence`) next n uniforms, in one take where they share a stream."""
+    stream = seqs[0].stream
+    if stream is not None and all(s.stream is stream for s in seqs):
+        return stream.take(np.fromiter((s.stream_row for s in seqs), np.int64, len(seqs)), n)
+    return np.asarray([s.uniforms(n) for s in seqs], dtype=np.float32).reshape(len(seqs), n)

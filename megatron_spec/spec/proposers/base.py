@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ...models.decoder import TrunkOutput
 from ...models.host import float_tensor, long_tensor
-from ..sampling import processed_logprobs, sample_inverse_cdf
+from ..sampling import processed_logprobs, sample_inverse_cdf, uniforms
 
 
 class Drafts:
@@ -75,5 +75,5 @@ def choose_drafts(logits: Tensor, params, seqs, sample: bool) -> tuple[Tensor, T
     if not sample or params.greedy:
         return logits.argmax(-1), None
     q = processed_logprobs(logits, params.temperature, params.top_k, params.top_p).exp()
-    u = float_tensor([s.uniforms(1)[0] for s in seqs], q.device)
+    u = float_tensor(uniforms(seqs, 1)[:, 0], q.device)
     return sample_inverse_cdf(q, u), q
