@@ -58,7 +58,7 @@ class LLMEngine:
         else:
             after_drafting, started = self.drafted_last, time.perf_counter()
             drafts = self.propose(seqs)
-            logits, out = self.runner.verify(seqs, drafts.padded(self.model.device), drafts.lengths)
+            logits, out = self.runner.verify(seqs, drafts)
             emitted = self.accept(seqs, drafts, logits)
             valid = [len(tokens) for tokens, _ in emitted]  # the last token and the accepted drafts
         self.proposer.observe(seqs, out, starts, valid)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -9,6 +10,7 @@ from ..models.decoder import CausalLM, TrunkOutput
 from ..models.host import long_tensor
 from ..models.kv_cache import KVCache
 from ..models.packed import linears
+from ..spec.proposers import Drafts
 from .sequence import Sequence
 
 
@@ -63,11 +65,11 @@ class ModelRunner:
         rows = torch.arange(len(seqs), device=out.hidden.device)
         return self.logits(out.hidden[rows, last]), out
 
-    def verify(self, seqs: list[Sequence], drafts: Tensor, counts: list[int]) -> tuple[Tensor, TrunkOutput]:
-        """Logits [B, 1 + k, V] after feeding each sequence its last token and its counts[b] drafts (`drafts` [B, k]
-        right-padded with 0; plain decode: k = 0)."""
-        ids = long_tensor([s.last_token for s in seqs], self.model.device)[:, None]
-        if drafts.shape[1]:
-            ids = torch.cat([ids, drafts], 1)
-        out = self.forward_ids(seqs, ids, [1 + n for n in counts])
+    def verify(self, seqs: list[Sequence], drafts: Drafts) -> tuple[Tensor, TrunkOutput]:
+        """Logits [B, 1 + k, V] after feeding each sequence its last token and its drafts (plain decode: none)."""
+        device = self.model.device
+        ids = long_tensor(np.fromiter((s.last_token for s in seqs), np.int64, len(seqs))[:, None], device)
+        if max(drafts.lengths):
+            ids = torch.cat([ids, drafts.padded(device)], 1)
+        out = self.forward_ids(seqs, ids, [1 + n for n in drafts.lengths])
         return self.logits(out.hidden), out

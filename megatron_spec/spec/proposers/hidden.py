@@ -206,7 +206,7 @@ class HiddenStateProposer(Proposer):
         for j in range(rounds):
             depth = min(j, self.depths - 1)
             if j < self.depths:  # catch-up rows c..L-2 for this depth, tokens j+1 ahead
-                ids = ahead[:, j : j + T].contiguous()
+                ids = ahead if ahead.shape[1] == T else ahead[:, j : j + T].contiguous()
                 view = self.cache.view(slots, starts, T)
                 if depth == self.depths - 1 and self.greedy_mtp():
                     # The last depth's catch-up and every round after it in one kernel call, where it applies.
@@ -243,8 +243,11 @@ class HiddenStateProposer(Proposer):
         for s in seqs:  # depth i is final up to L-2-i, so everything from L-D on is redone next round
             self.frontier[s.index] = max(s.length - self.depths, 0)
         stacked = torch.stack(probs, 1) if probs and probs[0] is not None else None
-        table = joined(columns, 1)[:, :width]
-        table = table.masked_fill(torch.arange(width, device=device) >= long_tensor(budget, device)[:, None], 0)
+        table = joined(columns, 1)
+        if table.shape[1] > width:  # a deeper head's catch-ups drafted past k
+            table = table[:, :width]
+        if min(budget) < width:  # drafts past a sequence's budget read as padding
+            table = table.masked_fill(torch.arange(width, device=device) >= long_tensor(budget, device)[:, None], 0)
         return Drafts(None, stacked, table, budget)
 
 
