@@ -128,24 +128,10 @@ class LLMEngine:
             emitted.append((row[:n] + [last], lps[: n + 1]))
             if drafted:
                 seq.num_cached -= drafted - n  # rollback: rejected drafts' keys are now stale
-                self.record_stats(seq, drafted, n)
+                seq.verify_outcomes.append((drafted, n))
         if self.controller and k:
             self.controller.record_acceptance(counts, [n for n, *_ in decided])
         return emitted
-
-    @staticmethod
-    def record_stats(seq: Sequence, drafted: int, accepted: int) -> None:
-        """Count one verify step of `drafted` drafts, the first `accepted` of which stood (accepted <= drafted)."""
-        seq.drafted += drafted
-        seq.verify_steps += 1
-        offered, stood = seq.drafted_per_pos, seq.accepted_per_pos
-        if len(stood) < drafted:
-            stood += [0] * (drafted - len(stood))
-            offered += [0] * (drafted - len(offered))
-        for i in range(drafted):
-            offered[i] += 1
-        for i in range(accepted):
-            stood[i] += 1
 
     # -- pieces ---------------------------------------------------------------------------------------------
     def start(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
