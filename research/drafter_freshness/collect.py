@@ -35,6 +35,8 @@ VARIANTS = {  # name: (seed, overrides, optimizer steps an RL step once the repl
     "s1_base": (1, ["drafter_train.minibatches=8"], 32),
     "s1_new": (1, [], 8),
     "s1_frozen": (1, ["drafter_train.online=false"], 0),
+    "tg8_mb4": (0, ["grpo.train_groups=8", "drafter_train.minibatches=4"], 16),
+    "tg8_frozen": (0, ["grpo.train_groups=8", "drafter_train.online=false"], 0),
 }
 
 
