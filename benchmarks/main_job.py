@@ -79,6 +79,17 @@ def run_together(plan: list[tuple[str, int]], runs_dir: Path, extra: list[str], 
     return [done[key] for key in plan]
 
 
+def run_settings(runs_dir: Path, first: tuple[str, int]) -> dict:
+    """What the simulator's comparison needs of the runs' config (`megatron-spec simulate --main-job`): prompts per
+    step and the online drafter's training, read from the first run's resolved config."""
+    import yaml
+
+    cfg = yaml.safe_load((runs_dir / f"{first[0]}-s{first[1]}" / "config.yaml").read_text())
+    d = cfg["drafter_train"]
+    return {"prompts_per_step": cfg["grpo"]["prompts_per_step"],
+            "drafter_train": {k: d[k] for k in ("drafts", "replay", "minibatches")}}
+
+
 def mean(xs):
     xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None
@@ -267,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pooled: whole step {w['pooled']:.3f}x, gen stage {claims['gen_speedup']['pooled']:.3f}x")
     record = {"machine": machine(), "command": "python recipes/tiny_grpo_spec.py run.seed=S " + " ".join(
         args.overrides), "variants": VARIANTS, "window": args.window, "together": args.together, "claims": claims,
-        "runs": runs}
+        **run_settings(runs_dir, plan[0][0]), "runs": runs}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     if args.check:

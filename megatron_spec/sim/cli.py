@@ -162,7 +162,7 @@ def simulate_command(args) -> int:
     if args.main_job:
         from pathlib import Path
 
-        from .main_job import compare_pair, format_pairs, pairs, record_prompts
+        from .main_job import compare_pair, format_pairs, pairs, record_drafter, record_prompts
 
         path = Path(args.main_job)
         if not path.is_file():
@@ -172,7 +172,7 @@ def simulate_command(args) -> int:
             prompts = args.main_job_prompts or record_prompts(record)
             print(json.dumps([{"variant": s["variant"], "seed": s["seed"], "prompts_per_step": prompts,
                                **{r.name: {"measured": r.measured, "simulated": r.simulated, "error": r.error}
-                                  for r in compare_pair(p, s, prompts=prompts)}}
+                                  for r in compare_pair(p, s, prompts=prompts, **record_drafter(record))}}
                               for p, s in pairs(record)], indent=2))
         else:
             print(format_pairs(record, prompts=args.main_job_prompts))

@@ -2,7 +2,7 @@
 policy's own and in seconds) and the gen-stage and whole-step ratios of a speculative run against a plain one.
 
 The main job (the tiny deep Qwen3, 8 prompts x 8 rollouts, up to 160 tokens, an MTP head drafting k = 3 and
-trained online on its three chained drafts over the last 4 steps' states in 8 minibatches each) runs on a shared
+trained online on its three chained drafts over the last 4 steps' states in 2 minibatches each) runs on a shared
 2-core host whose load moves a run's speed by several times between runs minutes apart. So the prediction takes
 its host rates from the plain run it is compared with, and predicts the speculative run from them:
 
@@ -45,8 +45,9 @@ MAIN_JOB_PROMPT_LEN = 16
 """BOS and an addition chain of 2-8 terms: about 16 tokens."""
 MAIN_JOB_SIGMA = 0.5
 """Spread of the response lengths: a step's longest answer is about 3x its mean (e.g. mean 28, longest 82)."""
-MAIN_JOB_DRAFTS, MAIN_JOB_REPLAY, MAIN_JOB_MINIBATCHES = 3, 4, 8
-"""The shipped online training (`drafter_train`: drafts, replay, minibatches; one update)."""
+MAIN_JOB_DRAFTS, MAIN_JOB_REPLAY, MAIN_JOB_MINIBATCHES = 3, 4, 2
+"""The shipped online training (`drafter_train`: drafts, replay, minibatches; one update); a record's own
+`drafter_train` (`record_drafter`) overrides it."""
 MAIN_JOB_DRAFTER_PASSES = float(MAIN_JOB_DRAFTS * MAIN_JOB_REPLAY)
 """Passes of the MTP layer over a step's rows per RL step once the replay is full."""
 MAIN_JOB_DRAFTER_OPTIMIZER_STEPS = MAIN_JOB_REPLAY * MAIN_JOB_MINIBATCHES
@@ -166,6 +167,14 @@ def record_prompts(record: dict) -> int:
     return int(match.group(1)) if match else MAIN_JOB_PROMPTS
 
 
+def record_drafter(record: dict) -> dict:
+    """The online drafter training a main-job record's runs used (`drafts`, `replay`, `minibatches`, as
+    `compare_pair` takes them): its `drafter_train`, else the shipped one."""
+    d = record.get("drafter_train") or {}
+    return {"drafts": int(d.get("drafts", MAIN_JOB_DRAFTS)), "replay": int(d.get("replay", MAIN_JOB_REPLAY)),
+            "minibatches": int(d.get("minibatches", MAIN_JOB_MINIBATCHES))}
+
+
 def format_pairs(record: dict, prompts: int = 0, **kwargs) -> str:
     """The comparison of every pair of a main-job record, one table each; `prompts` per step (0: the record's,
     `record_prompts`)."""
@@ -175,7 +184,7 @@ def format_pairs(record: dict, prompts: int = 0, **kwargs) -> str:
         out.append(f"{spec['variant']} vs plain, seed {spec['seed']} ({prompts} prompts x {MAIN_JOB_GROUP} a step; "
                    "per RL step; host rates from the plain run)")
         out.append(f"  {'figure':18} {'measured':>9} {'simulated':>9} {'error':>7}")
-        for r in compare_pair(plain, spec, prompts=prompts, **kwargs):
+        for r in compare_pair(plain, spec, prompts=prompts, **{**record_drafter(record), **kwargs}):
             out.append(f"  {r.name:18} {r.measured:9.3f} {r.simulated:9.3f} {100 * r.error:6.0f}%")
     if not out:
         raise ValueError("the record has no plain run beside a run that speculated, for the same seed")
