@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -94,12 +95,31 @@ def _check_layer(layer: dict, target: ModelConfig, path: Path) -> list[str]:
     return [f"{k}: checkpoint {got!r} vs target {exp!r}" for k, (got, exp) in want.items() if got != exp]
 
 
-def load_public_eagle3(path: str | os.PathLike, target: ModelConfig, dtype: torch.dtype = torch.float32,
-                       device: str | torch.device = "cpu", target_embed: torch.Tensor | None = None) -> Eagle3Head:
-    """The public EAGLE-3 head in `path` (either layout) as our `Eagle3Head` for `target`, in eval mode, with
-    `head.public` holding what `save_public_eagle3` needs. ValueError naming every mismatch with the target before
-    any weight is used; `target_embed` (the target's embedding) is compared with a checkpoint's own."""
-    path = Path(path)
+@dataclass
+class PublicHead:
+    """A public EAGLE-3 checkpoint resolved against a target, checked before any layer weight is read."""
+
+    layout: str
+    config: dict
+    """The checkpoint's config.json."""
+    aux: list[int] | None
+    """Its auxiliary layer ids (vLLM's numbering), None where the config names none."""
+    eagle: Eagle3Config
+    offsets: torch.Tensor | None
+    """Its `d2t` as stored (target id - draft id), None where it has none."""
+    d2t: torch.Tensor | None
+    """Our draft id -> target id map, None for the target's full vocabulary."""
+    n_draft: int
+    n_aux: int
+    """States its fc fuses: our head's fc holds three blocks, the missing ones zero."""
+    source: dict[str, str]
+    """Our head's tensor name -> the checkpoint's."""
+
+
+def resolve_public_eagle3(path: Path, target: ModelConfig, shapes: dict[str, tuple[int, ...]], get) -> PublicHead:
+    """The public EAGLE-3 head in `path` (either layout) against `target`, from its config and its tensors' names and
+    `shapes`, reading only small tensors (`get(name)`: `d2t`, `t2d`). ValueError naming every mismatch with the
+    target, and any tensor our head would not hold, before a layer weight is used."""
     layout = public_layout(path)
     if layout is None:
         raise ValueError(f"{path} is not an EAGLE-3 checkpoint in the speculators or SpecForge layout")
@@ -108,14 +128,13 @@ def load_public_eagle3(path: str | os.PathLike, target: ModelConfig, dtype: torc
     problems = _check_layer(layer, target, path)
     if problems:
         raise ValueError(f"EAGLE-3 checkpoint {path} does not fit the target: " + "; ".join(problems))
-    raw = _weights(path)
     V, H = target.vocab_size, target.hidden_size
     n_draft = int(cfg.get("draft_vocab_size") or layer.get("draft_vocab_size") or V)
     aux = _aux_ids(cfg, layout)
-    fc = raw["fc.weight"]
-    if fc.shape[1] % H or not 1 <= fc.shape[1] // H <= 3:
-        raise ValueError(f"{path}: fc.weight {tuple(fc.shape)} fuses neither 1, 2 nor 3 states of width {H}")
-    n_aux = fc.shape[1] // H
+    fc_shape = tuple(shapes["fc.weight"])
+    if fc_shape[1] % H or not 1 <= fc_shape[1] // H <= 3:
+        raise ValueError(f"{path}: fc.weight {fc_shape} fuses neither 1, 2 nor 3 states of width {H}")
+    n_aux = fc_shape[1] // H
     if aux is None:
         if n_aux != 3:
             raise ValueError(f"{path}: fc fuses {n_aux} states and the config names no auxiliary layers")
@@ -124,8 +143,7 @@ def load_public_eagle3(path: str | os.PathLike, target: ModelConfig, dtype: torc
         if len(aux) != n_aux or len(set(aux)) != len(aux):
             raise ValueError(f"{path}: {len(aux)} auxiliary layer ids {aux} for an fc of {n_aux} blocks")
         capture = tuple(i - 1 for i in aux) + (aux[-1] - 1,) * (3 - n_aux)
-    blocks = list(fc.split(H, dim=1)) + [torch.zeros_like(fc[:, :H])] * (3 - n_aux)
-    offsets = raw.get("d2t")
+    offsets = get("d2t") if "d2t" in shapes else None
     full = n_draft == V and (offsets is None or not bool(offsets.any()))
     d2t = None if full else (offsets.to(torch.long) + torch.arange(n_draft))
     norm_before_residual = cfg.get("norm_before_residual", layout == SPECULATORS)
@@ -134,35 +152,62 @@ def load_public_eagle3(path: str | os.PathLike, target: ModelConfig, dtype: torc
                          qk_norm=layer.get("model_type", "llama") in QK_NORM_TYPES)
     if d2t is not None:
         check_d2t(d2t, n_draft, V, f"{path}: d2t")
-        t2d = raw.get("t2d")
+        t2d = get("t2d") if "t2d" in shapes else None
         if t2d is not None and (t2d.numel() != V or int(t2d.sum()) != n_draft or not bool(t2d.bool()[d2t].all())):
             raise ValueError(f"{path}: t2d does not mark exactly the {n_draft} target ids d2t maps to")
+    prefix = _LAYER_PREFIX[layout]
+    own = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", *_KEPT}
+    unknown = sorted(k for k in shapes if k not in own and not k.startswith(prefix))
+    if unknown:
+        raise ValueError(f"{path}: tensors our EAGLE-3 head does not hold: {unknown[:5]}")
+    source = {f"midlayer.{k[len(prefix):]}": k for k in shapes if k.startswith(prefix)}
+    source.update({k: k for k in ("fc.weight", "norm.weight", "lm_head.weight") if k in shapes})
+    ours = {name: tuple(shapes[k]) for name, k in source.items()}
+    ours["fc.weight"] = (fc_shape[0], 3 * H)
+    if d2t is not None:
+        ours["d2t"] = tuple(d2t.shape)
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Eagle3Head(target, eagle).state_dict().items()}
+    bad = sorted(set(expected) ^ set(ours))
+    wrong = [k for k in expected if k in ours and ours[k] != expected[k]]
+    if bad or wrong:
+        raise ValueError(f"{path}: layer tensors do not match the head: missing/unexpected {bad[:5]}, "
+                         f"shapes {[(k, ours[k], expected[k]) for k in wrong[:3]]}")
+    return PublicHead(layout, cfg, aux, eagle, offsets, d2t, n_draft, n_aux, source)
+
+
+def padded_fc(fc: torch.Tensor, hidden: int, n_aux: int) -> torch.Tensor:
+    """A public head's fc of `n_aux` blocks as our head's three: the missing blocks zero (what a repeated capture
+    layer contributes once its states are fused)."""
+    return torch.cat(list(fc.split(hidden, dim=1)) + [torch.zeros_like(fc[:, :hidden])] * (3 - n_aux), dim=1)
+
+
+def load_public_eagle3(path: str | os.PathLike, target: ModelConfig, dtype: torch.dtype = torch.float32,
+                       device: str | torch.device = "cpu", target_embed: torch.Tensor | None = None) -> Eagle3Head:
+    """The public EAGLE-3 head in `path` (either layout) as our `Eagle3Head` for `target`, in eval mode, with
+    `head.public` holding what `save_public_eagle3` needs. ValueError naming every mismatch with the target before
+    any weight is used (`resolve_public_eagle3`); `target_embed` (the target's embedding) is compared with a
+    checkpoint's own."""
+    path = Path(path)
+    if public_layout(path) is None:
+        raise ValueError(f"{path} is not an EAGLE-3 checkpoint in the speculators or SpecForge layout")
+    raw = _weights(path)
+    pub = resolve_public_eagle3(path, target, {k: tuple(v.shape) for k, v in raw.items()}, raw.__getitem__)
     embed = raw.get("embed_tokens.weight")
     if embed is not None and target_embed is not None and not torch.equal(embed.to(target_embed), target_embed):
         raise ValueError(f"{path}: its embed_tokens differ from the target's embedding, which our engine drafts with")
-    prefix = _LAYER_PREFIX[layout]
-    ours = {f"midlayer.{k[len(prefix):]}": v for k, v in raw.items() if k.startswith(prefix)}
-    ours.update({"fc.weight": torch.cat(blocks, dim=1), "norm.weight": raw["norm.weight"],
-                 "lm_head.weight": raw["lm_head.weight"]})
-    if d2t is not None:
-        ours["d2t"] = d2t
-    own = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", *_KEPT}
-    unknown = sorted(k for k in raw if k not in own and not k.startswith(prefix))
-    if unknown:
-        raise ValueError(f"{path}: tensors our EAGLE-3 head does not hold: {unknown[:5]}")
+    ours = {name: raw[k] for name, k in pub.source.items()}
+    ours["fc.weight"] = padded_fc(raw["fc.weight"], target.hidden_size, pub.n_aux)
+    if pub.d2t is not None:
+        ours["d2t"] = pub.d2t
     with torch.device("meta"):
-        head = Eagle3Head(target, eagle)
-    expected = head.state_dict()
-    bad = sorted(set(expected) ^ set(ours))
-    wrong = [k for k in expected if k in ours and tuple(ours[k].shape) != tuple(expected[k].shape)]
-    if bad or wrong:
-        raise ValueError(f"{path}: layer tensors do not match the head: missing/unexpected {bad[:5]}, "
-                         f"shapes {[(k, tuple(ours[k].shape), tuple(expected[k].shape)) for k in wrong[:3]]}")
+        head = Eagle3Head(target, pub.eagle)
     head.load_state_dict({k: v if k == "d2t" else v.to(dtype) for k, v in ours.items()}, strict=True, assign=True)
     head = head.to(device=device, dtype=dtype).eval()
-    head.public = {"layout": layout, "config": cfg, "aux": aux, "n_aux": n_aux, "n_draft": n_draft,
-                   "dtypes": {k: v.dtype for k, v in raw.items()}, "kept": {k: raw[k] for k in _KEPT if k in raw},
-                   "offsets": None if offsets is None or d2t is not None else offsets}
+    head.public = {"layout": pub.layout, "config": pub.config, "aux": pub.aux, "n_aux": pub.n_aux,
+                   "n_draft": pub.n_draft, "dtypes": {k: v.dtype for k, v in raw.items()},
+                   "kept": {k: raw[k] for k in _KEPT if k in raw},
+                   "offsets": None if pub.offsets is None or pub.d2t is not None else pub.offsets}
     return head
 
 

@@ -319,14 +319,9 @@ def _export_public(path: Path, target: ModelConfig, out_dir, dtype: torch.dtype)
     checks it, then written tensor by tensor the way that head's module would be exported (its fc padded to three
     blocks with zeros and folded back, its offsets turned into our d2t and back), so the bytes are the same."""
     from ...models import eagle3_public as pub
-    from ...models.eagle3 import check_d2t
 
-    layout = pub.public_layout(path)
-    cfg = json.loads((path / "config.json").read_text())
-    layer = pub._layer_config(cfg, layout)
-    problems = pub._check_layer(layer, target, path)
-    if problems:
-        raise ValueError(f"EAGLE-3 checkpoint {path} does not fit the target: " + "; ".join(problems))
+    if pub.public_layout(path) is None:
+        raise ValueError(f"{path} is not an EAGLE-3 checkpoint in the speculators or SpecForge layout")
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         raise FileNotFoundError(f"no safetensors weights in EAGLE-3 checkpoint {path}")
@@ -335,64 +330,24 @@ def _export_public(path: Path, target: ModelConfig, out_dir, dtype: torch.dtype)
         with safe_open(file, "pt") as f:
             by_name.update({name: file for name in f.keys()})
     files = TensorFiles(by_name)
-    V, H = target.vocab_size, target.hidden_size
-    n_draft = int(cfg.get("draft_vocab_size") or layer.get("draft_vocab_size") or V)
-    aux = pub._aux_ids(cfg, layout)
-    fc_dtype, fc_shape = files.meta["fc.weight"]
-    if fc_shape[1] % H or not 1 <= fc_shape[1] // H <= 3:
-        raise ValueError(f"{path}: fc.weight {fc_shape} fuses neither 1, 2 nor 3 states of width {H}")
-    n_aux = fc_shape[1] // H
-    if aux is None:
-        if n_aux != 3:
-            raise ValueError(f"{path}: fc fuses {n_aux} states and the config names no auxiliary layers")
-        capture = Eagle3Config(target.num_hidden_layers).capture_layers
-    else:
-        if len(aux) != n_aux or len(set(aux)) != len(aux):
-            raise ValueError(f"{path}: {len(aux)} auxiliary layer ids {aux} for an fc of {n_aux} blocks")
-        capture = tuple(i - 1 for i in aux) + (aux[-1] - 1,) * (3 - n_aux)
-    offsets = files.get("d2t") if "d2t" in files.meta else None
-    full = n_draft == V and (offsets is None or not bool(offsets.any()))
-    d2t = None if full else (offsets.to(torch.long) + torch.arange(n_draft))
-    norm_before_residual = cfg.get("norm_before_residual", layout == pub.SPECULATORS)
-    eagle = Eagle3Config(target.num_hidden_layers, capture, int(layer.get("intermediate_size") or 0),
-                         0 if full else n_draft, bool(norm_before_residual),
-                         qk_norm=layer.get("model_type", "llama") in pub.QK_NORM_TYPES)
-    if d2t is not None:
-        check_d2t(d2t, n_draft, V, f"{path}: d2t")
-        t2d = files.get("t2d") if "t2d" in files.meta else None
-        if t2d is not None and (t2d.numel() != V or int(t2d.sum()) != n_draft or not bool(t2d.bool()[d2t].all())):
-            raise ValueError(f"{path}: t2d does not mark exactly the {n_draft} target ids d2t maps to")
-    prefix = pub._LAYER_PREFIX[layout]
-    source = {f"midlayer.{k[len(prefix):]}": k for k in files.meta if k.startswith(prefix)}
-    source.update({k: k for k in ("fc.weight", "norm.weight", "lm_head.weight") if k in files.meta})
-    own = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", *pub._KEPT}
-    unknown = sorted(k for k in files.meta if k not in own and not k.startswith(prefix))
-    if unknown:
-        raise ValueError(f"{path}: tensors our EAGLE-3 head does not hold: {unknown[:5]}")
-    shapes = {ours: files.meta[k][1] for ours, k in source.items()}
-    shapes["fc.weight"] = (fc_shape[0], 3 * H)
-    if d2t is not None:
-        shapes["d2t"] = tuple(d2t.shape)
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Eagle3Head(target, eagle).state_dict().items()}
-    bad = sorted(set(expected) ^ set(shapes))
-    wrong = [k for k in expected if k in shapes and shapes[k] != expected[k]]
-    if bad or wrong:
-        raise ValueError(f"{path}: layer tensors do not match the head: missing/unexpected {bad[:5]}, "
-                         f"shapes {[(k, shapes[k], expected[k]) for k in wrong[:3]]}")
+    H = target.hidden_size
+    head = pub.resolve_public_eagle3(path, target, {n: shape for n, (_, shape) in files.meta.items()}, files.get)
+    eagle, capture = head.eagle, head.eagle.capture_layers
     ec = Eagle3Config(eagle.target_num_layers, eagle.capture_layers, eagle.intermediate_size or
                       target.intermediate_size, eagle.draft_vocab_size, eagle.norm_before_residual, eagle.qk_norm)
 
     def loaded(name: str) -> torch.Tensor:
         """The head's tensor `name` as `load_public_eagle3` builds it."""
         if name == "d2t":
-            return d2t
+            return head.d2t
         if name == "fc.weight":
-            fc = files.get("fc.weight")
-            blocks = list(fc.split(H, dim=1)) + [torch.zeros_like(fc[:, :H])] * (3 - n_aux)
-            return torch.cat(blocks, dim=1).to(dtype)
-        return files.get(source[name]).to(dtype)
+            return pub.padded_fc(files.get("fc.weight"), H, head.n_aux).to(dtype)
+        return files.get(head.source[name]).to(dtype)
 
+    shapes = {ours: files.meta[k][1] for ours, k in head.source.items()}
+    shapes["fc.weight"] = (shapes["fc.weight"][0], 3 * H)
+    if head.d2t is not None:
+        shapes["d2t"] = tuple(head.d2t.shape)
     entries = {n: (torch.long if n == "d2t" else dtype, eagle3_shape(n, shape, capture, H))
                for n, shape in shapes.items()}
     return DrafterExport(write_export(out_dir, eagle3_config(target, ec, dtype), entries,
