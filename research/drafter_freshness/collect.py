@@ -27,6 +27,8 @@ VARIANTS = {  # name: (seed, overrides, optimizer steps an RL step once the repl
     "mb2_lr1e-4": (0, ["drafter_train.minibatches=2", "drafter_train.lr=1e-4"], 8),
     "mb1_lr6e-4": (0, ["drafter_train.minibatches=1", "drafter_train.lr=6e-4"], 4),
     "mb1_lr1e-3": (0, ["drafter_train.minibatches=1", "drafter_train.lr=1e-3"], 4),
+    "mb2_lr6e-4": (0, ["drafter_train.minibatches=2", "drafter_train.lr=6e-4"], 8),
+    "mb2_lr1e-3": (0, ["drafter_train.minibatches=2", "drafter_train.lr=1e-3"], 8),
     "mb1_r8": (0, ["drafter_train.minibatches=1", "drafter_train.replay=8"], 8),
     "r2_mb2": (0, ["drafter_train.minibatches=2", "drafter_train.replay=2"], 4),
     "r8_mb2": (0, ["drafter_train.minibatches=2", "drafter_train.replay=8"], 16),
