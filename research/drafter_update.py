@@ -38,10 +38,11 @@ BUDGET = 1024
 """The main job's `grpo.micro_batch_tokens`; a budget of 1 makes `pack` join nothing (the path before it)."""
 
 
-def step_inputs(model, lengths: list[int], prompt: int) -> list[DrafterInputs]:
-    """One step's micro-batches as the policy's forward leaves them for the drafter."""
+def step_inputs(model, lengths: list[int], prompt: int, budget: int = BUDGET) -> list[DrafterInputs]:
+    """One step's micro-batches (`budget` tokens each) as the policy's forward leaves them for the drafter: random
+    ids, the response positions after `prompt` masked in, the trunk's states and logits."""
     out = []
-    for group in micro_batches(lengths, BUDGET):
+    for group in micro_batches(lengths, budget):
         T = max(lengths[i] for i in group)
         ids = torch.randint(3, model.config.vocab_size, (len(group), T))
         mask = torch.zeros(len(group), T, dtype=torch.bool)

@@ -13,34 +13,23 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from megatron_spec.bench.common import machine, main_job_models, write_json
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
-from megatron_spec.rl.microbatch import micro_batches
-from megatron_spec.rl.policy import DrafterInputs, EmbeddedPolicy, minibatches
+from megatron_spec.rl.policy import EmbeddedPolicy, minibatches
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # research/: the synthetic drafter inputs
+from drafter_update import step_inputs  # noqa: E402
 
 BUDGET = 2048
 """The main job's `grpo.micro_batch_tokens`."""
 PROMPT = 16
 """BOS and an addition chain: about 16 tokens."""
-
-
-def step_inputs(model, lengths: list[int]) -> list[DrafterInputs]:
-    """One step's micro-batches as the policy's forward leaves them for the drafter."""
-    out = []
-    for group in micro_batches(lengths, BUDGET):
-        T = max(lengths[i] for i in group)
-        ids = torch.randint(3, model.config.vocab_size, (len(group), T))
-        mask = torch.zeros(len(group), T, dtype=torch.bool)
-        for row, i in enumerate(group):
-            mask[row, PROMPT : lengths[i]] = True
-        with torch.no_grad():
-            trunk = model.trunk(ids, capture=())
-            out.append(DrafterInputs(ids, mask, trunk, model.lm_head(trunk.hidden)))
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         lo, hi = map(int, spec.split("-"))
         steps = []
         for _ in range(args.replay):
-            forwards = step_inputs(model, [PROMPT + rng.randint(lo, hi) for _ in range(32)])
+            forwards = step_inputs(model, [PROMPT + rng.randint(lo, hi) for _ in range(32)], PROMPT, BUDGET)
             steps.append((forwards, float(sum(f.mask.sum() for f in forwards))))
         times: dict[int, list[float]] = {m: [] for m in args.minibatches}
         for rep in range(args.repeats + 1):
