@@ -92,6 +92,17 @@ def read_drafter_config(path: str | os.PathLike) -> dict:
     return json.loads(cfg_file.read_text())
 
 
+def drafter_kind_and_config(path: str | os.PathLike, target_config: ModelConfig) -> tuple[str, object]:
+    """The kind and resolved config of the drafter saved in `path` (our layout), its config checked against
+    `target_config` (kind known, target fingerprint) before any tensor is read."""
+    meta = read_drafter_config(path)
+    kind = meta.get("kind")
+    if kind not in _KINDS:
+        raise ValueError(f"{Path(path) / DRAFTER_CONFIG}: unknown drafter kind {kind!r}, expected one of {', '.join(_KINDS)}")
+    _check_fingerprint(meta.get("target", {}), target_config, str(path))
+    return kind, _KINDS[kind][1](**meta.get("config", {}))
+
+
 def load_drafter(
     path: str | os.PathLike,
     target_config: ModelConfig,
@@ -104,13 +115,8 @@ def load_drafter(
 
     if not (Path(path) / DRAFTER_CONFIG).is_file() and public_layout(path) is not None:
         return load_public_eagle3(path, target_config, dtype, device)
-    meta = read_drafter_config(path)
-    kind = meta.get("kind")
-    if kind not in _KINDS:
-        raise ValueError(f"{Path(path) / DRAFTER_CONFIG}: unknown drafter kind {kind!r}, expected one of {', '.join(_KINDS)}")
-    _check_fingerprint(meta.get("target", {}), target_config, str(path))
-    cls, cfg_cls, _ = _KINDS[kind]
-    drafter_cfg = cfg_cls(**meta.get("config", {}))
+    kind, drafter_cfg = drafter_kind_and_config(path, target_config)
+    cls = _KINDS[kind][0]
     with torch.device("meta"):
         module = cls(target_config, drafter_cfg)
     tensors = load_tensors(path, dtype)

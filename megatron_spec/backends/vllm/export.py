@@ -277,19 +277,14 @@ def _export_ours(path: Path, target: ModelConfig, out_dir, dtype: torch.dtype, m
     """Our layout (`drafter_config.json`): checked as `models.load_drafter` checks it (kind, target fingerprint,
     every name and shape against the drafter's meta-device skeleton, which holds no storage, and `d2t`), then
     written tensor by tensor."""
-    from ...models.drafters import _KINDS, _check_fingerprint, read_drafter_config
+    from ...models.drafters import _KINDS, drafter_kind_and_config
     from ...models.eagle3 import check_d2t
     from ...models.hf_io import check_state, weight_files
 
-    meta = read_drafter_config(path)
-    kind = meta.get("kind")
-    if kind not in _KINDS:
-        raise ValueError(f"{path}: unknown drafter kind {kind!r}, expected one of {', '.join(_KINDS)}")
+    kind, dcfg = drafter_kind_and_config(path, target)
     if kind != method:
         raise ValueError(f"spec.method is {method!r} but the drafter checkpoint {path} is an {kind!r} drafter")
-    _check_fingerprint(meta.get("target", {}), target, str(path))
-    cls, cfg_cls, _ = _KINDS[kind]
-    dcfg = cfg_cls(**meta.get("config", {}))
+    cls = _KINDS[kind][0]
     files = TensorFiles(weight_files(path))
     with torch.device("meta"):
         skeleton = cls(target, dcfg)
