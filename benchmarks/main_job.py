@@ -148,14 +148,14 @@ def whole_step(spec: list[dict], plain: list[dict], online: list[dict], frozen: 
 
     forced = {f"{r['variant']}_k3": (per_step(by_seed[r["seed"]]) / per_step(r) if r["seed"] in by_seed else None)
               for r in online + frozen}
-    def per_token(r: dict) -> float:  # seconds of the whole step per generated token
+    def step_s_per_token(r: dict) -> float:
         return r["step_s"] / r["gen_tokens"]
 
     return {"paired": [pl["step_s"] / sp["step_s"] for sp, pl in zip(spec, plain)],
             "pooled": sum(r["step_s"] for r in plain) / sum(r["step_s"] for r in spec),
             # The pair's trajectories drift apart (same distributions, not the same tokens), so one run may write
             # a few per cent more tokens than the other; per generated token takes that out of the ratio.
-            "per_token_paired": [per_token(pl) / per_token(sp) for sp, pl in zip(spec, plain)],
+            "per_token_paired": [step_s_per_token(pl) / step_s_per_token(sp) for sp, pl in zip(spec, plain)],
             "gen_tokens_spec_over_plain": [sp["gen_tokens"] / pl["gen_tokens"] for sp, pl in zip(spec, plain)],
             "plain_gen_share": [r["gen_s"] / r["step_s"] for r in plain],
             "spec_steps_gated_plain": [r["steps_gated_plain"] for r in spec],
