@@ -153,8 +153,10 @@ def whole_step(spec: list[dict], plain: list[dict], online: list[dict], frozen: 
 
     return {"paired": [pl["step_s"] / sp["step_s"] for sp, pl in zip(spec, plain)],
             "pooled": sum(r["step_s"] for r in plain) / sum(r["step_s"] for r in spec),
-            # The pair's trajectories drift apart (same distributions, not the same tokens), so one run may write
-            # a few per cent more tokens than the other; per generated token takes that out of the ratio.
+            "same_rollouts": [same_rollouts(sp, pl) for sp, pl in zip(spec, plain)],
+            # Where a pair's trajectories drift apart (a GPU, or sampled drafts: same distributions, not the same
+            # tokens), one run may write a few per cent more tokens than the other; per generated token takes that
+            # out of the ratio.
             "per_token_paired": [step_s_per_token(pl) / step_s_per_token(sp) for sp, pl in zip(spec, plain)],
             "gen_tokens_spec_over_plain": [sp["gen_tokens"] / pl["gen_tokens"] for sp, pl in zip(spec, plain)],
             "plain_gen_share": [r["gen_s"] / r["step_s"] for r in plain],
@@ -164,10 +166,18 @@ def whole_step(spec: list[dict], plain: list[dict], online: list[dict], frozen: 
             "goal": ">= 0.98 (speculation never makes the run slower); plain gen share >= 0.60"}
 
 
+def same_rollouts(spec: dict, plain: dict) -> bool:
+    """Whether a spec run and its plain pair generated the same rollouts and learned the same: every step's token
+    count and mean reward, and every held-out accuracy, equal. On the CPU the embedded engine draws each position's
+    token with that position's uniform whether it speculates or not, so a pair must; where it does not, the whole
+    step's ratio also measures a difference of trajectories."""
+    return all(spec[key] == plain[key] for key in ("gen_tokens_curve", "reward_curve", "eval_curve"))
+
+
 def per_token(spec: list[dict], plain: list[dict]) -> dict:
-    """The gen-stage ratio per generated token, and over the steps in which the spec run drafted nothing. A spec
-    run and its plain pair sample the same distributions but not the same tokens, so their policies, and the
-    lengths of what they write, drift apart over a run: seconds per token takes the lengths out of the ratio."""
+    """The gen-stage ratio per generated token, and over the steps in which the spec run drafted nothing. Where a
+    spec run and its plain pair do not write the same tokens (`same_rollouts`), their policies, and the lengths of
+    what they write, drift apart over a run: seconds per token takes the lengths out of the ratio."""
     rate = lambda r: r["gen_tokens"] / r["gen_s"]  # noqa: E731
     out = {"per_token_paired": [rate(sp) / rate(pl) for sp, pl in zip(spec, plain)],
            "per_token_pooled": (sum(r["gen_tokens"] for r in spec) / sum(r["gen_s"] for r in spec))
@@ -279,10 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     claims["whole_step"] = whole_step(of("spec"), of("plain"), of("online"), of("frozen"))
     print(json.dumps(claims, indent=1))
     w = claims["whole_step"]
-    for seed, whole, tok, gen, share in zip(args.seeds, w["paired"], w["per_token_paired"], paired,
-                                            w["plain_gen_share"]):
+    for seed, whole, tok, gen, share, same in zip(args.seeds, w["paired"], w["per_token_paired"], paired,
+                                                  w["plain_gen_share"], w["same_rollouts"]):
         print(f"seed {seed}: whole step (plain / spec) {whole:.3f}x ({tok:.3f}x per generated token), gen stage "
-              f"{gen:.3f}x, gen share of the plain step {share:.2f}")
+              f"{gen:.3f}x, gen share of the plain step {share:.2f}, "
+              f"{'the same rollouts' if same else 'rollouts differ'}")
     print(f"pooled: whole step {w['pooled']:.3f}x, gen stage {claims['gen_speedup']['pooled']:.3f}x")
     record = {"machine": machine(), "command": "python recipes/tiny_grpo_spec.py run.seed=S " + " ".join(
         args.overrides), "variants": VARIANTS, "window": args.window, "together": args.together, "claims": claims,

@@ -2,8 +2,9 @@
 optional lossless speculative decoding.
 
 A decode step and a verify step are the same thing: feed each sequence its last token plus its drafts (none for
-plain decoding), then let rejection sampling decide how many drafts stand. With no drafts that is exactly plain
-sampling from p, so one code path serves both.
+plain decoding), then let verification decide how many drafts stand. With no drafts that is exactly plain
+sampling from p, so one code path serves both; and since every output position's token is drawn with that
+position's own uniform, a seed gives the same tokens with speculation as without (deterministic drafters).
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from ..spec.adaptive import AdaptiveController
 from ..spec.config import SpecConfig
 from ..spec.proposers import Drafts, Proposer
 from ..spec.registry import build_proposer
-from ..spec.sampling import UniformStreams, processed_logprobs, sample_tokens, uniforms
-from ..spec.verify import Verdict, emitted_logprobs, verify_greedy, verify_sampled
+from ..spec.sampling import PositionUniforms, UniformStreams, position_uniforms, processed_logprobs, uniforms
+from ..spec.verify import Verdict, emitted_logprobs, verify_coupled, verify_greedy, verify_sampled
+from .sequence import Sequence, draw_seed
 from ..models.kv_cache import KVCache
 from .params import Completion, SamplingParams
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .sequence import Sequence
 
 
 class LLMEngine:
@@ -95,15 +96,14 @@ class LLMEngine:
         return drafts
 
     def accept(self, seqs: list[Sequence], drafts: Drafts, logits: torch.Tensor):
-        """Verify drafts against target `logits` [B, k+1, V]; roll back rejected KV; per sequence return the
-        emitted tokens (accepted drafts + one) with their log-probs under the processed target distribution."""
+        """Verify drafts (none: a plain step) against target `logits` [B, k+1, V]; roll back rejected KV; per
+        sequence return the emitted tokens (accepted drafts + one) with their log-probs under the processed target
+        distribution. Deterministic drafts are verified by drawing each position's token with that position's
+        uniform (`verify_coupled`), as a plain step draws it, so the tokens are plain decoding's whatever is
+        drafted; sampled drafts by rejection sampling (`verify_sampled`) on the sequence's in-order stream."""
         p = self.params
         logprobs = processed_logprobs(logits, p.temperature, p.top_k, p.top_p)
         k = logits.shape[1] - 1
-        if k == 0:  # plain decoding (or prefill): sampling from p is all there is to it
-            u = float_tensor(uniforms(seqs, 1)[:, 0], logits.device)
-            tokens, lps = sample_tokens(logprobs[:, 0], u, p.greedy)
-            return [([t], [lp]) for t, lp in zip(tokens.tolist(), lps.tolist())]
         # Everything the verifier reads lives where the logits do (the model's device); only the per-sequence
         # Python lists below come back to the host, in two reads a step (on a GPU each read waits for the device):
         # the verdict with the drafts, and the log-probs.
@@ -114,14 +114,20 @@ class LLMEngine:
         if p.greedy:
             verdict = verify_greedy(logprobs, padded, draft_len)
             lps = emitted_logprobs(logprobs, padded, verdict)
-        else:
-            u = float_tensor(uniforms(seqs, k + 1), dev)
-            if drafts.probs is None and kernels.usable(logprobs):  # the same verdict in one call, on the CPU
-                num_accepted, next_token, lps = kernels.verify_onehot(logprobs, padded, draft_len, u)
+        elif drafts.probs is None:
+            u = float_tensor(position_uniforms(seqs, k + 1), dev)
+            if kernels.usable(logprobs):  # the same verdict in one call, on the CPU
+                num_accepted, next_token, lps = kernels.verify_coupled(logprobs, padded, draft_len, u)
                 verdict = Verdict(num_accepted, next_token)
             else:
-                verdict = verify_sampled(logprobs.exp(), padded, draft_len, u[:, :k], u[:, k], drafts.probs)
+                verdict = verify_coupled(logprobs.exp(), padded, draft_len, u)
                 lps = emitted_logprobs(logprobs, padded, verdict)
+        else:
+            u = float_tensor(uniforms(seqs, k + 1), dev)
+            verdict = verify_sampled(logprobs.exp(), padded, draft_len, u[:, :k], u[:, k], drafts.probs)
+            lps = emitted_logprobs(logprobs, padded, verdict)
+        if k == 0:  # a plain step (or a prefill): one token each
+            return [([t], [lp]) for t, lp in zip(verdict.next_token.tolist(), lps[:, 0].tolist())]
         decided = torch.cat([verdict.num_accepted[:, None], verdict.next_token[:, None], padded], 1).tolist()
         emitted = []
         for (n, last, *row), lps, drafted, seq in zip(decided, lps.tolist(), counts, seqs):
@@ -129,7 +135,7 @@ class LLMEngine:
             if drafted:
                 seq.num_cached -= drafted - n  # rollback: rejected drafts' keys are now stale
                 seq.verify_outcomes.append((drafted, n))
-        if self.controller and k:
+        if self.controller:
             self.controller.record_acceptance(counts, [n for n, *_ in decided])
         return emitted
 
@@ -147,11 +153,13 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, self.max_num_seqs, self.max_prefill_tokens)
         self.runner = ModelRunner(self.model, self.cache, self.proposer.capture_layers)
         seqs = []
-        generators = [torch.Generator().manual_seed(params.seed * 1_000_003 + i) for i in range(len(prompts))]
-        stream = UniformStreams(generators)
+        keys = [params.seed * 1_000_003 + i for i in range(len(prompts))]
+        generators = [torch.Generator().manual_seed(key) for key in keys]
+        positions = PositionUniforms(generators)
+        stream = UniformStreams([torch.Generator().manual_seed(draw_seed(key)) for key in keys])
         for i, (prompt, gen) in enumerate(zip(prompts, generators)):
             seq = Sequence(i, list(prompt), min(params.max_tokens, context - len(prompt)), gen, stream=stream,
-                           stream_row=i)
+                           stream_row=i, positions=positions, positions_row=i)
             self.scheduler.add(seq)
             seqs.append(seq)
         self.proposer.start(seqs, params, max_len, self.cache.num_slots)

@@ -8,7 +8,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..spec.sampling import UniformStreams
+from ..spec.sampling import PositionUniforms, UniformStreams
+
+
+
+def draw_seed(seed: int) -> int:
+    """The seed of a sequence's in-order stream (a sampling drafter's draws and their verification) from that of
+    its position uniforms. The two streams must not share values: a draft drawn with the uniform that drew an
+    earlier token would depend on that token. Torch's CPU generator keeps only a seed's low 32 bits, so this is a
+    32-bit map, x * 0x9E3779B1 + 0x7F4A7C15 mod 2^32, with no fixed point (x(0x9E3779B1 - 1) is even, the
+    constant's negative odd)."""
+    return ((seed & 0xFFFFFFFF) * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
 
 
 class Status(enum.Enum):
@@ -26,7 +36,8 @@ class Sequence:
     max_tokens: int
     """New tokens allowed (already capped at the end of the context)."""
     generator: torch.Generator
-    """This sequence's own random stream, so its samples do not depend on the rest of the batch."""
+    """This sequence's own generator for its position uniforms (`positions`), so its tokens do not depend on the
+    rest of the batch; its in-order stream (`stream`) is seeded with `draw_seed` of its seed."""
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -43,12 +54,24 @@ class Sequence:
     its own, made on first use)."""
     stream_row: int = 0
     """This sequence's row in `stream`."""
+    positions: PositionUniforms | None = field(default=None, repr=False)
+    """Where this sequence's position uniforms are held (the engine's, shared by a `generate` call's sequences;
+    else a table of its own, made on first use)."""
+    positions_row: int = 0
+    """This sequence's row in `positions`."""
 
     def uniforms(self, n: int) -> list[float]:
-        """The next n uniforms in [0, 1) of this sequence's stream (`UniformStreams`)."""
+        """The next n uniforms in [0, 1) of this sequence's in-order stream (`UniformStreams`)."""
         if self.stream is None:
-            self.stream, self.stream_row = UniformStreams([self.generator]), 0
+            draws = torch.Generator().manual_seed(draw_seed(self.generator.initial_seed()))
+            self.stream, self.stream_row = UniformStreams([draws]), 0
         return self.stream.take(np.array([self.stream_row]), n)[0].tolist()
+
+    def position_table(self) -> PositionUniforms:
+        """`positions`, made from `generator` on first use."""
+        if self.positions is None:
+            self.positions, self.positions_row = PositionUniforms([self.generator]), 0
+        return self.positions
 
     @property
     def drafted(self) -> int:

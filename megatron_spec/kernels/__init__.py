@@ -1,7 +1,7 @@
 """Fused CPU kernels for the engine's forwards (`cpu_ops.cpp`), compiled here on first use: RMSNorm, SiLU-times-up,
 rotary-plus-cache-store, attention over the KV cache, a linear for a few rows that streams each weight once, and a
 whole dense decoder layer built from those in one call, an MTP depth, a greedy MTP head's whole drafting, and the
-sampled verification of deterministic drafts.
+sampled verification of deterministic drafts (plain sampling when there are none).
 
 Why: after oneDNN took the GEMMs, most of a SmolLM2 decode step on 2 CPU cores was ~80 small torch ops a layer
 (norms in five ops each, rotary in seven, the cache's index copies, the attention's matmuls, masks and casts), each
@@ -141,12 +141,12 @@ def mtp_draft(hidden: Tensor, ids: Tensor, positions: Tensor, last: Tensor, roun
                          v_cache, slots, heads, kv_heads)
 
 
-def verify_onehot(logprobs: Tensor, drafts: Tensor, draft_len: Tensor, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Rejection sampling of a deterministic drafter's `drafts` [B, k] (`draft_len` [B] of them stand per sequence)
-    against processed `logprobs` [B, k + 1, V] (fp32) with uniforms `u` [B, k + 1] (u[:, :k] accept, u[:, k] draws
-    the next token): what `spec.verify.verify_sampled` computes with no draft distribution. Returns the accepted
-    counts [B], the next tokens [B] and the emitted tokens' log-probs [B, k + 1] (0 past the next token)."""
-    return ops.verify_onehot(logprobs, drafts, draft_len, u)
+def verify_coupled(logprobs: Tensor, drafts: Tensor, draft_len: Tensor, u: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """`spec.verify.verify_coupled` of a deterministic drafter's `drafts` [B, k] (`draft_len` [B] of them stand per
+    sequence) against processed `logprobs` [B, k + 1, V] (fp32) with position uniforms `u` [B, k + 1], and the
+    emitted tokens' log-probs, in one call; with k = 0, plain sampling. Returns the accepted counts [B], the next
+    tokens [B] and the emitted tokens' log-probs [B, k + 1] (0 past the next token)."""
+    return ops.verify_coupled(logprobs, drafts, draft_len, u)
 
 
 @functools.cache

@@ -676,40 +676,41 @@ Tensor mtp_draft(const Tensor& hidden, const Tensor& ids, const Tensor& position
 }
 
 // A processed distribution's CDF as `sample_inverse_cdf` builds it (torch's cumsum: a double running sum, each
-// prefix rounded to float), of e^lp with token `drop` (a rejected draft; -1: none) taken out. Returns the total.
-inline float residual_cdf(const float* lp, int64_t V, int64_t drop, float* cdf) {
+// prefix rounded to float) of e^lp. Returns the total.
+inline float probs_cdf(const float* lp, int64_t V, float* cdf) {
   const float none = -std::numeric_limits<float>::infinity();
-  for (int64_t v = 0; v < V; ++v) cdf[v] = lp[v] == none ? 0.0f : exp_approx(lp[v]);  // top-k / top-p: exactly 0
-  if (drop >= 0) cdf[drop] = 0.0f;
   double sum = 0.0;
+  for (int64_t v = 0; v < V; ++v) cdf[v] = lp[v] == none ? 0.0f : exp_approx(lp[v]);  // top-k / top-p: exactly 0
   for (int64_t v = 0; v < V; ++v) cdf[v] = static_cast<float>(sum += cdf[v]);
   return cdf[V - 1];
 }
 
-// Rejection sampling of a deterministic drafter's drafts (q one-hot) against processed log-probs `lp` [B, k + 1, V],
-// and the log-probs of the tokens it emits, in one call: `spec/verify.py`'s `verify_sampled` with no draft
-// distribution, then the engine's gather. Draft j of sequence b stands while u[b, j] < p(draft); at the first
-// rejection the next token is drawn with u[b, k] from p without the rejected draft, after the last draft from p.
-// In torch that was ~20 small ops over every position's whole distribution (~0.3 ms of a ~2-9 ms k = 3 step on the
-// main job's model at 1-64 sequences); here a sequence exponentiates only the row it draws from. Returns the
-// accepted counts [B], the next tokens [B] and the emitted tokens' log-probs [B, k + 1] (past the next token: 0).
-std::tuple<Tensor, Tensor, Tensor> verify_onehot(const Tensor& lp_in, const Tensor& drafts_in, const Tensor& len_in,
-                                                 const Tensor& u_in) {
+// Verification of a deterministic drafter's drafts against processed log-probs `lp` [B, k + 1, V] that emits the
+// tokens plain sampling would, and the log-probs of the tokens it emits, in one call: `spec/verify.py`'s
+// `verify_coupled`, then the engine's gather. Position j's token is drawn from p_j with u[b, j] (inverse CDF, as
+// `sample_inverse_cdf` draws it), and draft j stands while it equals that token. With k = 0 this is plain sampling,
+// so a plain step and a verify step draw each position's token by the same arithmetic. In torch it was ~20 small
+// ops over every position's whole distribution (~0.3 ms of a ~2-9 ms k = 3 step on the main job's model at 1-64
+// sequences); here a sequence exponentiates only the rows it draws from, stopping at the first that rejects.
+// Returns the accepted counts [B], the next tokens [B] and the emitted tokens' log-probs [B, k + 1] (past the next
+// token: 0).
+std::tuple<Tensor, Tensor, Tensor> verify_coupled(const Tensor& lp_in, const Tensor& drafts_in, const Tensor& len_in,
+                                                  const Tensor& u_in) {
   const Tensor lp = lp_in.contiguous(), drafts = drafts_in.to(at::kLong).contiguous();
   const Tensor len = len_in.to(at::kLong).contiguous(), u = u_in.to(at::kFloat).contiguous();
-  TORCH_CHECK(lp.dim() == 3 && lp.scalar_type() == at::kFloat, "verify_onehot: log-probs are float32 [B, k + 1, V]");
+  TORCH_CHECK(lp.dim() == 3 && lp.scalar_type() == at::kFloat, "verify_coupled: log-probs are float32 [B, k + 1, V]");
   const int64_t B = lp.size(0), K1 = lp.size(1), V = lp.size(2), K = K1 - 1;
   TORCH_CHECK(drafts.dim() == 2 && drafts.size(0) == B && drafts.size(1) == K && len.numel() == B && u.dim() == 2 &&
                   u.size(0) == B && u.size(1) == K1,
-              "verify_onehot: drafts are [B, k], draft lengths [B], uniforms [B, k + 1]");
+              "verify_coupled: drafts are [B, k], draft lengths [B], uniforms [B, k + 1]");
   const float* lpp = lp.data_ptr<float>();
   const float* up = u.data_ptr<float>();
   const int64_t* x = drafts.data_ptr<int64_t>();
   const int64_t* n_max = len.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(n_max[b] >= 0 && n_max[b] <= K, "verify_onehot: a draft length is outside [0, k]");
+    TORCH_CHECK(n_max[b] >= 0 && n_max[b] <= K, "verify_coupled: a draft length is outside [0, k]");
     for (int64_t j = 0; j < n_max[b]; ++j)
-      TORCH_CHECK(x[b * K + j] >= 0 && x[b * K + j] < V, "verify_onehot: a draft is outside the vocabulary");
+      TORCH_CHECK(x[b * K + j] >= 0 && x[b * K + j] < V, "verify_coupled: a draft is outside the vocabulary");
   }
   Tensor accepted = at::empty({B}, drafts.options()), next = at::empty({B}, drafts.options());
   Tensor emitted = at::zeros({B, K1}, lp.options());
@@ -720,16 +721,16 @@ std::tuple<Tensor, Tensor, Tensor> verify_onehot(const Tensor& lp_in, const Tens
     std::vector<float> cdf(V);
     for (int64_t b = begin; b < end; ++b) {
       const float* row = lpp + b * K1 * V;
-      const float* ub = up + b * K1;
-      const int64_t* xb = x + b * K;
-      int64_t n = 0;
-      for (; n < n_max[b] && ub[n] < std::exp(row[n * V + xb[n]]); ++n) ep[b * K1 + n] = row[n * V + xb[n]];
-      const float* p = row + n * V;
-      float total = residual_cdf(p, V, n < n_max[b] ? xb[n] : -1, cdf.data());
-      if (!(total > 0.0f)) total = residual_cdf(p, V, -1, cdf.data());  // p == q and a rejection: probability 0
-      const float target = ub[K] * total;
-      const int64_t t = std::min<int64_t>(std::upper_bound(cdf.begin(), cdf.end(), target) - cdf.begin(), V - 1);
-      ap[b] = n, np[b] = t, ep[b * K1 + n] = p[t];
+      for (int64_t n = 0;; ++n) {
+        const float* p = row + n * V;
+        const float target = up[b * K1 + n] * probs_cdf(p, V, cdf.data());
+        const int64_t t = std::min<int64_t>(std::upper_bound(cdf.begin(), cdf.end(), target) - cdf.begin(), V - 1);
+        ep[b * K1 + n] = p[t];
+        if (n == n_max[b] || t != x[b * K + n]) {
+          ap[b] = n, np[b] = t;
+          break;
+        }
+      }
     }
   });
   return {accepted, next, emitted};
@@ -763,6 +764,6 @@ TORCH_LIBRARY(megatron_spec, m) {
         "Tensor w_gate_up, Tensor w_down, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int heads, "
         "int kv_heads) -> Tensor",
         mtp_draft);
-  m.def("verify_onehot(Tensor logprobs, Tensor drafts, Tensor draft_len, Tensor u) -> (Tensor, Tensor, Tensor)",
-        verify_onehot);
+  m.def("verify_coupled(Tensor logprobs, Tensor drafts, Tensor draft_len, Tensor u) -> (Tensor, Tensor, Tensor)",
+        verify_coupled);
 }

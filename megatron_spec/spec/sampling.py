@@ -3,7 +3,9 @@
 `processed_logprobs` is THE definition of the distribution a rollout samples from (temperature, then top-k, then
 top-p). The engine samples from it, the speculative verifier accepts against it, and the trainer computes its
 behaviour log-probs with it, so all three agree by construction. Each sequence samples with uniforms from its own
-seeded generator (`UniformStreams`), so its tokens do not depend on the batch it runs in.
+seeded generators, so its tokens do not depend on the batch it runs in: the token at output position t is drawn
+with that position's uniform (`PositionUniforms`), whether plain decoding or a verify step draws it, and only a
+sampling drafter's draws come from a stream taken in order (`UniformStreams`).
 """
 
 from __future__ import annotations
@@ -56,12 +58,6 @@ def sample_inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-def sample_tokens(logprobs: Tensor, u: Tensor, greedy: bool) -> tuple[Tensor, Tensor]:
-    """(token ids [B], their log-probs [B]) from processed `logprobs` [B, V]."""
-    tokens = logprobs.argmax(-1) if greedy else sample_inverse_cdf(logprobs.exp(), u)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-
-
 UNIFORM_BLOCK = 256
 """Uniforms drawn from a sequence's generator at a time: one generator call per step per sequence cost ~2.3 us,
 150 us of a 3.5 ms decode step at batch 64."""
@@ -91,6 +87,38 @@ class UniformStreams:
             at[i] = 0
         self.next[rows] = at + n
         return self.blocks[rows[:, None], at[:, None] + np.arange(n)]
+
+
+class PositionUniforms:
+    """Each sequence's uniform for each output position: row r's value at position t is value t of r's generator,
+    drawn UNIFORM_BLOCK at a time and in order, so it depends on (seed, sequence, position) only, never on how
+    many positions a step drew or which sequences shared it. Plain decoding and the verification of deterministic
+    drafts (`spec.verify.verify_coupled`) both draw position t's token with it, so speculative decoding emits the
+    tokens plain decoding would. The values are the ones a `UniformStreams` taking one at a time gives."""
+
+    def __init__(self, generators: list[torch.Generator]):
+        self.generators = generators
+        self.table = np.zeros((len(generators), 0), dtype=np.float32)
+        """[rows, positions drawn so far]: grown a block of positions at a time, for every row at once."""
+
+    def at(self, rows: np.ndarray, starts: np.ndarray, n: int) -> np.ndarray:
+        """[len(rows), n] float32: each row's uniforms at positions starts[i] .. starts[i] + n - 1."""
+        end = int(starts.max()) + n if len(rows) else 0
+        while self.table.shape[1] < end:
+            block = np.stack([torch.rand(UNIFORM_BLOCK, generator=g).numpy() for g in self.generators])
+            self.table = np.concatenate([self.table, block], 1)
+        return self.table[rows[:, None], starts[:, None] + np.arange(n)]
+
+
+def position_uniforms(seqs, n: int) -> np.ndarray:
+    """[B, n] float32: the uniforms of `seqs`' (`engine.Sequence`) next n output positions, from the first one
+    not yet emitted; in one lookup where they share a table."""
+    table = seqs[0].positions
+    starts = np.fromiter((len(s.output) for s in seqs), np.int64, len(seqs))
+    if table is not None and all(s.positions is table for s in seqs):
+        return table.at(np.fromiter((s.positions_row for s in seqs), np.int64, len(seqs)), starts, n)
+    return np.concatenate([s.position_table().at(np.array([s.positions_row]), starts[i : i + 1], n)
+                           for i, s in enumerate(seqs)]).reshape(len(seqs), n)
 
 
 def uniforms(seqs, n: int) -> np.ndarray:

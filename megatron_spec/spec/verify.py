@@ -6,6 +6,12 @@ rejection emit a token from norm(max(p_i - q_i, 0)); if every draft is accepted 
 greedy (deterministic) drafter has q = one-hot(x_i), so it is accepted with probability p_i(x_i) and the residual is
 p_i with x_i removed. The emitted tokens then follow p exactly, whatever the drafter proposes.
 
+Deterministic drafts can be verified another way, `verify_coupled`, which emits the very tokens plain sampling
+would: draw every position's token from p with that position's own uniform, and let draft i stand while it equals
+the token drawn at i. It accepts draft i with the same probability, p_i(x_i), and emits p_i without x_i after a
+rejection (the draw, given it is not x_i), so it is the same verifier in distribution and, given each position's
+uniform, plain sampling token for token.
+
 Drafts may be ragged: sequence b drafted `draft_len[b]` <= k tokens; positions past its length count as the end.
 """
 
@@ -39,6 +45,17 @@ def verify_greedy(target_logprobs: Tensor, drafts: Tensor, draft_len: Tensor) ->
     best = target_logprobs.argmax(-1)  # [B, k+1]
     n = accepted_prefix(best[:, :-1] == drafts, draft_len)
     return Verdict(n, best.gather(1, n[:, None]).squeeze(1))
+
+
+def verify_coupled(target_probs: Tensor, drafts: Tensor, draft_len: Tensor, u: Tensor) -> Verdict:
+    """Verification of deterministic `drafts` [B, k] that emits plain sampling's tokens: position i's token is
+    drawn from `target_probs` [B, k+1, V] (processed p) with `u` [B, k+1] (position i's uniform, in [0, 1)), and
+    draft i stands while it equals that token; the token drawn at the first position that is not an accepted draft
+    is emitted."""
+    B, k1, V = target_probs.shape
+    drawn = sample_inverse_cdf(target_probs.reshape(B * k1, V), u.reshape(-1)).view(B, k1)
+    n = accepted_prefix(drawn[:, :-1] == drafts, draft_len)
+    return Verdict(n, drawn.gather(1, n[:, None]).squeeze(1))
 
 
 def verify_sampled(

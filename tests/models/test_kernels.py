@@ -15,7 +15,7 @@ from megatron_spec.models.kv_cache import KVCache
 from megatron_spec.models.mtp import MTP, MTPConfig, MTPLayer
 from megatron_spec.models.layers import RMSNorm, attend, rope_cos_sin
 from megatron_spec.spec.sampling import processed_logprobs
-from megatron_spec.spec.verify import emitted_logprobs, verify_sampled
+from megatron_spec.spec.verify import emitted_logprobs, verify_coupled
 
 DTYPES = [torch.float32, torch.bfloat16]
 BF16_STEP = 2.0**-7
@@ -390,15 +390,14 @@ def test_greedy_mtp_drafting_in_one_call_drafts_and_stores_what_its_rounds_do(dt
 
 
 @pytest.mark.parametrize("V, top_k", [(64, 0), (64, 10), (3000, 0)])
-def test_verify_onehot_gives_the_verdict_and_log_probs_of_verify_sampled(V, top_k):
-    """The fused verifier against `verify_sampled` (no draft distribution) and the engine's gather, on 3000 random
-    sequences with k = 3, draft lengths 0-3, drafts mostly the target's argmax (so every acceptance count occurs),
-    logits of scale 3, with and without top-k (-inf log-probs, which must get exactly zero mass) and at a vocabulary
-    large enough that sequences are split between threads. Where the two differ, it must be a decision within
-    rounding: the kernel's e^x is within 2 ulp of torch's, so the uniform must lie within 1e-6 of the deciding
-    probability, or the inverse CDF's target within 1e-5 of the total of a CDF boundary (2 ulp of p over a few
-    thousand terms). Elsewhere: the same count, token and log-probs bit for bit. It fails on an off-by-one in the
-    count, a token drawn from the wrong row, a rejected draft left in the residual or a masked token drawn."""
+def test_verify_coupled_gives_the_verdict_and_log_probs_of_its_torch_twin(V, top_k):
+    """The fused verifier against `verify_coupled` and the engine's gather, on 3000 random sequences with k = 3,
+    draft lengths 0-3, drafts mostly the target's argmax (so every acceptance count occurs), logits of scale 3,
+    with and without top-k (-inf log-probs, which must get exactly zero mass) and at a vocabulary large enough that
+    sequences are split between threads. Where the two differ, it must be a draw within rounding: the kernel's e^x
+    is within 2 ulp of torch's, so the inverse CDF's target must lie within 1e-5 of the total of a CDF boundary
+    (2 ulp of p over a few thousand terms). Elsewhere: the same count, token and log-probs bit for bit. It fails on
+    an off-by-one in the count, a token drawn from the wrong row or with the wrong uniform, or a masked token drawn."""
     assert kernels.loaded()
     g = torch.Generator().manual_seed(V + top_k)
     B, k = 3000, 3
@@ -407,43 +406,64 @@ def test_verify_onehot_gives_the_verdict_and_log_probs_of_verify_sampled(V, top_
     drafts = torch.where(torch.rand(B, k, generator=g) < 0.7, best, torch.randint(0, V, (B, k), generator=g))
     draft_len, u = torch.randint(0, k + 1, (B,), generator=g), torch.rand(B, k + 1, generator=g)
     with torch.inference_mode():
-        n, nxt, lps = kernels.verify_onehot(lp, drafts, draft_len, u)
-    ref = verify_sampled(lp.exp(), drafts, draft_len, u[:, :k], u[:, k])
+        n, nxt, lps = kernels.verify_coupled(lp, drafts, draft_len, u)
+    ref = verify_coupled(lp.exp(), drafts, draft_len, u)
     ref_lps = emitted_logprobs(lp, drafts, ref)
     assert sorted(set(n.tolist())) == [0, 1, 2, 3]
     assert torch.isfinite(lps.gather(1, n[:, None])).all()  # no masked token drawn
     p = lp.exp()
-    for b in torch.nonzero(n != ref.num_accepted).squeeze(-1).tolist():
-        j = min(int(n[b]), int(ref.num_accepted[b]))
-        assert abs(float(u[b, j]) - float(p[b, j, drafts[b, j]])) < 1e-6
-    same_n = n == ref.num_accepted
-    for b in torch.nonzero(same_n & (nxt != ref.next_token)).squeeze(-1).tolist():
-        row = p[b, n[b]].clone()
-        if n[b] < draft_len[b]:
-            row[drafts[b, n[b]]] = 0
-        cdf = row.double().cumsum(0)
-        boundary = cdf[min(int(nxt[b]), int(ref.next_token[b]))]
-        assert abs(float(u[b, k]) * float(cdf[-1]) - float(boundary)) < 1e-5 * float(cdf[-1])
-    agree = same_n & (nxt == ref.next_token)
+    agree = (n == ref.num_accepted) & (nxt == ref.next_token)
+    for b in torch.nonzero(~agree).squeeze(-1).tolist():
+        j = min(int(n[b]), int(ref.num_accepted[b]))  # the first position the two drew differently
+        drawn = [int(nxt[b]) if j == n[b] else int(drafts[b, j]), int(ref.next_token[b]) if j == ref.num_accepted[b]
+                 else int(drafts[b, j])]
+        cdf = p[b, j].double().cumsum(0)
+        boundary = cdf[min(drawn)]
+        assert abs(float(u[b, j]) * float(cdf[-1]) - float(boundary)) < 1e-5 * float(cdf[-1])
     assert agree.float().mean() > 0.99
     emitted = torch.arange(k + 1)[None] <= n[:, None]
     assert torch.equal(lps[agree & emitted.any(1)][emitted[agree]], ref_lps[agree][emitted[agree]])
     assert (lps[~emitted] == 0).all()
 
 
-def test_verify_onehot_rejects_bad_drafts_before_any_work():
+def test_verify_coupled_draws_each_position_as_a_plain_step_does():
+    """The engine's plain step is this kernel with no drafts; a verify step must draw every position's token by
+    the same arithmetic, or speculation would change a seed's tokens. On 2000 sequences with k = 4: each emitted
+    token equals, bit for bit, the kernel's k = 0 draw from that position's row with that position's uniform, and
+    the count stops at the first draft that differs from it (drafts: that draw 70 % of the time)."""
+    assert kernels.loaded()
+    g = torch.Generator().manual_seed(5)
+    B, k, V = 2000, 4, 500
+    lp = processed_logprobs(torch.randn(B, k + 1, V, generator=g) * 2, 1.0, 40)
+    u = torch.rand(B, k + 1, generator=g)
+    none, zero = torch.empty(B, 0, dtype=torch.long), torch.zeros(B, dtype=torch.long)
+    with torch.inference_mode():
+        plain = [kernels.verify_coupled(lp[:, j : j + 1].contiguous(), none, zero, u[:, j : j + 1]) for j in range(k + 1)]
+        drawn = torch.stack([t for _, t, _ in plain], 1)
+        other = (drawn[:, :k] + torch.randint(1, V, (B, k), generator=g)) % V
+        drafts = torch.where(torch.rand(B, k, generator=g) < 0.7, drawn[:, :k], other)
+        n, nxt, lps = kernels.verify_coupled(lp, drafts, torch.full((B,), k), u)
+    stop = torch.where(drafts != drawn[:, :k], torch.arange(k), k).min(1).values
+    assert torch.equal(n, stop) and torch.equal(nxt, drawn.gather(1, n[:, None]).squeeze(1))
+    plain_lps = torch.cat([l for _, _, l in plain], 1)
+    emitted = torch.arange(k + 1)[None] <= n[:, None]
+    assert torch.equal(lps[emitted], plain_lps[emitted])
+    assert len(set(n.tolist())) == k + 1
+
+
+def test_verify_coupled_rejects_bad_drafts_before_any_work():
     assert kernels.loaded()
     lp = processed_logprobs(torch.randn(2, 3, 10), 1.0)
     u = torch.rand(2, 3)
     with torch.inference_mode():
         with pytest.raises(RuntimeError, match="outside the vocabulary"):
-            kernels.verify_onehot(lp, torch.tensor([[1, 10], [0, 0]]), torch.tensor([2, 0]), u)
+            kernels.verify_coupled(lp, torch.tensor([[1, 10], [0, 0]]), torch.tensor([2, 0]), u)
         with pytest.raises(RuntimeError, match=r"outside \[0, k\]"):
-            kernels.verify_onehot(lp, torch.tensor([[1, 2], [0, 0]]), torch.tensor([3, 0]), u)
+            kernels.verify_coupled(lp, torch.tensor([[1, 2], [0, 0]]), torch.tensor([3, 0]), u)
         with pytest.raises(RuntimeError, match=r"uniforms \[B, k \+ 1\]"):
-            kernels.verify_onehot(lp, torch.tensor([[1, 2], [0, 0]]), torch.tensor([2, 0]), u[:, :2])
+            kernels.verify_coupled(lp, torch.tensor([[1, 2], [0, 0]]), torch.tensor([2, 0]), u[:, :2])
         # a padded draft past its sequence's length is never read, whatever it holds
-        n, _, _ = kernels.verify_onehot(lp, torch.tensor([[1, -5], [99, 99]]), torch.tensor([1, 0]), u)
+        n, _, _ = kernels.verify_coupled(lp, torch.tensor([[1, -5], [99, 99]]), torch.tensor([1, 0]), u)
         assert n.tolist()[1] == 0
 
 

@@ -331,7 +331,7 @@ def test_the_policy_is_evaluated_as_loaded_before_the_first_update(ckpts, tmp_pa
     Trainer built on it and never stepped gives the same number, while step 0's own eval (after an update at lr
     3e-3) differs. A resumed run does not log it again."""
     cfg = small_cfg(ckpts, tmp_path / "run")
-    cfg.run.eval_every, cfg.run.eval_prompts, cfg.run.steps = 1, 16, 2
+    cfg.run.eval_every, cfg.run.eval_prompts, cfg.run.steps = 1, 32, 2
     loop.train(cfg)
     rows = read_metrics(tmp_path / "run")
     torch.manual_seed(cfg.run.seed)

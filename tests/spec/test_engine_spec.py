@@ -84,15 +84,33 @@ def test_sampled_completions_match_plain_decoding(target, kw):
 @pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=8)])
 def test_sampled_completions_with_greedy_drafts_match_plain_decoding(target, kw):
     """The same test with the draft model's argmax as its drafts (q one-hot), which on the CPU the engine verifies
-    in one kernel call (`kernels.verify_onehot`; checked here by counting its calls): the path of the main job's
+    in one kernel call (`kernels.verify_coupled`; checked here by counting its calls): the path of the main job's
     MTP head. A draft stands with probability p(draft), and a rejection draws from p without it."""
-    calls, fused = [], kernels.verify_onehot
-    kernels.verify_onehot = lambda *args: calls.append(1) or fused(*args)
+    calls, fused = [], kernels.verify_coupled
+    kernels.verify_coupled = lambda *args: calls.append(1) or fused(*args)
     try:
         assert_sampled_matches_plain(target, kw, draft_sampling=False)
     finally:
-        kernels.verify_onehot = fused
+        kernels.verify_coupled = fused
     assert len(calls) >= 8  # at least one verify step for each of the 8 batches of 250 sequences
+
+
+@pytest.mark.parametrize("name", ["ngram", "history", "draft_model", "mtp_2_layers", "eagle3", "ngram_adaptive"])
+def test_sampled_tokens_with_deterministic_drafts_are_plain_decodings_for_the_same_seed(target, name):
+    """Sampling at T = 0.5 with top-k 20 (cool enough for the n-gram drafters to find repeats), batch capacity 4 with 6 prompts: with every deterministic drafter the
+    engine emits the plain engine's tokens and log-probs for the same seed, bit for bit, because each output
+    position's token is drawn with that position's uniform by the same kernel in a plain and a verify step, from
+    logits the CPU kernels compute the same in both. Drafts were made and some accepted (it is not plain decoding
+    twice), and another seed gives other tokens (the equality is not of something the seed does not reach)."""
+    spec, drafter = drafters(target)[name]
+    params = SamplingParams(temperature=0.5, top_k=20, max_tokens=40, seed=4)
+    plain = LLMEngine(target, max_num_seqs=4).generate(PROMPTS, params)
+    fast = LLMEngine(target, max_num_seqs=4, spec=spec, drafter=drafter).generate(PROMPTS, params)
+    assert [o.token_ids for o in fast] == [o.token_ids for o in plain]
+    assert [o.logprobs for o in fast] == [o.logprobs for o in plain]
+    assert sum(o.spec.get("accepted", 0) for o in fast) > 0
+    other = LLMEngine(target, max_num_seqs=4).generate(PROMPTS, SamplingParams(**{**params.__dict__, "seed": 5}))
+    assert [o.token_ids for o in other] != [o.token_ids for o in plain]
 
 
 def assert_sampled_matches_plain(target, kw: dict, draft_sampling: bool = True) -> None:

@@ -1,4 +1,5 @@
-"""Sampler-level losslessness: whatever the drafter proposes, emitted tokens follow the processed target p."""
+"""Sampler-level losslessness: whatever the drafter proposes, emitted tokens follow the processed target p; and the
+coupled verifier of deterministic drafts emits exactly the tokens plain sampling draws with the same uniforms."""
 
 import zlib
 
@@ -6,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_spec.spec.sampling import processed_logprobs
-from megatron_spec.spec.verify import accepted_prefix, verify_greedy, verify_sampled
+from megatron_spec.spec.sampling import processed_logprobs, sample_inverse_cdf
+from megatron_spec.spec.verify import accepted_prefix, verify_coupled, verify_greedy, verify_sampled
 
 from .stats import chi2_quantile_999, goodness_of_fit
 
@@ -16,9 +17,9 @@ V, K, N = 8, 3, 40_000
 
 @pytest.mark.parametrize("proc", [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.0, top_k=4),
                                   dict(temperature=1.0, top_p=0.7)])
-@pytest.mark.parametrize("draft_kind", ["sampled_q", "one_hot"])
+@pytest.mark.parametrize("draft_kind", ["sampled_q", "one_hot", "one_hot_coupled"])
 def test_emitted_tokens_follow_target(proc, draft_kind):
-    """N=40000 independent verify calls with K=3 drafts over V=8 tokens. The first emitted token (a draft that was
+    """N=40000 independent verify calls with K=3 drafts over V=8 tokens (one_hot_coupled: `verify_coupled`). The first emitted token (a draft that was
     accepted, or the residual sample) and the second (when the first was an accepted draft) must follow p at
     their positions: chi-square against p, threshold at the 99.9 % quantile (false alarm 0.001 per assertion)."""
     g = torch.Generator().manual_seed(zlib.crc32(repr((draft_kind, proc)).encode()))
@@ -32,7 +33,10 @@ def test_emitted_tokens_follow_target(proc, draft_kind):
         drafts = p[:K].argsort(-1)[:, -2].expand(N, K)  # the runner-up token: often accepted, often rejected
         probs = None
     u = torch.rand(N, K + 1, generator=g)
-    verdict = verify_sampled(p.expand(N, K + 1, V), drafts, torch.full((N,), K), u[:, :K], u[:, K], probs)
+    if draft_kind == "one_hot_coupled":
+        verdict = verify_coupled(p.expand(N, K + 1, V), drafts, torch.full((N,), K), u)
+    else:
+        verdict = verify_sampled(p.expand(N, K + 1, V), drafts, torch.full((N,), K), u[:, :K], u[:, K], probs)
     n = verdict.num_accepted
     first = torch.where(n > 0, drafts[:, 0], verdict.next_token)
     chi2, df = goodness_of_fit(np.bincount(first.numpy(), minlength=V), p[0].numpy())
@@ -58,14 +62,20 @@ def test_zero_probability_drafts_are_never_emitted():
     assert chi2 <= chi2_quantile_999(df)
 
 
-def test_acceptance_rate_matches_theory():
-    """With q one-hot on token x the first draft is accepted with probability p(x): the observed rate over
-    40000 trials is within 4 standard errors (sqrt(p(1-p)/N) ~ 0.0025)."""
+@pytest.mark.parametrize("coupled", [False, True])
+def test_acceptance_rate_matches_theory(coupled):
+    """With q one-hot on token x the first draft is accepted with probability p(x), by rejection sampling and by
+    the coupled verifier alike: the observed rate over 40000 trials is within 4 standard errors
+    (sqrt(p(1-p)/N) ~ 0.0025)."""
     g = torch.Generator().manual_seed(7)
     p = torch.softmax(torch.randn(2, V, generator=g), -1)
     x = int(p[0].argmax())
     u = torch.rand(N, 2, generator=g)
-    v = verify_sampled(p.expand(N, 2, V), torch.full((N, 1), x), torch.ones(N, dtype=torch.long), u[:, :1], u[:, 1])
+    drafts, one = torch.full((N, 1), x), torch.ones(N, dtype=torch.long)
+    if coupled:
+        v = verify_coupled(p.expand(N, 2, V), drafts, one, u)
+    else:
+        v = verify_sampled(p.expand(N, 2, V), drafts, one, u[:, :1], u[:, 1])
     rate = (v.num_accepted == 1).float().mean().item()
     assert abs(rate - p[0, x].item()) < 4 * (p[0, x].item() * (1 - p[0, x].item()) / N) ** 0.5
 
@@ -78,6 +88,26 @@ def test_bonus_token_after_all_accepted_and_ragged_lengths():
     drafts = torch.tensor([[1, 2], [1, 0]])
     v = verify_sampled(p, drafts, torch.tensor([2, 1]), torch.rand(2, 2), torch.rand(2))
     assert v.num_accepted.tolist() == [2, 1] and v.next_token.tolist() == [3, 2]
+
+
+def test_coupled_verification_emits_what_plain_sampling_draws_position_by_position():
+    """`verify_coupled` on 5000 random rows (k = 3, draft lengths 0-3, drafts the token plain sampling would draw
+    60 % of the time, else another): the emitted tokens are, position by position, exactly `sample_inverse_cdf` of
+    that position's p with that position's uniform, i.e. what plain decoding draws, and the count stops at the first
+    draft that differs from it or at the draft length. Every count 0-3 occurs."""
+    g = torch.Generator().manual_seed(11)
+    B = 5000
+    p = processed_logprobs(torch.randn(B, K + 1, V, generator=g) * 2, top_k=6).exp()
+    u = torch.rand(B, K + 1, generator=g)
+    plain = torch.stack([sample_inverse_cdf(p[:, j], u[:, j]) for j in range(K + 1)], 1)
+    other = (plain[:, :K] + torch.randint(1, V, (B, K), generator=g)) % V
+    drafts = torch.where(torch.rand(B, K, generator=g) < 0.6, plain[:, :K], other)
+    draft_len = torch.randint(0, K + 1, (B,), generator=g)
+    v = verify_coupled(p, drafts, draft_len, u)
+    for b in range(B):
+        n = next(j for j in range(K + 1) if j == draft_len[b] or drafts[b, j] != plain[b, j])
+        assert int(v.num_accepted[b]) == n and int(v.next_token[b]) == plain[b, n]
+    assert sorted(set(v.num_accepted.tolist())) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("with_q", [False, True])
