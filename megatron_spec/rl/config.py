@@ -178,6 +178,10 @@ class DrafterTrainSection:
     """Optimizer steps per step's batch in each pass: its sequences dealt into this many minibatches (row i of each
     micro-batch to minibatch i mod `minibatches`). More, smaller steps for the same work; the split is by rows, so it
     does not depend on `grpo.micro_batch_tokens`. Embedded trainer only."""
+    ema: float = 0.0
+    """Draft with an exponential moving average of the online drafter's weights, updated after each of its
+    optimizer steps with this decay (0: draft with the trained weights). Averaging lets a higher `lr` track the
+    policy while the drafts keep little of its minibatches' noise. Embedded trainer only."""
     agreement: bool = True
     """Measure every step, per draft depth, the chance that the drafter's greedy draft is accepted at the train
     batch's positions (`drafter_agreement`), so its freshness shows while the adaptive controller keeps speculation
@@ -198,6 +202,8 @@ class DrafterTrainSection:
             raise ValueError(f"drafter_train.replay must be >= 1 (this step's states at least), got {self.replay}")
         if self.minibatches < 1:
             raise ValueError(f"drafter_train.minibatches must be >= 1, got {self.minibatches}")
+        if not 0.0 <= self.ema < 1.0:
+            raise ValueError(f"drafter_train.ema is a decay in [0, 1) (0: no average), got {self.ema}")
 
 
 @dataclass

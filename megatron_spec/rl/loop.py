@@ -57,10 +57,10 @@ def check_inputs(cfg: RLConfig) -> None:
         raise ValueError(f"run.device={cfg.run.device} places the in-process trainer and generator; the "
                          f"{cfg.backend.placement} placement's worker groups place their own (leave run.device=cpu)")
     d = cfg.drafter_train
-    if cfg.backend.trainer == "megatron" and max(d.drafts, d.updates, d.replay, d.minibatches) > 1:
+    if cfg.backend.trainer == "megatron" and (max(d.drafts, d.updates, d.replay, d.minibatches) > 1 or d.ema):
         raise ValueError("the Megatron trainer trains its MTP head jointly with the policy, one first-draft pass per "
                          "step (backend.megatron.mtp_*); drafter_train.drafts, updates, replay and minibatches > 1 "
-                         "are the embedded trainer's: set them to 1")
+                         "and ema > 0 are the embedded trainer's: set them to 1 (ema to 0)")
     if cfg.backend.trainer == "megatron" and (cfg.grpo.drop_uniform_groups or cfg.grpo.train_groups):
         raise ValueError("grpo.drop_uniform_groups and grpo.train_groups change a step's row count, and the Megatron "
                          "trainer splits the rows evenly over its data-parallel ranks: use them with the embedded "

@@ -13,6 +13,7 @@ rollouts of a GRPO group share their prompt, which both forwards compute once pe
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -186,9 +187,11 @@ class EmbeddedPolicy:
             self.ref.load_state_dict(model.state_dict())
             self.ref.eval().requires_grad_(False)
         self.drafter, self.drafter_method, self.drafter_cfg = drafter, drafter_method, drafter_cfg
-        self.drafter_opt = None
+        self.drafter_opt = self.drafter_ema = None
         if drafter is not None and drafter_cfg is not None and drafter_cfg.online:
             self.drafter_opt = torch.optim.AdamW(drafter.parameters(), lr=drafter_cfg.lr, weight_decay=0.0)
+            if drafter_cfg.ema:  # the weights that draft (refit into the generator): the trained ones' average
+                self.drafter_ema = copy.deepcopy(drafter).requires_grad_(False).eval()
         # The last `drafter_train.replay` steps' detached states, oldest first: (micro-batches, generated tokens).
         self.replay: deque[tuple[list[DrafterInputs], float]] = deque(maxlen=drafter_cfg.replay if drafter_cfg else 1)
         # The drafter reads this step's forwards to train (online) and/or to measure its agreement.
@@ -402,10 +405,14 @@ class EmbeddedPolicy:
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
             self.drafter_opt.step()
             self.drafter.eval()
+            if self.drafter_ema is not None:
+                with torch.no_grad():
+                    for avg, p in zip(self.drafter_ema.parameters(), self.drafter.parameters()):
+                        avg.lerp_(p, 1.0 - self.drafter_cfg.ema)
         return total, [s / c if c else None for s, c in zip(sums, counts)]
 
     def export_weights(self):
-        return named_weights(self.model, self.drafter)
+        return named_weights(self.model, self.drafter if self.drafter_ema is None else self.drafter_ema)
 
     def state_dict(self) -> dict:
         state = {"model": self.model.state_dict(), "opt": self.opt.state_dict()}
@@ -413,6 +420,8 @@ class EmbeddedPolicy:
             state["drafter"] = self.drafter.state_dict()
         if self.drafter_opt is not None:
             state["drafter_opt"] = self.drafter_opt.state_dict()
+        if self.drafter_ema is not None:
+            state["drafter_ema"] = self.drafter_ema.state_dict()
         if self.replay.maxlen > 1:  # exact resume: the steps the next updates will re-read
             state["drafter_replay"] = [([f.copy_to("cpu") for f in fs], t) for fs, t in self.replay]
         if self.ref is not None:
@@ -422,7 +431,8 @@ class EmbeddedPolicy:
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
-        for key, obj in (("drafter", self.drafter), ("drafter_opt", self.drafter_opt), ("ref", self.ref)):
+        for key, obj in (("drafter", self.drafter), ("drafter_opt", self.drafter_opt), ("drafter_ema", self.drafter_ema),
+                         ("ref", self.ref)):
             if obj is not None and key in state:
                 obj.load_state_dict(state[key])
         self.replay.clear()

@@ -3,6 +3,11 @@ acceptance length per step, first / last 10 steps' means and their ratio, the me
 the drafter's and the policy's train seconds per step (shared host: compare them within a run only).
 
     python research/drafter_freshness/collect.py RUNS_DIR --out research/records/drafter_freshness_minibatches.json
+    python research/drafter_freshness/collect.py RUNS_DIR --set ema --out research/records/drafter_freshness_ema.json
+
+`--set ema`: the weight-averaging runs, made after the engine began drawing each position's token with its own
+uniform (so a forced-k run writes its plain pair's rollouts, and these runs differ from the first set's in
+trajectory: compare within a set).
 """
 
 from __future__ import annotations
@@ -40,6 +45,18 @@ VARIANTS = {  # name: (seed, overrides, optimizer steps an RL step once the repl
     "tg8_mb4": (0, ["grpo.train_groups=8", "drafter_train.minibatches=4"], 16),
     "tg8_frozen": (0, ["grpo.train_groups=8", "drafter_train.online=false"], 0),
 }
+EMA_VARIANTS = {  # the recipe's 2 minibatches x replay 4 unless named
+    "base": (0, ["drafter_train.lr=3e-4 (the recipe's before)"], 8),
+    "frozen": (0, ["drafter_train.online=false"], 0),
+    "ema9": (0, ["drafter_train.ema=0.9", "drafter_train.lr=3e-4"], 8),
+    "ema9lr1e3": (0, ["drafter_train.ema=0.9", "drafter_train.lr=1e-3"], 8),
+    "ema97lr1e3": (0, ["drafter_train.ema=0.97", "drafter_train.lr=1e-3"], 8),
+    "ema97lr2e3": (0, ["drafter_train.ema=0.97", "drafter_train.lr=2e-3"], 8),
+    "ema99lr3e3": (0, ["drafter_train.ema=0.99", "drafter_train.lr=3e-3"], 8),
+    "ema97lr1e3r8": (0, ["drafter_train.ema=0.97", "drafter_train.lr=1e-3", "drafter_train.replay=8"], 16),
+    "s1base": (1, ["drafter_train.lr=3e-4 (the recipe's before)"], 8),
+    "s1ema97lr1e3": (1, ["drafter_train.ema=0.97", "drafter_train.lr=1e-3"], 8),
+}
 
 
 def summary(run: Path) -> dict:
@@ -59,9 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", type=Path)
     p.add_argument("--out", default="research/records/drafter_freshness_minibatches.json")
+    p.add_argument("--set", choices=["minibatches", "ema"], default="minibatches")
     args = p.parse_args(argv)
     runs = {}
-    for name, (seed, overrides, opt_steps) in VARIANTS.items():
+    for name, (seed, overrides, opt_steps) in (EMA_VARIANTS if args.set == "ema" else VARIANTS).items():
         if (args.runs / name / "metrics.jsonl").is_file():
             runs[name] = {"seed": seed, "overrides": overrides, "optimizer_steps": opt_steps,
                           **summary(args.runs / name)}

@@ -172,11 +172,13 @@ def test_bad_input(ckpts, tmp_path, monkeypatch):
         DrafterTrainSection(updates=0)
     with pytest.raises(ValueError, match="drafter_train.replay must be >= 1"):
         DrafterTrainSection(replay=0)
-    for field in ("updates", "replay", "minibatches"):
+    with pytest.raises(ValueError, match=r"drafter_train.ema is a decay in \[0, 1\)"):
+        DrafterTrainSection(ema=1.0)
+    for field, value in (("updates", 4), ("replay", 4), ("minibatches", 4), ("ema", 0.9)):
         cfg = small_cfg(ckpts, tmp_path / "e")
         cfg.backend.trainer = "megatron"
-        setattr(cfg.drafter_train, field, 4)
-        with pytest.raises(ValueError, match="drafts, updates, replay and minibatches > 1 are the embedded"):
+        setattr(cfg.drafter_train, field, value)
+        with pytest.raises(ValueError, match="drafts, updates, replay and minibatches > 1\n?.*are the embedded"):
             loop.train(cfg)
         assert not (tmp_path / "e").exists()  # refused before anything is written
 
