@@ -52,16 +52,19 @@ def run(variant: str, seed: int, runs_dir: Path, extra: list[str], reuse: bool =
     return run_together([(variant, seed)], runs_dir, extra, reuse)[0]
 
 
-def run_together(plan: list[tuple[str, int]], runs_dir: Path, extra: list[str], reuse: bool = False) -> list[dict]:
-    """The runs of `plan` as processes started together (one: a run alone), each result as `run` gives it."""
+def run_together(plan: list[tuple[str, int]], runs_dir: Path, extra: list[str], reuse: bool = False,
+                 cores: list[int] | None = None) -> list[dict]:
+    """The runs of `plan` as processes started together (one: a run alone), each result as `run` gives it; with
+    `cores`, run i pinned to CPU cores[i] (its directory named for the core)."""
     import yaml
 
     from megatron_spec.rl.logging import read_metrics
 
     done, procs = {}, []
     start, load = time.perf_counter(), os.getloadavg()[0]
-    for variant, seed in plan:
-        out = runs_dir / f"{variant}-s{seed}"
+    for i, (variant, seed) in enumerate(plan):
+        core = None if cores is None else cores[i]
+        out = runs_dir / (f"{variant}-s{seed}" + ("" if core is None else f"-c{core}"))
         if reuse and (out / "config.yaml").exists():
             rows = read_metrics(out)
             if len(rows) == yaml.safe_load((out / "config.yaml").read_text())["run"]["steps"]:
@@ -69,13 +72,17 @@ def run_together(plan: list[tuple[str, int]], runs_dir: Path, extra: list[str], 
                 continue
         argv = [sys.executable, str(ROOT / "recipes" / "tiny_grpo_spec.py"), f"run.seed={seed}", f"run.out_dir={out}",
                 "run.resume=false", "run.report=false", *VARIANTS[variant], *extra]
-        procs.append(((variant, seed), out, subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL)))
+        pin = None if core is None else (lambda c=core: os.sched_setaffinity(0, {c}))
+        procs.append(((variant, seed), out, subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                                             preexec_fn=pin)))
     for key, out, proc in procs:
         if proc.wait():
             raise subprocess.CalledProcessError(proc.returncode, f"{key[0]} seed {key[1]}")
         # read_metrics: the last record of a step wins (a run resumed after a crash logs its last steps again)
         done[key] = {"variant": key[0], "seed": key[1], "wall_s": time.perf_counter() - start, "dir": str(out),
                      "rows": read_metrics(out), "load": [load, os.getloadavg()[0]]}
+        if cores is not None:
+            done[key]["core"] = cores[plan.index(key)]
     return [done[key] for key in plan]
 
 
@@ -84,10 +91,29 @@ def run_settings(runs_dir: Path, first: tuple[str, int]) -> dict:
     step and the online drafter's training, read from the first run's resolved config."""
     import yaml
 
-    cfg = yaml.safe_load((runs_dir / f"{first[0]}-s{first[1]}" / "config.yaml").read_text())
+    cfg = yaml.safe_load(sorted(runs_dir.glob(f"{first[0]}-s{first[1]}*/config.yaml"))[0].read_text())
     d = cfg["drafter_train"]
     return {"prompts_per_step": cfg["grpo"]["prompts_per_step"],
             "drafter_train": {k: d[k] for k in ("drafts", "replay", "minibatches")}}
+
+
+ADDED = ("wall_s", "gen_s", "train_s", "step_s", "drafter_s", "steps", "steps_gated_plain", "steps_drafter_trained",
+         "gen_tokens")
+
+
+def merge_rounds(a: dict, b: dict) -> dict:
+    """One variant's two rounds (`--swap-cores`: pinned to one core, then the other) as one run: seconds, steps and
+    tokens added (per-step and per-token figures are then the mean over both cores), curves of seconds and tokens
+    added step by step; what the gate and the drafter did as in the first round; each round's own times kept under
+    `rounds`."""
+    out = {**a, **{key: None if a[key] is None or b[key] is None else a[key] + b[key] for key in ADDED}}
+    for key in ("gen_curve", "gen_tokens_curve"):
+        out[key] = [x + y for x, y in zip(a[key], b[key])]
+    out["gate_cost_in_run"] = mean([a["gate_cost_in_run"], b["gate_cost_in_run"]])
+    out["rounds"] = [{key: r.get(key) for key in ("core", "step_s", "gen_s", "train_s", "steps_gated_plain",
+                                                  "gate_cost_in_run", "tau_first", "tau_last")} for r in (a, b)]
+    out["same_rollouts_in_both_rounds"] = same_rollouts(a, b)
+    return out
 
 
 def mean(xs):
@@ -109,7 +135,7 @@ def summarize(result: dict, window: int) -> dict:
         "steps_gated_plain": sum(r.get("speculate") is False for r in rows),
         "steps_drafter_trained": sum(r.get("drafter_s") is not None for r in rows),
         "gate_cost_in_run": gate_cost_in_run(rows),
-        "load": result.get("load"),
+        "load": result.get("load"), "core": result.get("core"),
         "gen_tokens": sum(r["gen_tokens"] for r in rows),
         "gen_curve": [r["stages"]["gen"] for r in rows], "gen_tokens_curve": [r["gen_tokens"] for r in rows],
         "tau_curve": taus, "tau_first": mean(taus[:window]), "tau_last": mean(taus[-window:]),
@@ -238,8 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--together", action="store_true",
                    help="run each pair (spec and plain of a seed; online and frozen) at the same time, one torch "
                         "thread each (pass run.threads=1), instead of back to back")
+    p.add_argument("--swap-cores", action="store_true",
+                   help="with --together: run each pair twice, each run pinned to one of CPU cores 0 and 1 and the "
+                        "cores swapped the second time, and add the rounds, so that what one core's place costs (a "
+                        "host's interrupts, its other work) falls on both runs alike")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
     args = p.parse_args(argv)
+    if args.swap_cores and not args.together:
+        p.error("--swap-cores pins the two runs of a pair that run together: pass --together too")
     if __package__:  # imported as benchmarks.main_job
         from .claims import CLAIMS, check_record
     else:  # run as a script: its folder is on sys.path
@@ -259,17 +291,22 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [[(v, s) for v in (("spec", "plain") if i % 2 == 0 else ("plain", "spec"))] for i, s in enumerate(args.seeds)]
     pairs += [[(v, s) for v in ("online", "frozen")] for s in args.drafter_seeds]
     plan = pairs if args.together else [[one] for pair in pairs for one in pair]
+    rounds = [[0, 1], [1, 0]] if args.swap_cores else [None]
     runs = []
     for group in plan:
-        for result in run_together(group, runs_dir, args.overrides, args.reuse):
-            summary = summarize(result, args.window)
-            runs.append(summary)
-            wall = "-" if summary["wall_s"] is None else f"{summary['wall_s']:.0f}s"
-            print(f"{summary['variant']:>6} seed {summary['seed']}: eval {summary['eval_before']:.3f} -> "
-                  f"{summary['eval_after']:.3f}  gen {summary['gen_s']:.1f}s train {summary['train_s']:.1f}s "
-                  f"(drafter {summary['drafter_s']:.1f}s) step {summary['step_s']:.1f}s wall {wall}  "
-                  f"tau {summary['tau_first'] or float('nan'):.2f} -> {summary['tau_last'] or float('nan'):.2f}",
-                  flush=True)
+        by_round = []
+        for cores in rounds:
+            by_round.append([summarize(result, args.window)
+                             for result in run_together(group, runs_dir, args.overrides, args.reuse, cores)])
+            for summary in by_round[-1]:
+                wall = "-" if summary["wall_s"] is None else f"{summary['wall_s']:.0f}s"
+                core = "" if summary["core"] is None else f" core {summary['core']}"
+                print(f"{summary['variant']:>6} seed {summary['seed']}{core}: eval {summary['eval_before']:.3f} -> "
+                      f"{summary['eval_after']:.3f}  gen {summary['gen_s']:.1f}s train {summary['train_s']:.1f}s "
+                      f"(drafter {summary['drafter_s']:.1f}s) step {summary['step_s']:.1f}s wall {wall}  "
+                      f"tau {summary['tau_first'] or float('nan'):.2f} -> {summary['tau_last'] or float('nan'):.2f}",
+                      flush=True)
+        runs += by_round[0] if len(by_round) == 1 else [merge_rounds(a, b) for a, b in zip(*by_round)]
 
     def of(variant):
         return [r for r in runs if r["variant"] == variant]
@@ -296,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{'the same rollouts' if same else 'rollouts differ'}")
     print(f"pooled: whole step {w['pooled']:.3f}x, gen stage {claims['gen_speedup']['pooled']:.3f}x")
     record = {"machine": machine(), "command": "python recipes/tiny_grpo_spec.py run.seed=S " + " ".join(
-        args.overrides), "variants": VARIANTS, "window": args.window, "together": args.together, "claims": claims,
+        args.overrides), "variants": VARIANTS, "window": args.window, "together": args.together,
+        "swap_cores": args.swap_cores, "claims": claims,
         **run_settings(runs_dir, plan[0][0]), "runs": runs}
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
