@@ -68,7 +68,8 @@ def run_together(plan: list[tuple[str, int]], runs_dir: Path, extra: list[str], 
         if reuse and (out / "config.yaml").exists():
             rows = read_metrics(out)
             if len(rows) == yaml.safe_load((out / "config.yaml").read_text())["run"]["steps"]:
-                done[variant, seed] = {"variant": variant, "seed": seed, "wall_s": None, "dir": str(out), "rows": rows}
+                done[variant, seed] = {"variant": variant, "seed": seed, "wall_s": None, "dir": str(out), "rows": rows,
+                                       "core": core}
                 continue
         argv = [sys.executable, str(ROOT / "recipes" / "tiny_grpo_spec.py"), f"run.seed={seed}", f"run.out_dir={out}",
                 "run.resume=false", "run.report=false", *VARIANTS[variant], *extra]
@@ -111,7 +112,10 @@ def merge_rounds(a: dict, b: dict) -> dict:
         out[key] = [x + y for x, y in zip(a[key], b[key])]
     out["gate_cost_in_run"] = mean([a["gate_cost_in_run"], b["gate_cost_in_run"]])
     out["rounds"] = [{key: r.get(key) for key in ("core", "step_s", "gen_s", "train_s", "steps_gated_plain",
-                                                  "gate_cost_in_run", "tau_first", "tau_last")} for r in (a, b)]
+                                                  "gate_cost_in_run", "tau_first", "tau_last", "step_curve",
+                                                  "speculate_curve", "drafter_curve")} for r in (a, b)]
+    for key in ("step_curve", "speculate_curve", "drafter_curve"):  # per round only (`step_matched`)
+        out.pop(key)
     out["same_rollouts_in_both_rounds"] = same_rollouts(a, b)
     return out
 
@@ -138,6 +142,8 @@ def summarize(result: dict, window: int) -> dict:
         "load": result.get("load"), "core": result.get("core"),
         "gen_tokens": sum(r["gen_tokens"] for r in rows),
         "gen_curve": [r["stages"]["gen"] for r in rows], "gen_tokens_curve": [r["gen_tokens"] for r in rows],
+        "step_curve": [r["step_time"] for r in rows], "speculate_curve": [r.get("speculate") for r in rows],
+        "drafter_curve": [r.get("drafter_s") for r in rows],
         "tau_curve": taus, "tau_first": mean(taus[:window]), "tau_last": mean(taus[-window:]),
         "agreement_curve": agree, "agreement_first": mean(agree[:window]), "agreement_last": mean(agree[-window:]),
     }
@@ -180,6 +186,7 @@ def whole_step(spec: list[dict], plain: list[dict], online: list[dict], frozen: 
     return {"paired": [pl["step_s"] / sp["step_s"] for sp, pl in zip(spec, plain)],
             "pooled": sum(r["step_s"] for r in plain) / sum(r["step_s"] for r in spec),
             "same_rollouts": [same_rollouts(sp, pl) for sp, pl in zip(spec, plain)],
+            "step_matched": [step_matched(sp, pl) for sp, pl in zip(spec, plain)],
             # Where a pair's trajectories drift apart (a GPU, or sampled drafts: same distributions, not the same
             # tokens), one run may write a few per cent more tokens than the other; per generated token takes that
             # out of the ratio.
@@ -190,6 +197,24 @@ def whole_step(spec: list[dict], plain: list[dict], online: list[dict], frozen: 
             "spec_drafter_s": [r["drafter_s"] for r in spec], **forced,
             "gate_cost_in_run": [r["gate_cost_in_run"] for r in spec],
             "goal": ">= 0.98 (speculation never makes the run slower); plain gen share >= 0.60"}
+
+
+def step_matched(spec: dict, plain: dict) -> float | None:
+    """The whole step, plain over spec, with every step in which the spec run did the plain run's work (it ran the
+    step plainly and did not train its drafter) counted at the plain run's time: plain seconds over plain seconds
+    plus what the spec run's other steps took beyond the plain run's same steps, over each round's pair. Only for a
+    pair that wrote the same rollouts (else None): then such a step is the same computation on the same tokens in
+    both runs, and its time difference is the host's (two processes on a 2-core VM, doing identical work, differ by
+    a few per cent over a run), not speculation's. A run the gate does not run (every step speculates) is all
+    other steps, and this is the plain ratio."""
+    if not same_rollouts(spec, plain):
+        return None
+    plain_s = extra = 0.0
+    for a, b in zip(spec.get("rounds") or [spec], plain.get("rounds") or [plain]):
+        plain_s += sum(b["step_curve"])
+        extra += sum(x - y for x, y, on, trained in zip(a["step_curve"], b["step_curve"], a["speculate_curve"],
+                                                        a["drafter_curve"]) if on is not False or trained is not None)
+    return plain_s / (plain_s + extra)
 
 
 def same_rollouts(spec: dict, plain: dict) -> bool:
@@ -326,11 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     claims["whole_step"] = whole_step(of("spec"), of("plain"), of("online"), of("frozen"))
     print(json.dumps(claims, indent=1))
     w = claims["whole_step"]
-    for seed, whole, tok, gen, share, same in zip(args.seeds, w["paired"], w["per_token_paired"], paired,
-                                                  w["plain_gen_share"], w["same_rollouts"]):
+    for seed, whole, tok, gen, share, matched in zip(args.seeds, w["paired"], w["per_token_paired"], paired,
+                                                     w["plain_gen_share"], w["step_matched"]):
+        same = "rollouts differ" if matched is None else f"the same rollouts, step-matched {matched:.3f}x"
         print(f"seed {seed}: whole step (plain / spec) {whole:.3f}x ({tok:.3f}x per generated token), gen stage "
-              f"{gen:.3f}x, gen share of the plain step {share:.2f}, "
-              f"{'the same rollouts' if same else 'rollouts differ'}")
+              f"{gen:.3f}x, gen share of the plain step {share:.2f}, {same}")
     print(f"pooled: whole step {w['pooled']:.3f}x, gen stage {claims['gen_speedup']['pooled']:.3f}x")
     record = {"machine": machine(), "command": "python recipes/tiny_grpo_spec.py run.seed=S " + " ".join(
         args.overrides), "variants": VARIANTS, "window": args.window, "together": args.together,
