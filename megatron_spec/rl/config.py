@@ -178,6 +178,12 @@ class DrafterTrainSection:
     """Optimizer steps per step's batch in each pass: its sequences dealt into this many minibatches (row i of each
     micro-batch to minibatch i mod `minibatches`). More, smaller steps for the same work; the split is by rows, so it
     does not depend on `grpo.micro_batch_tokens`. Embedded trainer only."""
+    extra_groups: int = 0
+    """Groups the policy does not train on this step (uniform rewards, or past `grpo.train_groups`) whose rollouts
+    the online drafter learns from as well, the first this many of them: their states come from a forward without
+    gradient after the policy's update (the policy that drafts next). The trained groups are those whose rewards
+    differ; the drafter drafts for every group. Costs that forward and the drafter's work on these rows. Embedded
+    trainer and generator, in one process."""
     ema: float = 0.0
     """Draft with an exponential moving average of the online drafter's weights, updated after each of its
     optimizer steps with this decay (0: draft with the trained weights). Averaging lets a higher `lr` track the
@@ -202,6 +208,8 @@ class DrafterTrainSection:
             raise ValueError(f"drafter_train.replay must be >= 1 (this step's states at least), got {self.replay}")
         if self.minibatches < 1:
             raise ValueError(f"drafter_train.minibatches must be >= 1, got {self.minibatches}")
+        if self.extra_groups < 0:
+            raise ValueError(f"drafter_train.extra_groups must be >= 0, got {self.extra_groups}")
         if not 0.0 <= self.ema < 1.0:
             raise ValueError(f"drafter_train.ema is a decay in [0, 1) (0: no average), got {self.ema}")
 

@@ -61,6 +61,12 @@ def check_inputs(cfg: RLConfig) -> None:
         raise ValueError("the Megatron trainer trains its MTP head jointly with the policy, one first-draft pass per "
                          "step (backend.megatron.mtp_*); drafter_train.drafts, updates, replay and minibatches > 1 "
                          "and ema > 0 are the embedded trainer's: set them to 1 (ema to 0)")
+    if d.extra_groups and (cfg.backend.trainer != "embedded" or cfg.backend.placement != "inline"):
+        raise ValueError("drafter_train.extra_groups feeds the embedded trainer's drafter rows from the same process: "
+                         "use it with backend.trainer=embedded and backend.placement=inline (or set it to 0)")
+    if d.extra_groups and not (cfg.grpo.drop_uniform_groups or cfg.grpo.train_groups):
+        raise ValueError("drafter_train.extra_groups takes the groups the policy leaves out of its update, and with "
+                         "neither grpo.drop_uniform_groups nor grpo.train_groups it leaves none out")
     if cfg.backend.trainer == "megatron" and (cfg.grpo.drop_uniform_groups or cfg.grpo.train_groups):
         raise ValueError("grpo.drop_uniform_groups and grpo.train_groups change a step's row count, and the Megatron "
                          "trainer splits the rows evenly over its data-parallel ranks: use them with the embedded "
@@ -293,7 +299,9 @@ class Trainer:
         mismatch is then the policy's drift, not a processing error, and is not reported (None)."""
         g = self.cfg.grpo
         advantages, keep, shaping = step_advantages(rewards, [len(o.token_ids) for o in rollouts.outs], g)
+        extra = None
         if keep is not None:  # dynamic sampling: the uniform groups' rollouts leave the update
+            extra = self.drafter_extra(prompts, rollouts.outs, keep)
             prompts = [p for p, k in zip(prompts, keep) if k]
             rollouts = dataclasses.replace(rollouts, outs=[o for o, k in zip(rollouts.outs, keep) if k])
         with timer("logprob"):
@@ -304,10 +312,21 @@ class Trainer:
                 batch.old_logprobs = self.policy.logprobs(batch)
         with timer("train"):
             batch.advantages = advantages
-            train = {**self.policy.train_step(batch), **shaping}
+            train = {**(self.policy.train_step(batch) if extra is None else self.policy.train_step(batch, extra)),
+                     **shaping}
         with timer("logprob"):
             mismatch = None if rollouts.lag else logprob_mismatch(batch.old_logprobs, behaviour, batch.mask[:, 1:])
         return train, mismatch
+
+    def drafter_extra(self, prompts: list[list[int]], outs, keep: list[bool]):
+        """The batch of the first `drafter_train.extra_groups` groups the policy leaves out this step, for the
+        drafter to learn from as well; None when there are none or the drafter does not train this step."""
+        n, size = self.cfg.drafter_train.extra_groups, self.cfg.grpo.group_size
+        if not n or not self.policy.drafter_reads or getattr(self.policy, "drafter_opt", None) is None:
+            return None
+        left = [i for i in range(0, len(outs), size) if not keep[i]][:n]
+        rows = [r for i in left for r in range(i, i + size)]
+        return make_batch([prompts[r] for r in rows], [outs[r] for r in rows])[0] if rows else None
 
     @staticmethod
     def metrics(step: int, timer: StageTimer, outs, rewards: torch.Tensor, mismatch: float | None, train: dict) -> dict:

@@ -251,8 +251,20 @@ class EmbeddedPolicy:
     def capture(self) -> tuple[int, ...]:
         return captured_layers(self.drafter)
 
-    def train_step(self, batch: Batch) -> dict:
-        """One policy update on the batch, then, if online, one drafter update on the same forwards' states.
+    @torch.no_grad()
+    def drafter_states(self, batch: Batch) -> list[DrafterInputs]:
+        """What the drafter update reads, per micro-batch, from a forward of the policy as it is now, without
+        gradient (rows the policy does not train on: `drafter_train.extra_groups`)."""
+        batch = batch.to(self.model.device)
+        states = []
+        for _, mb in self.split(batch):
+            out = self.model.trunk(mb.input_ids, capture=self.capture())
+            states.append(DrafterInputs(mb.input_ids, mb.mask, out, self.model.lm_head(out.hidden)))
+        return states
+
+    def train_step(self, batch: Batch, drafter_extra: Batch | None = None) -> dict:
+        """One policy update on the batch, then, if online, one drafter update on the same forwards' states (and on
+        `drafter_extra`'s, from a forward without gradient after the update).
 
         The gradient is accumulated over length-bucketed micro-batches, each aggregated with the whole batch's
         denominators (`LossNorm`), so the update is the one-big-batch update (up to fp32 summation order); one
@@ -300,7 +312,11 @@ class EmbeddedPolicy:
             metrics["skipped"] = True
         if self.drafter_reads:
             started = time.perf_counter()
-            metrics.update(self.drafter_step(forwards, float(batch.mask.sum())))
+            tokens = float(batch.mask.sum())
+            if drafter_extra is not None and self.drafter_opt is not None:
+                forwards += self.drafter_states(drafter_extra)
+                tokens += float(drafter_extra.mask.sum())
+            metrics.update(self.drafter_step(forwards, tokens))
             metrics["drafter_s"] = time.perf_counter() - started  # the drafter's share of the train stage
         if fold:
             host.old_logprobs = batch.old_logprobs.cpu()
@@ -346,7 +362,8 @@ class EmbeddedPolicy:
         the last optimizer steps of each pass, on this step's batch, correct towards the policy that drafts next.
 
         Loss and agreement are those of the drafter that drafted this batch, before it learns from it: measured in
-        the first optimizer step when that one is over this batch, else by a pass without gradient first.
+        the first optimizer step when that one is over this batch and the trained weights draft, else by a pass
+        without gradient first (of the weights' average where that drafts, `drafter_train.ema`).
 
         A step's drafter loss is a mean over its generated tokens (per depth, or per unrolled step); weighted by its
         micro-batches' shares of the generated tokens, the shares add up to the one-big-batch loss exactly when
@@ -361,7 +378,10 @@ class EmbeddedPolicy:
             one_pass = [mb for f, t in self.replay
                         for mb in minibatches(f, t, self.drafter_cfg.minibatches, self.grpo.micro_batch_tokens)]
             batches = one_pass * self.drafter_cfg.updates
-        measured = None if batches[0][0] is forwards else self.drafter_pass(forwards, tokens, learn=False, measure=True)
+        drafting = self.drafter if self.drafter_ema is None else self.drafter_ema
+        measured = None
+        if batches[0][0] is not forwards or drafting is not self.drafter:
+            measured = self.drafter_pass(forwards, tokens, learn=False, measure=True, drafter=drafting)
         passes = [self.drafter_pass(f, t, learn=online, measure=measured is None and i == 0)
                   for i, (f, t) in enumerate(batches)]
         loss, agreement_by_depth = measured or passes[0]
@@ -370,12 +390,14 @@ class EmbeddedPolicy:
             metrics["drafter_agreement"] = agreement_by_depth
         return metrics
 
-    def drafter_pass(self, forwards: list[DrafterInputs], tokens: float, learn: bool,
-                     measure: bool) -> tuple[float, list[float | None]]:
+    def drafter_pass(self, forwards: list[DrafterInputs], tokens: float, learn: bool, measure: bool,
+                     drafter=None) -> tuple[float, list[float | None]]:
         """One pass of `drafter_step` over a minibatch (a step's micro-batches, or some of their rows) holding
         `tokens` generated tokens: the loss when the drafter trains online, an optimizer step when `learn`, the
-        agreement per depth when `measure` (and `drafter_train.agreement`)."""
+        agreement per depth when `measure` (and `drafter_train.agreement`); of `drafter` where given (a pass
+        without gradient: the weights' average), else of the trained drafter."""
         online = self.drafter_opt is not None
+        drafter = self.drafter if drafter is None else drafter
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         if learn:
             self.drafter.train()
@@ -384,11 +406,11 @@ class EmbeddedPolicy:
         online_loss = drafter_method(self.drafter_method).online_loss
         for f in forwards:
             with torch.set_grad_enabled(learn):
-                pairs = depth_pairs(online_loss, self.model, self.drafter, f.input_ids, f.mask, f.out, f.logits,
+                pairs = depth_pairs(online_loss, self.model, drafter, f.input_ids, f.mask, f.out, f.logits,
                                     self.drafter_cfg.drafts)
             # Summed per depth over micro-batches (a short one may have fewer depths).
             if measure and self.drafter_cfg.agreement:
-                for i, (s, c) in enumerate(zip(*agreement(self.drafter, pairs, self.sampling))):
+                for i, (s, c) in enumerate(zip(*agreement(drafter, pairs, self.sampling))):
                     if i == len(sums):
                         sums.append(0.0)
                         counts.append(0.0)
@@ -397,7 +419,7 @@ class EmbeddedPolicy:
             if online:
                 share = float(f.mask.sum()) / max(tokens, 1.0)
                 with torch.set_grad_enabled(learn):
-                    loss = self.drafter_cfg.loss_weight * share * pairs_loss(self.drafter, pairs)
+                    loss = self.drafter_cfg.loss_weight * share * pairs_loss(drafter, pairs)
                 if learn:
                     loss.backward(inputs=params)
                 total += float(loss.detach())

@@ -181,6 +181,15 @@ def test_bad_input(ckpts, tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="drafts, updates, replay and minibatches > 1\n?.*are the embedded"):
             loop.train(cfg)
         assert not (tmp_path / "e").exists()  # refused before anything is written
+    for name, change, message in (
+            ("g", lambda c: setattr(c.backend, "trainer", "megatron"), "use it with backend.trainer=embedded"),
+            ("h", lambda c: setattr(c.grpo, "drop_uniform_groups", False), "it leaves none out")):
+        cfg = small_cfg(ckpts, tmp_path / name)
+        cfg.drafter_train.extra_groups = 2
+        change(cfg)
+        with pytest.raises(ValueError, match=message):
+            loop.train(cfg)
+        assert not (tmp_path / name).exists()
 
     cfg = small_cfg(ckpts, tmp_path / "f")
     cfg.model.terms_weights = (1.0,) * 20  # the policy learned far fewer chain lengths than 20
