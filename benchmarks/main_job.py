@@ -95,7 +95,7 @@ def run_settings(runs_dir: Path, first: tuple[str, int]) -> dict:
     cfg = yaml.safe_load(sorted(runs_dir.glob(f"{first[0]}-s{first[1]}*/config.yaml"))[0].read_text())
     d = cfg["drafter_train"]
     return {"prompts_per_step": cfg["grpo"]["prompts_per_step"],
-            "drafter_train": {k: d[k] for k in ("drafts", "replay", "minibatches")}}
+            "drafter_train": {k: d[k] for k in ("drafts", "replay", "minibatches", "extra_groups")}}
 
 
 ADDED = ("wall_s", "gen_s", "train_s", "step_s", "drafter_s", "steps", "steps_gated_plain", "steps_drafter_trained",

@@ -23,11 +23,11 @@ from ..spec.proposers import Drafts, Proposer
 from ..spec.registry import build_proposer
 from ..spec.sampling import PositionUniforms, UniformStreams, position_uniforms, processed_logprobs, uniforms
 from ..spec.verify import Verdict, emitted_logprobs, verify_coupled, verify_greedy, verify_sampled
-from .sequence import Sequence, draw_seed
 from ..models.kv_cache import KVCache
 from .params import Completion, SamplingParams
 from .runner import ModelRunner
 from .scheduler import Scheduler
+from .sequence import Sequence, draw_seed
 
 
 class LLMEngine:

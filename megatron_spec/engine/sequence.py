@@ -11,7 +11,6 @@ import torch
 from ..spec.sampling import PositionUniforms, UniformStreams
 
 
-
 def draw_seed(seed: int) -> int:
     """The seed of a sequence's in-order stream (a sampling drafter's draws and their verification) from that of
     its position uniforms. The two streams must not share values: a draft drawn with the uniform that drew an

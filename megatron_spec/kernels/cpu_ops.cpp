@@ -689,9 +689,9 @@ inline float probs_cdf(const float* lp, int64_t V, float* cdf) {
 // tokens plain sampling would, and the log-probs of the tokens it emits, in one call: `spec/verify.py`'s
 // `verify_coupled`, then the engine's gather. Position j's token is drawn from p_j with u[b, j] (inverse CDF, as
 // `sample_inverse_cdf` draws it), and draft j stands while it equals that token. With k = 0 this is plain sampling,
-// so a plain step and a verify step draw each position's token by the same arithmetic. In torch it was ~20 small
-// ops over every position's whole distribution (~0.3 ms of a ~2-9 ms k = 3 step on the main job's model at 1-64
-// sequences); here a sequence exponentiates only the rows it draws from, stopping at the first that rejects.
+// so a plain step and a verify step draw each position's token by the same arithmetic. One call where torch takes
+// a dozen small ops over every position's whole distribution, and a sequence exponentiates only the rows it draws
+// from, up to the first draft that does not stand.
 // Returns the accepted counts [B], the next tokens [B] and the emitted tokens' log-probs [B, k + 1] (past the next
 // token: 0).
 std::tuple<Tensor, Tensor, Tensor> verify_coupled(const Tensor& lp_in, const Tensor& drafts_in, const Tensor& len_in,

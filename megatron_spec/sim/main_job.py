@@ -1,8 +1,8 @@
 """The step model against a measured main job on the CPU host: gen, the online drafter's training (over the
 policy's own and in seconds) and the gen-stage and whole-step ratios of a speculative run against a plain one.
 
-The main job (the tiny deep Qwen3, 8 prompts x 8 rollouts, up to 160 tokens, an MTP head drafting k = 3 and
-trained online on its three chained drafts over the last 4 steps' states in 2 minibatches each) runs on a shared
+The main job (the tiny deep Qwen3, up to 160 tokens, an MTP head drafting k = 3 and trained online on its three
+chained drafts, over the states of the trained groups and of `extra_groups` more, replayed or not) runs on a shared
 2-core host whose load moves a run's speed by several times between runs minutes apart. So the prediction takes
 its host rates from the plain run it is compared with, and predicts the speculative run from them:
 
@@ -45,11 +45,16 @@ MAIN_JOB_PROMPT_LEN = 16
 """BOS and an addition chain of 2-8 terms: about 16 tokens."""
 MAIN_JOB_SIGMA = 0.5
 """Spread of the response lengths: a step's longest answer is about 3x its mean (e.g. mean 28, longest 82)."""
-MAIN_JOB_DRAFTS, MAIN_JOB_REPLAY, MAIN_JOB_MINIBATCHES = 3, 4, 2
-"""The shipped online training (`drafter_train`: drafts, replay, minibatches; one update); a record's own
-`drafter_train` (`record_drafter`) overrides it."""
-MAIN_JOB_DRAFTER_PASSES = float(MAIN_JOB_DRAFTS * MAIN_JOB_REPLAY)
-"""Passes of the MTP layer over a step's rows per RL step once the replay is full."""
+MAIN_JOB_DRAFTS, MAIN_JOB_REPLAY, MAIN_JOB_MINIBATCHES, MAIN_JOB_EXTRA_GROUPS = 3, 1, 8, 20
+"""The shipped online training (`drafter_train`: drafts, replay, minibatches, extra_groups; one update); a record's
+own `drafter_train` (`record_drafter`) overrides it."""
+MAIN_JOB_TRAIN_GROUPS = 4
+"""Groups the main job's policy trains a step (`grpo.train_groups`): the drafter's rows beyond them
+(`extra_groups`) scale its work by (4 + extra) / 4."""
+MAIN_JOB_DRAFTER_PASSES = (MAIN_JOB_DRAFTS * MAIN_JOB_REPLAY * (MAIN_JOB_TRAIN_GROUPS + MAIN_JOB_EXTRA_GROUPS)
+                           / MAIN_JOB_TRAIN_GROUPS)
+"""Passes of the MTP layer over the policy's trained rows per RL step once the replay is full (its own rows being
+the trained groups and the extra ones)."""
 MAIN_JOB_DRAFTER_OPTIMIZER_STEPS = MAIN_JOB_REPLAY * MAIN_JOB_MINIBATCHES
 
 
@@ -106,7 +111,8 @@ def _mean_tau(run: dict) -> float:
 
 
 def compare_pair(plain: dict, spec: dict, k: int = 3, drafts: int = MAIN_JOB_DRAFTS, replay: int = MAIN_JOB_REPLAY,
-                 minibatches: int = MAIN_JOB_MINIBATCHES, prompts: int = MAIN_JOB_PROMPTS) -> list[Row]:
+                 minibatches: int = MAIN_JOB_MINIBATCHES, prompts: int = MAIN_JOB_PROMPTS,
+                 extra_groups: int = 0) -> list[Row]:
     """Per-step figures of a speculative main-job run against the step model (two runs of a main-job record:
     `steps`, `gen_s`, `train_s`, `drafter_s`, `gen_tokens`, `tau_curve` and, for a gated run, `steps_gated_plain`
     and `steps_drafter_trained`; a `frozen` variant's drafter only measures, without training).
@@ -123,7 +129,8 @@ def compare_pair(plain: dict, spec: dict, k: int = 3, drafts: int = MAIN_JOB_DRA
     online = spec.get("variant") != "frozen"
     trained_steps = int(spec.get("steps_drafter_trained", n_spec)) if online else 0
     held = replayed_steps(trained_steps, replay) or 1.0
-    cfg = main_job_config(mean_len, k, _mean_tau(spec), drafts * held, max(1, round(minibatches * held)),
+    rows = (MAIN_JOB_TRAIN_GROUPS + extra_groups) / MAIN_JOB_TRAIN_GROUPS  # the drafter's rows over the policy's
+    cfg = main_job_config(mean_len, k, _mean_tau(spec), drafts * held * rows, max(1, round(minibatches * held)),
                           online=online, prompts=prompts)
     gen_ratio = simulate(cfg, with_plain=True).gen_ratio  # plain gen / speculative gen
     speculated = (n_spec - int(spec.get("steps_gated_plain") or 0)) / n_spec
@@ -168,11 +175,15 @@ def record_prompts(record: dict) -> int:
 
 
 def record_drafter(record: dict) -> dict:
-    """The online drafter training a main-job record's runs used (`drafts`, `replay`, `minibatches`, as
-    `compare_pair` takes them): its `drafter_train`, else the shipped one."""
-    d = record.get("drafter_train") or {}
+    """The online drafter training a main-job record's runs used (`drafts`, `replay`, `minibatches`,
+    `extra_groups`, as `compare_pair` takes them): its `drafter_train`, else the shipped one (a record without
+    `extra_groups` predates them: 0)."""
+    d = record.get("drafter_train")
+    if not d:
+        return {"drafts": MAIN_JOB_DRAFTS, "replay": MAIN_JOB_REPLAY, "minibatches": MAIN_JOB_MINIBATCHES,
+                "extra_groups": MAIN_JOB_EXTRA_GROUPS}
     return {"drafts": int(d.get("drafts", MAIN_JOB_DRAFTS)), "replay": int(d.get("replay", MAIN_JOB_REPLAY)),
-            "minibatches": int(d.get("minibatches", MAIN_JOB_MINIBATCHES))}
+            "minibatches": int(d.get("minibatches", MAIN_JOB_MINIBATCHES)), "extra_groups": int(d.get("extra_groups", 0))}
 
 
 def format_pairs(record: dict, prompts: int = 0, **kwargs) -> str:

@@ -4,10 +4,11 @@ the drafter's and the policy's train seconds per step (shared host: compare them
 
     python research/drafter_freshness/collect.py RUNS_DIR --out research/records/drafter_freshness_minibatches.json
     python research/drafter_freshness/collect.py RUNS_DIR --set ema --out research/records/drafter_freshness_ema.json
+    python research/drafter_freshness/collect.py RUNS_DIR --set extra --out research/records/drafter_freshness_extra.json
 
-`--set ema`: the weight-averaging runs, made after the engine began drawing each position's token with its own
-uniform (so a forced-k run writes its plain pair's rollouts, and these runs differ from the first set's in
-trajectory: compare within a set).
+`--set ema` and `--set extra` (the drafter also learning from the groups the policy leaves out): runs made after the
+engine began drawing each position's token with its own uniform (so a forced-k run writes its plain pair's
+rollouts, and these runs differ from the first set's in trajectory: compare within a set).
 """
 
 from __future__ import annotations
@@ -57,6 +58,19 @@ EMA_VARIANTS = {  # the recipe's 2 minibatches x replay 4 unless named
     "s1base": (1, ["drafter_train.lr=3e-4 (the recipe's before)"], 8),
     "s1ema97lr1e3": (1, ["drafter_train.ema=0.97", "drafter_train.lr=1e-3"], 8),
 }
+EXTRA_VARIANTS = {  # ema 0.97, lr 1e-3 (the recipe then) and replay 4 x 2 minibatches unless named
+    "xg4": (0, ["drafter_train.extra_groups=4"], 8),
+    "xg8": (0, ["drafter_train.extra_groups=8"], 8),
+    "xg4r2": (0, ["drafter_train.extra_groups=4", "drafter_train.replay=2"], 4),
+    "xg8r1": (0, ["drafter_train.extra_groups=8", "drafter_train.replay=1"], 2),
+    "xg4r2m4": (0, ["drafter_train.extra_groups=4", "drafter_train.replay=2", "drafter_train.minibatches=4"], 8),
+    "xg12r1m8": (0, ["drafter_train.extra_groups=12", "drafter_train.replay=1", "drafter_train.minibatches=8"], 8),
+    "xg20r1m8": (0, ["drafter_train.extra_groups=20", "drafter_train.replay=1", "drafter_train.minibatches=8"], 8),
+    "s1xg8": (1, ["drafter_train.extra_groups=8"], 8),
+    "s1xg8r1m8": (1, ["drafter_train.extra_groups=8", "drafter_train.replay=1", "drafter_train.minibatches=8"], 8),
+    "s1xg12r1m8": (1, ["drafter_train.extra_groups=12", "drafter_train.replay=1", "drafter_train.minibatches=8"], 8),
+    "s1xg20r1m8": (1, ["drafter_train.extra_groups=20", "drafter_train.replay=1", "drafter_train.minibatches=8"], 8),
+}
 
 
 def summary(run: Path) -> dict:
@@ -76,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", type=Path)
     p.add_argument("--out", default="research/records/drafter_freshness_minibatches.json")
-    p.add_argument("--set", choices=["minibatches", "ema"], default="minibatches")
+    p.add_argument("--set", choices=["minibatches", "ema", "extra"], default="minibatches")
     args = p.parse_args(argv)
     runs = {}
-    for name, (seed, overrides, opt_steps) in (EMA_VARIANTS if args.set == "ema" else VARIANTS).items():
+    sets = {"minibatches": VARIANTS, "ema": EMA_VARIANTS, "extra": EXTRA_VARIANTS}
+    for name, (seed, overrides, opt_steps) in sets[args.set].items():
         if (args.runs / name / "metrics.jsonl").is_file():
             runs[name] = {"seed": seed, "overrides": overrides, "optimizer_steps": opt_steps,
                           **summary(args.runs / name)}

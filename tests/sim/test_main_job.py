@@ -106,7 +106,7 @@ def test_drafter_training_in_the_step():
     replayed steps) of an MTP layer a seventh the size of the 8-layer trunk and 32 minibatch calls (replay 4 x 8
     minibatches, the setting measured), the simulated drafter training is 3.6x the policy's own on the CPU host
     (measured over 50 steps: 4.0x)."""
-    cfg = main_job_config(30.0, optimizer_steps=4 * 8)
+    cfg = main_job_config(30.0, passes=3 * 4, optimizer_steps=4 * 8)
     r = simulate(cfg, with_plain=True)
     assert r.drafter_train_s / (r.stages["train"] - r.drafter_train_s) == pytest.approx(3.6, abs=0.1)
     frozen = simulate(main_job_config(30.0, optimizer_steps=4 * 8, online=False))
@@ -186,16 +186,17 @@ def test_prompts_per_step_come_from_the_record():
 
 
 def test_drafter_training_comes_from_the_record():
-    """A record's `drafter_train` sets the online training the model prices (the committed gated record trained in
-    8 minibatches; without the field, the shipped 2): 32 optimizer steps a step cost more than 8, so the simulated
-    drafter-over-policy ratio of the same pair falls when the record's field is dropped."""
+    """A record's `drafter_train` sets the online training the model prices (the committed gated record trained on
+    its 4 trained groups, replay 4 in 8 minibatches; without the field, the shipped setting: no replay, 8
+    minibatches, 20 extra groups). The drafter's rows enter the price: the same record's training with the drafter
+    also learning from 20 more groups (6x the rows) is simulated at more than 3x the drafter-over-policy ratio."""
     record = json.loads(GEN_SHARE.read_text())
-    assert record_drafter(record) == {"drafts": 3, "replay": 4, "minibatches": 8}
-    assert record_drafter({}) == {"drafts": 3, "replay": 4, "minibatches": 2}
+    assert record_drafter(record) == {"drafts": 3, "replay": 4, "minibatches": 8, "extra_groups": 0}
+    assert record_drafter({}) == {"drafts": 3, "replay": 1, "minibatches": 8, "extra_groups": 20}
     plain, spec = next((p, s) for p, s in pairs(record) if s["variant"] == "online")
 
-    def ratio(rec):
-        rows = compare_pair(plain, spec, prompts=24, **record_drafter(rec))
+    def ratio(drafter: dict) -> float:
+        rows = compare_pair(plain, spec, prompts=24, **drafter)
         return next(r for r in rows if r.name == "drafter_over_policy").simulated
 
-    assert ratio({}) < 0.9 * ratio(record)
+    assert ratio({**record_drafter(record), "extra_groups": 20}) > 3 * ratio(record_drafter(record))
