@@ -61,9 +61,9 @@ def check_inputs(cfg: RLConfig) -> None:
         raise ValueError("the Megatron trainer trains its MTP head jointly with the policy, one first-draft pass per "
                          "step (backend.megatron.mtp_*); drafter_train.drafts, updates, replay and minibatches > 1 "
                          "and ema > 0 are the embedded trainer's: set them to 1 (ema to 0)")
-    if d.extra_groups and (cfg.backend.trainer != "embedded" or cfg.backend.placement != "inline"):
-        raise ValueError("drafter_train.extra_groups feeds the embedded trainer's drafter rows from the same process: "
-                         "use it with backend.trainer=embedded and backend.placement=inline (or set it to 0)")
+    if d.extra_groups and cfg.backend.trainer != "embedded":
+        raise ValueError("drafter_train.extra_groups feeds rows the policy does not train to the embedded trainer's "
+                         "drafter: use it with backend.trainer=embedded (or set it to 0)")
     if d.extra_groups and not (cfg.grpo.drop_uniform_groups or cfg.grpo.train_groups):
         raise ValueError("drafter_train.extra_groups takes the groups the policy leaves out of its update, and with "
                          "neither grpo.drop_uniform_groups nor grpo.train_groups it leaves none out")
@@ -321,9 +321,12 @@ class Trainer:
     def drafter_extra(self, prompts: list[list[int]], outs, keep: list[bool]):
         """The batch of the first `drafter_train.extra_groups` groups the policy leaves out this step, for the
         drafter to learn from as well; None when there are none or the drafter does not train this step."""
-        n, size = self.cfg.drafter_train.extra_groups, self.cfg.grpo.group_size
-        if not n or not self.policy.drafter_reads or getattr(self.policy, "drafter_opt", None) is None:
+        d, size = self.cfg.drafter_train, self.cfg.grpo.group_size
+        # Not on a step the gate runs plainly (the in-process policy then reads no drafter states), nor for a
+        # frozen drafter; a Ray trainer group has no such flag and its drafter trains every step.
+        if not d.extra_groups or not d.online or not getattr(self.policy, "drafter_reads", True):
             return None
+        n = d.extra_groups
         left = [i for i in range(0, len(outs), size) if not keep[i]][:n]
         rows = [r for i in left for r in range(i, i + size)]
         return make_batch([prompts[r] for r in rows], [outs[r] for r in rows])[0] if rows else None

@@ -113,6 +113,7 @@ class _HeadTrainer:
         self.drafter_opt = (torch.optim.AdamW(head.parameters(), lr=drafter_cfg.lr, weight_decay=0.0)
                             if drafter_cfg.online and updates else None)
         self.replay = deque(maxlen=drafter_cfg.replay)
+        self.drafter_ema = None  # the Megatron trainer refuses drafter_train.ema
 
 
 class Eagle3Online:

@@ -101,8 +101,8 @@ class TrainerGroup:
             raise TrainerDied(f"a trainer rank died during {method} ({type(err).__name__}); the run stops.\n"
                               f"{resume_hint(self.cfg)}") from err
 
-    def train_step(self, batch) -> dict:
-        metrics, old = self.call("train_step", batch)
+    def train_step(self, batch, drafter_extra=None) -> dict:
+        metrics, old = self.call("train_step", batch, drafter_extra)
         batch.old_logprobs = old  # the loop's mismatch metric reads them, as in one process
         return metrics
 

@@ -100,11 +100,12 @@ class TrainerRank:
 
         return self.policy.onload() if hasattr(self.policy, "onload") else offload.onload(self.policy)
 
-    def train_step(self, batch):
+    def train_step(self, batch, drafter_extra=None):
         """One update (first taking back what an offload released); returns the metrics and the old log-probs the
-        step used (filled in when folded)."""
+        step used (filled in when folded). `drafter_extra`: rows only the drafter learns from (embedded trainer)."""
         back = self._onload()
-        metrics = self.policy.train_step(batch)
+        extra = () if drafter_extra is None else (drafter_extra,)
+        metrics = self.policy.train_step(batch, *extra)
         if back:
             metrics["memory"] = {**metrics.get("memory", {}), **back}
         self.crash.check("train_step")
