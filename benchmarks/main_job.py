@@ -178,8 +178,10 @@ def whole_step(spec: list[dict], plain: list[dict], online: list[dict], frozen: 
     def per_step(r: dict) -> float:
         return r["step_s"] / r["steps"]
 
-    forced = {f"{r['variant']}_k3": (per_step(by_seed[r["seed"]]) / per_step(r) if r["seed"] in by_seed else None)
-              for r in online + frozen}
+    # One figure per drafter seed, in the order of `online` / `frozen` (a run without a plain pair: None).
+    forced = {f"{variant}_k3": [per_step(by_seed[r["seed"]]) / per_step(r) if r["seed"] in by_seed else None
+                                for r in runs] for variant, runs in (("online", online), ("frozen", frozen))}
+
     def step_s_per_token(r: dict) -> float:
         return r["step_s"] / r["gen_tokens"]
 
