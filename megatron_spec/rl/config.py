@@ -183,7 +183,7 @@ class DrafterTrainSection:
     the online drafter learns from as well, the first this many of them: their states come from a forward without
     gradient after the policy's update (the policy that drafts next). The trained groups are those whose rewards
     differ; the drafter drafts for every group. Costs that forward and the drafter's work on these rows. Embedded
-    trainer and generator, in one process."""
+    trainer only (in one process or in Ray trainer groups)."""
     ema: float = 0.0
     """Draft with an exponential moving average of the online drafter's weights, updated after each of its
     optimizer steps with this decay (0: draft with the trained weights). Averaging lets a higher `lr` track the
