@@ -120,8 +120,8 @@ class RecordingTrainer(Trainer):
                        "entropy": token_entropy(self.policy.model, prompts, outs, self.sampling)}
         return rewards
 
-    def learn(self, prompts, rollouts, rewards, timer):
-        out = super().learn(prompts, rollouts, rewards, timer)
+    def learn(self, prompts, rollouts, rewards, timer, drafter_budget_s=None):
+        out = super().learn(prompts, rollouts, rewards, timer, drafter_budget_s)
         self.record["grad_cos_prev"] = self.grad_cos(self.policy.model)
         return out
 

@@ -226,9 +226,9 @@ class Trainer:
                 rollouts = self.rollouts(step, prompts)
             rewards = self.score(problems, rollouts.outs)
             tokens = sum(len(o.token_ids) for o in rollouts.outs)
-            trains = not speculate or self.gate.drafter_pays(timer.times["gen"], tokens)
-            with self.speculation(None if trains else False, engine=False):
-                train, mismatch = self.learn(prompts, rollouts, rewards, timer)
+            budget = self.gate.drafter_budget(timer.times["gen"], tokens) if speculate else None
+            with self.speculation(False if budget == 0 else None, engine=False):
+                train, mismatch = self.learn(prompts, rollouts, rewards, timer, budget)
         gate = {}
         if self.gate:
             self.gate.record(speculate, timer.times["gen"], train.get("drafter_s", 0.0), tokens)
@@ -292,9 +292,10 @@ class Trainer:
         return torch.tensor(self.task.rewards([o.token_ids for o in outs],
                                               [problems[i // g.group_size] for i in range(len(outs))]))
 
-    def learn(self, prompts: list[list[int]], rollouts: Rollouts, rewards: torch.Tensor,
-              timer: StageTimer) -> tuple[dict, float | None]:
-        """The logprob and train stages: one policy (and drafter) update on the rollouts. Rollouts of an older policy
+    def learn(self, prompts: list[list[int]], rollouts: Rollouts, rewards: torch.Tensor, timer: StageTimer,
+              drafter_budget_s: float | None = None) -> tuple[dict, float | None]:
+        """The logprob and train stages: one policy (and drafter) update on the rollouts, the drafter's cut short
+        after `drafter_budget_s` (the gate's budget; in-process trainer only). Rollouts of an older policy
         version carry their behaviour log-probs into the loss's importance correction; their engine-vs-trainer
         mismatch is then the policy's drift, not a processing error, and is not reported (None)."""
         g = self.cfg.grpo
@@ -312,8 +313,9 @@ class Trainer:
                 batch.old_logprobs = self.policy.logprobs(batch)
         with timer("train"):
             batch.advantages = advantages
-            train = {**(self.policy.train_step(batch) if extra is None else self.policy.train_step(batch, extra)),
-                     **shaping}
+            budget = {} if drafter_budget_s is None else {"drafter_budget_s": drafter_budget_s}
+            train = {**(self.policy.train_step(batch, **budget) if extra is None
+                        else self.policy.train_step(batch, extra, **budget)), **shaping}
         with timer("logprob"):
             mismatch = None if rollouts.lag else logprob_mismatch(batch.old_logprobs, behaviour, batch.mask[:, 1:])
         return train, mismatch

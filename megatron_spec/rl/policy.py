@@ -33,6 +33,18 @@ from .prefix import SharedPrompts, prompt_groups
 from .refit import named_weights
 
 
+class Deadline:
+    """When the drafter's training on a step stops: `seconds` after it starts (None: it runs whole). The whole-step
+    gate gives it what the step's generation saved (`WholeStepGate.drafter_budget`); past that the step cannot pay,
+    and what is left of the training would only slow it down further."""
+
+    def __init__(self, seconds: float | None):
+        self.end = None if seconds is None else time.perf_counter() + seconds
+
+    def passed(self) -> bool:
+        return self.end is not None and time.perf_counter() >= self.end
+
+
 @dataclass
 class Batch:
     input_ids: Tensor
@@ -252,19 +264,24 @@ class EmbeddedPolicy:
         return captured_layers(self.drafter)
 
     @torch.no_grad()
-    def drafter_states(self, batch: Batch) -> list[DrafterInputs]:
+    def drafter_states(self, batch: Batch, deadline: Deadline | None = None) -> list[DrafterInputs]:
         """What the drafter update reads, per micro-batch, from a forward of the policy as it is now, without
-        gradient (rows the policy does not train on: `drafter_train.extra_groups`)."""
+        gradient (rows the policy does not train on: `drafter_train.extra_groups`); the micro-batches reached before
+        the `deadline` passes."""
         batch = batch.to(self.model.device)
         states = []
         for _, mb in self.split(batch):
+            if deadline is not None and deadline.passed():
+                break
             out = self.model.trunk(mb.input_ids, capture=self.capture())
             states.append(DrafterInputs(mb.input_ids, mb.mask, out, self.model.lm_head(out.hidden)))
         return states
 
-    def train_step(self, batch: Batch, drafter_extra: Batch | None = None) -> dict:
+    def train_step(self, batch: Batch, drafter_extra: Batch | None = None,
+                   drafter_budget_s: float | None = None) -> dict:
         """One policy update on the batch, then, if online, one drafter update on the same forwards' states (and on
-        `drafter_extra`'s, from a forward without gradient after the update).
+        `drafter_extra`'s, from a forward without gradient after the update), cut short once it has taken
+        `drafter_budget_s` seconds (`Deadline`; `drafter_cut` in the metrics).
 
         The gradient is accumulated over length-bucketed micro-batches, each aggregated with the whole batch's
         denominators (`LossNorm`), so the update is the one-big-batch update (up to fp32 summation order); one
@@ -311,13 +328,16 @@ class EmbeddedPolicy:
             self.opt.zero_grad(set_to_none=True)  # a NaN/inf loss never reaches the weights
             metrics["skipped"] = True
         if self.drafter_reads:
-            started = time.perf_counter()
+            started, deadline = time.perf_counter(), Deadline(drafter_budget_s)
             tokens = float(batch.mask.sum())
             if drafter_extra is not None and self.drafter_opt is not None:
-                forwards += self.drafter_states(drafter_extra)
-                tokens += float(drafter_extra.mask.sum())
-            metrics.update(self.drafter_step(forwards, tokens))
+                extra = self.drafter_states(drafter_extra, deadline)
+                forwards += extra
+                tokens += sum(float(f.mask.sum()) for f in extra)
+            metrics.update(self.drafter_step(forwards, tokens, deadline))
             metrics["drafter_s"] = time.perf_counter() - started  # the drafter's share of the train stage
+            if deadline.passed():
+                metrics["drafter_cut"] = True
         if fold:
             host.old_logprobs = batch.old_logprobs.cpu()
         return metrics
@@ -351,7 +371,7 @@ class EmbeddedPolicy:
             drafter_inputs = DrafterInputs(mb.input_ids, mb.mask, detached, logits.detach())
         return loss, metrics, logprobs.detach(), drafter_inputs
 
-    def drafter_step(self, forwards: list[DrafterInputs], tokens: float) -> dict:
+    def drafter_step(self, forwards: list[DrafterInputs], tokens: float, deadline: Deadline | None = None) -> dict:
         """The drafter's update after the policy's (the MTP / EAGLE-3 heads read the trunk's embedding and output
         head as they are now, as before bucketing), and the drafter's agreement with the policy on this batch
         (`drafter_loss.agreement`); a frozen drafter only measures, without gradient.
@@ -363,7 +383,8 @@ class EmbeddedPolicy:
 
         Loss and agreement are those of the drafter that drafted this batch, before it learns from it: measured in
         the first optimizer step when that one is over this batch and the trained weights draft, else by a pass
-        without gradient first (of the weights' average where that drafts, `drafter_train.ema`).
+        without gradient first (of the weights' average where that drafts, `drafter_train.ema`). Once the `deadline`
+        passes no further optimizer step starts (the measuring one always runs).
 
         A step's drafter loss is a mean over its generated tokens (per depth, or per unrolled step); weighted by its
         micro-batches' shares of the generated tokens, the shares add up to the one-big-batch loss exactly when
@@ -382,8 +403,11 @@ class EmbeddedPolicy:
         measured = None
         if batches[0][0] is not forwards or drafting is not self.drafter:
             measured = self.drafter_pass(forwards, tokens, learn=False, measure=True, drafter=drafting)
-        passes = [self.drafter_pass(f, t, learn=online, measure=measured is None and i == 0)
-                  for i, (f, t) in enumerate(batches)]
+        passes = []
+        for i, (f, t) in enumerate(batches):
+            if deadline is not None and deadline.passed() and (passes or measured is not None):
+                break
+            passes.append(self.drafter_pass(f, t, learn=online, measure=measured is None and i == 0))
         loss, agreement_by_depth = measured or passes[0]
         metrics = {"drafter_loss": loss} if online else {}
         if agreement_by_depth:

@@ -385,10 +385,13 @@ first `warmup` steps run plain and are not priced (first-use costs would be char
     decides, and re-measures the mode it is not in with one step every `interval` RL steps (GATE_FIRST,
     doubled up to GATE_MAX while the decision holds, reset when it switches). A drafter left untrained while
     speculation is off is measured as it is on the next speculative step; where it went stale, speculation stays
-    off, which is right for that host: it could not pay there with a fresh one either. A speculative step whose
-    generation alone costs plain decoding's or more skips the drafter's training (`drafter_pays`): on a host where
-    speculation does not speed generation up, measuring that costs nothing but the slower generation; so does one
-    whose generation plus the training as last measured (`drafter_cost`) does not, and it is priced at that sum."""
+    off, which is right for that host: it could not pay there with a fresh one either.
+
+    A speculative step's drafter training gets what its generation saved as a time budget (`drafter_budget`): cut
+    there, the step costs about a plain one, so measuring speculation on a host where it cannot pay costs next to
+    nothing; the time it took is then a lower bound of the training's cost, enough to price the step as not paying.
+    A step whose generation alone saves nothing, or less than the training as last measured (`drafter_cost`),
+    skips the training and is priced with that last cost."""
 
     margin: float = 1.02
     warmup: int = 1  # first RL steps, plain and not priced: they pay for first-use costs (kernels, allocations)
@@ -409,8 +412,8 @@ first `warmup` steps run plain and are not priced (first-use costs would be char
         return self.decided if self.steps < self.next_probe else not self.decided
 
     def record(self, speculated: bool, gen_s: float, drafter_s: float, tokens: int) -> None:
-        """An RL step in the given mode: its gen stage's seconds, the drafter training's seconds (0 when plain) and
-        the tokens it generated."""
+        """An RL step in the given mode: its gen stage's seconds, the drafter training's seconds (0 when plain or
+        skipped; cut at its budget, a lower bound of the whole training's) and the tokens it generated."""
         if tokens <= 0:
             raise ValueError(f"a step that generated {tokens} tokens cannot be priced")
         if self.warmup > 0:
@@ -432,11 +435,15 @@ first `warmup` steps run plain and are not priced (first-use costs would be char
         if was is None or was != self.decided or speculated != self.decided:
             self.next_probe = self.steps + self.interval
 
-    def drafter_pays(self, gen_s: float, tokens: int) -> bool:
-        """Whether a speculative step whose gen stage took `gen_s` for `tokens` tokens should train the drafter: not
-        where its generation plus the training as last measured (none yet: its generation alone) costs plain
-        decoding's margin or more per token (the step is then priced at that `estimate`, which decides the same way)."""
-        return not self.costs[False] or self.estimate(gen_s, tokens) * self.margin < self.cost(False)
+    def drafter_budget(self, gen_s: float, tokens: int) -> float | None:
+        """Seconds the drafter's training may take on a speculative step whose gen stage took `gen_s` for `tokens`
+        tokens, with the step still costing plain decoding's cost over `margin`: None (no bound) before plain
+        decoding is priced, 0 (skip the training; the step is then priced at its `estimate`) where that leaves no
+        more than the training as last measured."""
+        if not self.costs[False]:
+            return None
+        budget = (self.cost(False) / self.margin - gen_s / tokens) * tokens
+        return budget if budget > (self.drafter_cost or 0.0) * tokens else 0.0
 
     def estimate(self, gen_s: float, tokens: int) -> float:
         """A speculative step's cost per token with the drafter's training as last measured (none yet: 0)."""

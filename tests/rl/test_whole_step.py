@@ -59,19 +59,35 @@ def test_gate_follows_a_change_and_the_interval_stays_bounded():
     assert gate.interval <= GATE_MAX
 
 
-def test_gate_skips_the_drafters_training_where_generation_alone_does_not_pay():
-    """Plain decoding at 0.010 s a token: a speculative gen stage at 0.0099 is within the 2 % margin, so no drafter
-    training can make that step pay and it is skipped; at 0.0095 it may pay, and the drafter trains (and is priced).
-    Before any plain step is priced the drafter always trains; once its training was measured, a step whose generation
-    plus that cost cannot pay skips it too."""
+def test_the_drafters_training_gets_what_generation_saved():
+    """Plain decoding at 0.010 s a token: a speculative gen stage of 0.95 s for 100 tokens leaves the drafter's
+    training 0.010 / 1.02 * 100 - 0.95 = 0.030 s before the step stops paying; at 0.99 s (within the 2 % margin) it
+    leaves nothing and the training is skipped. Before any plain step is priced the training runs unbounded. Once a
+    training was measured at 0.5 s (0.005 a token), a step must save more than that to train again, and a step that
+    skipped the training is priced with that cost."""
     gate = WholeStepGate(warmup=0)
-    assert gate.drafter_pays(0.99, 100)
+    assert gate.drafter_budget(0.99, 100) is None
     gate.record(False, 1.0, 0.0, 100)
-    assert not gate.drafter_pays(0.99, 100) and gate.drafter_pays(0.95, 100)
-    gate.record(True, 0.8, 0.5, 100)  # the training measured at 0.005 a token: 0.8 s of generation cannot pay now
-    assert gate.drafter_cost == 0.005 and not gate.drafter_pays(0.8, 100) and gate.drafter_pays(0.4, 100)
-    gate.record(True, 0.8, 0.0, 100)  # a step that skipped the training is priced with its last measured cost
+    assert gate.drafter_budget(0.99, 100) == 0.0
+    assert gate.drafter_budget(0.95, 100) == pytest.approx(1.0 / 1.02 - 0.95)
+    gate.record(True, 0.8, 0.5, 100)
+    assert gate.drafter_cost == 0.005 and gate.drafter_budget(0.8, 100) == 0.0
+    assert gate.drafter_budget(0.4, 100) == pytest.approx(1.0 / 1.02 - 0.4)
+    gate.record(True, 0.8, 0.0, 100)
     assert gate.costs[True][-1] == pytest.approx(0.013)
+
+
+def test_a_training_cut_at_its_budget_prices_speculation_as_not_paying():
+    """A speculative step of 0.95 s against a plain 1.0 s gets a budget of 1.0 / 1.02 - 0.95 = 0.0304 s; cut just past
+    it (0.0314 s, the lower bound it reports) it costs 0.009814 a token, 1.02 times which is 0.01001, not below plain
+    decoding's 0.010: the gate decides against speculation, and a step saving no more than that skips the
+    training, while one saving far more (0.5 s of generation) trains again."""
+    gate = WholeStepGate(warmup=0)
+    gate.record(False, 1.0, 0.0, 100)
+    budget = gate.drafter_budget(0.95, 100)
+    gate.record(True, 0.95, budget + 0.001, 100)
+    assert gate.decided is False and gate.cost(True) * gate.margin >= gate.cost(False)
+    assert gate.drafter_budget(0.95, 100) == 0.0 and gate.drafter_budget(0.5, 100) > 0
 
 
 def test_a_load_spike_on_a_plain_step_does_not_turn_speculation_on():
