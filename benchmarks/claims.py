@@ -86,10 +86,9 @@ CLAIMS: list[Claim] = [
           lambda r: min(r["claims"]["whole_step"]["plain_gen_share"]), ">=", 0.6),
     Claim("main_job_gen_share", "RL learns with the gate: held-out accuracy gain of the least seed",
           lambda r: min(r["claims"]["learns"]["gains_spec"]), ">=", 0.15),
-    Claim("main_job_gen_share", "with the gate no seed's run is slower than its plain pair by more than 2.5 % (whole "
-          "step, step-matched: steps doing the same work counted alike; least seed; the goal of 0.98 is missed by the "
-          "gate's one measurement of the drafter's training, 1.1-1.4 s a run)",
-          lambda r: min(r["claims"]["whole_step"]["step_matched"]), ">=", 0.975),
+    Claim("main_job_gen_share", "with the gate no seed's run is slower than its plain pair by more than 2 % (whole "
+          "step, step-matched: steps doing the same work counted alike; least seed)",
+          lambda r: min(r["claims"]["whole_step"]["step_matched"]), ">=", 0.98),
     Claim("main_job_gen_share", "with the gate the run's wall clock stays within the host's noise of a plain run's "
           "(whole step, pooled; identical work differs by up to 6 % between the two processes)",
           lambda r: r["claims"]["whole_step"]["pooled"], ">=", 0.95),

@@ -99,7 +99,7 @@ def run_settings(runs_dir: Path, first: tuple[str, int]) -> dict:
 
 
 ADDED = ("wall_s", "gen_s", "train_s", "step_s", "drafter_s", "steps", "steps_gated_plain", "steps_drafter_trained",
-         "gen_tokens")
+         "steps_drafter_cut", "gen_tokens")
 
 
 def merge_rounds(a: dict, b: dict) -> dict:
@@ -138,6 +138,7 @@ def summarize(result: dict, window: int) -> dict:
         "steps": len(rows), "step_s": sum(r["step_time"] for r in rows), "drafter_s": sum(r.get("drafter_s") or 0.0 for r in rows),
         "steps_gated_plain": sum(r.get("speculate") is False for r in rows),
         "steps_drafter_trained": sum(r.get("drafter_s") is not None for r in rows),
+        "steps_drafter_cut": sum(bool(r.get("drafter_cut")) for r in rows),  # of those, stopped at the gate's budget
         "gate_cost_in_run": gate_cost_in_run(rows),
         "load": result.get("load"), "core": result.get("core"),
         "gen_tokens": sum(r["gen_tokens"] for r in rows),

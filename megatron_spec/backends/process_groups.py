@@ -68,6 +68,11 @@ def node_address() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+VERDICT_GRACE_S = 10.0
+"""How much longer than the start-up timeout a joined rank waits for rank 0's verdict: rank 0 gives its verdict
+when its own timeout runs out, which a rank that started the same moment would otherwise race."""
+
+
 def rendezvous(host: str, port: int, rank: int, world: int, timeout_s: float, what: str):
     """A TCP store every rank of a `world`-rank group registers in; returns it once all have, else raises JoinError
     naming the ranks missing after `timeout_s` (rank 0 hosts the store and decides; the others read its verdict)."""
@@ -90,8 +95,8 @@ def rendezvous(host: str, port: int, rank: int, world: int, timeout_s: float, wh
                             f"{[r for r in range(world) if r not in missing]}") from None
         store.set(VERDICT_KEY, "ok")
     else:
-        try:
-            store.wait([VERDICT_KEY], timeout)
+        try:  # rank 0 decides only once its own timeout has run, which started no later than this rank's
+            store.wait([VERDICT_KEY], timeout + timedelta(seconds=VERDICT_GRACE_S))
         except RuntimeError:
             raise JoinError(f"{what}: rank {rank} joined, but rank 0 did not confirm the group within "
                             f"{timeout_s:g} s (backend.init_timeout_s)") from None

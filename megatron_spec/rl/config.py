@@ -196,8 +196,9 @@ class DrafterTrainSection:
     gate: bool = True
     """With `spec.adaptive` and online training on the embedded trainer and generator: let the whole-step gate
     (`spec.adaptive.WholeStepGate`) run a step plainly, without drafting and without this training, wherever
-    speculation does not pay for the whole step once this training is counted (logged per step: `speculate`,
-    `gate_pays`). False: every step speculates under the engine's controller and trains the drafter."""
+    speculation does not pay for the whole step once this training is counted, and stop a speculative step's
+    training once it has taken what the step's generation saved (logged per step: `speculate`, `gate_pays`,
+    `drafter_cut`). False: every step speculates under the engine's controller and trains the drafter whole."""
 
     def __post_init__(self) -> None:
         if self.drafts < 1:

@@ -424,11 +424,14 @@ def _whole_step_html(runs) -> list[str]:
     for r in (r for r in runs if r.kind == "spec"):
         gated = [m for m in r.metrics if m.get("speculate") is not None]
         off = sum(m["speculate"] is False for m in gated)
+        cut = sum(bool(m.get("drafter_cut")) for m in gated)
         if gated and gated[-1].get("gate_pays") is False:
             out.append(f"<p>{html.escape(r.name)}: speculation did not pay for the whole step on this host once the "
                        f"drafter's training was counted (per token {_f(gated[-1].get('gate_spec_cost'), 6)} s "
                        f"speculative against {_f(gated[-1].get('gate_plain_cost'), 6)} s plain), so the gate ran "
-                       f"{off} of {len(r.metrics)} steps plainly, without drafting or drafter training.</p>")
+                       f"{off} of {len(r.metrics)} steps plainly, without drafting or drafter training"
+                       + (f"; {cut} of its {len(gated) - off} speculative steps stopped the drafter's training once "
+                          "it had taken what their generation saved" if cut else "") + ".</p>")
     return out
 
 

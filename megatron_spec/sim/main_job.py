@@ -114,8 +114,8 @@ def compare_pair(plain: dict, spec: dict, k: int = 3, drafts: int = MAIN_JOB_DRA
                  minibatches: int = MAIN_JOB_MINIBATCHES, prompts: int = MAIN_JOB_PROMPTS,
                  extra_groups: int = 0) -> list[Row]:
     """Per-step figures of a speculative main-job run against the step model (two runs of a main-job record:
-    `steps`, `gen_s`, `train_s`, `drafter_s`, `gen_tokens`, `tau_curve` and, for a gated run, `steps_gated_plain`
-    and `steps_drafter_trained`; a `frozen` variant's drafter only measures, without training).
+    `steps`, `gen_s`, `train_s`, `drafter_s`, `gen_tokens`, `tau_curve` and, for a gated run, `steps_gated_plain`,
+    `steps_drafter_trained` and `steps_drafter_cut`; a `frozen` variant's drafter only measures, without training).
 
     `drafter_over_policy` and `drafter_train_s` are within the speculative run (its own policy training sets the
     rate, so the host's load cancels); `gen_s`, `gen_ratio` and `whole_step_ratio` take the plain run's rates, so
@@ -127,7 +127,10 @@ def compare_pair(plain: dict, spec: dict, k: int = 3, drafts: int = MAIN_JOB_DRA
     n_plain, n_spec = plain["steps"], spec["steps"]
     mean_len = spec["gen_tokens"] / n_spec / (prompts * MAIN_JOB_GROUP)
     online = spec.get("variant") != "frozen"
-    trained_steps = int(spec.get("steps_drafter_trained", n_spec)) if online else 0
+    # A step whose training the gate stopped at its budget did a fraction of it, which its measured seconds hold.
+    trained_steps = 0
+    if online:
+        trained_steps = int(spec.get("steps_drafter_trained", n_spec)) - int(spec.get("steps_drafter_cut") or 0)
     held = replayed_steps(trained_steps, replay) or 1.0
     rows = (MAIN_JOB_TRAIN_GROUPS + extra_groups) / MAIN_JOB_TRAIN_GROUPS  # the drafter's rows over the policy's
     cfg = main_job_config(mean_len, k, _mean_tau(spec), drafts * held * rows, max(1, round(minibatches * held)),

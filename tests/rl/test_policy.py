@@ -154,7 +154,7 @@ def test_several_drafter_updates_are_passes_over_the_same_detached_states():
     three, one = make_policy(160, "mtp", drafter_cfg=DrafterTrainSection(updates=3)), make_policy(160, "mtp")
     seen = {}
     real = one.drafter_step
-    one.drafter_step = lambda forwards, tokens: seen.update(forwards=forwards, tokens=tokens) or real(forwards, tokens)
+    one.drafter_step = lambda forwards, tokens, *rest: seen.update(forwards=forwards, tokens=tokens) or real(forwards, tokens)
     old = off_policy(one, batch)
     m3, m1 = run_step(three, batch, old), run_step(one, batch, old)
     assert m3["drafter_loss"] == m1["drafter_loss"] and m3["drafter_agreement"] == m1["drafter_agreement"]
@@ -176,7 +176,7 @@ def test_replayed_drafter_updates_are_earlier_steps_then_this_one():
     seen = []
     real = ref.drafter_step
 
-    def by_hand(forwards, tokens):
+    def by_hand(forwards, tokens, deadline=None):
         seen.append((forwards, tokens))
         if len(seen) == 1:
             return real(forwards, tokens)
@@ -205,7 +205,7 @@ def test_drafter_minibatches_deal_the_rows_and_step_on_each():
     three = make_policy(160, "mtp", drafter_cfg=DrafterTrainSection(minibatches=3))
     ref, plain = make_policy(160, "mtp"), make_policy(160, "mtp")
 
-    def by_hand(forwards, tokens):
+    def by_hand(forwards, tokens, deadline=None):
         parts = [[f.rows(slice(j, None, 3)) for f in forwards] for j in range(3)]
         rows = [sum(p.input_ids.shape[0] for p in part) for part in parts]
         assert sum(rows) == batch.input_ids.shape[0] and max(rows) - min(rows) <= len(forwards)
@@ -237,7 +237,7 @@ def test_joined_rows_keep_their_own_drafter_predictions(method):
     generated tokens, and the token-weighted loss is the parts' within 1e-6. Packing keeps to its budget."""
     policy, seen = make_policy(160, method), {}
     real = policy.drafter_step
-    policy.drafter_step = lambda forwards, tokens: seen.update(forwards=forwards) or real(forwards, tokens)
+    policy.drafter_step = lambda forwards, tokens, *rest: seen.update(forwards=forwards) or real(forwards, tokens)
     run_step(policy, rollout_batch(seed=2), None)
     parts = [f.rows(slice(0, None, 2)) for f in seen["forwards"]]
     assert len({p.input_ids.shape[1] for p in parts}) > 1  # lengths differ, so rows are padded

@@ -192,7 +192,8 @@ def test_a_gated_plain_step_is_a_spec_null_step(ckpts, tmp_path, shaped_reward):
 def test_report_shows_the_whole_step_beside_the_gen_stage_and_what_the_gate_did(tmp_path):
     """A spec run whose gen stage is 2x its plain pair's (5 s against 10 s of 15.6 s) but whose train stage is 8 s
     longer (the drafter's training): whole step 15.6 / 18.6, plain gen share 10 / 15.6; its gate ran every step
-    plainly but one and said speculation did not pay, which the page states with the counts."""
+    plainly but one, whose drafter training it cut at its budget, and said speculation did not pay, which the page
+    states with the counts."""
     import json
 
     from megatron_spec.rl import report
@@ -204,7 +205,8 @@ def test_report_shows_the_whole_step_beside_the_gen_stage_and_what_the_gate_did(
     rows = [json.loads(line) for line in (spec / "metrics.jsonl").read_text().splitlines()]
     for i, r in enumerate(rows):
         r["stages"]["train"] += 8.0
-        r.update(drafter_s=8.0, speculate=i == 1, gate_pays=False, gate_spec_cost=0.013, gate_plain_cost=0.010)
+        r.update(drafter_s=8.0, speculate=i == 1, gate_pays=False, gate_spec_cost=0.013, gate_plain_cost=0.010,
+                 drafter_cut=i == 1)
     (spec / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     pair = report.whole_step_pairs(report.load_runs([plain, spec]))[0]
     assert pair["gen_ratio"] == 2.0 and pair["step_ratio"] == pytest.approx(15.6 / 18.6)
@@ -213,6 +215,7 @@ def test_report_shows_the_whole_step_beside_the_gen_stage_and_what_the_gate_did(
     section = page.split("<h2>Whole step</h2>")[1].split("<h2>")[0]
     assert "<td>0.641</td><td>2.000</td><td>0.839</td>" in section
     assert f"so the gate ran {STEPS - 1} of {STEPS} steps plainly" in section
+    assert "; 1 of its 1 speculative steps stopped the drafter's training once it had taken what" in section
     # each run's gen share over the steps it ran plainly: all of the plain run's, all but one of the gated run's
     assert f"<td>plain</td><td>{STEPS}</td><td>0.641</td>" in section
     assert f"<td>spec</td><td>{STEPS - 1}</td>" in section
