@@ -40,9 +40,12 @@ class Deadline:
 
     def __init__(self, seconds: float | None):
         self.end = None if seconds is None else time.perf_counter() + seconds
+        self.stopped = False  # whether some of the training was left out for it
 
-    def passed(self) -> bool:
-        return self.end is not None and time.perf_counter() >= self.end
+    def stops(self) -> bool:
+        """Whether the next piece of the training is left out (the deadline has passed)."""
+        self.stopped = self.stopped or (self.end is not None and time.perf_counter() >= self.end)
+        return self.stopped
 
 
 @dataclass
@@ -271,7 +274,7 @@ class EmbeddedPolicy:
         batch = batch.to(self.model.device)
         states = []
         for _, mb in self.split(batch):
-            if deadline is not None and deadline.passed():
+            if deadline is not None and deadline.stops():
                 break
             out = self.model.trunk(mb.input_ids, capture=self.capture())
             states.append(DrafterInputs(mb.input_ids, mb.mask, out, self.model.lm_head(out.hidden)))
@@ -336,7 +339,7 @@ class EmbeddedPolicy:
                 tokens += sum(float(f.mask.sum()) for f in extra)
             metrics.update(self.drafter_step(forwards, tokens, deadline))
             metrics["drafter_s"] = time.perf_counter() - started  # the drafter's share of the train stage
-            if deadline.passed():
+            if deadline.stopped:
                 metrics["drafter_cut"] = True
         if fold:
             host.old_logprobs = batch.old_logprobs.cpu()
@@ -405,7 +408,7 @@ class EmbeddedPolicy:
             measured = self.drafter_pass(forwards, tokens, learn=False, measure=True, drafter=drafting)
         passes = []
         for i, (f, t) in enumerate(batches):
-            if deadline is not None and deadline.passed() and (passes or measured is not None):
+            if (passes or measured is not None) and deadline is not None and deadline.stops():
                 break
             passes.append(self.drafter_pass(f, t, learn=online, measure=measured is None and i == 0))
         loss, agreement_by_depth = measured or passes[0]
