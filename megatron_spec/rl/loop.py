@@ -313,9 +313,10 @@ class Trainer:
                 batch.old_logprobs = self.policy.logprobs(batch)
         with timer("train"):
             batch.advantages = advantages
-            budget = {} if drafter_budget_s is None else {"drafter_budget_s": drafter_budget_s}
-            train = {**(self.policy.train_step(batch, **budget) if extra is None
-                        else self.policy.train_step(batch, extra, **budget)), **shaping}
+            # Only what this step has: the Megatron trainer's train_step takes the batch alone.
+            drafter = {k: v for k, v in (("drafter_extra", extra), ("drafter_budget_s", drafter_budget_s))
+                       if v is not None}
+            train = {**self.policy.train_step(batch, **drafter), **shaping}
         with timer("logprob"):
             mismatch = None if rollouts.lag else logprob_mismatch(batch.old_logprobs, behaviour, batch.mask[:, 1:])
         return train, mismatch

@@ -49,10 +49,15 @@ MAIN_JOB_DRAFTS, MAIN_JOB_REPLAY, MAIN_JOB_MINIBATCHES, MAIN_JOB_EXTRA_GROUPS = 
 """The shipped online training (`drafter_train`: drafts, replay, minibatches, extra_groups; one update); a record's
 own `drafter_train` (`record_drafter`) overrides it."""
 MAIN_JOB_TRAIN_GROUPS = 4
-"""Groups the main job's policy trains a step (`grpo.train_groups`): the drafter's rows beyond them
-(`extra_groups`) scale its work by (4 + extra) / 4."""
-MAIN_JOB_DRAFTER_PASSES = (MAIN_JOB_DRAFTS * MAIN_JOB_REPLAY * (MAIN_JOB_TRAIN_GROUPS + MAIN_JOB_EXTRA_GROUPS)
-                           / MAIN_JOB_TRAIN_GROUPS)
+"""Groups the main job's policy trains a step (`grpo.train_groups`)."""
+
+
+def drafter_rows(extra_groups: int) -> float:
+    """The drafter's rows over the policy's: the trained groups and `extra_groups` more, over the trained ones."""
+    return (MAIN_JOB_TRAIN_GROUPS + extra_groups) / MAIN_JOB_TRAIN_GROUPS
+
+
+MAIN_JOB_DRAFTER_PASSES = MAIN_JOB_DRAFTS * MAIN_JOB_REPLAY * drafter_rows(MAIN_JOB_EXTRA_GROUPS)
 """Passes of the MTP layer over the policy's trained rows per RL step once the replay is full (its own rows being
 the trained groups and the extra ones)."""
 MAIN_JOB_DRAFTER_OPTIMIZER_STEPS = MAIN_JOB_REPLAY * MAIN_JOB_MINIBATCHES
@@ -132,9 +137,8 @@ def compare_pair(plain: dict, spec: dict, k: int = 3, drafts: int = MAIN_JOB_DRA
     if online:
         trained_steps = int(spec.get("steps_drafter_trained", n_spec)) - int(spec.get("steps_drafter_cut") or 0)
     held = replayed_steps(trained_steps, replay) or 1.0
-    rows = (MAIN_JOB_TRAIN_GROUPS + extra_groups) / MAIN_JOB_TRAIN_GROUPS  # the drafter's rows over the policy's
-    cfg = main_job_config(mean_len, k, _mean_tau(spec), drafts * held * rows, max(1, round(minibatches * held)),
-                          online=online, prompts=prompts)
+    cfg = main_job_config(mean_len, k, _mean_tau(spec), drafts * held * drafter_rows(extra_groups),
+                          max(1, round(minibatches * held)), online=online, prompts=prompts)
     gen_ratio = simulate(cfg, with_plain=True).gen_ratio  # plain gen / speculative gen
     speculated = (n_spec - int(spec.get("steps_gated_plain") or 0)) / n_spec
     trained = trained_steps / n_spec
