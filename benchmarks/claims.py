@@ -316,7 +316,7 @@ def check_figures(pages: dict[str, str] | None = None, root: Path = ROOT) -> lis
                 if not any(s <= m.start() and m.end() <= e for s, e in spans):
                     context = b[max(0, m.start() - 40):m.end() + 20].replace("\n", " ")
                     lines.append(f"FAIL unchecked number on {page}: {m.group()!r} in '...{context}...': tie it to "
-                                 f"its record in benchmarks/figures.py, or state it as a given")
+                                 f"its record in benchmarks/figures/, or state it as a given")
     return lines
 
 
