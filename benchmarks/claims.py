@@ -32,8 +32,10 @@ from typing import Any, Callable
 
 try:
     from .figures import FIGURES, GIVEN, PAGES, Figure
+    from .figures.base import load
 except ImportError:  # run as a script
     from figures import FIGURES, GIVEN, PAGES, Figure
+    from figures.base import load
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt, "==": operator.eq}
@@ -256,14 +258,6 @@ def blocks(text: str) -> list[str]:
         else:
             para.append(line)
     return out
-
-
-def load(source: str, root: Path = ROOT) -> Any:
-    """A record: JSON, JSON lines (a list of objects) or a log (its text)."""
-    text = (root / source).read_text(encoding="utf-8")
-    if source.endswith(".jsonl"):
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    return json.loads(text) if source.endswith(".json") else text
 
 
 def _flat(value: Any) -> list[float]:

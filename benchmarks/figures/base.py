@@ -7,10 +7,13 @@ that is not a measurement: a setting, a goal, a bound, a version."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 PAGES = ("docs/results.md", "README.md")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -35,3 +38,11 @@ def span(values):
     """A range as printed ('0.27-0.32'): the least and the greatest."""
     values = list(values)
     return [min(values), max(values)]
+
+
+def load(source: str, root: Path = ROOT) -> Any:
+    """A record: JSON, JSON lines (a list of objects) or a log (its text)."""
+    text = (root / source).read_text(encoding="utf-8")
+    if source.endswith(".jsonl"):
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return json.loads(text) if source.endswith(".json") else text
