@@ -1,11 +1,9 @@
 """What each of the 2 gloo ranks runs for `test_refit_stream.py`: the refit stream against the export the refit
-used before (checkpoint-sized buckets, cast by the weight group after gathering), and the sending rank's peak
-memory while it streams a model many buckets large into a one-rank weight-update group (no receivers, so the
-measured process is the sender alone)."""
+used before (checkpoint-sized buckets, cast by the weight group after gathering), and the sending rank's peak of
+live tensor bytes (`tests/live_bytes.py`) while it streams a model many buckets large into a one-rank
+weight-update group (no receivers, so the measured process is the sender alone)."""
 
 from __future__ import annotations
-
-import gc
 
 import torch
 
@@ -56,31 +54,27 @@ def _identity(cfg, par) -> dict:
 
 
 def _memory(rank: int, par) -> dict:
-    """Peak resident memory above the resident memory at the start, for a refit of the big model through the
-    refit stream (re-bucketed, as the trainer sends it) and then through the export the refit used before, the
-    heap trimmed before each. Both ranks gather; rank 0 also sends."""
+    """Live tensor bytes (`tests/live_bytes.py`: counted by torch's CPU allocator, so nothing the process did
+    before counts) at their peak, for a refit of the big model through the refit stream (re-bucketed, as the
+    trainer sends it) and then through the export the refit used before. Both ranks gather; rank 0 also sends."""
     from megatron_spec.backends.megatron.exporter import export_hf
     from megatron_spec.backends.megatron.refit_stream import refit_buckets
-    from megatron_spec.backends.offload import release_caches
     from megatron_spec.backends.process_groups import free_port
     from megatron_spec.backends.weight_group import open_weight_group
-    from megatron_spec.rl import memory
     from megatron_spec.rl.refit import buckets
 
+    from ...live_bytes import live_bytes
+
     model = _model(tiny("dense", **BIG), par, mtp_layers=0)
-    gc.collect()
     group = open_weight_group("127.0.0.1", free_port(), 0, 1, 60, "gloo") if rank == 0 else None
 
     def measure(stream) -> dict:
-        gc.collect()
-        release_caches()  # what an earlier measurement freed goes back to the system, not to the next one
-        start = memory.rss_bytes()
-        memory.reset_peak()
-        if group is not None:
-            sent = group.send(stream, torch.bfloat16)
-        else:
-            sent = sum(t.numel() * 2 for b in stream for _, t in b)
-        return {"peak_above_start": memory.peak_rss_bytes() - start, "bytes": sent}
+        with live_bytes() as counted:
+            if group is not None:
+                sent = group.send(stream, torch.bfloat16)
+            else:
+                sent = sum(t.numel() * 2 for b in stream for _, t in b)
+        return {"peak": counted.peak, "end": counted.end, "allocated": counted.allocated, "bytes": sent}
 
     def pairs(stream):  # what the policy's export_weights yields, and the trainer's refit buckets again
         return buckets((item for bucket in stream for item in bucket), BIG_BUCKET)

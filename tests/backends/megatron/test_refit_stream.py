@@ -1,7 +1,7 @@
 """The refit stream of a sharded Megatron model (`backends/megatron/refit_stream.py`) on 2 gloo ranks: bit for bit
 the tensors the refit sent before (whole export gathered in fp32, then cast to the engine's bf16), in buckets of
-the refit's size, and the sending rank's peak memory bounded by a few buckets where the export it replaces held
-the whole model."""
+the refit's size, and the sending rank's peak of live tensor bytes bounded by a few buckets where the export it
+replaces held the whole model."""
 
 from __future__ import annotations
 
@@ -58,16 +58,22 @@ def test_buckets_are_refit_sized_in_the_engine_dtype(runs, layout):
 
 
 def test_sending_rank_holds_a_few_buckets_not_the_model(runs):
-    """Rank 0 streams the 134 MB (fp32; 67 MB in bf16) model in 4 MiB bf16 buckets into a weight-update group,
-    re-bucketed as the trainer does. The bound of refit_stream's docstring is about 5 buckets of live tensors;
-    the allocator keeps freed blocks of these sizes in its heap rather than returning them, which measured up to 3
-    more (peaks of 23-32 MiB over repeated runs), so the test allows 10 buckets (40 MiB), still well under the
-    model. The export the refit used before gathered the whole model in one fp32 bucket: its peak, measured in the
-    same process after the heap was trimmed, rose by more than the model's bf16 size, so the bound is one this
-    test can fail."""
+    """Rank 0 streams the 134 MB (fp32; 67 MB in bf16) model in B = 4 MiB bf16 buckets into a weight-update group,
+    re-bucketed as the trainer does; what it holds is counted in live tensor bytes by torch's CPU allocator
+    (`tests/live_bytes.py`). The bound is refit_stream's own: at most about 5 B at once (the cast shards, the
+    gather's send and receive buffers, the HF tensors, the trainer's previous bucket, the weight group's payload).
+    The count does not depend on what the process did before, nor on the machine or thread count: the same shapes
+    are allocated in the same order (measured 4.56 B on rank 0, with 1 and 2 threads, over repeated runs); the only
+    variation is a 16-byte header tensor whose free gloo's worker thread may make unrecorded. So the margin, 0.44 B
+    (1.8 MiB), has only such small tensors to cover. The resident set this test measured before also counted what
+    glibc kept in its heap of blocks freed earlier in the process: it failed one run in three on a 2-core machine
+    (44 MiB above start against a bound of 10 B). The export the refit used before gathered the whole model in one
+    fp32 bucket: its peak, counted the same way, exceeds the model's bf16 size (measured 2 fp32 models: the gather
+    buffers and the HF tensors), so the bound is one this test can fail."""
     from .refit_workers import BIG_BUCKET
 
     m = runs[0]["memory"]
+    print(f"refit memory, rank 0: {m}")
     assert m["streamed"]["bytes"] == m["before"]["bytes"] > 60e6
-    assert m["streamed"]["peak_above_start"] < 10 * BIG_BUCKET < m["streamed"]["bytes"]
-    assert m["before"]["peak_above_start"] > m["streamed"]["bytes"]
+    assert m["streamed"]["peak"] <= 5 * BIG_BUCKET < m["streamed"]["bytes"]
+    assert m["before"]["peak"] > m["streamed"]["bytes"]

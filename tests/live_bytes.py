@@ -1,0 +1,64 @@
+"""Live tensor bytes, counted by torch's own CPU allocator: a memory figure that does not depend on what the process
+did before.
+
+A process's resident set (RSS) is what the kernel maps for it, so it also counts what malloc keeps of memory freed
+earlier (glibc keeps freed blocks in its heap, and its mmap threshold rises after a large free, so the next
+allocations of that size land in the heap instead of fresh mappings): the same code peaks higher or lower by
+several MiB depending on what ran before it in the process and on the machine. `LiveBytes` counts instead what
+torch's CPU allocator hands out and takes back: under `torch.profiler.profile(profile_memory=True)` every
+allocation and free of a tensor's storage is recorded with its pointer and size. Only the blocks allocated inside
+the window are counted (a free is matched to its allocation by pointer), so the figures are the bytes the code
+under measurement allocated and still held at each moment: the same on every run, machine and thread count for
+the same tensor shapes. The profiler follows the thread that opened the window, which is the one that allocates
+the tensors (torch's intra-op threads compute into buffers allocated before they start; gloo sends and receives
+in the tensors it is given). A block whose last reference another thread drops (gloo's worker releasing the
+tensors of a finished collective) is freed unrecorded: it counts as live until its address is handed out again,
+so such a block can only raise the figures, never lower them.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass
+class LiveBytes:
+    """Figures of one window: `peak`, the most bytes allocated in the window that were live at once; `end`, those
+    still live when it closed; `allocated`, all bytes allocated in it (freed or not)."""
+
+    peak: int = 0
+    end: int = 0
+    allocated: int = 0
+
+
+@contextmanager
+def live_bytes():
+    """Count the CPU tensor bytes allocated and freed inside the `with` block; the `LiveBytes` it yields is filled
+    in when the block ends."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    out = LiveBytes()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield out
+    events = []
+
+    def walk(nodes):
+        for e in nodes:
+            if e.tag == _EventType.Allocation and str(e.extra_fields.device) == "cpu":
+                events.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr))
+            walk(e.children)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree())
+    live: dict[int, int] = {}
+    current = 0
+    for _, size, ptr in sorted(events, key=lambda e: e[0]):
+        if size > 0:
+            current += size - live.get(ptr, 0)  # an address handed out again was freed, if unrecorded
+            live[ptr] = size
+            out.allocated += size
+            out.peak = max(out.peak, current)
+        elif ptr in live:  # a block allocated before the window is not counted, nor its free
+            current -= live.pop(ptr)
+    out.end = current
