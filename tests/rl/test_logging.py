@@ -203,8 +203,9 @@ def test_mlflow_file_store_receives_every_scalar(tmp_path, monkeypatch):
     run = client.get_run((tmp_path / "run" / "mlflow_run_id").read_text())
     assert run.info.status == "FINISHED" and run.data.params == {"grpo.lr": "1e-05"}
     for tag, _ in scalars(records[0]):
-        history = [(h.step, h.value) for h in client.get_metric_history(run.info.run_id, tag)]
-        assert history == pytest.approx([(s, dict(scalars(m))[tag]) for s, m in enumerate(records)])
+        history = client.get_metric_history(run.info.run_id, tag)
+        assert [h.step for h in history] == list(range(len(records)))
+        assert [h.value for h in history] == pytest.approx([dict(scalars(m))[tag] for m in records])
     assert len(client.search_runs([client.get_experiment_by_name("exp").experiment_id])) == 1
 
 
