@@ -280,7 +280,10 @@ def figure_value_errors(fig: Figure, root: Path = ROOT) -> list[str]:
 
 
 def cites(block: str, fig: Figure) -> bool:
-    """A block cites a record by its file name, a computed figure by the command that computes it."""
+    """A block cites a record by its file name, a computed figure by the command that computes it; the README, which
+    names no record files, by the words the figure says its block holds."""
+    if fig.where:
+        return fig.where in block
     return (Path(fig.source).name if fig.source.startswith("research/") else fig.source) in block
 
 
@@ -294,7 +297,7 @@ def check_figures(pages: dict[str, str] | None = None, root: Path = ROOT) -> lis
         where = [i for i, b in enumerate(blocks(pages[fig.page])) if fig.printed in b and cites(b, fig)]
         errors = figure_value_errors(fig, root)
         if not where:
-            errors.insert(0, f"not on {fig.page} in a block citing {Path(fig.source).name}")
+            errors.insert(0, f"not on {fig.page} in a block citing {fig.where or Path(fig.source).name}")
         for i in where:
             b = blocks(pages[fig.page])[i]
             covered.setdefault((fig.page, i), []).extend(
@@ -338,7 +341,8 @@ def coverage(pages: dict[str, str] | None = None, root: Path = ROOT) -> dict[str
         for p in paths:
             checks.setdefault(p, []).extend(f"claim: {c.text}" for c in CLAIMS if c.group == group)
     for fig in FIGURES:
-        checks.setdefault(fig.source, []).append(f"figure: {fig.printed!r} on {fig.page}")
+        for source in (fig.source, *fig.also):
+            checks.setdefault(source, []).append(f"figure: {fig.printed!r} on {fig.page}")
     out = {}
     for rec in sorted(cited_records(pages, root)):
         drawn = str(Path(rec).with_suffix(".json"))

@@ -22,6 +22,8 @@ class Figure:
     printed: str                # exactly as the page prints it
     source: str                 # the record (a path under research/) or the command that computes the figure
     read: Callable[[Any], Any]  # the printed numbers, in order, from the record (None for a computed figure)
+    where: str = ""             # text its block must hold, where the page names no record files (the README)
+    also: tuple[str, ...] = ()  # further records the read loads (so that they count as checked)
 
 
 @dataclass(frozen=True)
