@@ -40,3 +40,60 @@ def homogeneity(a: np.ndarray, b: np.ndarray, min_expected: float = 5.0) -> tupl
     tot = a2 + b2
     ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
     return float(((a2 - ea) ** 2 / ea).sum() + ((b2 - eb) ** 2 / eb).sum()), int(len(tot) - 1)
+
+
+# Power. Under a wrong sampler Pearson's statistic is approximately noncentral chi-square with the same degrees of
+# freedom and noncentrality lambda = n * sum((q - p)^2 / p) (goodness of fit, samples from q tested against p) or
+# na * nb / (na + nb) * sum((pa - pb)^2 / pooled) (homogeneity). `power` is the chance that it exceeds the test's
+# threshold `chi2_quantile_999(df)`: the chance a given control is rejected.
+
+
+def _merge(expected: np.ndarray, min_expected: float, *cells: np.ndarray) -> list[np.ndarray]:
+    """`cells` with those of `expected` < min_expected merged into one, as the statistics above merge them."""
+    big = expected >= min_expected
+    return [np.append(c[big], c[~big].sum()) for c in cells]
+
+
+def noncentrality_gof(p: np.ndarray, q: np.ndarray, n: int, min_expected: float = 5.0) -> tuple[float, int]:
+    """(lambda, df) of `goodness_of_fit` against p for n samples drawn from q (cells merged by p's expectation)."""
+    p2, q2 = _merge(p * n, min_expected, p, q)
+    keep = p2 > 0
+    assert q2[~keep].sum() == 0, "q puts mass where p has none: the test rejects it with certainty"
+    return float(n * ((q2[keep] - p2[keep]) ** 2 / p2[keep]).sum()), int(keep.sum() - 1)
+
+
+def noncentrality_homogeneity(pa: np.ndarray, pb: np.ndarray, na: int, nb: int,
+                              min_expected: float = 5.0) -> tuple[float, int]:
+    """(lambda, df) of `homogeneity` for na samples from pa beside nb from pb (cells merged as it merges them)."""
+    pooled = (na * pa + nb * pb) / (na + nb)
+    pa2, pb2, pooled2 = _merge(pooled * min(na, nb), min_expected, pa, pb, pooled)
+    keep = pooled2 > 0
+    lam = na * nb / (na + nb) * ((pa2[keep] - pb2[keep]) ** 2 / pooled2[keep]).sum()
+    return float(lam), int(keep.sum() - 1)
+
+
+def chi2_sf(x: float, df: int) -> float:
+    """P(chi-square(df) > x), exact for integer df (the closed forms of the regularised gamma function)."""
+    h = x / 2
+    if df % 2 == 0:
+        return float(sum(math.exp(-h + k * math.log(h) - math.lgamma(k + 1)) for k in range(df // 2))) if h else 1.0
+    tail = math.erfc(math.sqrt(h))
+    return tail + sum(math.exp(-h + (k - 0.5) * math.log(h) - math.lgamma(k + 0.5)) for k in range(1, (df + 1) // 2))
+
+
+def power(lam: float, df: int) -> float:
+    """P(noncentral chi-square(df, lam) > chi2_quantile_999(df)): the Poisson(lam / 2) mixture of central
+    chi-squares with df + 2j degrees of freedom, summed to 12 standard deviations past the Poisson's mean."""
+    threshold, m = chi2_quantile_999(df), lam / 2
+    last = int(m + 12 * math.sqrt(m) + 20)
+    return min(1.0, sum(math.exp(-m + j * math.log(m) - math.lgamma(j + 1)) * chi2_sf(threshold, df + 2 * j)
+                        for j in range(last + 1)) if m else chi2_sf(threshold, df))
+
+
+def assert_rejects(chi2: float, df: int, lam: float | None = None, min_power: float = 0.99) -> None:
+    """A power control: the statistic of a sampler that is wrong by a stated amount exceeds the 99.9 % threshold,
+    and (where the wrong and right distributions are known, `lam`) the test's power against it is >= min_power,
+    so this rejection is what the test does on any machine, not one lucky draw."""
+    if lam is not None:
+        assert power(lam, df) >= min_power, f"power {power(lam, df):.4f} < {min_power} (lambda {lam:.1f}, df {df})"
+    assert chi2 > chi2_quantile_999(df), f"control not rejected: chi2 {chi2:.1f} <= {chi2_quantile_999(df):.1f} (df {df})"

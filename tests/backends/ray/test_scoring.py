@@ -48,19 +48,21 @@ def test_ray_actors_score_what_the_process_scorer_scores(ray_cluster):
 
 
 def test_a_runaway_item_scores_zero_and_is_counted(ray_cluster):
-    """One item spins for 60 s under a 1 s timer: it scores 0 and counts as one timeout, the others score as the
-    function says, and the batch returns long before the spin would end (the timer interrupts it in the actor's
-    main thread, so the deadline on the whole batch is not what stops it)."""
+    """One item spins for 60 s under a 1 s timer: it scores 0 and counts as one timeout (a spin let run to its end
+    would score 0 uncounted), the others score as the function says, and the actors that scored them are kept and
+    go on scoring: the batch's deadline (63 s here), the other way an item ends, kills and replaces the actors, so
+    the timer interrupted the spin in the actor's main thread. Nothing is timed: a bound on the batch's wall time
+    would also count starting the actors, which a loaded machine slows without limit."""
     from megatron_spec.backends.ray.scoring import RayRewardScorer
 
     scorer = RayRewardScorer(SLOW, workers=2, timeout_s=1.0)
     try:
-        started = time.monotonic()
         rewards, timeouts = scorer(["a", "b", "x", "c"], ["a", "spin", "y", "c"])
-        took = time.monotonic() - started
         assert (rewards, timeouts) == ([1.0, 0.0, 0.0, 1.0], 1)
-        assert took < 30, took
-        assert scorer(["d"], ["d"]) == ([1.0], 0)  # the same actors go on scoring
+        actors = scorer.actors
+        assert len(actors) == 2
+        assert scorer(["d"], ["d"]) == ([1.0], 0)
+        assert scorer.actors is actors  # the same actors go on scoring
     finally:
         scorer.close()
 
