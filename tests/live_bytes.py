@@ -11,13 +11,17 @@ the window are counted (a free is matched to its allocation by pointer), so the 
 under measurement allocated and still held at each moment: the same on every run, machine and thread count for
 the same tensor shapes. The profiler follows the thread that opened the window, which is the one that allocates
 the tensors (torch's intra-op threads compute into buffers allocated before they start; gloo sends and receives
-in the tensors it is given). A block whose last reference another thread drops (gloo's worker releasing the
-tensors of a finished collective) is freed unrecorded: it counts as live until its address is handed out again,
-so such a block can only raise the figures, never lower them.
+in the tensors it is given). A block whose last reference another thread drops is freed unrecorded: gloo's
+worker thread lets go of a collective's tensors just after the caller's `wait()` returns, so a buffer the caller
+drops at once (the weight group's payload at the end of a send, a pooled gather buffer replaced by a larger one)
+may be freed there, and would count as live until its address is handed out again. `gloo_lets_go` closes that
+gap: the caller of each broadcast goes on only once gloo holds none of its tensors, so every free is the
+caller's, and recorded.
 """
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -62,3 +66,54 @@ def live_bytes():
         elif ptr in live:  # a block allocated before the window is not counted, nor its free
             current -= live.pop(ptr)
     out.end = current
+
+
+@contextmanager
+def gloo_lets_go(*holders):
+    """Inside the block, `torch.distributed.broadcast` and the `broadcast` of each holder's process group (`.pg`:
+    a weight group's) return only once no other thread holds a reference to the tensors they were given (their
+    use counts are back to what they were before the call). Changes what runs when, never what is allocated."""
+    import torch.distributed as dist
+
+    def settle(tensors, counts):
+        deadline = time.monotonic() + 60
+        while any(t._use_count() > n for t, n in zip(tensors, counts)):
+            if time.monotonic() > deadline:
+                raise RuntimeError("gloo still holds a broadcast's tensor 60 s after it completed")
+            time.sleep(1e-4)
+
+    class Work:
+        def __init__(self, work, tensors, counts):
+            self.work, self.tensors, self.counts = work, tensors, counts
+
+        def wait(self):
+            done, self.work = self.work.wait(), None
+            settle(self.tensors, self.counts)
+            return done
+
+    class Group:
+        def __init__(self, pg):
+            self.pg = pg
+
+        def broadcast(self, tensors, *args):
+            counts = [t._use_count() for t in tensors]
+            return Work(self.pg.broadcast(tensors, *args), tensors, counts)
+
+    original = dist.broadcast
+
+    def broadcast(tensor, *args, **kwargs):
+        count = tensor._use_count()
+        out = original(tensor, *args, **kwargs)
+        settle([tensor], [count])
+        return out
+
+    groups = [h.pg for h in holders]
+    dist.broadcast = broadcast
+    for h in holders:
+        h.pg = Group(h.pg)
+    try:
+        yield
+    finally:
+        dist.broadcast = original
+        for h, pg in zip(holders, groups):
+            h.pg = pg

@@ -54,22 +54,23 @@ def _identity(cfg, par) -> dict:
 
 
 def _memory(rank: int, par) -> dict:
-    """Live tensor bytes (`tests/live_bytes.py`: counted by torch's CPU allocator, so nothing the process did
-    before counts) at their peak, for a refit of the big model through the refit stream (re-bucketed, as the
-    trainer sends it) and then through the export the refit used before. Both ranks gather; rank 0 also sends."""
+    """Live tensor bytes at their peak (`tests/live_bytes.py`: counted by torch's CPU allocator, so nothing the
+    process did before counts; gloo lets go of each broadcast's tensors before the caller goes on, so every free
+    is counted), for a refit of the big model through the refit stream (re-bucketed, as the trainer sends it) and
+    then through the export the refit used before. Both ranks gather; rank 0 also sends."""
     from megatron_spec.backends.megatron.exporter import export_hf
     from megatron_spec.backends.megatron.refit_stream import refit_buckets
     from megatron_spec.backends.process_groups import free_port
     from megatron_spec.backends.weight_group import open_weight_group
     from megatron_spec.rl.refit import buckets
 
-    from ...live_bytes import live_bytes
+    from ...live_bytes import gloo_lets_go, live_bytes
 
     model = _model(tiny("dense", **BIG), par, mtp_layers=0)
     group = open_weight_group("127.0.0.1", free_port(), 0, 1, 60, "gloo") if rank == 0 else None
 
     def measure(stream) -> dict:
-        with live_bytes() as counted:
+        with gloo_lets_go(*[g for g in [group] if g is not None]), live_bytes() as counted:
             if group is not None:
                 sent = group.send(stream, torch.bfloat16)
             else:
