@@ -138,13 +138,15 @@ def test_progress_bar_on_a_tty_and_switched_off(tmp_path, monkeypatch):
 def _read_wandb_history(run_file) -> list[dict]:
     """The history rows of an offline wandb run file: a 7-byte file header, then records of a 7-byte header
     (checksum, length, type) and a `Record` protobuf each (one 32 KiB block suffices for these few steps). wandb's
-    writer process may still be flushing when `finish()` returns: read until its `exit` record is there (30 s)."""
+    writer process may still be flushing when `finish()` returns: read until its `exit` record is there (for up to
+    120 s: a wait that ends once the record is written, not a bound on speed, so it is long enough for a loaded
+    machine to be slow in scheduling the writer)."""
     import struct
     import time
 
     from wandb.proto import wandb_internal_pb2
 
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while True:
         data, pos, rows, ended = run_file.read_bytes(), 7, [], False
         assert data.startswith(b":W&B") and len(data) < 32768

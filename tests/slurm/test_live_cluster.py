@@ -177,7 +177,7 @@ def test_nemo_run_slurm_executor_submits_the_recipe(cluster, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     task_dir = tmp_path / "experiments" / "tiny_grpo_spec"
     sbatch_out = sorted(task_dir.glob("*/tiny_grpo_spec/sbatch_*.out"))
-    deadline = time.time() + 30
+    deadline = time.time() + 300  # the job's own wait below: a loaded host can take more than seconds to start it
     while not sbatch_out and time.time() < deadline:  # the file appears once the job starts
         time.sleep(1)
         sbatch_out = sorted(task_dir.glob("*/tiny_grpo_spec/sbatch_*.out"))
