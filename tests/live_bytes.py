@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from itertools import groupby
 from dataclasses import dataclass
 
 
@@ -55,17 +56,42 @@ def live_bytes():
             walk(e.children)
 
     walk(prof.profiler.kineto_results.experimental_event_tree())
+    figures = tally(events)
+    out.peak, out.end, out.allocated = figures.peak, figures.end, figures.allocated
+
+
+def tally(events: list[tuple[int, int, int]]) -> LiveBytes:
+    """The figures of allocator events `(time_ns, bytes (negative: freed), address)`, in any order."""
+    out = LiveBytes()
     live: dict[int, int] = {}
     current = 0
-    for _, size, ptr in sorted(events, key=lambda e: e[0]):
-        if size > 0:
-            current += size - live.get(ptr, 0)  # an address handed out again was freed, if unrecorded
-            live[ptr] = size
-            out.allocated += size
-            out.peak = max(out.peak, current)
-        elif ptr in live:  # a block allocated before the window is not counted, nor its free
-            current -= live.pop(ptr)
+
+    def free(ptr):
+        nonlocal current
+        current -= live.pop(ptr)
+
+    for _, same_time in groupby(sorted(events), key=lambda e: e[0]):
+        # The tree does not keep the order of events with one timestamp (a small tensor made and dropped within
+        # a nanosecond): frees of blocks live before go first, then allocations, then frees of those.
+        same_time = [(size, ptr) for _, size, ptr in same_time]
+        later = []
+        for size, ptr in same_time:
+            if size < 0:
+                if ptr in live:
+                    free(ptr)
+                else:  # allocated at this same time, or before the window (then not counted)
+                    later.append(ptr)
+        for size, ptr in same_time:
+            if size > 0:
+                current += size - live.get(ptr, 0)  # an address handed out again was freed, if unrecorded
+                live[ptr] = size
+                out.allocated += size
+                out.peak = max(out.peak, current)
+        for ptr in later:
+            if ptr in live:
+                free(ptr)
     out.end = current
+    return out
 
 
 @contextmanager
