@@ -41,7 +41,16 @@ def build_executor(plan: dict):
         tunnel=tunnel,
         # A Ray node process owns every GPU of its node; SLURM must not hand the node to another job.
         exclusive=True if plan["executor"] == "ray-slurm" else None,
+        # NeMo-Run's script runs its step in the foreground, so no trap there could pass a batch-shell signal on:
+        # SIGUSR1 goes to the step's processes instead (`submit` execs the recipe, so the loop is the step's task).
+        signal=nemo_run_signal(plan),
     )
+
+
+def nemo_run_signal(plan: dict) -> str | None:
+    """NeMo-Run's `--signal`: the plan's signal before the time limit sent to the job step (not the batch shell)."""
+    signal = (plan.get("save") or {}).get("signal")
+    return signal.removeprefix("B:") if signal else None
 
 
 def local_executor(ntasks_per_node: int = 1, env_vars: dict[str, str] | None = None):

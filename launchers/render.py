@@ -18,11 +18,16 @@ _INPUTS = "# ---- inputs, from the environment"
 
 
 def sbatch_values(plan: dict, name: str) -> dict[str, str | None]:
-    """The `#SBATCH` options a plan sets (None: leave the option out, e.g. no partition, no GPUs)."""
+    """The `#SBATCH` options a plan sets (None: leave the option out, e.g. no partition, no GPUs). The signal
+    before the time limit is the plan's `save` entry's (`launchers.cadence`; a plan without one keeps the
+    template's)."""
     gpus = plan["gpus_per_node"]
-    return {"account": plan["account"], "partition": plan["partition"], "job-name": name,
-            "nodes": str(plan["nodes"]), "gres": f"gpu:{gpus}" if gpus else None, "time": plan["time"],
-            "output": f"{log_dir(plan)}/%x-%j.out"}
+    values = {"account": plan["account"], "partition": plan["partition"], "job-name": name,
+              "nodes": str(plan["nodes"]), "gres": f"gpu:{gpus}" if gpus else None, "time": plan["time"],
+              "output": f"{log_dir(plan)}/%x-%j.out"}
+    if "save" in plan:
+        values["signal"] = plan["save"]["signal"]
+    return values
 
 
 def log_dir(plan: dict) -> str:
@@ -77,6 +82,8 @@ def sbatch_command(plan: dict, command: str) -> str:
     resources on the sbatch line), for users without NeMo-Run."""
     env = job_inputs(plan, command)
     flags = [f"--account={plan['account']}", f"--nodes={plan['nodes']}", f"--time={plan['time']}"]
+    if (plan.get("save") or {}).get("signal"):
+        flags.append(f"--signal={plan['save']['signal']}")
     if plan.get("partition"):
         flags.append(f"--partition={plan['partition']}")
     flags.append(f"--gres=gpu:{plan['gpus_per_node']}" if plan["gpus_per_node"] else "--gres=none")

@@ -29,7 +29,9 @@ def submit(plan: dict, name: str, command: list[str], workdir: str | Path, detac
     # A Script rather than a Partial: the remote side runs the very command a user can run (and --dryrun) by hand,
     # instead of a fiddle-serialised call that would need every config class importable by NeMo-Run's runner.
     with run.Experiment(name, executor=executor, base_dir=plan["tunnel"]["job_dir"] or None) as exp:
-        exp.add(run.Script(inline=line), executor=executor, name=name)
+        # `exec`: the recipe replaces the script's shell, so SLURM's signal to the step finds the RL loop, not a
+        # shell that a signal would end.
+        exp.add(run.Script(inline=f"exec {line}"), executor=executor, name=name)
         exp.run(detach=detach)
     return exp
 

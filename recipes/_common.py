@@ -32,6 +32,7 @@ from typing import Callable
 import yaml
 
 from launchers import MissingExtra, local_plan, ray_slurm_plan, slurm_plan
+from launchers.cadence import check_save_cadence
 from launchers.checks import SCALE_EXTRAS, check_launch, import_check
 from launchers.render import TEMPLATES, render_sbatch, sbatch_command
 from megatron_spec.layout import Layout, check_layout
@@ -188,6 +189,7 @@ def recipe_main(build: Callable[[], RLConfig], argv: list[str] | None = None, sc
             plan["tuned"] = tuned
         if toy_arch is not None:  # what the rehearsal replaced the model by
             plan["rehearsal"] = {"toy_architecture": toy_arch, "refused_stages": rehearsal.problems(cfg, toy_arch)}
+        check_save_cadence(plan, cfg)  # the first save and the signal within --time (plan["save"])
         check_before_launch(name, args, cfg, scale, plan)
         if args.dryrun:
             print(f"# {name}: resolved config\n{dump_yaml(cfg)}")

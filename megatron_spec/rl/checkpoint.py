@@ -21,7 +21,8 @@ SHARDED = "policy"
 DRAFTER = "drafter"
 """Sub-directory of a checkpoint holding the online-trained drafter, in the layout of the checkpoint it started from."""
 
-IGNORED_ON_RESUME = {"run.steps", "run.resume", "run.save_every", "run.eval_every", "run.out_dir", "run.report",
+IGNORED_ON_RESUME = {"run.steps", "run.resume", "run.save_every", "run.save_every_s", "run.signal_before_s",
+                     "run.eval_every", "run.out_dir", "run.report",
                      "grpo.micro_batch_tokens", "grpo.fold_logprob", "grpo.share_prompt", "run.device",
                      *(f"backend.megatron.{k}" for k in ("tp", "pp", "ep", "etp", "first_stage_layers",
                                                           "last_stage_layers", "sequence_parallel", "recompute"))}

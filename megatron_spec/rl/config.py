@@ -224,7 +224,16 @@ class RunSection:
     out_dir: str = "runs/tiny"
     """Run directory: metrics, TensorBoard events, checkpoints, report."""
     save_every: int = 10
-    """Checkpoint every N steps (and at the end)."""
+    """Checkpoint every N steps (and at the end); 0: no step cadence (saves at the end, on a signal and by
+    `save_every_s` only)."""
+    save_every_s: float | None = None
+    """Also checkpoint, at the next step boundary, once this many seconds have passed since the last save (or the
+    run's start); None: no time cadence. Whichever of the two cadences comes first saves, and each save restarts
+    this clock. On a cluster it bounds the work lost to a node failure whatever a step takes."""
+    signal_before_s: int = 300
+    """SLURM jobs: the sbatch templates ask for SIGUSR1 this many seconds before the job's time limit
+    (`--signal=B:USR1@N`) and forward it to the loop, which saves at the next step boundary and exits 0 (SIGTERM
+    the same); 0: ask for no signal. Long enough for the step in flight plus one save."""
     resume: bool = True
     """Continue from the last checkpoint in out_dir if there is one (its config must match). A run that starts
     from step 0 (false, or no checkpoint yet) moves whatever an earlier run left in out_dir to out_dir/previous/<n>
@@ -257,6 +266,16 @@ class RunSection:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"run.steps must be >= 1 (a run of no steps trains nothing), got {self.steps}")
+        if self.save_every < 0:
+            raise ValueError(f"run.save_every must be >= 0 (0: no step cadence, a save at the end and on a signal), "
+                             f"got {self.save_every}")
+        if self.save_every_s is not None and not self.save_every_s > 0:
+            raise ValueError(f"run.save_every_s must be > 0 seconds (or null: no time cadence), got {self.save_every_s}")
+        if self.signal_before_s < 0:
+            raise ValueError(f"run.signal_before_s must be >= 0 (0: no signal before the time limit), "
+                             f"got {self.signal_before_s}")
+        if self.eval_every < 0:
+            raise ValueError(f"run.eval_every must be >= 0 (0: never), got {self.eval_every}")
         unknown = [name for name in self.loggers if name not in ("tensorboard", "wandb", "mlflow")]
         if unknown:
             raise ValueError(f"run.loggers: unknown {unknown}; use any of tensorboard, wandb, mlflow")

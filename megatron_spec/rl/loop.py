@@ -34,6 +34,7 @@ from .config import RLConfig
 from .grpo import group_advantages, overlong_penalty, uniform_groups
 from .policy import Batch
 from .refit import buckets
+from .stop import SaveClock, StopRequest, save_due
 
 REFIT_BUCKET_BYTES = 16 << 20
 """Refit bucket size: large enough to amortise per-bucket overhead, small enough to bound the staging memory."""
@@ -374,9 +375,19 @@ def train(cfg: RLConfig) -> dict:
     return run(cfg, Trainer)
 
 
-def run(cfg: RLConfig, make_trainer) -> dict:
+def run(cfg: RLConfig, make_trainer, stop: StopRequest | None = None, clock=time.monotonic) -> dict:
     """The outer loop of every placement: resume, then per step `trainer.step` (+ evaluation), log, stop after
-    `grpo.max_nan_steps` non-finite losses, checkpoint. `make_trainer(cfg)` builds the `Trainer` (or subclass)."""
+    `grpo.max_nan_steps` non-finite losses, checkpoint. `make_trainer(cfg)` builds the `Trainer` (or subclass).
+
+    Checkpoints come every `run.save_every` steps, once `run.save_every_s` seconds (by `clock`) have passed, and at
+    the end. On SIGUSR1 or SIGTERM (`stop`, whose handlers it installs) it finishes the step in flight, saves at that
+    boundary and returns its metrics with `stopped_on` (the signal's name): the run is resumable, not failed."""
+    stop = stop or StopRequest()
+    with stop.installed():  # from the start: a signal while the trainer builds stops the run before its first step
+        return _run(cfg, make_trainer, stop, clock)
+
+
+def _run(cfg: RLConfig, make_trainer, stop: StopRequest, clock) -> dict:
     from .logging import StepLogger
 
     torch.set_num_threads(cfg.run.threads)
@@ -403,11 +414,16 @@ def run(cfg: RLConfig, make_trainer) -> dict:
     logger = StepLogger(run_dir, cfg.run.steps, loggers=cfg.run.loggers, config=dataclasses.asdict(cfg),
                         project=cfg.run.logger_project)
     nan_streak, metrics = 0, {}
+    save_clock = SaveClock(cfg.run.save_every_s, clock)
     try:
         # The policy as loaded, so that a run's gain is measured from where it started (step 0's eval is after an
         # update); logged with step 0's metrics.
         before = trainer.evaluate() if start == 0 and cfg.run.eval_every else None
         for step in logger.progress(range(start, cfg.run.steps)):
+            if step == start and stop.requested:  # before this process's first step: nothing new to save
+                print(f"{stop.name} before step {step}: nothing new to save; stopping (exit 0)", flush=True)
+                metrics = {"stopped_on": stop.name}
+                break
             metrics = trainer.step(step)
             last = step == cfg.run.steps - 1
             if step == 0 and before is not None:
@@ -421,9 +437,16 @@ def run(cfg: RLConfig, make_trainer) -> dict:
             if nan_streak >= cfg.grpo.max_nan_steps:
                 raise RuntimeError(f"{nan_streak} consecutive steps with a non-finite loss (last at step {step}); "
                                    f"stopping. The last good checkpoint is in {run_dir}/checkpoints")
-            if (step + 1) % cfg.run.save_every == 0 or last:
+            signalled = stop.name  # read once: a signal arriving after this is seen at the next boundary
+            if save_due(step, cfg.run, save_clock, signalled, last):
                 checkpoint.save(run_dir, step, trainer.policy, cfg,  # it writes its own shards, if sharded
                                 gate=trainer.gate.state_dict() if trainer.gate is not None else None)
+                save_clock.saved()
+            if signalled and not last:
+                print(f"{signalled}: saved {run_dir}/checkpoints/step_{step:06d} after step {step} of "
+                      f"{cfg.run.steps}; stopping (exit 0), a resubmission resumes there", flush=True)
+                metrics = {**metrics, "stopped_on": signalled}
+                break
     finally:
         logger.close()
         trainer.close()

@@ -212,3 +212,35 @@ def test_recipe_ray_slurm_runs_the_ray_driver_on_the_head(cluster, tmp_path):
     assert "Connecting to existing Ray cluster at address: " in out and f":{port}" in out
     logged = metrics(run_dir)
     assert [m["step"] for m in logged] == [0, 1] and all(m["generator_restarts"] == 0 for m in logged)
+
+
+def test_signal_before_the_limit_saves_and_a_resubmission_resumes(cluster, tmp_path):
+    """The plain template as the recipe renders it, `--time 00:03:00` and `run.signal_before_s=60`, far more steps
+    than fit: SLURM sends USR1 to the batch shell 60 s before the limit, the template passes it on to the loop,
+    which saves after the step in flight and exits 0 (COMPLETED 0:0, not TIMEOUT); `latest` names that step. The
+    resubmission (same command, fewer steps left) prints that it resumed there and finishes, and metrics.jsonl
+    then holds every step exactly once."""
+    run_dir = tmp_path / "run"
+    argv = ["--executor", "slurm", "--account", "A", "--partition", cluster, "--gpus-per-node", "0",
+            "--job-dir", str(tmp_path), "--time", "00:03:00", f"run.out_dir={run_dir}", *TINY,
+            "run.save_every=0", "run.signal_before_s=60"]
+    script = tmp_path / "job.sub"
+    script.write_text(recipe_dryrun_script(*argv, "run.steps=100000"))
+    job_id = sbatch(script)
+    state = wait_for(job_id, timeout_s=400)
+    assert_finished(job_id, state, "0:0", "COMPLETED")
+    log = (tmp_path / f"tiny_grpo_spec-{job_id}.out").read_text()
+    assert "job.sub: USR1 before the time limit passed on to the RL loop" in log
+    saved = int(latest(run_dir)[5:])
+    assert f"SIGUSR1: saved {run_dir}/checkpoints/step_{saved:06d} after step {saved}" in log
+    assert [m["step"] for m in metrics(run_dir)] == list(range(saved + 1))
+
+    steps = saved + 3
+    script.write_text(recipe_dryrun_script(*argv, f"run.steps={steps}"))
+    job_id = sbatch(script)
+    state = wait_for(job_id, timeout_s=300)
+    assert_finished(job_id, state, "0:0", "COMPLETED")
+    log = (tmp_path / f"tiny_grpo_spec-{job_id}.out").read_text()
+    assert f"resumed from {run_dir}/checkpoints (step {saved})" in log
+    assert [m["step"] for m in metrics(run_dir)] == list(range(steps))
+    assert latest(run_dir) == f"step_{steps - 1:06d}"

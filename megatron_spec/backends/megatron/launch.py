@@ -12,6 +12,7 @@ usual; a `MegatronPolicy` in a single process starts a one-rank gloo group itsel
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Callable
 
@@ -37,6 +38,9 @@ def follow_run() -> None:
     if name != BUILD:
         raise RuntimeError(f"rank {dist.get_rank()} expected the policy config from rank 0, got {name!r}")
     (cfg,) = args
+    # Rank 0 runs the loop and decides when to save and stop (`rl.stop`): its save is announced to every rank. A
+    # SIGUSR1 that reaches this rank too (SLURM signalling a whole step) must not end it before that save.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     torch.set_num_threads(max(1, cfg.run.threads // dist.get_world_size()))
     torch.manual_seed(cfg.run.seed)
     MegatronPolicy.from_rl(cfg).follow()
