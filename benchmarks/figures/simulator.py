@@ -80,6 +80,19 @@ def projection_speedup(acceptance: float | None = None) -> float:
     return step_seconds(argv + SYNC_PLAIN) / step_seconds(argv)
 
 
+def sensitivity_range() -> list[float]:
+    """The projection's whole-step speed-up at the best k for the lowest and highest per-position acceptance of
+    `megatron-spec simulate ... --sensitivity` (the same acceptance at every draft position)."""
+    from megatron_spec.cli import build_parser
+    from megatron_spec.sim.cli import _config
+    from megatron_spec.sim.projection import SENSITIVITY_RATES, acceptance_sensitivity
+
+    lo, hi = SENSITIVITY_RATES[0], SENSITIVITY_RATES[-1]
+    sens = acceptance_sensitivity(_config(build_parser().parse_args(shlex.split(PROJECTION)[1:])), rates=(lo, hi))
+    best = [max(v for (r, _), v in sens.speedups.items() if r == rate) for rate in (lo, hi)]
+    return [lo, hi, *best]
+
+
 # ---- The main job against the step model (the CPU host).
 
 def _pairs(record: dict, variant: str, prompts: int = 0) -> list[dict]:
@@ -192,6 +205,8 @@ FIGURES: list[Figure] = [
            where="computed, not measured"),
     Figure(README, "acceptance length of 4 at k = 5 (3 gives\n2.01x)", PROJECTION,
            lambda _: [flag("acceptance"), flag("k"), LOW, projection_speedup(acceptance=LOW)],
+           where="computed, not measured"),
+    Figure(README, "0.5 to 0.9 gives 1.57x to 3.08x at the best k", PROJECTION, lambda _: sensitivity_range(),
            where="computed, not measured"),
 ]
 

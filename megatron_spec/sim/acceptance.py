@@ -11,7 +11,7 @@ which for a constant per-token acceptance a is the geometric sum (1 - a^(k+1)) /
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def tau_from_positions(alphas: Sequence[float], k: int | None = None) -> float:
@@ -46,6 +46,40 @@ def rate_from_tau(tau: float, k: int) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def per_position_from_taus(taus: Mapping[int, float]) -> tuple[float, ...]:
+    """The per-position acceptance a drafter's measured acceptance lengths at several k imply.
+
+    Between two measured depths k_a < k_b (k_a = 0, tau = 1 before the first) the conditional acceptance is taken
+    constant, x, so tau(k_b) - tau(k_a) = P_a (x + x^2 + ... + x^(k_b - k_a)), P_a being the chance that all k_a
+    first positions were accepted; x is solved by bisection (the sum grows with x). The result, of length max(k),
+    reproduces every given tau exactly, and the acceptance length at an unmeasured k follows from the drafter's own
+    decay with depth rather than from one constant rate fitted at one k."""
+    if not taus:
+        raise ValueError("per_position_from_taus needs at least one (k, tau)")
+    alphas: list[float] = []
+    k_a, tau_a, survive = 0, 1.0, 1.0
+    for k_b in sorted(taus):
+        tau_b = taus[k_b]
+        check_tau(tau_b, k_b)
+        if k_b <= k_a or tau_b < tau_a - 1e-12:
+            raise ValueError(f"acceptance lengths must grow with k: tau({k_a}) = {tau_a}, tau({k_b}) = {tau_b}")
+        n, gain = k_b - k_a, tau_b - tau_a
+        if gain > survive * n + 1e-9:
+            raise ValueError(f"tau({k_b}) = {tau_b} needs more than full acceptance after tau({k_a}) = {tau_a}")
+        lo, hi = 0.0, 1.0
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            if survive * sum(mid ** i for i in range(1, n + 1)) < gain:
+                lo = mid
+            else:
+                hi = mid
+        x = (lo + hi) / 2
+        alphas += [x] * n
+        survive *= x ** n
+        k_a, tau_a = k_b, tau_b
+    return tuple(alphas)
 
 
 def check_tau(tau: float, k: int) -> None:

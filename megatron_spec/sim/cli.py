@@ -3,6 +3,7 @@
     megatron-spec simulate --model qwen3-8b --hardware gb200 --gpus 32 --k 3 --acceptance 2.8
     megatron-spec simulate --validate            # the reference paper's 8B runs, predicted from its AR columns
     megatron-spec simulate --project             # Qwen3-235B-A22B on GB200 / H100, sync and async, +- speculation
+    megatron-spec simulate ... --k 5 --acceptance 4 --sensitivity   # speed-up by per-position acceptance and k
     megatron-spec simulate --compare-published   # NeMo-RL's published H100 step times, simulated, with stage parts
     megatron-spec simulate --main-job RECORD.json  # a measured main job (CPU) against the step model
     megatron-spec simulate --refit --model qwen3-235b-a22b   # refit seconds per transport, sources stated
@@ -89,6 +90,9 @@ def register(subparsers) -> None:
     mode = sim.add_mutually_exclusive_group()
     mode.add_argument("--validate", action="store_true", help="reference paper case (8B on 32 GB200)")
     mode.add_argument("--project", action="store_true", help="Qwen3-235B-A22B projection and sensitivity")
+    mode.add_argument("--sensitivity", action="store_true",
+                      help="this speculative configuration's whole-step speed-up over synchronous plain decoding for "
+                           "per-position acceptance 0.5-0.9 and k 1-7, with the best k at each acceptance")
     mode.add_argument("--compare-published", action="store_true",
                       help="NeMo-RL's published H100 GRPO step times against the simulator, with stage parts")
     mode.add_argument("--main-job", default="", metavar="RECORD",
@@ -158,6 +162,17 @@ def simulate_command(args) -> int:
         from .report import projection_report
 
         print(projection_report())
+        return 0
+    if args.sensitivity:
+        from .projection import acceptance_sensitivity, format_sensitivity
+
+        sens = acceptance_sensitivity(_config(args))
+        if args.json:
+            print(json.dumps({"assumed": dict(zip(("per_position", "k", "speedup"), sens.assumed)),
+                              "speedups": [{"per_position": r, "k": k, "speedup": v}
+                                           for (r, k), v in sens.speedups.items()]}, indent=2))
+        else:
+            print(format_sensitivity(sens))
         return 0
     if args.main_job:
         from pathlib import Path

@@ -173,3 +173,51 @@ def spread_sensitivity(hardware: str = "h100", sigmas: tuple[float, ...] = (0.4,
             out[(gpus, lag, sigma)] = (run(hardware, gpus, lag, workload=w).e2e_speedup,
                                        run(hardware, gpus, lag, k=k, tau=tau, workload=w).e2e_speedup)
     return out
+
+
+SENSITIVITY_RATES = (0.5, 0.6, 0.7, 0.8, 0.9)
+SENSITIVITY_KS = (1, 2, 3, 4, 5, 6, 7)
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """A configuration's whole-step speed-up over synchronous plain decoding on its own layout, for every
+    per-position acceptance (the same at each draft position) and k: how far a projection rests on its acceptance
+    assumption."""
+
+    speedups: dict[tuple[float, int], float]
+    """(per-position acceptance, k) -> plain synchronous step / this step."""
+    assumed: tuple[float, int, float]
+    """The configuration's own (per-position acceptance equivalent to its acceptance length, k, speed-up)."""
+
+    def best_k(self, rate: float) -> int:
+        """The k that gives the shortest step at this acceptance."""
+        return max((s, k) for (r, k), s in self.speedups.items() if r == rate)[1]
+
+
+def acceptance_sensitivity(cfg: SimConfig, rates: tuple[float, ...] = SENSITIVITY_RATES,
+                           ks: tuple[int, ...] = SENSITIVITY_KS) -> Sensitivity:
+    """Re-simulate `cfg` (which speculates) at each per-position acceptance and k, against the same layout run
+    synchronously without speculation."""
+    if cfg.spec is None:
+        raise ValueError("the acceptance sensitivity needs a speculative configuration (--k and --acceptance)")
+    plain = simulate(replace(cfg, spec=None, policy_lag=0)).step_s
+    out = {}
+    for rate in rates:
+        for k in ks:
+            spec = replace(cfg.spec, k=k, acceptance_length=0.0, per_position=(rate,) * k, adaptive=False)
+            out[(rate, k)] = plain / simulate(replace(cfg, spec=spec)).step_s
+    return Sensitivity(out, (cfg.spec.rate, cfg.spec.k, plain / simulate(cfg).step_s))
+
+
+def format_sensitivity(s: Sensitivity) -> str:
+    rates = sorted({r for r, _ in s.speedups})
+    ks = sorted({k for _, k in s.speedups})
+    rate, k, speedup = s.assumed
+    lines = [f"whole-step speed-up over synchronous plain decoding on the same layout, by per-position acceptance "
+             f"(rows) and k (columns); the configuration's own: {speedup:.2f}x at k={k}, per-position acceptance "
+             f"{rate:.3f} (acceptance length {sum(rate ** i for i in range(k + 1)):.2f})",
+             "accept " + " ".join(f"{'k=' + str(kk):>6}" for kk in ks) + "  best k"]
+    for r in rates:
+        lines.append(f"{r:6.2f} " + " ".join(f"{s.speedups[(r, kk)]:6.2f}" for kk in ks) + f"  {s.best_k(r):6d}")
+    return "\n".join(lines)

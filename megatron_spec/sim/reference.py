@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .acceptance import per_position_from_taus
 from .config import GenParallel, LengthDist, SimConfig, Speculation, TrainParallel, Workload
 from .generation import GenResult
 from .memory import memory_report
@@ -121,11 +122,25 @@ class SpecPrediction:
         return sum(self.stages.values())
 
 
+def drafter_profile(workload: str) -> tuple[float, ...]:
+    """Per-position acceptance of the paper's EAGLE-3 drafter on `workload`, as its measured acceptance lengths at
+    k = 3 / 5 / 7 imply (`acceptance.per_position_from_taus`): it reproduces each of them and prices every shorter
+    draft with the drafter's own decay with depth."""
+    return per_position_from_taus(PAPER_TAU[workload])
+
+
 def predict_spec_run(ar_stages: dict[str, float], tau: float, k: int,
-                     setup: ReferenceSetup = ReferenceSetup(), mean_len: float | None = None) -> SpecPrediction:
-    """Predict the speculative run's stage times from the AR run's and the acceptance length at k."""
+                     setup: ReferenceSetup = ReferenceSetup(), mean_len: float | None = None,
+                     per_position: tuple[float, ...] = ()) -> SpecPrediction:
+    """Predict the speculative run's stage times from the AR run's and the acceptance length at k (or a drafter's
+    per-position acceptance, whose first k positions must give that length)."""
     mean_len = mean_len or infer_mean_length(setup, ar_stages["gen"])
-    spec = Speculation(k=k, acceptance_length=tau, drafter=setup.drafter)
+    if per_position:
+        spec = Speculation(k=k, per_position=per_position[:k], drafter=setup.drafter)
+        if abs(spec.tau(k) - tau) > 1e-6:
+            raise ValueError(f"per-position acceptance gives tau {spec.tau(k):.4f} at k={k}, not {tau}")
+    else:
+        spec = Speculation(k=k, acceptance_length=tau, drafter=setup.drafter)
     cfg = setup.config(mean_len, spec)
     _, _, target, drafter = build(cfg)
     refit_growth = refit_bytes(cfg, target, drafter) / refit_bytes(cfg, target, None)
@@ -136,10 +151,13 @@ def predict_spec_run(ar_stages: dict[str, float], tau: float, k: int,
 
 
 def k_sweep(workload: str, setup: ReferenceSetup = ReferenceSetup()) -> dict[int, float]:
-    """Predicted gen speedup at each k of the paper's sweep, with the paper's acceptance length at that k."""
+    """Predicted gen speedup at each k of the paper's sweep: one drafter profile (`drafter_profile`), which gives
+    the paper's acceptance length at each k."""
     ar = PAPER_AR_STAGES[workload]
     mean_len = infer_mean_length(setup, ar["gen"])
-    return {k: predict_spec_run(ar, tau, k, setup, mean_len).gen_speedup for k, tau in PAPER_TAU[workload].items()}
+    profile = drafter_profile(workload)
+    return {k: predict_spec_run(ar, tau, k, setup, mean_len, profile).gen_speedup
+            for k, tau in PAPER_TAU[workload].items()}
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from .acceptance import speedup_floor
 from .pipeline import STAGES, StepResult
 from .reference import (
     EAGER_PENALTY_8B_S, PAPER_AR_STAGES, PAPER_GEN_SPEEDUP, PAPER_SPEC_K3, PAPER_TAU, VLLM_MAX_CUDAGRAPH_TOKENS,
-    graph_limit_check, k_sweep, predict_spec_run,
+    drafter_profile, graph_limit_check, k_sweep, predict_spec_run,
 )
 
 GiB = 2 ** 30
@@ -54,6 +54,9 @@ def validation_report() -> str:
         sweep = k_sweep(w)
         cells = "  ".join(f"k={k}: {s:.2f} / {PAPER_GEN_SPEEDUP[w][k]:.2f}" for k, s in sweep.items())
         lines.append(f"  {w:6} {cells}")
+    lines += ["", "per-position acceptance the paper's acceptance lengths imply (acceptance.per_position_from_taus):"]
+    for w in ("think", "zero"):
+        lines.append(f"  {w:6} " + " ".join(f"{a:.3f}" for a in drafter_profile(w)))
     lines += ["", "consistency of the paper's sweep with any cost at most linear in k (floors of S(k_b)/S(k_a): from "
               "the acceptance lengths alone / also using the AR cost, acceptance.speedup_floor):"]
     for w in ("think", "zero"):
@@ -65,6 +68,14 @@ def validation_report() -> str:
             verdict = ("consistent" if ratio >= tight else "on the floor (a kink at k_a)" if ratio >= 0.97 * tight
                        else "BELOW the floor: a super-linear cost in k")
             lines.append(f"  {w:6} k={ka}->{kb}: paper ratio {ratio:.2f}, floors {loose:.2f} / {tight:.2f}  {verdict}")
+    lines += ["", "lowest gen speed-up any cost at most linear in k allows, with the k=3 gen stage within 10 % of the "
+              "paper's (S3 >= paper / 1.1), against the top of the 20 % band:"]
+    for w in ("think", "zero"):
+        taus, sp = PAPER_TAU[w], PAPER_GEN_SPEEDUP[w]
+        s3 = sp[3] / 1.1
+        cells = "  ".join(f"k={kb}: >= {s3 * speedup_floor(taus[3], taus[kb], 3, kb, speedup_a=s3):.2f} "
+                          f"(band <= {1.2 * sp[kb]:.2f})" for kb in (5, 7))
+        lines.append(f"  {w:6} {cells}")
     lines += ["", f"CUDA-graph capture limit ({VLLM_MAX_CUDAGRAPH_TOKENS} tokens): steps over it and the extra cost "
               "each would need to match the paper:"]
     for w in ("think", "zero"):

@@ -72,3 +72,21 @@ def test_paper_sweep_against_the_linear_cost_floors():
     for ka, kb in ((3, 5), (5, 7)):
         ratio, loose, tight = ratio_and_floors("zero", ka, kb)
         assert loose < ratio and ratio == pytest.approx(tight, rel=0.03), (ka, kb, ratio, tight)
+
+
+def test_per_position_from_taus_reproduces_every_measured_length():
+    """The profile is solved segment by segment, so each given tau comes back to 1e-9; within a segment the
+    conditional acceptance is constant, and a single measured k gives the constant rate of `rate_from_tau`."""
+    from megatron_spec.sim.acceptance import per_position_from_taus
+
+    taus = {3: 2.77, 5: 3.23, 7: 3.48}
+    alphas = per_position_from_taus(taus)
+    assert len(alphas) == 7
+    for k, tau in taus.items():
+        assert tau_from_positions(alphas, k) == pytest.approx(tau, abs=1e-9)
+    assert alphas[0] == alphas[1] == alphas[2] and alphas[3] == alphas[4] and alphas[5] == alphas[6]
+    assert per_position_from_taus({5: 4.0}) == pytest.approx((rate_from_tau(4.0, 5),) * 5, abs=1e-9)
+    with pytest.raises(ValueError, match="grow with k"):
+        per_position_from_taus({3: 2.8, 5: 2.7})
+    with pytest.raises(ValueError, match="full acceptance"):
+        per_position_from_taus({1: 1.5, 3: 3.5})

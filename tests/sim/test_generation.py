@@ -92,3 +92,29 @@ def test_full_cache_preempts_and_recomputes():
     assert res.time_s > big.time_s
     with pytest.raises(ValueError, match="does not fit in memory"):
         simulate_generation(small, 4, 100, [200000.0])
+
+
+def test_verify_cost_grows_with_its_positions_and_the_kv_length():
+    """The verify forward over k+1 positions per sequence: at 256 sequences of 2k context its linear layers are
+    compute-bound (256 x (k+1) tokens is past the ~230-token ridge of 8B weights on an H100 at these efficiencies),
+    so each extra position adds time; the KV cache is read once per sequence whatever k, so context adds the same
+    time to a decode step and to a verify."""
+    n, ctx = 256, 256 * 2048
+    verify = [ENGINE._fwd(ENGINE.target, n, k + 1, ctx) for k in (1, 3, 5, 7)]
+    assert verify == sorted(verify) and verify[-1] > 1.5 * verify[0]
+    decode = ENGINE._fwd(ENGINE.target, n, 1, ctx)
+    assert verify[1] > decode
+    more_kv = [ENGINE._fwd(ENGINE.target, n, q, 2 * ctx) - ENGINE._fwd(ENGINE.target, n, q, ctx) for q in (1, 4)]
+    assert more_kv[0] > 0 and more_kv[1] == pytest.approx(more_kv[0], rel=0.01)
+
+
+def test_the_drafter_runs_k_sequential_forwards():
+    """A speculative step is one verify plus k draft forwards, one after another (each depends on the last), each
+    paying the per-forward overhead: one more draft position adds one draft forward and one verify position."""
+    n, ctx = 8, 8 * 1024
+    for k in (2, 4, 6):
+        step = ENGINE.step_time(n, ctx, k + 1, 2.0) - ENGINE.step_time(n, ctx, k, 2.0)
+        draft = ENGINE._fwd(ENGINE.drafter, n, 1, ctx)
+        verify = ENGINE._fwd(ENGINE.target, n, k + 2, ctx) - ENGINE._fwd(ENGINE.target, n, k + 1, ctx)
+        assert step == pytest.approx(draft + verify, rel=1e-9)
+        assert draft > GPU.forward_overhead_s

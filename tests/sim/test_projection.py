@@ -66,3 +66,27 @@ def test_spread_moves_the_speedup_little():
     lag2 = [s[(2048, 2, sg)][1] for sg in (0.4, 1.2)]
     assert sync[0] < sync[1] < sync[0] + 0.1
     assert abs(lag2[0] - lag2[1]) < 0.1
+
+
+def test_acceptance_sensitivity_of_the_recipe():
+    """`megatron-spec simulate ... --sensitivity` on the 235B recipe's command (README): the whole-step speed-up
+    over synchronous plain decoding rises with the per-position acceptance at every k, a deeper draft pays only at
+    high acceptance (best k 2 at 0.5, 6 at 0.9), and the configuration's own point is the README's 2.65x at the
+    per-position acceptance an acceptance length of 4 at k=5 implies (0.834). Figures to 0.01 (printed precision)."""
+    import shlex
+
+    from megatron_spec.cli import build_parser
+    from megatron_spec.sim.cli import _config
+    from megatron_spec.sim.projection import acceptance_sensitivity
+
+    argv = ("simulate --model=qwen3-235b-a22b --gpu=h100 --gpus=128 --prompt-len=1024 --max-tokens=8192 --tp=2 "
+            "--pp=8 --ep=4 --gen-tp=8 --gen-gpus=32 --lag=2 --k=5 --acceptance=4 --online-drafter")
+    sens = acceptance_sensitivity(_config(build_parser().parse_args(shlex.split(argv))), rates=(0.5, 0.7, 0.9),
+                                  ks=(2, 3, 5, 6))
+    for k in (2, 3, 5, 6):
+        assert sens.speedups[(0.5, k)] < sens.speedups[(0.7, k)] < sens.speedups[(0.9, k)]
+    assert sens.best_k(0.5) == 2 and sens.best_k(0.9) == 6
+    assert sens.speedups[(0.5, 2)] == pytest.approx(1.57, abs=0.006)
+    assert sens.speedups[(0.9, 6)] == pytest.approx(3.08, abs=0.006)
+    rate, k, speedup = sens.assumed
+    assert (round(rate, 3), k, round(speedup, 2)) == (0.834, 5, 2.65)
