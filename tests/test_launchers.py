@@ -144,8 +144,8 @@ def test_rendered_script_sets_what_the_plan_says():
     text = render_sbatch(plan, "python recipes/tiny_grpo_spec.py --executor local", "tiny")
     sbatch = [line for line in text.splitlines() if line.startswith("#SBATCH")]
     assert sbatch == ["#SBATCH --account=acct", "#SBATCH --job-name=tiny", "#SBATCH --nodes=1",
-                      "#SBATCH --ntasks-per-node=1", "#SBATCH --time=00:30:00", "#SBATCH --output=runs/slurm/%x-%j.out",
-                      "#SBATCH --gres=gpu:2"]
+                      "#SBATCH --ntasks-per-node=1", "#SBATCH --time=00:30:00", "#SBATCH --signal=B:USR1@300",
+                      "#SBATCH --output=runs/slurm/%x-%j.out", "#SBATCH --gres=gpu:2"]
     assert "COMMAND='python recipes/tiny_grpo_spec.py --executor local'\nexport X='a b'\n" in text
     assert "CONTAINER=" not in text.split("# ---- inputs")[0]
     with_image = render_sbatch(slurm_plan("acct", "batch", gpus_per_node=0, container_image="img:1",
