@@ -76,12 +76,14 @@ def test_unevaluated_arithmetic_is_not_an_answer():
 
 
 def test_parallel_scorer_equals_in_process_and_direct():
-    """The same 30 through 2 spawned workers and in this process: identical rewards, no timeouts."""
+    """The same 30 through 2 spawned workers and in this process: identical rewards, no timeouts. The timer is not
+    what is tested here (the slow-reward test below is), so it is far above any call: a fresh worker's first
+    math-verify call also builds its parsers (2.7 s on a 2-core machine at load 12, over 10 s at load 19)."""
     texts, answers = [c for _, c, _ in PAIRS], [g for g, _, _ in PAIRS]
     expected = [direct(g, c) for g, c, _ in PAIRS]
-    serial = RewardScorer(REWARD, workers=0)
+    serial = RewardScorer(REWARD, workers=0, timeout_s=300)
     assert serial(texts, answers) == (expected, 0)
-    pool = RewardScorer(REWARD, workers=2, timeout_s=30)
+    pool = RewardScorer(REWARD, workers=2, timeout_s=300)
     try:
         assert pool(texts, answers) == (expected, 0)
     finally:
@@ -133,14 +135,16 @@ def test_bad_reward_path_fails_before_scoring():
 
 def test_workers_do_not_rerun_a_script_without_a_main_guard(tmp_path):
     """Spawned workers import `__main__` by default: a training script without `if __name__ == "__main__"` would
-    start the whole job again in each worker. The script below prints its marker once and scores with 2 workers."""
+    start the whole job again in each worker. The script below prints its marker once and scores with 2 workers
+    (under a timer far above any call: a fresh worker's first math-verify call, which also builds its parsers, ran
+    past the default 10 s at load 19 on a 2-core machine and scored 0)."""
     import subprocess
     import sys
 
     script = tmp_path / "job.py"
     script.write_text("print('JOB STARTED', flush=True)\n"
                       "from megatron_spec.tasks.scoring import RewardScorer\n"
-                      f"s = RewardScorer({REWARD!r}, workers=2)\n"
+                      f"s = RewardScorer({REWARD!r}, workers=2, timeout_s=300)\n"
                       "print(s(['\\\\boxed{1}', '2'], ['1', '1']), flush=True)\n"
                       "s.close()\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300).stdout
