@@ -178,19 +178,24 @@ def memory_per_gpu(cfg: RLConfig, layout: dict, gpu: str = "h100"):
     return sim, with_params_dtype(report, cfg.backend.megatron.params_dtype)
 
 
-def memory_problems(cfg: RLConfig, layout: dict, gpu: str = "h100") -> list[str]:
-    """`memory_per_gpu` against the memory of one `gpu`: one line naming the side that does not fit."""
-    from megatron_spec.sim.memory import GiB, check_fit
+def audit_of(cfg: RLConfig, layout: dict, gpu: str = "h100"):
+    """The full-size memory audit (`launchers.audit`) of the Megatron trainer's ranks, the engines and the driver
+    on GPUs of kind `gpu`, with the optimizer the run uses and Megatron-Core's expert data parallelism; None for
+    the embedded trainer or an unresolved policy."""
+    from .audit import audit
 
-    need = memory_per_gpu(cfg, layout, gpu)
-    if need is None:
-        return []
-    sim, report = need
-    try:
-        check_fit(sim, report)
-    except ValueError as err:
-        return [f"memory per {gpu} GPU ({report.device_bytes / GiB:.0f} GiB, simulated): {err}"]
-    return []
+    model = policy_config(cfg.model.policy, cfg.model.hub_cache)
+    if model is None or cfg.backend.trainer != "megatron":
+        return None  # an unresolvable input is input_problems' to report; the embedded trainer has no split
+    return audit(cfg, layout, model, prompt_tokens=prompt_budget(cfg), gpu=gpu,
+                 gpus_per_node=layout.get("gpus_per_node") or 8)
+
+
+def memory_problems(cfg: RLConfig, layout: dict, gpu: str = "h100") -> list[str]:
+    """The audit's problems (`audit_of`): rollouts that do not split over DP or expert-DP, a rank over the memory
+    of one `gpu`, a node over its host memory; each names its cause and fix."""
+    found = audit_of(cfg, layout, gpu)
+    return [f"memory audit ({gpu}): {p}" for p in found.problems] if found is not None else []
 
 
 INPUT_FIELDS = (("model.policy", lambda c: c.model.policy), ("model.drafter", lambda c: c.model.drafter),
@@ -342,18 +347,18 @@ def check_launch(name: str, cfg: RLConfig, layout: dict | None, *, driver: str |
                  extras: tuple[str, ...] = (), container_image: str | None = None, inputs: bool = True) -> list[str]:
     """Raise one ValueError naming every problem found (nothing is submitted then). `layout`: an at-scale recipe's
     plan (`recommended`: Scale.layout with nodes and GPUs per node). `inputs=False` (a dry run, which may run
-    anywhere) returns the input problems instead of raising on them."""
+    anywhere) returns the input problems and the memory audit's instead of raising on them."""
     problems = driver_problems(driver) if driver else []
     problems += extras_problems(extras, container_image) if extras else []
     split = (layout_fit_problems(cfg, layout) + plan_problems(cfg, layout)) if layout else []
     problems += split
-    problems += memory_problems(cfg, layout) if layout and not split else []  # memory of a split that exists
+    memory = memory_problems(cfg, layout) if layout and not split else []  # memory of a split that exists
     problems += length_problems(cfg)
     problems += drafter_problems(cfg)
     problems += task_problems(cfg)
     missing = input_problems(cfg, online=inputs)
     if inputs:
-        problems += missing
+        problems += memory + missing
     if problems:
         raise ValueError(f"{name} cannot launch: " + "; ".join(problems))
-    return [] if inputs else missing
+    return [] if inputs else memory + missing

@@ -190,9 +190,13 @@ def recipe_main(build: Callable[[], RLConfig], argv: list[str] | None = None, sc
         if toy_arch is not None:  # what the rehearsal replaced the model by
             plan["rehearsal"] = {"toy_architecture": toy_arch, "refused_stages": rehearsal.problems(cfg, toy_arch)}
         check_save_cadence(plan, cfg)  # the first save and the signal within --time (plan["save"])
+        if args.audit or args.audit_json:
+            return audit_main(name, args, cfg, scale, plan)
         check_before_launch(name, args, cfg, scale, plan)
         if args.dryrun:
             print(f"# {name}: resolved config\n{dump_yaml(cfg)}")
+            if scale is not None:  # the memory audit's table, as YAML comments (`--audit` exits on it)
+                print(audit_summary(cfg, plan, args.gpu))
             plan_text = yaml.safe_dump(plan, sort_keys=False, width=200)
             print(f"# executor plan (--dryrun: nothing runs)\n{plan_text}", end="")
             if args.executor != "local":
@@ -213,6 +217,38 @@ def recipe_main(build: Callable[[], RLConfig], argv: list[str] | None = None, sc
     except (ValueError, FileNotFoundError, MissingExtra, NotImplementedError) as err:
         print(f"{name}: error: {err}", file=sys.stderr)
         return 2
+
+
+def audit_main(name: str, args: argparse.Namespace, cfg: RLConfig, scale: Scale | None, plan: dict) -> int:
+    """`--audit` / `--audit-json FILE`: the memory audit of the plan's layout on --gpu GPUs, printed (and written);
+    0 when every rank and node fits and the rollouts split, else 1 with the problems on stderr. Runs nothing and
+    needs no GPU and no hub (the architecture comes from a local config.json or a preset)."""
+    from launchers.audit import write_json
+    from launchers.checks import audit_of
+
+    if scale is None:
+        raise ValueError(f"--audit audits an at-scale recipe's ranks; {name} runs in one process")
+    found = audit_of(cfg, plan["recommended"], args.gpu)
+    if found is None:
+        raise ValueError(f"--audit needs the architecture of {cfg.model.policy} (a local config.json or a preset) "
+                         "and backend.trainer=megatron")
+    print(f"# {name}: memory audit on {args.gpu} ({plan['recommended']['gpus']} GPUs)\n{found.table()}")
+    if args.audit_json:
+        write_json(found, args.audit_json)
+    if not found.fits:
+        print(f"{name}: error: the memory audit refuses this run: {'; '.join(found.problems)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def audit_summary(cfg: RLConfig, plan: dict, gpu: str) -> str:
+    """The audit's table as comment lines for --dryrun (the YAML around it still parses)."""
+    from launchers.checks import audit_of
+
+    found = audit_of(cfg, plan["recommended"], gpu)
+    if found is None:
+        return "# memory audit: the policy's architecture is not known here"
+    return "\n".join(f"# {line}" for line in f"memory audit on {gpu}:\n{found.table()}".splitlines())
 
 
 def needs_ray(cfg: RLConfig, scale: Scale | None) -> bool:
@@ -361,6 +397,11 @@ def _parser(name: str, doc: str, scale: Scale | None) -> argparse.ArgumentParser
                    help="at-scale recipes: take the parallel layout from `megatron-spec tune` for --nodes x "
                    "--gpus-per-node GPUs of kind --gpu (overrides still win)")
     p.add_argument("--gpu", default="h100", help="GPU kind the tuner simulates (h100, h200, b200, gb200)")
+    p.add_argument("--audit", action="store_true",
+                   help="at-scale recipes: print every rank kind's memory at full size (launchers/audit.py: "
+                   "fake-tensor parameter counts, analytic states and activations) against --gpu's memory and 2 TB "
+                   "of host memory a node; exit 1 when a rank or node does not fit or the rollouts do not split")
+    p.add_argument("--audit-json", metavar="FILE", help="with or without --audit: also write the audit as JSON")
     p.add_argument("--rehearsal", action="store_true",
                    help="at-scale recipes: run this recipe's code path at toy width on the allocation at hand "
                    "(launchers/rehearsal.py: toy model, drafter and data under runs/rehearsal/, 4 trainer ranks, "

@@ -21,8 +21,10 @@ EAGLE-3 acceptance length 4 at k=5, the projection's assumption, trained online)
 autoregressive GRPO on the same GPUs: 2.65x end to end (speculation alone, synchronous: 1.98x; lag 2 alone:
 1.14x). The tuner's fastest synchronous layouts put vLLM engines of TP8 on the trainer's GPUs (1099 s
 autoregressive, 725 s with EAGLE-3 k=3); the Ray placement does not run colocated engines of TP > 1 on GPUs, and
-an engine of TP1 cannot hold this model, so those are not offered here. The launch check's memory model fits the
-layout on 80 GB H100s (trainer 58.5 GiB, engine 54.7 GiB of weights and 10.4 GiB of KV cache a GPU).
+an engine of TP1 cannot hold this model, so those are not offered here. The memory audit (`--audit`) finds that
+this layout does not fit 80 GB H100s as configured: the 4096 rollouts do not split over DP 6, a 12-layer stage holds
+7.7 B parameters (7.25 B of them experts at EP4) whose torch AdamW states are not sharded, and the engines serve
+the policy in float32; a dry run prints the audit's table, a launch refuses it.
 
 Running needs `pip install -e .[megatron,vllm,ray]` on the cluster: submit with `--executor ray-slurm`;
 `--dryrun` works anywhere; `--rehearsal` runs this file's code path at toy width on the allocation at hand

@@ -1,5 +1,5 @@
-"""The pre-launch memory check (`launchers.checks.memory_problems`): the simulator's memory per GPU of the
-trainer's split and of one engine against the GPU's memory, before anything is submitted."""
+"""The pre-launch memory check (`launchers.checks.memory_problems`: the memory audit's problems) and the
+simulator's memory per GPU (`memory_per_gpu`), before anything is submitted."""
 
 from __future__ import annotations
 
@@ -20,24 +20,37 @@ def plan(recipe, name, **megatron):
     return cfg, layout
 
 
-@pytest.mark.parametrize("recipe, name", [(r235, "qwen3_235b_grpo_spec"), (r8, "qwen3_8b_grpo_spec")])
-def test_shipped_recipes_fit_an_h100(recipe, name):
-    cfg, layout = plan(recipe, name)
+def test_the_launch_check_is_the_audit():
+    """The memory check before launch is the audit's (`launchers/audit.py`): the 8B recipe fits an H100 with the
+    distributed optimizer, not with torch AdamW's unsharded states (the recipe's default), and the problem names the
+    fix; the 235B recipe as shipped does not fit (its rollouts do not split over DP 6 either)."""
+    cfg, layout = plan(r8, "qwen3_8b_grpo_spec")
+    cfg.backend.megatron.optimizer = "megatron"
     assert memory_problems(cfg, layout) == []
+    cfg.backend.megatron.optimizer = "torch"
+    (problem,) = memory_problems(cfg, layout)
+    assert problem.startswith("memory audit (h100): trainer stage 0 (36 layers): ")
+    assert "set backend.megatron.optimizer=megatron" in problem
+    cfg, layout = plan(r235, "qwen3_235b_grpo_spec")
+    problems = memory_problems(cfg, layout)
+    assert "rollouts do not split over the trainer's data-parallel ranks (DP = 6)" in problems[0]
+    assert len(problems) == 11  # DP, expert-DP, 8 trainer stages, the engines
 
 
 def test_a_layout_that_cannot_fit_is_refused_before_launch():
-    """235B without model parallelism: every GPU would hold all 235B parameters (6 B each for bf16 weights and
-    fp32 gradients: ~1.3 TiB) against 80 GB; the check names the trainer and the figure, and `check_launch`
-    raises with it."""
+    """235B without model parallelism: every GPU would hold all 235B parameters (2 B of bf16 weights and 4 B of fp32
+    gradients each: over 1.4 TB) against 80 GB; a dry run (`inputs=False`) returns the audit's problem to print, a
+    launch raises with it."""
     cfg, layout = plan(r235, "qwen3_235b_grpo_spec", tp=1, pp=1, ep=1, first_stage_layers=None,
                        last_stage_layers=None)
-    problems = memory_problems(cfg, layout)
-    assert len(problems) == 1 and "trainer does not fit in memory" in problems[0]
-    per_gpu = float(problems[0].split("trainer does not fit in memory: ")[1].split(" GiB")[0])
-    assert per_gpu > 235e9 * 6 / 2**30  # at least weights + gradients of the whole model
-    with pytest.raises(ValueError, match="memory per h100 GPU"):
-        check_launch("qwen3_235b_grpo_spec", cfg, layout, driver=None, inputs=False)
+    cfg.backend.megatron.tp = cfg.backend.megatron.pp = cfg.backend.megatron.ep = 1
+    cfg.backend.megatron.sequence_parallel = False
+    cfg.backend.megatron.first_stage_layers = cfg.backend.megatron.last_stage_layers = None
+    problems = [p for p in memory_problems(cfg, layout) if "trainer stage" in p]
+    assert len(problems) == 1 and problems[0].startswith("memory audit (h100): trainer stage 0 (94 layers): ")
+    per_gpu = float(problems[0].split("(94 layers): ")[1].split(" GB")[0])
+    assert per_gpu > 235e9 * 6 / 1e9  # at least weights + gradients of the whole model
+    assert problems[0] in check_launch("qwen3_235b_grpo_spec", cfg, layout, driver=None, inputs=False)
 
 
 def test_precision_and_recompute_reach_the_estimate():

@@ -1,0 +1,429 @@
+"""The full-size memory audit of an at-scale recipe (`--audit`): every kind of rank's device and host memory, counted
+before launch on a machine with no GPU and no hub access.
+
+Rank kinds: each trainer pipeline stage (its ranks differ by layers, embedding / output layer and the micro-batches
+1F1B keeps in flight), the vLLM engine workers, the driver. Each figure is labelled by how it was obtained:
+
+- `fake-tensor`: the project's own model code (`megatron_spec.models`) constructed on torch's meta device (shapes
+  without storage: nothing allocated, a 128-expert layer in a tenth of a second): one decoder layer of each kind,
+  the embedding and output layer, the EAGLE-3 head; a stage's
+  parameters are those counts times its layers, split by Megatron-Core's rules (attention, dense MLP, embedding and
+  output layer over TP; experts over EP x ETP; norms and routers replicated);
+- `analytic`: counted from those parameters or the model's shapes by the component's own rules: gradients and
+  optimizer states by the optimizer the run uses (`backend.megatron.optimizer`), activations at the recipe's
+  largest micro-batch under its recompute setting, refit buffers, the engines' weights, workspace and KV cache
+  (vLLM reserves `gpu_memory_utilization` of the device), host memory per process and per node.
+
+The optimizer rules (Megatron-Core 0.16, `backends/megatron/policy.py`): `torch` keeps bf16 parameters, fp32
+gradients on the fp32 masters and AdamW's two fp32 moments on every rank, nothing sharded (18 B a parameter);
+`megatron` (the distributed optimizer) keeps bf16 parameters, an fp32 gradient buffer (`grad_reduce_in_fp32`) and
+shards the fp32 masters and moments (12 B) over the data-parallel ranks, expert parameters over the expert
+data-parallel ranks, world / (PP x EP x ETP) (`parallel_state.initialize_model_parallel`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from unittest import mock
+
+from megatron_spec.layout import stage_layers
+from megatron_spec.models import ModelConfig
+
+FAKE, ANALYTIC = "fake-tensor", "analytic"
+GB = 1000 ** 3
+GiB = 1024 ** 3
+HOST_MEMORY_BYTES = 2 * 1000 ** 4
+"""Host memory of one node (an 8-GPU H100 node: 2 TB)."""
+PROCESS_OVERHEAD_BYTES = 4 * GiB
+"""Host memory of one process before it loads anything of the model (Python, torch, CUDA and NCCL runtimes, Ray's
+worker): an assumption, stated, not measured here."""
+ENGINE_DTYPE_BYTES = 4
+"""Bytes a parameter the Ray engine actors serve: each actor loads the policy with `from_pretrained` (float32),
+exports that copy and starts vLLM on it in the checkpoint's dtype (`backends/ray/workers.py`,
+`VLLMGenerator.from_rl`)."""
+EAGLE3_DRAFT_VOCAB = 32000
+"""Draft vocabulary of the public EAGLE-3 heads, assumed where the drafter's files are not on this machine."""
+
+
+@dataclass
+class RankAudit:
+    """One kind of rank: how many there are and what one of them holds (bytes), each part with its source."""
+
+    kind: str
+    count: int
+    parts: dict[str, int]
+    sources: dict[str, str]
+    device_limit: int
+    host_bytes: int
+    note: str = ""
+    """How the optimizer's states are laid out (trainer ranks)."""
+    parameters: int = 0
+    """Parameters one rank of this kind holds (the policy's share)."""
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def source(self) -> str:
+        """Which parts were counted how: `fake-tensor: params, ...; analytic: ...`."""
+        by = {}
+        for part, how in self.sources.items():
+            by.setdefault(how, []).append(part)
+        return "; ".join(f"{how}: {', '.join(parts)}" for how, parts in sorted(by.items(), reverse=True))
+
+    def as_json(self) -> dict:
+        return {"kind": self.kind, "count": self.count, "device_bytes": self.device_bytes,
+                "host_bytes": self.host_bytes, "parts": dict(self.parts), "source": self.source,
+                "sources": dict(self.sources), "device_limit": self.device_limit}
+
+
+@dataclass
+class Audit:
+    ranks: list[RankAudit]
+    problems: list[str] = field(default_factory=list)
+    nodes: dict[str, int] = field(default_factory=dict)
+    """Host bytes of each kind of node."""
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def as_json(self) -> dict:
+        return {"fits": self.fits, "problems": list(self.problems), "ranks": [r.as_json() for r in self.ranks],
+                "nodes": dict(self.nodes)}
+
+    def table(self) -> str:
+        """The audit as printed: one line per kind of rank, then the nodes and the problems."""
+        cols = ("params", "grads", "optimizer", "activations", "transient")
+        head = f"{'rank kind':<28}{'count':>6}" + "".join(f"{c:>13}" for c in cols) + f"{'device':>10}{'limit':>8}" \
+               f"{'host':>9}  source"
+        lines = [head + "   (GB = 1e9 bytes)"]
+        for r in self.ranks:
+            groups = {c: 0 for c in cols}
+            for name, b in r.parts.items():
+                groups[_group(name)] += b
+            lines.append(f"{r.kind:<28}{r.count:>6}" + "".join(f"{groups[c] / GB:>13.1f}" for c in cols)
+                         + f"{r.device_bytes / GB:>10.1f}{r.device_limit / GB:>8.1f}{r.host_bytes / GB:>9.1f}  "
+                         + ("fake-tensor params, the rest analytic" if FAKE in r.sources.values() else
+                            "analytic" if r.sources else "-"))
+        for kind, b in self.nodes.items():
+            lines.append(f"host memory of a {kind} node: {b / GB:.0f} GB of {HOST_MEMORY_BYTES / GB:.0f} GB")
+        lines.append("fits" if self.fits else "does not fit:\n  - " + "\n  - ".join(self.problems))
+        return "\n".join(lines)
+
+
+def _group(part: str) -> str:
+    if part.startswith("params"):
+        return "params"
+    if part.startswith("grads"):
+        return "grads"
+    if part.startswith("optimizer"):
+        return "optimizer"
+    if part.startswith("activations"):
+        return "activations"
+    return "transient"
+
+
+# -- parameters, on fake tensors ---------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _fake_mode():
+    """Modules built on the meta device, their initialisation skipped where it would cost seconds (a normal
+    initialisation of a vocabulary-sized table on meta tensors)."""
+    import torch
+    from torch import nn
+
+    with torch.device("meta"), mock.patch.object(nn.init, "normal_", lambda tensor, *a, **k: tensor):
+        yield
+
+
+def layer_params(model: ModelConfig, layer: int) -> dict[str, int]:
+    """Parameters of decoder layer `layer` of `model`, built on fake tensors by the model code, by how Megatron-Core
+    splits them: `tp` (attention projections, dense MLP), `expert` (all the layer's experts), `replicated` (norms,
+    router)."""
+    from megatron_spec.models.decoder import DecoderLayer
+
+    with _fake_mode():
+        built = DecoderLayer(model, layer)
+    out = {"tp": 0, "expert": 0, "replicated": 0}
+    for name, p in built.named_parameters():
+        if ".experts." in name:
+            out["expert"] += p.numel()
+        elif "norm" in name or name == "mlp.gate.weight":
+            out["replicated"] += p.numel()
+        else:
+            out["tp"] += p.numel()
+    return out
+
+
+def shell_params(model: ModelConfig) -> dict[str, int]:
+    """Embedding, final norm and output layer, built on fake tensors by the model code (`CausalLM` of one layer,
+    that layer's parameters left out)."""
+    from megatron_spec.models.decoder import CausalLM
+
+    with _fake_mode():
+        built = CausalLM(dataclasses.replace(model, num_hidden_layers=1, mlp_only_layers=()))
+    out = {"embedding": 0, "final_norm": 0, "output_layer": 0}
+    for name, p in built.named_parameters(remove_duplicate=False):
+        if name.startswith("model.embed_tokens"):
+            out["embedding"] += p.numel()
+        elif name.startswith("model.norm"):
+            out["final_norm"] += p.numel()
+        elif name.startswith("lm_head"):
+            out["output_layer"] += p.numel()
+    return out
+
+
+def eagle3_params(model: ModelConfig, draft_vocab: int = EAGLE3_DRAFT_VOCAB) -> int:
+    """Parameters of an EAGLE-3 head for `model` (the project's `Eagle3Head`, on fake tensors)."""
+    from megatron_spec.models.eagle3 import Eagle3Config, Eagle3Head
+
+    inner = model.intermediate_size
+    with _fake_mode():
+        head = Eagle3Head(model, Eagle3Config(model.num_hidden_layers, intermediate_size=inner,
+                                              draft_vocab_size=draft_vocab if draft_vocab < model.vocab_size else 0))
+    return sum(p.numel() for p in head.parameters())
+
+
+@dataclass(frozen=True)
+class Split:
+    """The trainer's split as Megatron-Core builds it."""
+
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    cp: int
+    train_gpus: int
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    @property
+    def dp(self) -> int:
+        return self.train_gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Megatron-Core's expert data-parallel size: world / (ETP x EP x PP)."""
+        return self.train_gpus // (self.etp * self.ep * self.pp)
+
+
+def stage_params(model: ModelConfig, split: Split) -> list[dict[str, int]]:
+    """Per-rank parameters of each pipeline stage, by kind (`dense`: sharded over DP by the distributed optimizer;
+    `expert`: over the expert DP)."""
+    layers = stage_layers(model.num_hidden_layers, split.pp, split.first_stage_layers, split.last_stage_layers)
+    kinds = {}
+    for i in range(model.num_hidden_layers):
+        key = model.is_moe_layer(i)
+        if key not in kinds:
+            kinds[key] = layer_params(model, i)
+    shell = shell_params(model)
+    out, start = [], 0
+    for s, n in enumerate(layers):
+        dense = expert = 0
+        for i in range(start, start + n):
+            lp = kinds[model.is_moe_layer(i)]
+            dense += lp["tp"] // split.tp + lp["replicated"]
+            expert += lp["expert"] // (split.ep * split.etp)
+        if s == 0:
+            dense += shell["embedding"] // split.tp
+        if s == split.pp - 1:
+            dense += shell["final_norm"]
+            # tied embeddings: Megatron keeps a copy of the embedding as the last stage's output layer
+            dense += (shell["output_layer"] or shell["embedding"]) // split.tp if (split.pp > 1 or
+                                                                                    shell["output_layer"]) else 0
+        out.append({"dense": dense, "expert": expert, "layers": n})
+        start += n
+    return out
+
+
+# -- activations, analytic ---------------------------------------------------------------------------------------
+
+def layer_activation_bytes(model: ModelConfig, layer: int, recompute: str, tp: int, sp: bool, act: int) -> float:
+    """Bytes one token's activations of one decoder layer keep for the backward pass on one rank: the layer's input
+    only under full recompute; otherwise norms' inputs and outputs, the q/k/v projections and their normed and
+    rotated copies, the attention output, and the MLP's gate, up, SiLU and product (for each of the top-k experts a
+    token is routed to, with its dispatched input and output). Core attention is fused (Transformer Engine's
+    flash attention: no sequence-squared scores), so `selective` and `none` keep the same. Terms of width hidden are
+    split over TP only with sequence parallelism."""
+    h, d = model.hidden_size, model.head_dim
+    wide = 1 / tp if sp else 1.0
+    if recompute == "full":
+        return h * act * wide
+    q, kv = model.num_attention_heads * d, model.num_key_value_heads * d
+    attn = 2 * h * wide + ((q + 2 * kv) + (q + kv) + q) / tp
+    if model.is_moe_layer(layer):
+        k, f = model.num_experts_per_tok, model.moe_intermediate_size
+        mlp = 2 * h * wide + k * (2 * h + 4 * f) / tp + model.num_experts * 2 * wide  # router probs in fp32
+    else:
+        mlp = 2 * h * wide + 4 * model.intermediate_size / tp
+    return (attn + mlp) * act
+
+
+def micro_batch_tokens(cfg, prompt_tokens: int) -> int:
+    """Tokens of the recipe's largest micro-batch: as many rows of the longest rollout (prompt plus
+    `grpo.max_tokens`) as `grpo.micro_batch_tokens` allows, at least one (`backends/megatron/step.plan`)."""
+    row = prompt_tokens + cfg.grpo.max_tokens
+    budget = cfg.grpo.micro_batch_tokens
+    return max(1, budget // row if budget else cfg.grpo.prompts_per_step * cfg.grpo.group_size) * row
+
+
+# -- the audit ---------------------------------------------------------------------------------------------------
+
+def audit(cfg, layout: dict, model: ModelConfig, *, prompt_tokens: int, gpu: str = "h100",
+          gpus_per_node: int = 8) -> Audit:
+    """The audit of `cfg` on `layout` (`Scale.layout`: the split, engines and placement on the allocation) for the
+    policy architecture `model`, on GPUs of kind `gpu`."""
+    from megatron_spec.rl.loop import REFIT_BUCKET_BYTES
+    from megatron_spec.sim.hardware import hardware
+    from megatron_spec.sim.memory import ENGINE_WORKSPACE_BYTES
+
+    hw = hardware(gpu)
+    limit = int(hw.mem_bytes)
+    meg, g = cfg.backend.megatron, cfg.grpo
+    engines, engine_tp = layout["vllm"]["engines"], layout["vllm"]["tensor_parallel_size"]
+    colocated = layout["ray"]["placement"] != "disaggregated"
+    world = layout["gpus"]
+    gen_gpus = world if colocated else engines * engine_tp
+    split = Split(tp=meg.tp, pp=meg.pp, ep=meg.ep, etp=meg.etp or meg.tp, cp=meg.cp,
+                  train_gpus=world if colocated else world - gen_gpus,
+                  first_stage_layers=meg.first_stage_layers, last_stage_layers=meg.last_stage_layers)
+    problems = []
+    rollouts = g.prompts_per_step * g.group_size
+    for what, size, name in (("data-parallel", split.dp, "DP"), ("expert data-parallel", split.expert_dp, "expert-DP")):
+        if size and rollouts % size:
+            problems.append(
+                f"grpo.prompts_per_step x grpo.group_size = {g.prompts_per_step} x {g.group_size} = {rollouts} "
+                f"rollouts do not split over the trainer's {what} ranks ({name} = {size}): choose "
+                f"grpo.prompts_per_step so the rollouts are a multiple of {size}, or a layout whose {name} divides "
+                f"{rollouts}")
+
+    act = 2 if meg.params_dtype in ("bfloat16", "bf16") else 4
+    masters = 4 if act == 2 else 0  # fp32 parameters are their own masters
+    mb = micro_batch_tokens(cfg, prompt_tokens) // split.cp
+    rows = rollouts // max(split.dp, 1)
+    n_micro = max(1, math.ceil(rows * (prompt_tokens + g.max_tokens) / (mb * split.cp)))
+    head = eagle3_params(model) if cfg.spec is not None and cfg.spec.method == "eagle3" else 0
+    ranks = []
+    stages = stage_params(model, split)
+    for s, st in enumerate(stages):
+        n = st["dense"] + st["expert"]
+        parts, src = {"params": n * act}, {"params": FAKE}
+        if meg.optimizer == "torch":
+            parts["grads"] = n * 4
+            parts["optimizer"] = n * (masters + 8)
+            why = "optimizer=torch: fp32 masters and moments on every rank"
+        else:
+            parts["grads"] = n * 4
+            parts["optimizer"] = math.ceil(st["dense"] * (masters + 8) / (split.dp * 1)) + \
+                math.ceil(st["expert"] * (masters + 8) / split.expert_dp)
+            why = f"distributed optimizer: over DP {split.dp}, experts over expert-DP {split.expert_dp}"
+        src["grads"] = src["optimizer"] = ANALYTIC
+        in_flight = min(split.pp - s, n_micro)
+        start = sum(x["layers"] for x in stages[:s])
+        per_token = sum(layer_activation_bytes(model, i, meg.recompute, split.tp, meg.sequence_parallel, act)
+                        for i in range(start, start + st["layers"]))
+        activations = mb * per_token * in_flight
+        if meg.recompute == "full" and st["layers"]:  # one layer's activations live again while it is recomputed
+            activations += mb * layer_activation_bytes(model, start, "selective", split.tp, meg.sequence_parallel,
+                                                       act)
+        if s == split.pp - 1:  # the output layer's fp32 logits and their gradient, vocabulary-parallel
+            activations += mb * model.vocab_size / split.tp * 4 * 2
+        parts["activations"] = int(activations)
+        src["activations"] = ANALYTIC
+        if head:
+            parts["params_drafter"] = head * 4
+            src["params_drafter"] = FAKE
+            if s == split.pp - 1:  # the head rank: its gradients and AdamW
+                parts["optimizer_drafter"] = head * 12
+                src["optimizer_drafter"] = ANALYTIC
+        parts["refit_buckets"] = 2 * REFIT_BUCKET_BYTES  # the bucket gathered and its shards cast
+        src["refit_buckets"] = ANALYTIC
+        host = PROCESS_OVERHEAD_BYTES
+        ranks.append(RankAudit(f"trainer stage {s} ({st['layers']} layers)", split.train_gpus // split.pp, parts,
+                               src, limit, host, note=why, parameters=n))
+    # rank 0 of the trainer builds the whole policy in float32 on the host (`backends/ray/workers._build`)
+    total = model_params(model)
+    trainer0_host = PROCESS_OVERHEAD_BYTES + total * 4
+
+    # engines: weights at the served dtype over TP, the drafter, workspace and logits, KV cache in what is left
+    kv_per_token = 2 * model.num_hidden_layers * math.ceil(model.num_key_value_heads / engine_tp) * model.head_dim * 2
+    util = cfg.backend.vllm.gpu_memory_utilization
+    engine_limit = int(limit * util)
+    weights = math.ceil(total * ENGINE_DTYPE_BYTES / engine_tp)
+    drafter = math.ceil(head * ENGINE_DTYPE_BYTES / engine_tp)
+    k = cfg.spec.num_speculative_tokens if cfg.spec else 0
+    workspace = ENGINE_WORKSPACE_BYTES + 1024 * (k + 1) * model.vocab_size * 4
+    one_sequence = (prompt_tokens + g.max_tokens) * kv_per_token
+    kv = max(engine_limit - weights - drafter - workspace - REFIT_BUCKET_BYTES, one_sequence)
+    eparts = {"params": weights, "params_drafter": drafter, "workspace": workspace, "refit_bucket": REFIT_BUCKET_BYTES,
+              "kv_cache": kv}
+    esrc = {k_: ANALYTIC for k_ in eparts}
+    ranks.append(RankAudit(f"engine worker (vLLM TP{engine_tp})", engines * engine_tp, eparts, esrc, engine_limit,
+                           PROCESS_OVERHEAD_BYTES))
+    engine_actor_host = PROCESS_OVERHEAD_BYTES + total * 4  # each engine actor's float32 policy, exported
+    ranks.append(RankAudit("driver", 1, {}, {}, 0, PROCESS_OVERHEAD_BYTES))
+
+    for r in ranks:
+        if r.device_limit and r.device_bytes > r.device_limit:
+            problems.append(_device_problem(r, cfg, split, model))
+    # nodes: the trainer's first node (rank 0's float32 policy, the driver) and an engine node (its actor's copy)
+    per_engine_node = max(gpus_per_node // engine_tp, 1) if engine_tp <= gpus_per_node else 1
+    nodes = {"trainer rank 0's": trainer0_host + (gpus_per_node - 1) * PROCESS_OVERHEAD_BYTES
+             + PROCESS_OVERHEAD_BYTES}
+    if colocated:
+        nodes["trainer rank 0's"] += per_engine_node * engine_actor_host + gpus_per_node * PROCESS_OVERHEAD_BYTES
+    else:
+        nodes["engine"] = per_engine_node * engine_actor_host + gpus_per_node * PROCESS_OVERHEAD_BYTES
+    for kind, b in nodes.items():
+        if b > HOST_MEMORY_BYTES:
+            problems.append(f"host memory of a {kind} node: {b / GB:.0f} GB > {HOST_MEMORY_BYTES / GB:.0f} GB "
+                            "(processes that load the whole policy in float32): load each rank's slices from the "
+                            "files in the served dtype")
+    return Audit(ranks, problems, nodes)
+
+
+def model_params(model: ModelConfig) -> int:
+    """Every parameter of `model`, from the fake-tensor counts of one layer of each kind and the shell."""
+    shell = shell_params(model)
+    kinds = {}
+    total = sum(shell.values())
+    for i in range(model.num_hidden_layers):
+        key = model.is_moe_layer(i)
+        if key not in kinds:
+            kinds[key] = sum(layer_params(model, i).values())
+        total += kinds[key]
+    return total
+
+
+def _device_problem(r: RankAudit, cfg, split: Split, model: ModelConfig) -> str:
+    """One line: the rank kind, its figure against the device, the largest parts, and the fix."""
+    top = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in sorted(r.parts.items(), key=lambda kv: -kv[1])[:3])
+    head = f"{r.kind}: {r.device_bytes / GB:.1f} GB a GPU > {r.device_limit / GB:.1f} GB ({top})"
+    if r.kind.startswith("engine"):
+        return (f"{head}: the engines serve the policy in float32 (each Ray engine actor loads it with "
+                f"from_pretrained); serve it in bfloat16 from the files, or raise backend.vllm.tensor_parallel_size")
+    meg = cfg.backend.megatron
+    if meg.optimizer == "torch":
+        fix = ("set backend.megatron.optimizer=megatron (the distributed optimizer shards the fp32 masters and "
+               f"moments over DP {split.dp}, experts over expert-DP {split.expert_dp})")
+    elif meg.recompute != "full":
+        fix = (f"set backend.megatron.recompute=full (each layer's activations recomputed: "
+               f"{r.parts.get('activations', 0) / GB:.1f} GB now), or lower grpo.micro_batch_tokens")
+    elif model.num_experts:
+        fix = (f"the stage's {r.parameters / 1e9:.2f} B parameters at EP{split.ep} leave no room: offload the "
+               "optimizer's states to the host (a precision-aware optimizer), or colocate trainer and engines on all "
+               "GPUs at a larger EP (EP16 on 128 GPUs)")
+    else:
+        fix = "raise tp or pp, or lower grpo.micro_batch_tokens"
+    return f"{head}: {fix}"
+
+
+def write_json(result: Audit, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result.as_json(), f, indent=1, sort_keys=False)

@@ -1,0 +1,143 @@
+"""The full-size memory audit (`launchers/audit.py`, `--audit` on the at-scale recipes): parameter counts from the
+model code on meta tensors against a hand count, the optimizer rules (Megatron-Core's expert data parallelism), the
+refusals with their causes and fixes, and the JSON it writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launchers.audit import Split, audit, stage_params
+from megatron_spec.models.presets import preset
+from megatron_spec.rl.overrides import apply_overrides
+from recipes import qwen3_235b_grpo_spec as r235
+from recipes import qwen3_8b_grpo_spec as r8
+
+# tiny-qwen3-moe by hand: hidden 128, 4 layers, 4 heads / 2 KV heads of 32, 8 experts of width 128, vocabulary 64.
+ATTENTION = 128 * 128 + 2 * (128 * 64) + 128 * 128  # q, k, v, o projections: split over TP
+REPLICATED = 2 * 32 + 2 * 128 + 128 * 8  # q/k norms, the two layer norms, the router
+EXPERTS = 8 * 3 * 128 * 128  # gate, up, down of each expert
+SHELL = 64 * 128 + 128 + 128 * 64  # embedding, final norm, output layer (untied)
+
+
+def test_parameters_per_rank_are_the_hand_count():
+    """TP2 EP4 ETP1 on 8 GPUs, one stage: attention, embedding and output layer halved, norms and router whole, the
+    experts a quarter; DP = 8 / 2 = 4 but expert-DP = 8 / (EP4 x ETP1) = 2 (Megatron-Core's rule)."""
+    split = Split(tp=2, pp=1, ep=4, etp=1, cp=1, train_gpus=8)
+    assert (split.dp, split.expert_dp) == (4, 2)
+    (stage,) = stage_params(preset("tiny-qwen3-moe"), split)
+    assert stage == {"dense": 4 * (ATTENTION // 2 + REPLICATED) + 64 * 128 // 2 + 128 + 128 * 64 // 2,
+                     "expert": 4 * EXPERTS // 4, "layers": 4}
+    assert stage == {"dense": 112_000, "expert": 393_216, "layers": 4}
+    two = stage_params(preset("tiny-qwen3-moe"), Split(tp=1, pp=2, ep=1, etp=1, cp=1, train_gpus=2))
+    assert [s["dense"] for s in two] == [2 * (ATTENTION + REPLICATED) + 64 * 128, 2 * (ATTENTION + REPLICATED) + 128
+                                         + 128 * 64]
+    assert sum(s["dense"] + s["expert"] for s in two) == 4 * (ATTENTION + REPLICATED + EXPERTS) + SHELL
+
+
+def tiny_audit(optimizer: str, prompts: int = 8):
+    """tiny-qwen3-moe under the 8B recipe's settings, trainer TP2 EP4 on 8 GPUs beside one engine of TP1."""
+    cfg = apply_overrides(r8.qwen3_8b_grpo_spec(), [f"backend.megatron.optimizer={optimizer}",
+                                                   "backend.megatron.ep=4", f"grpo.prompts_per_step={prompts}"])
+    layout = {"gpus": 9, "megatron": {}, "vllm": {"engines": 1, "tensor_parallel_size": 1},
+              "ray": {"placement": "disaggregated"}}
+    return audit(cfg, layout, preset("tiny-qwen3-moe"), prompt_tokens=256)
+
+
+def test_optimizer_states_follow_the_optimizer_the_run_uses():
+    """bf16 parameters (2 B), fp32 gradients (4 B); torch AdamW: fp32 masters and two moments (12 B) of every local
+    parameter; the distributed optimizer: dense parameters' 12 B over DP 4, the experts' over expert-DP 2."""
+    dense, expert = 112_000, 393_216
+    torch_rank = tiny_audit("torch").ranks[0]
+    dist_rank = tiny_audit("megatron").ranks[0]
+    for r in (torch_rank, dist_rank):
+        assert (r.parts["params"], r.parts["grads"]) == (2 * (dense + expert), 4 * (dense + expert))
+        assert (r.sources["params"], r.sources["optimizer"]) == ("fake-tensor", "analytic")
+    assert torch_rank.parts["optimizer"] == 12 * (dense + expert)
+    assert dist_rank.parts["optimizer"] == 12 * dense // 4 + 12 * expert // 2
+
+
+def test_rollouts_that_do_not_split_over_dp_or_expert_dp_are_refused():
+    """16 rollouts a prompt: 8 prompts give 128 rollouts (DP 4 and expert-DP 2 divide them); 16 x 16 = 256 too; the
+    8B recipe's group of 16 with 63 prompts over DP 16 does not split."""
+    assert not [p for p in tiny_audit("megatron").problems if "rollouts" in p]
+    cfg = apply_overrides(r8.qwen3_8b_grpo_spec(), ["grpo.prompts_per_step=63", "grpo.group_size=8",
+                                                   "backend.megatron.optimizer=megatron"])
+    found = audit(cfg, r8.SCALE.layout(cfg), preset("qwen3-8b"), prompt_tokens=256)
+    assert found.problems == [
+        "grpo.prompts_per_step x grpo.group_size = 63 x 8 = 504 rollouts do not split over the trainer's "
+        "data-parallel ranks (DP = 16): choose grpo.prompts_per_step so the rollouts are a multiple of 16, or a "
+        "layout whose DP divides 504",
+        "grpo.prompts_per_step x grpo.group_size = 63 x 8 = 504 rollouts do not split over the trainer's expert "
+        "data-parallel ranks (expert-DP = 32): choose grpo.prompts_per_step so the rollouts are a multiple of 32, or "
+        "a layout whose expert-DP divides 504"]
+
+
+def run_audit(recipe, name, argv, capsys, tmp_path):
+    out = tmp_path / "audit.json"
+    rc = recipe.main(["--audit", "--audit-json", str(out), *argv])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err, json.loads(out.read_text())
+
+
+def test_the_8b_recipe_fits_with_the_distributed_optimizer_and_not_with_torch(capsys, tmp_path):
+    """Qwen3-8B at TP2 DP16 on 80 GB: with the distributed optimizer a rank holds about 72 GB; with torch AdamW's
+    unsharded 12 B a parameter (49 GB of it) it does not fit, and the fix is named."""
+    rc, out, err, data = run_audit(r8, "qwen3_8b_grpo_spec", ["backend.megatron.optimizer=megatron"], capsys, tmp_path)
+    assert rc == 0 and data["fits"] is True and data["problems"] == []
+    trainer = data["ranks"][0]
+    assert trainer["kind"] == "trainer stage 0 (36 layers)" and trainer["count"] == 32
+    assert 60e9 < trainer["device_bytes"] < 80e9
+    rc, out, err, data = run_audit(r8, "qwen3_8b_grpo_spec", ["backend.megatron.optimizer=torch"], capsys, tmp_path)
+    assert rc == 1 and data["fits"] is False
+    assert "set backend.megatron.optimizer=megatron" in err and "trainer stage 0 (36 layers)" in err
+
+
+def test_audit_json_schema(capsys, tmp_path):
+    """{"fits", "problems", "ranks": [{"kind", "count", "device_bytes", "host_bytes", "parts", "source"}]}: parts sum
+    to device_bytes; the 235B recipe's kinds are its 8 stages (12 ranks each), 32 engine workers and the driver."""
+    rc, out, err, data = run_audit(r235, "qwen3_235b_grpo_spec", [], capsys, tmp_path)
+    assert {"fits", "problems", "ranks"} <= set(data) and isinstance(data["problems"], list)
+    for r in data["ranks"]:
+        assert {"kind": str, "count": int, "device_bytes": int, "host_bytes": int, "parts": dict,
+                "source": str}.items() <= {k: type(v) for k, v in r.items()}.items()
+        assert sum(r["parts"].values()) == r["device_bytes"]
+    assert [(r["kind"].split(" (")[0], r["count"]) for r in data["ranks"]] == [
+        *((f"trainer stage {s}", 12) for s in range(8)), ("engine worker", 32), ("driver", 1)]
+    assert data["ranks"][0]["source"] == "fake-tensor: params, params_drafter; analytic: grads, optimizer, " \
+                                         "activations, refit_buckets"
+    assert "trainer stage 0 (11 layers)" in out and rc == 1 and data["fits"] is False
+
+
+@pytest.mark.parametrize("argv, cause, fix", [
+    (["backend.megatron.optimizer=torch"], "trainer stage 1 (12 layers)", "set backend.megatron.optimizer=megatron"),
+    (["backend.megatron.optimizer=megatron", "backend.megatron.recompute=full", "backend.megatron.pp=2",
+      "backend.megatron.first_stage_layers=null",
+      "backend.megatron.last_stage_layers=null"], "trainer stage 0 (47 layers)",
+     "offload the optimizer's states to the host"),
+    (["grpo.prompts_per_step=250"], "250 x 16 = 4000 rollouts do not split over the trainer's data-parallel ranks "
+     "(DP = 6)", "a multiple of 6"),
+])
+def test_the_235b_refusals_name_cause_and_fix(argv, cause, fix, capsys, tmp_path):
+    rc, out, err, data = run_audit(r235, "qwen3_235b_grpo_spec", argv, capsys, tmp_path)
+    assert rc == 1
+    line = next(p for p in data["problems"] if cause in p)
+    assert fix in line and line in err
+
+
+def test_the_235b_recipe_as_shipped_does_not_fit_80gb():
+    """The recipe's 96 trainer GPUs at PP8 EP4: a 12-layer stage holds 7.68 B parameters (7.25 B of them experts), so
+    even the distributed optimizer with full recompute leaves the last stage over 80 GB; the engines serve the
+    policy in float32 (117 GB a GPU at TP8)."""
+    cfg = apply_overrides(r235.qwen3_235b_grpo_spec(), ["backend.megatron.optimizer=megatron",
+                                                       "backend.megatron.recompute=full",
+                                                       "grpo.prompts_per_step=252"])
+    found = audit(cfg, r235.SCALE.layout(cfg), preset("qwen3-235b-a22b"), prompt_tokens=1024)
+    middle = found.ranks[1]
+    assert middle.kind == "trainer stage 1 (12 layers)" and 7.6e9 < middle.parameters < 7.7e9
+    experts = stage_params(preset("qwen3-235b-a22b"), Split(tp=2, pp=8, ep=4, etp=1, cp=1, train_gpus=96,
+                                                         first_stage_layers=11, last_stage_layers=11))[1]["expert"]
+    assert experts == 12 * 128 * 3 * 4096 * 1536 // 4  # 7.25 B: the issue's figure
+    assert [p.split(":")[0] for p in found.problems] == ["trainer stage 7 (11 layers)", "engine worker (vLLM TP8)"]
+    assert "colocate trainer and engines on all GPUs at a larger EP (EP16 on 128 GPUs)" in found.problems[0]
