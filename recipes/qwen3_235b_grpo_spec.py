@@ -55,7 +55,7 @@ def qwen3_235b_grpo_spec() -> RLConfig:
         model=ModelSection(policy="Qwen/Qwen3-235B-A22B", drafter=DRAFTER, task="natural"),
         grpo=GRPOSection(prompts_per_step=256, group_size=16, max_tokens=MAX_TOKENS, lr=5e-7, clip_high=0.28),
         spec=SpecConfig("eagle3", num_speculative_tokens=5, model=DRAFTER),
-        run=RunSection(steps=300, out_dir="runs/qwen3_235b", save_every=10, dataset_size=17_000, eval_prompts=30,
+        run=RunSection(steps=300, out_dir="runs/qwen3_235b", save_every=10, save_every_s=1800, dataset_size=17_000, eval_prompts=30,
                        eval_every=10, threads=8),
         backend=SCALE.backend(max_model_len=PROMPT_TOKENS + MAX_TOKENS),
     )

@@ -32,7 +32,7 @@ def qwen3_8b_grpo_spec() -> RLConfig:
         model=ModelSection(policy="Qwen/Qwen3-8B", drafter=DRAFTER, task="natural"),
         grpo=GRPOSection(prompts_per_step=64, group_size=16, max_tokens=MAX_TOKENS, lr=1e-6, clip_high=0.28),
         spec=SpecConfig("eagle3", num_speculative_tokens=3, model=DRAFTER),
-        run=RunSection(steps=500, out_dir="runs/qwen3_8b", save_every=20, dataset_size=17_000, eval_prompts=30,
+        run=RunSection(steps=500, out_dir="runs/qwen3_8b", save_every=20, save_every_s=1800, dataset_size=17_000, eval_prompts=30,
                        eval_every=20, threads=8),
         backend=SCALE.backend(max_model_len=PROMPT_TOKENS + MAX_TOKENS),
     )
