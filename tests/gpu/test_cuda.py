@@ -23,7 +23,8 @@ from megatron_spec.rl.overrides import apply_overrides
 from megatron_spec.rl.policy import EmbeddedPolicy
 
 from ..rl.test_loop import ckpts, small_cfg  # noqa: F401  (fixture)
-from ..spec.test_engine_spec import PROMPTS, assert_logprobs_equal_full_forward, assert_sampled_matches_plain, drafters
+from ..spec.test_engine_spec import (PROMPTS, SAMPLED, assert_logprobs_equal_full_forward, assert_sampled_matches_plain,
+                                    drafters)
 
 ATOL = 1e-4
 """Log-prob agreement across devices and kernels (module docstring)."""
@@ -76,10 +77,11 @@ def test_greedy_identity_on_cuda(cuda_target, name):
     assert sum(o.spec.get("drafted", 0) for o in fast) > 0
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=8), dict(temperature=1.0, top_p=0.8)])
+@pytest.mark.parametrize("kw", SAMPLED)
 def test_sampled_speculation_is_lossless_on_cuda(cuda_target, kw):
     """The CPU suite's chi-square test (tests/spec: 2000 completions, 99.9 % threshold per position, false alarm
-    0.001 each) with the target, the drafter and the verifier on the GPU."""
+    0.001 each) with the target, the drafter and the verifier on the GPU, beside its power control (plain decoding
+    at 0.75 times the temperature rejected at each position; power >= 0.997, `assert_matches_plain`)."""
     assert_sampled_matches_plain(cuda_target, kw)
 
 

@@ -16,7 +16,7 @@ from megatron_spec.spec.proposers import HiddenStateProposer
 from megatron_spec.spec.sampling import processed_logprobs
 
 from .hidden_reference import reference_hidden_drafts
-from .stats import chi2_quantile_999, homogeneity
+from .stats import assert_rejects, chi2_quantile_999, homogeneity, noncentrality_homogeneity
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [8, 9, 10, 11, 12], [3], [20, 21, 20, 21, 20], [40] * 6, [33, 34]]
 
@@ -73,15 +73,27 @@ def test_partial_acceptance_happens(target):
     assert 0.2 * drafted < accepted < 0.95 * drafted
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=8), dict(temperature=1.0, top_p=0.8)])
+SAMPLED = [dict(temperature=1.0), dict(temperature=0.7, top_k=8), dict(temperature=1.0, top_p=0.8)]
+"""The sampling settings of the chi-square tests (here and in tests/gpu)."""
+
+COOL = 0.75
+"""The engine-level power controls' error: plain decoding at 0.75 times the test's temperature. On the tiny target
+(64 tokens, next-token distributions spread over ~30 of them) 2000 completions a side cannot see a 5 % temperature
+error: lambda is 4.5 at T = 1 and 1.5 at T = 0.7, top-k 8 at the first position (power < 0.01), and 30000-60000 a
+side would be needed; only under top-p 0.8 does the first position see it (power 1 - 1e-6: the nucleus's edge
+moves). These tests catch errors of the control's size; test_verify.py's sampler-level tests catch a 5 % one."""
+
+
+@pytest.mark.parametrize("kw", SAMPLED)
 def test_sampled_completions_match_plain_decoding(target, kw):
     """2000 three-token completions of one prompt, plain vs speculative (noisy draft model, k=3, sampled drafts
     with their q in verification): for each of the three positions a two-sample chi-square test of the token
-    frequencies, threshold the 99.9 % quantile (false alarm 0.001 per assertion, fixed seeds)."""
+    frequencies, threshold the 99.9 % quantile (false alarm 0.001 per assertion, fixed seeds). Power control
+    (`assert_matches_plain`): plain decoding at 0.75 times the temperature is rejected at each position."""
     assert_sampled_matches_plain(target, kw)
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=8)])
+@pytest.mark.parametrize("kw", SAMPLED[:2])
 def test_sampled_completions_with_greedy_drafts_match_plain_decoding(target, kw):
     """The same test with the draft model's argmax as its drafts (q one-hot), which on the CPU the engine verifies
     in one kernel call (`kernels.verify_coupled`; checked here by counting its calls): the path of the main job's
@@ -95,13 +107,30 @@ def test_sampled_completions_with_greedy_drafts_match_plain_decoding(target, kw)
     assert len(calls) >= 8  # at least one verify step for each of the 8 batches of 250 sequences
 
 
+def test_sampled_completions_with_sampled_mtp_drafts_match_plain_decoding(target):
+    """The same test for an MTP head that samples its drafts (q is the head's processed distribution): the
+    hidden-state proposer's sampled path over the full vocabulary (EAGLE-3's, through a draft vocabulary, is
+    test_hidden_draft_vocab.py's). An untrained head's q is far from p: 645 of 2000 drafts accepted here, so
+    residual draws are frequent. Its power control is the T = 1 one of `assert_matches_plain` (power 1 - 1e-10,
+    1 - 3e-6, 0.998 at positions 0, 1, 2)."""
+    torch.manual_seed(3)
+    head = MTP(target.config, MTPConfig(1))
+    fast = assert_matches_plain(target, SAMPLED[0], SpecConfig("mtp", 3, draft_sampling=True), head)
+    accepted, drafted = (sum(o.spec.get(key, 0) for o in fast) for key in ("accepted", "drafted"))
+    assert 200 < accepted < drafted // 2
+
+
 @pytest.mark.parametrize("name", ["ngram", "history", "draft_model", "mtp_2_layers", "eagle3", "ngram_adaptive"])
 def test_sampled_tokens_with_deterministic_drafts_are_plain_decodings_for_the_same_seed(target, name):
     """Sampling at T = 0.5 with top-k 20 (cool enough for the n-gram drafters to find repeats), batch capacity 4 with 6 prompts: with every deterministic drafter the
     engine emits the plain engine's tokens and log-probs for the same seed, bit for bit, because each output
     position's token is drawn with that position's uniform by the same kernel in a plain and a verify step, from
     logits the CPU kernels compute the same in both. Drafts were made and some accepted (it is not plain decoding
-    twice), and another seed gives other tokens (the equality is not of something the seed does not reach)."""
+    twice), and another seed gives other tokens (the equality is not of something the seed does not reach).
+
+    This exact identity, not a chi-square test, is what covers sampling with the n-gram and history drafters and
+    with MTP and EAGLE-3 heads drafting greedily (the draft model's greedy drafts have both): it has no false
+    alarm and fails on one changed token, so it needs no power control."""
     spec, drafter = drafters(target)[name]
     params = SamplingParams(temperature=0.5, top_k=20, max_tokens=40, seed=4)
     plain = LLMEngine(target, max_num_seqs=4).generate(PROMPTS, params)
@@ -116,20 +145,41 @@ def test_sampled_tokens_with_deterministic_drafts_are_plain_decodings_for_the_sa
 def assert_sampled_matches_plain(target, kw: dict, draft_sampling: bool = True) -> None:
     """The body of `test_sampled_completions_match_plain_decoding`, for a target on any device (tests/gpu)."""
     spec = SpecConfig("draft_model", 3, draft_sampling=draft_sampling)
-    draft = noisy_copy(target, 0.005, 5)
-    n, prompt = 2000, [5, 6, 7]
-    params = SamplingParams(max_tokens=3, seed=17, **kw)
-    plain = LLMEngine(target, max_num_seqs=250).generate([prompt] * n, params)
-    params_b = SamplingParams(max_tokens=3, seed=18, **kw)
-    fast = LLMEngine(target, max_num_seqs=250, spec=spec, drafter=draft).generate([prompt] * n, params_b)
+    fast = assert_matches_plain(target, kw, spec, noisy_copy(target, 0.005, 5))
     # Speculation really ran and was accepted (an argmax draft stands with probability p(argmax), which at T = 1 on
     # this target is lower than a sampled draft's min(1, p / q): 456 drafts accepted in all here).
-    assert sum(o.spec.get("accepted", 0) for o in fast) > (n // 2 if draft_sampling else n // 5)
+    assert sum(o.spec.get("accepted", 0) for o in fast) > (1000 if draft_sampling else 400)
+
+
+def assert_matches_plain(target, kw: dict, spec: SpecConfig, drafter, n: int = 2000) -> list:
+    """n three-token completions of [5, 6, 7], plain (seed 17) and speculative (seed 18): at each position a
+    two-sample chi-square test of the token counts at the 99.9 % quantile (false alarm 0.001 per position).
+
+    Power control: n plain completions at `COOL` times the temperature (seed 19) against the same plain ones must
+    be rejected at each position. The noncentral chi-square's power at n = 2000, from the exact marginal
+    distributions of the three positions (enumerated over every prefix, a one-off), is >= 0.997 at each position
+    for each of `SAMPLED`: at T = 1 1 - 1e-10, 1 - 3e-6, 0.998 (lambda 153, 134, 95 on df 26, 53, 56); at T = 0.7,
+    top-k 8 0.997, 1 - 5e-8, 1 - 8e-6 (lambda 52, 123, 119 on df 7, 22, 41); at T = 1, top-p 0.8 1 - 1e-13 or
+    more (lambda 318, 299, 239). The first position's is computed here from the target's distribution and must be
+    >= 0.99. Returns the speculative completions."""
+    prompt, vocab = [5, 6, 7], target.config.vocab_size
+    cool = {**kw, "temperature": kw.get("temperature", 1.0) * COOL}
+
+    def sample(spec_, drafter_, seed, params):
+        engine = LLMEngine(target, max_num_seqs=250, spec=spec_, drafter=drafter_)
+        return engine.generate([prompt] * n, SamplingParams(max_tokens=3, seed=seed, **params))
+
+    plain, fast, control = sample(None, None, 17, kw), sample(spec, drafter, 18, kw), sample(None, None, 19, cool)
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt], device=target.device))[0, -1].cpu()
+    first = noncentrality_homogeneity(processed_logprobs(logits, **kw).exp().numpy(),
+                                      processed_logprobs(logits, **cool).exp().numpy(), n, n)
     for pos in range(3):
-        a = np.bincount([o.token_ids[pos] for o in plain], minlength=64)
-        b = np.bincount([o.token_ids[pos] for o in fast], minlength=64)
+        a, b, c = (np.bincount([o.token_ids[pos] for o in outs], minlength=vocab) for outs in (plain, fast, control))
         chi2, df = homogeneity(a, b)
         assert chi2 <= chi2_quantile_999(df)
+        assert_rejects(*homogeneity(a, c), first if pos == 0 else None)
+    return fast
 
 
 @pytest.mark.parametrize("name", ["draft_model", "mtp", "history"])

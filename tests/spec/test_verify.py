@@ -10,18 +10,47 @@ import torch
 from megatron_spec.spec.sampling import processed_logprobs, sample_inverse_cdf
 from megatron_spec.spec.verify import accepted_prefix, verify_coupled, verify_greedy, verify_sampled
 
-from .stats import chi2_quantile_999, goodness_of_fit
+from .stats import assert_rejects, chi2_quantile_999, goodness_of_fit, noncentrality_gof, power
 
-V, K, N = 8, 3, 40_000
+V, K, N = 8, 3, 400_000
+HOT = 1.05
+"""The power controls' error: the verifier run against p at 5 % higher temperature, p^(1 / 1.05) renormalised
+(`processed_logprobs(log p, 1.05)`: zeros stay zero, so the control's tokens stay inside p's support)."""
+
+WEAK = {("sampled_q", "top_p"): {0, 1}, ("one_hot", "top_k"): {1}, ("one_hot", "top_p"): {0}}
+"""The checks (0: first token, 1: second) of `test_emitted_tokens_follow_target` with power < 0.99 against the
+5 % temperature error (the cases are named by their kind and their top-k / top-p): there it is not asserted."""
+
+
+def emitted(p: torch.Tensor, drafts, q, u, coupled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first emitted token of each of N verify calls against p [K + 1, V], and the second among the rows whose
+    first token was an accepted draft."""
+    if coupled:
+        verdict = verify_coupled(p.expand(N, K + 1, V), drafts, torch.full((N,), K), u)
+    else:
+        verdict = verify_sampled(p.expand(N, K + 1, V), drafts, torch.full((N,), K), u[:, :K], u[:, K], q)
+    n = verdict.num_accepted
+    rows = n > 0
+    return (torch.where(rows, drafts[:, 0], verdict.next_token),
+            torch.where(n[rows] > 1, drafts[rows, 1], verdict.next_token[rows]))
 
 
 @pytest.mark.parametrize("proc", [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.0, top_k=4),
                                   dict(temperature=1.0, top_p=0.7)])
 @pytest.mark.parametrize("draft_kind", ["sampled_q", "one_hot", "one_hot_coupled"])
 def test_emitted_tokens_follow_target(proc, draft_kind):
-    """N=40000 independent verify calls with K=3 drafts over V=8 tokens (one_hot_coupled: `verify_coupled`). The first emitted token (a draft that was
-    accepted, or the residual sample) and the second (when the first was an accepted draft) must follow p at
-    their positions: chi-square against p, threshold at the 99.9 % quantile (false alarm 0.001 per assertion)."""
+    """N=400000 independent verify calls with K=3 drafts over V=8 tokens (one_hot_coupled: `verify_coupled`). The
+    first emitted token (a draft that was accepted, or the residual sample) and the second (when the first was an
+    accepted draft) must follow p at their positions: chi-square against p, threshold at the 99.9 % quantile (false
+    alarm 0.001 per assertion).
+
+    Power control: the same draws through the same verifier against p at 5 % higher temperature (`HOT`) must be
+    rejected by the same checks against p. Its power, from the noncentral chi-square with lambda = rows *
+    sum((p_hot - p)^2 / p) computed here, is >= 0.99 in 20 of the 24 checks (>= 0.996; 1 - 1e-6 or more in 17);
+    the four in `WEAK` are not asserted: (sampled_q, top-p) keeps a single token at the first position (that check
+    is of the support alone, df 0) and has 21000 rows at the second, of two tokens (power 0.2); (one_hot, top-k)
+    has 10000 rows at the second (0.84); (one_hot, top-p) keeps two nearly even tokens at the first, which a 5 %
+    temperature error hardly moves (0.6)."""
     g = torch.Generator().manual_seed(zlib.crc32(repr((draft_kind, proc)).encode()))
     target_logits = torch.randn(K + 1, V, generator=g) * 1.5
     p = processed_logprobs(target_logits, **proc).exp()
@@ -33,51 +62,78 @@ def test_emitted_tokens_follow_target(proc, draft_kind):
         drafts = p[:K].argsort(-1)[:, -2].expand(N, K)  # the runner-up token: often accepted, often rejected
         probs = None
     u = torch.rand(N, K + 1, generator=g)
-    if draft_kind == "one_hot_coupled":
-        verdict = verify_coupled(p.expand(N, K + 1, V), drafts, torch.full((N,), K), u)
-    else:
-        verdict = verify_sampled(p.expand(N, K + 1, V), drafts, torch.full((N,), K), u[:, :K], u[:, K], probs)
-    n = verdict.num_accepted
-    first = torch.where(n > 0, drafts[:, 0], verdict.next_token)
-    chi2, df = goodness_of_fit(np.bincount(first.numpy(), minlength=V), p[0].numpy())
-    assert chi2 <= chi2_quantile_999(df)
-    # Second emitted token, among rows whose first token was an accepted draft.
-    rows = n > 0
-    assert rows.sum() > 500  # enough accepted first drafts for the chi-square approximation below
-    second = torch.where(n[rows] > 1, drafts[rows, 1], verdict.next_token[rows])
-    chi2, df = goodness_of_fit(np.bincount(second.numpy(), minlength=V), p[1].numpy())
-    assert chi2 <= chi2_quantile_999(df)
+    coupled = draft_kind == "one_hot_coupled"
+    first, second = emitted(p, drafts, probs, u, coupled)
+    assert len(second) > 500  # enough accepted first drafts for the chi-square approximation below
+    for pos, tokens in enumerate((first, second)):
+        chi2, df = goodness_of_fit(np.bincount(tokens.numpy(), minlength=V), p[pos].numpy())
+        assert chi2 <= chi2_quantile_999(df)
+    hot = processed_logprobs(p.log(), HOT).exp()
+    weak = set()
+    for pos, tokens in enumerate(emitted(hot, drafts, probs, u, coupled)):
+        chi2, df = goodness_of_fit(np.bincount(tokens.numpy(), minlength=V), p[pos].numpy())
+        noncentrality = noncentrality_gof(p[pos].numpy(), hot[pos].numpy(), len(tokens))
+        if power(*noncentrality) >= 0.99:
+            assert_rejects(chi2, df, noncentrality)
+        else:
+            weak.add(pos)
+    assert weak <= WEAK.get((draft_kind, next((k for k in ("top_k", "top_p") if k in proc), "")), set())
 
 
 def test_zero_probability_drafts_are_never_emitted():
     """A deterministic drafter proposing a token that top-k removed is always rejected, and the residual (p with
-    that token removed) is p itself: the first token still follows p (chi-square, false alarm 0.001)."""
+    that token removed) is p itself: the first token still follows p (chi-square, false alarm 0.001, 40000 draws).
+    Power control: the same draws against p at 5 % higher temperature are rejected (power 0.9997: lambda 51 on
+    df 2, computed here from p)."""
     g = torch.Generator().manual_seed(3)
+    n = 40_000
     p = processed_logprobs(torch.randn(2, V, generator=g) * 1.5, top_k=3).exp()
     x = int(p[0].argmin())
-    u = torch.rand(N, 2, generator=g)
-    v = verify_sampled(p.expand(N, 2, V), torch.full((N, 1), x), torch.ones(N, dtype=torch.long), u[:, :1], u[:, 1])
-    assert v.num_accepted.sum() == 0
-    chi2, df = goodness_of_fit(np.bincount(v.next_token.numpy(), minlength=V), p[0].numpy())
+    u = torch.rand(n, 2, generator=g)
+
+    def first(target):
+        v = verify_sampled(target.expand(n, 2, V), torch.full((n, 1), x), torch.ones(n, dtype=torch.long), u[:, :1],
+                           u[:, 1])
+        assert v.num_accepted.sum() == 0
+        return goodness_of_fit(np.bincount(v.next_token.numpy(), minlength=V), p[0].numpy())
+
+    chi2, df = first(p)
     assert chi2 <= chi2_quantile_999(df)
+    hot = processed_logprobs(p.log(), HOT).exp()
+    assert_rejects(*first(hot), noncentrality_gof(p[0].numpy(), hot[0].numpy(), n))
 
 
 @pytest.mark.parametrize("coupled", [False, True])
 def test_acceptance_rate_matches_theory(coupled):
     """With q one-hot on token x the first draft is accepted with probability p(x), by rejection sampling and by
     the coupled verifier alike: the observed rate over 40000 trials is within 4 standard errors
-    (sqrt(p(1-p)/N) ~ 0.0025)."""
+    (sqrt(p(1-p)/N) ~ 0.0025; false alarm 6e-5). Power control: a verifier that accepts the draft 5 % too often
+    (it reads p(x) = 0.317 5 % high, the rest scaled down) misses p(x) by 0.05 p(x) = 6.8 standard errors, so the
+    same bound rejects it with probability Phi(2.78) = 0.997 (asserted: the shift is at least 4 standard errors of
+    the right rate plus 2.33 of the biased one, power >= 0.99)."""
+    n = 40_000
     g = torch.Generator().manual_seed(7)
     p = torch.softmax(torch.randn(2, V, generator=g), -1)
     x = int(p[0].argmax())
-    u = torch.rand(N, 2, generator=g)
-    drafts, one = torch.full((N, 1), x), torch.ones(N, dtype=torch.long)
-    if coupled:
-        v = verify_coupled(p.expand(N, 2, V), drafts, one, u)
-    else:
-        v = verify_sampled(p.expand(N, 2, V), drafts, one, u[:, :1], u[:, 1])
-    rate = (v.num_accepted == 1).float().mean().item()
-    assert abs(rate - p[0, x].item()) < 4 * (p[0, x].item() * (1 - p[0, x].item()) / N) ** 0.5
+    u = torch.rand(n, 2, generator=g)
+    drafts, one = torch.full((n, 1), x), torch.ones(n, dtype=torch.long)
+
+    def rate(target):
+        if coupled:
+            v = verify_coupled(target.expand(n, 2, V), drafts, one, u)
+        else:
+            v = verify_sampled(target.expand(n, 2, V), drafts, one, u[:, :1], u[:, 1])
+        return (v.num_accepted == 1).float().mean().item()
+
+    px = p[0, x].item()
+    se = (px * (1 - px) / n) ** 0.5
+    assert abs(rate(p) - px) < 4 * se
+    biased = p.clone()
+    biased[0] *= (1 - 1.05 * px) / (1 - px)
+    biased[0, x] = 1.05 * px
+    shifted_se = (1.05 * px * (1 - 1.05 * px) / n) ** 0.5
+    assert 0.05 * px - 4 * se >= 2.33 * shifted_se  # power >= 0.99 against the biased verifier
+    assert abs(rate(biased) - px) >= 4 * se
 
 
 def test_bonus_token_after_all_accepted_and_ragged_lengths():
