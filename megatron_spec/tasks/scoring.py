@@ -44,10 +44,27 @@ def _alarm(signum, frame):
     raise _Timeout
 
 
+_WARM: set[str] = set()
+WARM_UP_S = 120.0
+"""The bound on a reward function's first call in a process (math-verify builds its parsers there: seconds on a
+loaded host, which the per-item timer must not count against a completion)."""
+
+
 def score_one(path: str, text: str, answer: str, timeout_s: float) -> tuple[float, bool]:
     """(reward, timed out) of one completion; the timer only works in a process's main thread (a worker's, or the
-    driver's), elsewhere the call is unbounded."""
+    driver's), elsewhere the call is unbounded. A process's first call for a function warms it up on the answer
+    against itself, under a timer of its own."""
     fn = resolve(path)
+    if path not in _WARM:
+        _WARM.add(path)
+        try:
+            _timed(fn, answer, answer, max(WARM_UP_S, timeout_s))
+        except Exception:  # noqa: BLE001 - only a warm-up: the completion's own call reports what is wrong
+            pass
+    return _timed(fn, text, answer, timeout_s)
+
+
+def _timed(fn: Callable, text: str, answer: str, timeout_s: float) -> tuple[float, bool]:
     timed = threading.current_thread() is threading.main_thread()
     if timed:
         previous = signal.signal(signal.SIGALRM, _alarm)

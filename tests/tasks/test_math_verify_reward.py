@@ -2,6 +2,7 @@
 (boxed and unboxed, equal and unequal, integers, fractions, LaTeX, units), in-process and through worker
 processes; a call that runs over its timeout scores 0 and is counted; a bad import path fails before scoring."""
 
+import os
 import time
 
 import pytest
@@ -91,10 +92,34 @@ def test_parallel_scorer_equals_in_process_and_direct():
 
 
 def slow_reward(text: str, answer: str) -> float:
-    """1.0 at once for "fast", otherwise sleeps well past any timeout the tests set."""
-    if text != "fast":
+    """1.0 at once for "fast" (and for the answer itself, the warm-up), otherwise sleeps well past any timeout the
+    tests set."""
+    if text not in ("fast", answer):
         time.sleep(30)
     return 1.0
+
+
+_BUILT: set[int] = set()
+
+
+def cold_reward(text: str, answer: str) -> float:
+    """1.0, after 2 s the first time in a process (as math-verify builds its parsers on its first call)."""
+    if os.getpid() not in _BUILT:
+        time.sleep(2.0)
+        _BUILT.add(os.getpid())
+    return 1.0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_functions_first_call_is_not_counted_against_a_completion(workers):
+    """A reward function slow only on its first call in a process (2 s) under a 0.5 s timer: every completion
+    scores 1, none timed out, because each process warms the function up on the answer against itself before
+    timing a completion. Without the warm-up the first completion of each process would score 0 and count."""
+    scorer = RewardScorer(f"{__name__}:cold_reward", workers=workers, timeout_s=0.5)
+    try:
+        assert scorer(["a", "b", "c", "d"], ["1"] * 4) == ([1.0] * 4, 0)
+    finally:
+        scorer.close()
 
 
 def failing_reward(text: str, answer: str) -> float:
