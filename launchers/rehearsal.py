@@ -101,6 +101,9 @@ def overrides(name: str, cfg, recipe_scale) -> list[str]:
     out, toy = home(name) / "run", home(name) / "toy"
     sets = {
         "run.out_dir": out, "run.steps": STEPS, "run.eval_prompts": 2, "run.threads": 1, "run.report": "false",
+        # Toy steps take seconds: the recipe's step cadence (kept) saves the rehearsal; its time cadence, sized for
+        # hour-long steps, would only ask a short allocation for a first save it never reaches.
+        "run.save_every_s": "null",
         "model.policy": toy / "policy", "model.hub_cache": "null", "model.drafter": toy / "drafter",
         "data.path": toy / "data.parquet", "data.format": "dapo", "data.max_prompt_tokens": PROMPT_TOKENS,
         "data.reward_workers": 1,
