@@ -33,9 +33,11 @@ from typing import Any, Callable
 try:
     from .figures import FIGURES, GIVEN, PAGES, Figure
     from .figures.base import load
+    from .figures.main_job import gpu_whole_step, runs
 except ImportError:  # run as a script
     from figures import FIGURES, GIVEN, PAGES, Figure
     from figures.base import load
+    from figures.main_job import gpu_whole_step, runs
 
 ROOT = Path(__file__).resolve().parents[1]
 OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt, "==": operator.eq}
@@ -51,19 +53,9 @@ class Claim:
     why: str                        # why this bound: what the sentence needs, and how the run could fail it
 
 
-def _runs(record: dict, variant: str) -> list[dict]:
-    return [r for r in record["runs"] if r["variant"] == variant]
-
-
 def _whole_run(record: dict) -> float:
     """Plain over speculative wall time of whole runs, pooled over the seeds."""
-    return sum(r["wall_s"] for r in _runs(record, "plain")) / sum(r["wall_s"] for r in _runs(record, "spec"))
-
-
-def _gpu_whole_step(record: dict) -> float:
-    job = record["main_job"]
-    spec, plain = job["spec"], job["plain"]
-    return (plain["gen_s"] + plain["train_s"]) / (spec["gen_s"] + spec["train_s"])
+    return sum(r["wall_s"] for r in runs(record, "plain")) / sum(r["wall_s"] for r in runs(record, "spec"))
 
 
 def cells(record: dict, ours: str = "ours", other: str = "vllm", drafter: str = "ngram") -> list[float]:
@@ -133,12 +125,12 @@ CLAIMS: list[Claim] = [
           lambda r: r["claims"]["whole_step"]["same_rollouts"], "==", True, "the engine draws each position's token "
           "with its own uniform on the CPU, so any difference is a bug"),
     Claim("gpu_h200", "gen stage on one H200 meets 1.3x", lambda r: r["main_job"]["gen_speedup"], ">=", 1.3, GEN),
-    Claim("gpu_h200", "whole step on one H200 is slower with speculation (before the gate)", _gpu_whole_step, "<",
+    Claim("gpu_h200", "whole step on one H200 is slower with speculation (before the gate)", gpu_whole_step, "<",
           1.0, "the page shows this run as speculation not paying end to end; a run where it paid would fail it"),
     Claim("gpu_h200", "GPU tier: tests passed", lambda r: r["tier"]["result"]["passed"], ">=", 22,
           "the tier had 22 tests when this record was taken; fewer passing would mean a failure"),
     Claim("gpu_h100", "gen stage on one H100 meets 1.3x", lambda r: r["main_job"]["gen_speedup"], ">=", 1.3, GEN),
-    Claim("gpu_h100", "whole step on one H100 is slower with speculation (before the gate)", _gpu_whole_step, "<",
+    Claim("gpu_h100", "whole step on one H100 is slower with speculation (before the gate)", gpu_whole_step, "<",
           1.0, "the page shows this run as speculation not paying end to end; a run where it paid would fail it"),
     Claim("loop_pairs_avx2", "in the loop on a 2-core AVX2 CPU the controller beats plain decoding",
           lambda r: r["plain_over_spec_pooled"], ">=", 1.0, "the page says it pays here"),
