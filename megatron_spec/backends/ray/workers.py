@@ -16,13 +16,18 @@ import time
 
 
 def _build(cfg, which: str):
+    """The actor's policy or generator. With a Megatron trainer no actor loads the whole policy: every trainer rank
+    reads its own shards, and a vLLM engine starts from the checkpoint files in the dtype they hold (as the
+    in-process loop does). Our engine, which is not sharded, loads the policy into its own process."""
     from ...models import from_pretrained
     from ...rl.backends import build_generator, build_policy
     from ...rl.loop import load_drafter_for
 
+    build = build_policy if which == "policy" else build_generator
+    if cfg.backend.trainer == "megatron" and (which == "policy" or cfg.backend.generator == "vllm"):
+        return build(cfg, None, None)
     model = from_pretrained(cfg.model.policy)
-    drafter = load_drafter_for(cfg, model)
-    return (build_policy if which == "policy" else build_generator)(cfg, model, drafter)
+    return build(cfg, model, load_drafter_for(cfg, model))
 
 
 class CrashHook:
