@@ -63,7 +63,7 @@ from .parallel import ensure_process_group, init_model_parallel
 from .provider import build_model
 from .step import device as _device
 from .step import (
-    StepSpec, aux_loss_sum, clip, gather_rows, is_mtp, norm_owned, padded_tokens, plan, reduce_grads,
+    StepSpec, aux_loss_sum, clip, gather_rows, is_mtp, norm_owned, padded_tokens, plan, positions, reduce_grads,
     reset_router_tracker, run_schedule, sum_metrics,
 )
 
@@ -198,6 +198,7 @@ class MegatronPolicy:
 
             self.eagle3 = Eagle3Online(self.model, eagle3, grpo, sampling, drafter_cfg)
         self.packed = True  # micro-batches by token budget, padded to their own longest row (`step.plan`)
+        self.one_schedule = True  # one schedule call per pass over micro-batches of any shapes (`step.run_schedule`)
         # With followers, rank 0 announces each call (the RL loop); without, every rank makes the calls itself.
         self.leader = followers and dist.get_rank() == 0 and dist.get_world_size() > 1
 
@@ -281,7 +282,8 @@ class MegatronPolicy:
         self._announce("logprobs", batch)
         micros = self._micros(batch)
         self.model.eval()
-        outs = run_schedule(self.model, micros, self._spec(batch, len(micros), False), None, forward_only=True)
+        outs, _ = run_schedule(self.model, micros, self._spec(batch, len(micros), False), None, forward_only=True,
+                               one_call=self.one_schedule)
         self.model.train()
         aux_loss_sum(self.model, 1)  # clears Megatron's router-loss tracker
         B, T = batch.mask.shape
@@ -299,13 +301,16 @@ class MegatronPolicy:
         self.model.train()
         aux_loss_sum(self.model, 1)  # start from an empty router-loss tracker
         with self.eagle3.capture(micros) if self.eagle3 else contextlib.nullcontext():
-            outs = run_schedule(self.model, micros, spec, self.mtp, forward_only=False)
+            outs, calls = run_schedule(self.model, micros, spec, self.mtp, forward_only=False,
+                                       one_call=self.one_schedule)
         contributes = self._contributes()
-        keys = ("policy_loss", "clip_frac", "is_clip_frac", "drafter_loss", "pad_tokens")
-        sums = sum_metrics([*outs, {"pad_tokens": padded_tokens(micros)}], contributes, keys)
+        keys = ("policy_loss", "clip_frac", "is_clip_frac", "drafter_loss", "pad_tokens", "positions")
+        sums = sum_metrics([*outs, {"pad_tokens": padded_tokens(micros), "positions": positions(micros)}],
+                           contributes, keys)
         total_micro = len(micros) * ps.get_data_parallel_world_size()
         aux = aux_loss_sum(self.model, total_micro)
-        metrics = {"loss": sums["policy_loss"] + aux, "clip_frac": sums["clip_frac"], "pad_tokens": sums["pad_tokens"]}
+        metrics = {"loss": sums["policy_loss"] + aux, "clip_frac": sums["clip_frac"], "pad_tokens": sums["pad_tokens"],
+                   "train_schedule_calls": calls, "train_pad_fraction": sums["pad_tokens"] / max(sums["positions"], 1)}
         if self.model.config.num_moe_experts:  # the two parts: the GRPO loss and Megatron's router losses
             metrics.update(grpo_loss=sums["policy_loss"], moe_aux_loss=aux)
         if any("is_clip_frac" in o for o in outs) or batch.behaviour_logprobs is not None:

@@ -69,8 +69,8 @@ def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int, fixed: bool = F
     and the pipeline schedule sends activations of its call's one shape between stages. So the rows, longest first,
     are cut into slots of dp x m rows, m as large as the token budget allows at the slot's longest row (`packed`),
     rank r taking the slot's r-th m rows, all padded to that longest row only (rows of one length keep their
-    order, so every layout of the same budget cuts them alike); `run_schedule` runs each run
-    of equal shapes as one schedule call. `packed` False: consecutive rows in chunks of m (the largest divisor of
+    order, so every layout of the same budget cuts them alike); `run_schedule` runs them all as one schedule
+    call. `packed` False: consecutive rows in chunks of m (the largest divisor of
     B / dp with m x T within the budget), all padded to the batch's full length T, chunk j on rank j mod dp.
     """
     B, T = batch.input_ids.shape
@@ -109,7 +109,12 @@ def slots(batch: Batch, token_budget: int, dp: int, dp_rank: int) -> list[tuple[
 
 def padded_tokens(micros: list[Micro]) -> int:
     """Positions of this rank's micro-batches that hold no token of a row (padding)."""
-    return sum(m.batch.mask.numel() - sum(sequence_lengths(m.batch.mask)) for m in micros)
+    return positions(micros) - sum(sum(sequence_lengths(m.batch.mask)) for m in micros)
+
+
+def positions(micros: list[Micro]) -> int:
+    """Positions of this rank's micro-batches, padding included (what the forward computes over)."""
+    return sum(m.batch.mask.numel() for m in micros)
 
 
 def stage_forward(model, input_ids: Tensor, mtp: str | None) -> tuple[Tensor, list[Tensor]]:
@@ -201,33 +206,47 @@ def forward_logprobs(spec: StepSpec, micro: Micro, logits: Tensor):
     return logits.sum() * 0, {"logprobs": lp, "rows": micro.rows}
 
 
-def run_schedule(model, micros: list[Micro], spec: StepSpec, mtp: str | None, forward_only: bool) -> list[dict]:
-    """Megatron's forward(-backward) over this rank's micro-batches; the last stage's per-micro-batch outputs.
-
-    Each run of consecutive micro-batches of one shape is one schedule call (a call sends one activation shape
-    between stages). A call over n of the rank's N micro-batches divides each loss by n, not N: the config's
-    `grad_scale_func` multiplies by n / N during it, which restores the one-call weights of the GRPO loss and of the
-    router losses (whose scale the schedule derives from the same function)."""
+def schedule_groups(micros: list[Micro], one_call: bool) -> list[list[Micro]]:
+    """The micro-batches of each schedule call: all of them in one (`one_call`), or each run of consecutive
+    micro-batches of one shape in its own (the pipeline then sends one activation shape per call)."""
+    if one_call:
+        return [micros]
     groups: list[list[Micro]] = []
     for m in micros:
         if groups and groups[-1][0].batch.input_ids.shape == m.batch.input_ids.shape:
             groups[-1].append(m)
         else:
             groups.append([m])
+    return groups
+
+
+def run_schedule(model, micros: list[Micro], spec: StepSpec, mtp: str | None, forward_only: bool,
+                 one_call: bool = True) -> tuple[list[dict], int]:
+    """Megatron's forward(-backward) over this rank's micro-batches: (the last stage's per-micro-batch outputs,
+    schedule calls made).
+
+    `one_call`: one call over all of them, whatever their shapes, with Megatron's `variable_seq_lengths` set when
+    the pipeline has more than one stage and the shapes differ (each send is then preceded by its shape), so 1F1B
+    keeps every stage busy across the whole step. Otherwise each run of one shape is its own call: a call over n of
+    the rank's N micro-batches divides each loss by n, not N, so the config's `grad_scale_func` multiplies by n / N
+    during it, which restores the one-call weights of the GRPO loss and of the router losses (whose scale the
+    schedule derives from the same function)."""
+    groups = schedule_groups(micros, one_call)
     config = model.config
-    base, outs = config.grad_scale_func, []
+    base, variable, outs = config.grad_scale_func, config.variable_seq_lengths, []
 
     def scaled(factor, t):
         return (base(t) if base is not None else t) * factor
 
     try:
+        config.variable_seq_lengths = variable or len({m.batch.input_ids.shape for m in groups[0]}) > 1
         for group in groups:
             if len(groups) > 1:
                 config.grad_scale_func = partial(scaled, len(group) / len(micros))
             outs += _schedule_call(model, group, spec, mtp, forward_only)
     finally:
-        config.grad_scale_func = base
-    return outs
+        config.grad_scale_func, config.variable_seq_lengths = base, variable
+    return outs, len(groups)
 
 
 def _schedule_call(model, micros: list[Micro], spec: StepSpec, mtp: str | None, forward_only: bool) -> list[dict]:
