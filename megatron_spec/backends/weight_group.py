@@ -1,19 +1,32 @@
-"""The weight-update group: a torch.distributed process group of its own (not the default group, so it never
-disturbs the trainer's or vLLM's) from the rank that owns the exported buckets (rank 0) to every generator worker.
+"""The weight-update group: torch.distributed process groups of their own (never the default group, so they never
+disturb the trainer's or vLLM's) from the trainer ranks that send (one per pipeline stage, each holding only its
+own stage's weights) to every generator worker.
 
-    sender (rank 0):   for each bucket: broadcast [header bytes, payload bytes] -> header -> payload; then an end mark
-    receivers:         the same broadcasts, the payload split back into (hf_name, tensor) views, bucket by bucket
+Members `0 .. senders - 1` send, the rest receive. Each sender has a process group of its own with every receiver
+(the sender its rank 0), so no sender ever receives another sender's bytes; receivers take the senders' refits one
+after another, in sender order. Per sender and refit:
 
-The header is JSON (names, dtypes, shapes); the payload is the bucket's tensors, cast to the dtype the engines serve,
-laid end to end as bytes. Nothing is written to a file or put in an object store; the sender holds the bucket it is
-given and one payload buffer it casts the bucket into, a receiver one received bucket. gloo carries host tensors,
-NCCL device tensors (`collective_device`); a tensor on the wrong device for the group's backend is refused before
-the collective. Used by the Ray trainer and engine actors and by the vLLM worker extension (each vLLM worker is a
-receiver), so an engine of tensor parallel size N is N receivers. Every member is made by `open_weight_group`, which
-maps the transport's name to the class that carries it (`GROUPS`).
+    control          [FRAMED or PACKED, buckets]                       one small broadcast
+    FRAMED:          per bucket [header bytes, payload bytes], the JSON header, the payload; then [END | ABORT]
+    PACKED:          per bucket only the payload; then [END | ABORT]
+
+The header lists each tensor's name, dtype, shape and byte offset; the payload is the bucket's tensors, cast to
+the dtype the engines serve, packed end to end (offsets aligned to 16 bytes, so every view is aligned). A model's
+layout does not change between refits, so the first refit of a group is FRAMED and both sides keep its headers:
+every later one is PACKED (metadata once per group, then none), with no per-bucket size, header or host sync. The
+sender packs bucket n + 1 into one of two payload buffers while bucket n's broadcast (asynchronous) is in flight;
+receivers post bucket n + 1's receive before handing bucket n to the loader, each into a fresh buffer (vLLM's
+layer-wise reload keeps the views it is given until a layer is complete). A sender that fails mid-stream still
+completes the broadcasts the receivers expect (with zeros), then sends ABORT, on which the receivers raise.
+
+Nothing is written to a file or put in an object store. gloo carries host tensors, NCCL device tensors
+(`collective_device`); a tensor on the wrong device for the group's backend is refused before the collective. Used
+by the Ray trainer and engine actors and by the vLLM worker extension (each vLLM worker is a receiver), so an
+engine of tensor parallel size N is N receivers. Every member is made by `open_weight_group`, which maps the
+transport's name to the class that carries it (`GROUPS`).
 
 CUDA IPC (`CudaIpcWeightGroup`), for a trainer and an engine that share one GPU (colocated placement), so that a
-bucket need not move:
+bucket need not move: always FRAMED, the body being the CUDA IPC handle of one device buffer
 
     sender:     cast the bucket into one device buffer -> broadcast [header bytes, handle bytes] -> header -> the
                 buffer's CUDA IPC handle -> wait until every receiver acknowledges -> free the buffer
@@ -37,7 +50,10 @@ import torch
 from .process_groups import collective_backend, collective_device, local_device, rendezvous
 
 END, ABORT = -1, -2
-"""Header marks: the refit is complete; the sender failed mid-stream (the receivers raise instead of waiting)."""
+"""Closing marks of a sender's refit: complete; the sender failed mid-stream (the receivers raise)."""
+FRAMED, PACKED = -3, -4
+"""Opening marks: buckets with their headers (the layout is learnt); payloads only (the layout is known)."""
+_ALIGN = 16
 
 
 class RefitAborted(RuntimeError):
@@ -51,44 +67,77 @@ def dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
-def bucket_views(header: bytes, payload: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Split a received payload back into (hf_name, tensor) views, as its JSON header lays them out end to end."""
-    bucket, offset = [], 0
-    for name, dtype, shape in json.loads(header.decode()):
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def layout_of(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> tuple[list, int]:
+    """A bucket's header ([name, dtype, shape, offset] per tensor, floating tensors in `dtype`) and payload bytes
+    (the tensors' bytes with the alignment padding between them)."""
+    header, offset = [], 0
+    for name, t in bucket:
+        dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        header.append([name, str(dt), list(t.shape), offset])
+        offset += -(-t.numel() * _size(dt) // _ALIGN) * _ALIGN
+    return header, offset
+
+
+def tensor_bytes(header: list) -> int:
+    """The bytes of a bucket's tensors (what a refit reports: padding is not counted)."""
+    return sum(torch.Size(shape).numel() * _size(dtype_of(dt)) for _, dt, shape, _ in header)
+
+
+def bucket_views(header: list, payload: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Split a received payload back into (hf_name, tensor) views, as its header lays them out."""
+    out = []
+    for name, dtype, shape, offset in header:
         dt = dtype_of(dtype)
-        size = torch.empty((), dtype=dt).element_size()
-        nbytes = torch.Size(shape).numel() * size
-        part = payload[offset:offset + nbytes]
-        if offset % size:  # laid end to end after a tensor of a smaller dtype: a view would be misaligned
-            part = part.clone()
-        bucket.append((name, part.view(dt).view(shape)))
-        offset += nbytes
-    return bucket
+        n = torch.Size(shape).numel() * _size(dt)
+        out.append((name, payload[offset:offset + n].view(dt).view(shape)))
+    return out
 
 
 class WeightGroup:
-    """One member (`rank` of `world`) of a weight-update group rendezvousing at `host:port` (rank 0 hosts it).
-    `backend`: gloo or nccl (None: nccl where there is a GPU); `timeout_s` bounds the start-up and each bucket."""
+    """Member `rank` of a weight-update group of `world` members, the first `senders` of them senders, rendezvousing
+    at `host:port` (member 0 hosts it). `backend`: gloo or nccl (None: nccl where there is a GPU); `timeout_s`
+    bounds the start-up and each collective."""
 
     def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float, backend: str | None = None,
-                 local_rank: int = 0):
-        import torch.distributed as dist
-
-        self.rank, self.world = rank, world
-        self._payload: torch.Tensor | None = None
+                 local_rank: int = 0, senders: int = 1):
+        if not 0 < senders <= world or not 0 <= rank < world:
+            raise ValueError(f"weight group: member {rank} of {world} with {senders} sender(s): needs 1 <= senders "
+                             "<= world and 0 <= rank < world")
+        self.rank, self.world, self.senders = rank, world, senders
         self.backend = backend or collective_backend()
         self.device = collective_device(self.backend, local_rank)
         self.store = rendezvous(host, port, rank, world, timeout_s, "weight-update group")
-        prefixed = dist.PrefixStore("megatron_spec/weights", self.store)
-        timeout = timedelta(seconds=timeout_s)
-        if self.backend == "gloo":
-            self.pg = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+        self.timeout = timedelta(seconds=timeout_s)
+        receivers = world - senders
+        if rank < senders:
+            self.pg = self._group(rank, 0, 1 + receivers)
+            self.pgs = [self.pg]
         else:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            self.pg = dist.ProcessGroupNCCL(prefixed, rank, world, opts)
+            self.pg = None
+            self.pgs = [self._group(s, 1 + rank - senders, 1 + receivers) for s in range(senders)]
+        self.layouts: list[list | None] = [None] * len(self.pgs)  # per sender: [(header, bytes)] per bucket
+        self._buffers: list[torch.Tensor] = []
 
-    def _broadcast(self, tensor: torch.Tensor) -> None:
+    def _group(self, sender: int, rank: int, size: int):
+        import torch.distributed as dist
+
+        store = dist.PrefixStore(f"megatron_spec/weights/{sender}", self.store)
+        if self.backend == "gloo":
+            return dist.ProcessGroupGloo(store, rank, size, self.timeout)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = self.timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank < self.senders
+
+    def _post(self, tensor: torch.Tensor, pg=None):
+        """Start a broadcast from the sender of `pg` (default: this sender's group); returns its work."""
         import torch.distributed as dist
 
         if tensor.device != self.device:
@@ -96,78 +145,170 @@ class WeightGroup:
                                "needed")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.pg.broadcast([tensor], opts).wait()
+        return (pg or self.pg).broadcast([tensor], opts)
+
+    def _broadcast(self, tensor: torch.Tensor, pg=None) -> None:
+        self._post(tensor, pg).wait()
+
+    def _mark(self, a: int, b: int = 0, pg=None) -> tuple[int, int]:
+        t = torch.tensor([a, b], dtype=torch.int64, device=self.device)
+        self._broadcast(t, pg)
+        return tuple(t.tolist())
+
+    # -- sending ------------------------------------------------------------------------------------------------
 
     def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None = None) -> int:
-        """Rank 0: stream `buckets` to every receiver, floating tensors cast to `dtype` (None: as they are); returns
-        the bytes sent (in the sent dtype). Each bucket is cast straight into one payload buffer, reused from bucket
-        to bucket (grown to the largest), so the sender holds the bucket it is given plus one payload."""
-        if self.rank != 0:
-            raise RuntimeError("weight group: only rank 0 sends")
-        total = 0
+        """A sender: stream `buckets` to every receiver, floating tensors cast to `dtype` (None: as they are);
+        returns the tensors' bytes sent (in the sent dtype). The sender holds the bucket it is given plus two payloads."""
+        if not self.is_sender:
+            raise RuntimeError(f"weight group: member {self.rank} receives (members 0..{self.senders - 1} send)")
+        if self.layouts[0] is None or not self.packs:
+            return self._send_framed(buckets, dtype)
+        return self._send_packed(buckets, dtype)
+
+    packs = True
+    """Whether refits after the first travel PACKED (CUDA IPC sends a handle per bucket instead)."""
+
+    def _payload(self, slot: int, nbytes: int) -> torch.Tensor:
+        while len(self._buffers) <= slot:
+            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self._buffers[slot].numel() < nbytes:
+            self._buffers[slot] = torch.empty(0, dtype=torch.uint8, device=self.device)  # freed before the new one
+            self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._buffers[slot][:nbytes]
+
+    @torch.no_grad()
+    def _pack(self, bucket, header: list, out: torch.Tensor) -> torch.Tensor:
+        for (_, t), (_, dt, shape, offset) in zip(bucket, header):
+            dt = dtype_of(dt)
+            out[offset:offset + t.numel() * _size(dt)].view(dt).view(shape).copy_(t.detach())  # cast and copy
+        return out
+
+    def _send_framed(self, buckets, dtype) -> int:
+        layout, total = [], 0
+        self._mark(FRAMED)
         try:
             for bucket in buckets:
-                total += self._send_bucket(bucket, dtype)
+                header, n = layout_of(bucket, dtype)
+                total += self._send_bucket(bucket, header, n)
+                layout.append((header, n))
                 del bucket  # not held while the next one is made
         except BaseException:
-            self._broadcast(torch.tensor([ABORT, 0], dtype=torch.int64, device=self.device))
+            self._mark(ABORT)
             raise
         finally:
-            self._payload = None
-        self._broadcast(torch.tensor([END, 0], dtype=torch.int64, device=self.device))
+            self._buffers = []
+        self._mark(END)
+        self.layouts[0] = layout
         return total
 
-    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> int:
-        """Broadcast one bucket: sizes, the JSON header, then the payload (the tensors' bytes end to end, in the
-        sent dtype) written into the send's payload buffer. Returns the payload's bytes."""
-        sent = [dtype if dtype is not None and t.is_floating_point() else t.dtype for _, t in bucket]
-        header = json.dumps([[name, str(dt), list(t.shape)] for (name, t), dt in zip(bucket, sent)])
-        sizes = [t.numel() * torch.empty((), dtype=dt).element_size() for (_, t), dt in zip(bucket, sent)]
-        n_payload = sum(sizes)
-        if self._payload is None or self._payload.numel() < n_payload:
-            self._payload = None  # the old one is released before the larger one is made
-            self._payload = torch.empty(n_payload, dtype=torch.uint8, device=self.device)
-        payload, offset = self._payload[:n_payload], 0
-        with torch.no_grad():
-            for (_, t), dt, n in zip(bucket, sent, sizes):
-                dst = payload[offset:offset + n]
-                if offset % torch.empty((), dtype=dt).element_size() == 0:
-                    dst.view(dt).view(t.shape).copy_(t.detach())  # cast and copy in one pass
-                else:  # a view at this offset would be misaligned for dt: stage this one tensor
-                    dst.copy_(t.detach().to(device=self.device, dtype=dt).contiguous().reshape(-1).view(torch.uint8))
-                offset += n
-        head = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8).to(self.device)
-        self._broadcast(torch.tensor([head.numel(), n_payload], dtype=torch.int64, device=self.device))
+    def _send_bucket(self, bucket, header: list, nbytes: int) -> int:
+        """One FRAMED bucket: sizes, the JSON header, then the packed payload. Returns its tensors' bytes."""
+        payload = self._pack(bucket, header, self._payload(0, nbytes))
+        head = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(self.device)
+        self._mark(head.numel(), nbytes)
         self._broadcast(head)
         self._broadcast(payload)
-        return n_payload
+        return tensor_bytes(header)
+
+    def _send_packed(self, buckets, dtype) -> int:
+        layout, total, sent = self.layouts[0], 0, 0
+        works = [None, None]
+
+        def post(i: int, fill=None) -> torch.Tensor:
+            slot = i % 2
+            if works[slot] is not None:
+                works[slot].wait()  # the broadcast of bucket i - 2 has left this buffer
+            buf = self._payload(slot, max(n for _, n in layout))[:layout[i][1]]
+            if fill is None:
+                buf.zero_()
+            else:
+                self._pack(fill, layout[i][0], buf)
+            works[slot] = self._post(buf)
+            return buf
+
+        self._mark(PACKED, len(layout))
+        mark = ABORT
+        try:
+            for bucket in buckets:
+                header, n = layout_of(bucket, dtype)
+                if sent >= len(layout) or [header, n] != list(layout[sent]):
+                    raise RuntimeError(f"weight group: bucket {sent} of this refit differs from the layout the first "
+                                       "refit sent (the exported tensors, bucket size or dtype changed)")
+                post(sent, bucket)
+                total, sent = total + tensor_bytes(header), sent + 1
+                del bucket
+            if sent != len(layout):
+                raise RuntimeError(f"weight group: {sent} buckets where the layout has {len(layout)}")
+            mark = END
+        finally:
+            if mark == ABORT:  # complete what the receivers wait for, so they reach the mark
+                self.layouts[0] = None  # the next refit sends its headers again
+                for i in range(sent, len(layout)):
+                    post(i)
+            for w in works:
+                if w is not None:
+                    w.wait()
+            self._mark(mark)
+        return total
+
+    # -- receiving ----------------------------------------------------------------------------------------------
 
     def receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Receivers: the buckets as they arrive, each a list of (hf_name, tensor) views of one received buffer
-        (valid until the next bucket is requested: loaders copy them). Must be drained to the end."""
-        while (frame := self._receive_frame()) is not None:
-            head, payload = frame
-            yield bucket_views(head, payload)
+        """A receiver: every sender's buckets, sender by sender, each a list of (hf_name, tensor) views of one
+        received buffer. Must be drained to the end; the bytes received are `self.received` after."""
+        if self.is_sender:
+            raise RuntimeError(f"weight group: member {self.rank} sends")
+        self.received = 0
+        for s, pg in enumerate(self.pgs):
+            yield from self._receive_from(s, pg)
 
-    def _receive_frame(self) -> tuple[bytes, torch.Tensor] | None:
-        """One frame as the sender broadcasts it: [header bytes, body bytes], the JSON header, the body; None at
-        the end mark, RefitAborted at the abort mark."""
-        sizes = torch.empty(2, dtype=torch.int64, device=self.device)
-        self._broadcast(sizes)
-        n_head, n_body = sizes.tolist()
+    def _receive_from(self, s: int, pg) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        mode, n = self._mark(0, 0, pg)
+        if mode == FRAMED:
+            layout = []
+            while (frame := self._receive_frame(pg)) is not None:
+                header, payload = frame
+                layout.append((header, payload.numel()))
+                self.received += tensor_bytes(header)
+                yield bucket_views(header, payload)
+            self.layouts[s] = layout
+            return
+        layout = self.layouts[s]
+        if mode != PACKED or layout is None or n != len(layout):
+            raise RuntimeError(f"weight group: sender {s} opened a refit with {(mode, n)}, where this member knows "
+                               f"{'no' if layout is None else len(layout)} buckets of its layout")
+
+        def post(i):
+            buf = torch.empty(layout[i][1], dtype=torch.uint8, device=self.device)
+            return buf, self._post(buf, pg)
+
+        nxt = post(0) if n else None
+        for i in range(n):
+            (buf, work), nxt = nxt, (post(i + 1) if i + 1 < n else None)
+            work.wait()
+            self.received += tensor_bytes(layout[i][0])
+            yield bucket_views(layout[i][0], buf)
+        if self._mark(0, 0, pg)[0] == ABORT:
+            self.layouts[s] = None
+            raise RefitAborted(f"weight group: sender {s} failed mid-refit; this refit is incomplete")
+
+    def _receive_frame(self, pg) -> tuple[list, torch.Tensor] | None:
+        """One FRAMED bucket: [header bytes, body bytes], the JSON header, the body; None at the end mark,
+        RefitAborted at the abort mark."""
+        n_head, n_body = self._mark(0, 0, pg)
         if n_head == END:
             return None
         if n_head == ABORT:
             raise RefitAborted("weight group: the sender failed mid-refit; this refit is incomplete")
         head = torch.empty(n_head, dtype=torch.uint8, device=self.device)
-        self._broadcast(head)
+        self._broadcast(head, pg)
         body = torch.empty(n_body, dtype=torch.uint8, device=self.device)
-        self._broadcast(body)
-        return bytes(head.cpu().tolist()), body
+        self._broadcast(body, pg)
+        return json.loads(bytes(head.cpu().tolist()).decode()), body
 
     def close(self) -> None:
-        self.pg = None
-        self.store = None
+        self.pg, self.pgs, self.store = None, [], None
 
 
 _DEVICE_ARG = 6
@@ -179,57 +320,58 @@ differently, e.g. under CUDA_VISIBLE_DEVICES)."""
 class CudaIpcWeightGroup(WeightGroup):
     """A member of a weight-update group whose members all sit on one GPU (`WeightGroup`'s `send` / `receive`)."""
 
+    packs = False
+
     def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float, backend: str = "cuda_ipc",
-                 local_rank: int = 0):
+                 local_rank: int = 0, senders: int = 1):
         if backend != "cuda_ipc":
             raise ValueError(f"CudaIpcWeightGroup carries cuda_ipc, not {backend!r}")
         if not torch.cuda.is_available():
             raise RuntimeError("the cuda_ipc refit transport needs CUDA: trainer and engine sharing one GPU")
-        super().__init__(host, port, rank, world, timeout_s, "gloo", local_rank)
+        super().__init__(host, port, rank, world, timeout_s, "gloo", local_rank, senders)
         self.gpu = local_device(local_rank)
         self.backend = "cuda_ipc"
 
-    def _ack(self) -> None:
+    def _ack(self, pg=None) -> None:
         """Every member has finished with the current bucket (a gloo all-reduce of one element)."""
         import torch.distributed as dist
 
-        self.pg.allreduce([torch.zeros(1)], dist.AllreduceOptions()).wait()
+        (pg or self.pg).allreduce([torch.zeros(1)], dist.AllreduceOptions()).wait()
 
-    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> int:
+    def _send_bucket(self, bucket, header: list, nbytes: int) -> int:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        tensors = [t.detach().to(dtype) if dtype is not None and t.is_floating_point() else t.detach()
-                   for _, t in bucket]
-        header = json.dumps([[name, str(t.dtype), list(t.shape)] for (name, _), t in zip(bucket, tensors)])
-        payload = torch.cat([t.to(self.gpu).contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+        payload = self._pack(bucket, header, torch.empty(nbytes, dtype=torch.uint8, device=self.gpu))
         torch.cuda.current_stream(self.gpu).synchronize()  # the buffer is complete before another process reads it
         _, args = reduce_tensor(payload)
-        head = torch.frombuffer(bytearray(header.encode()), dtype=torch.uint8)
+        head = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
         handle = torch.frombuffer(bytearray(pickle.dumps(args)), dtype=torch.uint8)
-        self._broadcast(torch.tensor([head.numel(), handle.numel()], dtype=torch.int64))
+        self._mark(head.numel(), handle.numel())
         self._broadcast(head)
         self._broadcast(handle)
         self._ack()  # the receivers have copied it: the buffer may go
-        nbytes = payload.numel()
         del payload
         torch.cuda.ipc_collect()  # release the memory torch keeps for buffers shared with other processes
-        return nbytes
+        return tensor_bytes(header)
 
-    def receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def _receive_from(self, s: int, pg) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """The buckets as views of the sender's buffers (valid until the next bucket is requested: loaders copy
-        them). Must be drained to the end."""
+        them)."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        while (frame := self._receive_frame()) is not None:  # the body is the buffer's IPC handle
-            head, handle = frame
+        if self._mark(0, 0, pg)[0] != FRAMED:
+            raise RuntimeError("weight group (cuda_ipc): the sender did not open a framed refit")
+        while (frame := self._receive_frame(pg)) is not None:  # the body is the buffer's IPC handle
+            header, handle = frame
             args = list(pickle.loads(handle.numpy().tobytes()))
             args[_DEVICE_ARG] = self.gpu.index
             payload = rebuild_cuda_tensor(*args)
-            bucket = bucket_views(head, payload)
+            self.received += tensor_bytes(header)
+            bucket = bucket_views(header, payload)
             yield bucket
             torch.cuda.current_stream(self.gpu).synchronize()  # the loader's copies out of the buffer are done
             del bucket, payload
-            self._ack()
+            self._ack(pg)
 
 
 GROUPS = {"gloo": WeightGroup, "nccl": WeightGroup, "cuda_ipc": CudaIpcWeightGroup}
@@ -237,10 +379,10 @@ GROUPS = {"gloo": WeightGroup, "nccl": WeightGroup, "cuda_ipc": CudaIpcWeightGro
 
 
 def open_weight_group(host: str, port: int, rank: int, world: int, timeout_s: float, backend: str | None = None,
-                      local_rank: int = 0):
-    """Join a weight-update group as `rank` of `world` over `backend` (one of GROUPS; None: nccl where there is a
-    GPU, else gloo). Every member of one group must name the same backend."""
+                      local_rank: int = 0, senders: int = 1):
+    """Join a weight-update group as member `rank` of `world` (the first `senders` send) over `backend` (one of
+    GROUPS; None: nccl where there is a GPU, else gloo). Every member of one group must name the same backend."""
     backend = backend or collective_backend()
     if backend not in GROUPS:
         raise ValueError(f"weight group: unknown transport {backend!r} (one of {', '.join(GROUPS)})")
-    return GROUPS[backend](host, port, rank, world, timeout_s, backend, local_rank=local_rank)
+    return GROUPS[backend](host, port, rank, world, timeout_s, backend, local_rank=local_rank, senders=senders)
