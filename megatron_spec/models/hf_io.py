@@ -110,27 +110,39 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     return model.to(device=device, dtype=dtype).eval()
 
 
-def write_atomically(out_dir: str | os.PathLike, write) -> Path:
-    """Run `write(tmp_dir)` then move the result into place; the old `out_dir` survives any failure before that."""
+def staging_dir(out_dir: str | os.PathLike) -> Path:
+    """A new empty directory beside `out_dir` (hidden, named after it) to fill before `move_into_place`."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     umask = os.umask(0)
     os.umask(umask)
     tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; a checkpoint should get the usual permissions
+    return tmp
+
+
+def move_into_place(tmp: Path, out_dir: str | os.PathLike) -> Path:
+    """Rename the filled `tmp` to `out_dir`, replacing an earlier `out_dir` only once `tmp` is complete."""
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out_dir)
+    return out_dir
+
+
+def write_atomically(out_dir: str | os.PathLike, write) -> Path:
+    """Run `write(tmp_dir)` then move the result into place; the old `out_dir` survives any failure before that."""
+    tmp = staging_dir(out_dir)
     try:
         write(tmp)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            out_dir.rename(old)
-            tmp.rename(out_dir)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out_dir)
+        return move_into_place(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int | None = None) -> None:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
+import threading
+import time
 from pathlib import Path
 
 import torch
 
-from ..models.hf_io import write_atomically
+from ..models.hf_io import move_into_place, staging_dir
 from .config import RLConfig
 
 SHARDED = "policy"
@@ -21,7 +24,8 @@ SHARDED = "policy"
 DRAFTER = "drafter"
 """Sub-directory of a checkpoint holding the online-trained drafter, in the layout of the checkpoint it started from."""
 
-IGNORED_ON_RESUME = {"run.steps", "run.resume", "run.save_every", "run.save_every_s", "run.signal_before_s",
+IGNORED_ON_RESUME = {"run.steps", "run.resume", "run.save_every", "run.save_every_s", "run.async_save",
+                     "run.signal_before_s",
                      "run.eval_every", "run.out_dir", "run.report",
                      "grpo.micro_batch_tokens", "grpo.fold_logprob", "grpo.share_prompt", "run.device",
                      *(f"backend.megatron.{k}" for k in ("tp", "pp", "ep", "etp", "first_stage_layers",
@@ -83,23 +87,129 @@ def export_drafter(out: Path, policy_state: dict, cfg) -> None:
 def save(run_dir: Path, step: int, state, cfg, gate: dict | None = None) -> Path:
     """`state`: the policy's state dict, or the policy itself; a policy with `save_sharded` (the Megatron trainer)
     then writes its distributed checkpoint into the new directory from every rank, before it gets its name. `gate`:
-    the whole-step gate's state, where the run has one."""
-    ckpt_root = run_dir / "checkpoints"
+    the whole-step gate's state, where the run has one. In the foreground: complete when it returns."""
+    saver = Saver(run_dir, background=False)
+    saver.save(step, state, cfg, gate)
+    return saver.last
 
-    def write(tmp: Path) -> None:
-        policy_state = state
-        if not isinstance(state, dict):
-            policy_state = state.save_sharded(tmp / SHARDED) if hasattr(state, "save_sharded") else state.state_dict()
-        payload = {"step": step, "state": policy_state, "rng": torch.get_rng_state(), "config": flatten(cfg),
-                   "gate": gate}
-        torch.save(payload, tmp / "state.pt")
-        export_drafter(tmp / DRAFTER, policy_state, cfg)
 
-    out = write_atomically(ckpt_root / f"step_{step:06d}", write)
-    tmp = ckpt_root / "latest.tmp"
-    tmp.write_text(out.name)
-    tmp.replace(ckpt_root / "latest")  # atomic rename: `latest` names a complete checkpoint at every instant
-    return out
+def snapshot(obj):
+    """A copy of a state dict's tensors on the host (containers rebuilt, other values shared), so that a thread can
+    write it while the next step changes the live ones."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: snapshot(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(snapshot(v) for v in obj)
+    return obj
+
+
+class Saver:
+    """Writes a run's checkpoints one at a time, each into a hidden temporary directory that is renamed to
+    `step_NNNNNN` once complete, after which `latest` is rewritten to name it: a save interrupted at any point
+    (a failure, a killed process) leaves the previous checkpoint complete and still named by `latest`.
+
+    With `background`, the state is copied to host memory on the caller's thread and written by a thread while
+    the next step runs: the embedded trainer's state dict (`snapshot`), or the Megatron trainer's shards
+    (`save_sharded(background=True)`, whose finalization is collective, so the loop's thread does it in `poll` or
+    `wait` and only then renames). A policy that cannot save in the background (Ray's trainer groups) saves in the
+    foreground. Each call returns the step's save metrics: `save_blocking_s` (seconds on the loop's thread) and,
+    when a background save completed, `save_background_s` (its write, on rank 0)."""
+
+    def __init__(self, run_dir: Path, background: bool):
+        self.root = Path(run_dir) / "checkpoints"
+        self.background = background
+        self.last: Path | None = None
+        self._thread: threading.Thread | None = None
+        self._pending: dict | None = None
+
+    def save(self, step: int, state, cfg, gate: dict | None = None, background: bool | None = None) -> dict:
+        """Start (or, in the foreground, make) the checkpoint of `step`, after finalizing the one in flight."""
+        t0 = time.perf_counter()
+        out = self.wait()
+        background = self.background if background is None else background
+        sharded = not isinstance(state, dict) and hasattr(state, "save_sharded")
+        background = background and (not sharded or hasattr(state, "finish_save"))
+        tmp = staging_dir(self.root / f"step_{step:06d}")
+        try:
+            if sharded:
+                policy_state = (state.save_sharded(tmp / SHARDED, background=True) if background
+                                else state.save_sharded(tmp / SHARDED))
+            else:
+                policy_state = state if isinstance(state, dict) else state.state_dict()
+                if background:
+                    policy_state = snapshot(policy_state)
+            payload = {"step": step, "state": policy_state, "rng": torch.get_rng_state(), "config": flatten(cfg),
+                       "gate": snapshot(gate)}
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        pending = {"tmp": tmp, "step": step, "policy": state if sharded and background else None, "error": None,
+                   "seconds": 0.0}
+        if background:
+            # The embedded trainer's thread finalizes on its own; a sharded save waits for the loop's `poll`.
+            self._thread = threading.Thread(target=self._write, args=(pending, payload, cfg, not sharded),
+                                            name="checkpoint-writer")
+            self._pending = pending
+            self._thread.start()
+        else:
+            self._write(pending, payload, cfg, True)
+            self._raise(pending)
+        return {**out, "save_blocking_s": time.perf_counter() - t0}
+
+    def _write(self, pending: dict, payload: dict, cfg, finalize: bool) -> None:
+        t0 = time.perf_counter()
+        try:
+            torch.save(payload, pending["tmp"] / "state.pt")
+            export_drafter(pending["tmp"] / DRAFTER, payload["state"], cfg)
+            if finalize:
+                self._finalize(pending)
+        except BaseException as err:  # noqa: BLE001  (raised on the loop's thread by `_raise`)
+            pending["error"] = err
+        pending["seconds"] = time.perf_counter() - t0
+
+    def _finalize(self, pending: dict) -> None:
+        self.last = move_into_place(pending["tmp"], self.root / f"step_{pending['step']:06d}")
+        tmp = self.root / "latest.tmp"
+        tmp.write_text(self.last.name)
+        tmp.replace(self.root / "latest")  # atomic rename: `latest` names a complete checkpoint at every instant
+
+    def _raise(self, pending: dict) -> None:
+        if pending["error"] is not None:
+            shutil.rmtree(pending["tmp"], ignore_errors=True)
+            raise RuntimeError(f"checkpoint of step {pending['step']} not saved: {pending['error']}") \
+                from pending["error"]
+
+    def poll(self) -> dict:
+        """Finalize a background save whose writing has finished (on this rank: a sharded save's finalization then
+        waits for the other ranks' writes); {} while it is still writing or when none is in flight."""
+        if self._pending is None:
+            return {}
+        policy = self._pending["policy"]
+        if self._thread.is_alive() or (policy is not None and not policy.save_done()):
+            return {}
+        return self.wait()
+
+    def wait(self) -> dict:
+        """Finalize the background save in flight, waiting for its writes (every rank's, if sharded)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return {}
+        self._thread.join()
+        self._raise(pending)
+        seconds = pending["seconds"]
+        if pending["policy"] is not None:
+            seconds += pending["policy"].finish_save() or 0.0
+            self._finalize(pending)
+        return {"save_background_s": seconds}
+
+
+def clear_interrupted(run_dir: Path) -> None:
+    """Remove what saves interrupted by a killed process left: their hidden temporary directories."""
+    root = Path(run_dir) / "checkpoints"
+    for p in root.glob(".step_*") if root.is_dir() else ():
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def set_aside_earlier_run(run_dir: Path) -> Path | None:
@@ -129,9 +239,13 @@ def load_latest(run_dir: Path) -> dict | None:
     pointer = run_dir / "checkpoints" / "latest"
     if not pointer.is_file():
         return None
+    return load_dir(run_dir / "checkpoints" / pointer.read_text().strip())
+
+
+def load_dir(ckpt_dir: Path) -> dict:
+    """One checkpoint directory's payload, a distributed checkpoint beside it named by its full path."""
     # On the host whatever device saved it: `load_state_dict` then copies each tensor to where the run computes
     # (an optimizer's state to its parameter's device), so a run saved on a GPU resumes on a CPU and vice versa.
-    ckpt_dir = run_dir / "checkpoints" / pointer.read_text().strip()
     payload = torch.load(ckpt_dir / "state.pt", map_location="cpu", weights_only=False)
     state = payload.get("state")
     if isinstance(state, dict) and "sharded_dir" in state:  # a distributed checkpoint beside state.pt

@@ -230,6 +230,12 @@ class RunSection:
     """Also checkpoint, at the next step boundary, once this many seconds have passed since the last save (or the
     run's start); None: no time cadence. Whichever of the two cadences comes first saves, and each save restarts
     this clock. On a cluster it bounds the work lost to a node failure whatever a step takes."""
+    async_save: bool = True
+    """Write periodic checkpoints in the background while the next steps run: the state is copied to host memory at
+    the step boundary (`save_blocking_s`), written by a thread (`save_background_s`) and given its name only once
+    complete, so a save interrupted at any point leaves the previous checkpoint to resume from. One save is in
+    flight at a time; the save at the end and on a signal are complete before the run returns. It holds a second
+    copy of the trainer's state in host memory while writing; false: every save on the critical path, no copy."""
     signal_before_s: int = 300
     """SLURM jobs: the sbatch templates ask for SIGUSR1 this many seconds before the job's time limit
     (`--signal=B:USR1@N`) and forward it to the loop, which saves at the next step boundary and exits 0 (SIGTERM

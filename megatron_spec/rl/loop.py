@@ -381,7 +381,9 @@ def run(cfg: RLConfig, make_trainer, stop: StopRequest | None = None, clock=time
 
     Checkpoints come every `run.save_every` steps, once `run.save_every_s` seconds (by `clock`) have passed, and at
     the end. On SIGUSR1 or SIGTERM (`stop`, whose handlers it installs) it finishes the step in flight, saves at that
-    boundary and returns its metrics with `stopped_on` (the signal's name): the run is resumable, not failed."""
+    boundary and returns its metrics with `stopped_on` (the signal's name): the run is resumable, not failed.
+    Cadence saves are written in the background with `run.async_save` (`checkpoint.Saver`); the one at the end or on
+    a signal is complete before it returns."""
     stop = stop or StopRequest()
     with stop.installed():  # from the start: a signal while the trainer builds stops the run before its first step
         return _run(cfg, make_trainer, stop, clock)
@@ -415,6 +417,8 @@ def _run(cfg: RLConfig, make_trainer, stop: StopRequest, clock) -> dict:
                         project=cfg.run.logger_project)
     nan_streak, metrics = 0, {}
     save_clock = SaveClock(cfg.run.save_every_s, clock)
+    checkpoint.clear_interrupted(run_dir)
+    saver = checkpoint.Saver(run_dir, background=cfg.run.async_save)
     try:
         # The policy as loaded, so that a run's gain is measured from where it started (step 0's eval is after an
         # update); logged with step 0's metrics.
@@ -432,21 +436,27 @@ def _run(cfg: RLConfig, make_trainer, stop: StopRequest, clock) -> dict:
                 metrics["eval_accuracy"] = trainer.evaluate()
             # Peak memory of the step (this process, its children, and what the trainer reports per rank).
             metrics["memory"] = {**metrics.get("memory", {}), **memory.step_memory()}
-            logger.log(metrics)
             nan_streak = nan_streak + 1 if metrics["skipped"] or not math.isfinite(metrics["loss"]) else 0
-            if nan_streak >= cfg.grpo.max_nan_steps:
+            failed = nan_streak >= cfg.grpo.max_nan_steps
+            signalled = stop.name  # read once: a signal arriving after this is seen at the next boundary
+            why = None if failed else save_due(step, cfg.run, save_clock, signalled, last)
+            if why:  # the policy writes its own shards, if sharded; the last save before exit is never left running
+                metrics.update(saver.save(step, trainer.policy, cfg,
+                                          gate=trainer.gate.state_dict() if trainer.gate is not None else None,
+                                          background=None if why in ("save_every", "save_every_s") else False))
+                save_clock.saved()
+            else:
+                metrics.update(saver.poll())  # a background save that finished during the step gets its name
+            logger.log(metrics)
+            if failed:
                 raise RuntimeError(f"{nan_streak} consecutive steps with a non-finite loss (last at step {step}); "
                                    f"stopping. The last good checkpoint is in {run_dir}/checkpoints")
-            signalled = stop.name  # read once: a signal arriving after this is seen at the next boundary
-            if save_due(step, cfg.run, save_clock, signalled, last):
-                checkpoint.save(run_dir, step, trainer.policy, cfg,  # it writes its own shards, if sharded
-                                gate=trainer.gate.state_dict() if trainer.gate is not None else None)
-                save_clock.saved()
             if signalled and not last:
                 print(f"{signalled}: saved {run_dir}/checkpoints/step_{step:06d} after step {step} of "
                       f"{cfg.run.steps}; stopping (exit 0), a resubmission resumes there", flush=True)
                 metrics = {**metrics, "stopped_on": signalled}
                 break
+        saver.wait()  # a background save still in flight (a run that ends without a save of its own) is completed
     finally:
         logger.close()
         trainer.close()

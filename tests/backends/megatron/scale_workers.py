@@ -217,7 +217,7 @@ def save_copies(rank: int, world: int, root: str) -> dict:
     state, and with the state's views left as they are. Also the bytes of this rank's state, for scale."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
-    from megatron_spec.backends.megatron import policy as policy_module
+    from megatron_spec.backends.megatron import checkpoint as policy_module
     from megatron_spec.backends.megatron.checks import Parallelism
     from megatron_spec.backends.megatron.policy import MegatronPolicy
 
