@@ -41,10 +41,10 @@ HOST_MEMORY_BYTES = 2 * 1000 ** 4
 PROCESS_OVERHEAD_BYTES = 4 * GiB
 """Host memory of one process before it loads anything of the model (Python, torch, CUDA and NCCL runtimes, Ray's
 worker): an assumption, stated, not measured here."""
-ENGINE_DTYPE_BYTES = 4
-"""Bytes a parameter the Ray engine actors serve: each actor loads the policy with `from_pretrained` (float32),
-exports that copy and starts vLLM on it in the checkpoint's dtype (`backends/ray/workers.py`,
-`VLLMGenerator.from_rl`)."""
+DEVICE_RUNTIME_BYTES = 3 * GiB
+"""Device memory of a trainer rank outside its tensors: the CUDA context (about 0.6 GB), the buffers of its NCCL
+communicators (TP, PP, DP, EP, expert-DP: about 1 GB) and the caching allocator's fragmentation (about 1.5 GB): an
+assumption, stated, not measured here (vLLM's engines count theirs inside `gpu_memory_utilization`)."""
 EAGLE3_DRAFT_VOCAB = 32000
 """Draft vocabulary of the public EAGLE-3 heads, assumed where the drafter's files are not on this machine."""
 
@@ -99,7 +99,7 @@ class Audit:
 
     def table(self) -> str:
         """The audit as printed: one line per kind of rank, then the nodes and the problems."""
-        cols = ("params", "grads", "optimizer", "activations", "transient")
+        cols = ("params", "grads", "optimizer", "activations", "other")
         head = f"{'rank kind':<28}{'count':>6}" + "".join(f"{c:>13}" for c in cols) + f"{'device':>10}{'limit':>8}" \
                f"{'host':>9}  source"
         lines = [head + "   (GB = 1e9 bytes)"]
@@ -126,7 +126,7 @@ def _group(part: str) -> str:
         return "optimizer"
     if part.startswith("activations"):
         return "activations"
-    return "transient"
+    return "other"  # refit buffers, runtime; an engine's workspace and KV cache
 
 
 # -- parameters, on fake tensors ---------------------------------------------------------------------------------
@@ -276,9 +276,11 @@ def micro_batch_tokens(cfg, prompt_tokens: int) -> int:
 # -- the audit ---------------------------------------------------------------------------------------------------
 
 def audit(cfg, layout: dict, model: ModelConfig, *, prompt_tokens: int, gpu: str = "h100",
-          gpus_per_node: int = 8) -> Audit:
+          gpus_per_node: int = 8, checkpoint_dtype_bytes: int = 2) -> Audit:
     """The audit of `cfg` on `layout` (`Scale.layout`: the split, engines and placement on the allocation) for the
-    policy architecture `model`, on GPUs of kind `gpu`."""
+    policy architecture `model`, on GPUs of kind `gpu`; the policy's checkpoint files hold `checkpoint_dtype_bytes`
+    a parameter."""
+    from megatron_spec.backends.ray.workers import loads_whole_policy
     from megatron_spec.rl.loop import REFIT_BUCKET_BYTES
     from megatron_spec.sim.hardware import hardware
     from megatron_spec.sim.memory import ENGINE_WORKSPACE_BYTES
@@ -344,19 +346,23 @@ def audit(cfg, layout: dict, model: ModelConfig, *, prompt_tokens: int, gpu: str
                 src["optimizer_drafter"] = ANALYTIC
         parts["refit_buckets"] = 2 * REFIT_BUCKET_BYTES  # the bucket gathered and its shards cast
         src["refit_buckets"] = ANALYTIC
+        parts["runtime"], src["runtime"] = DEVICE_RUNTIME_BYTES, ANALYTIC
         host = PROCESS_OVERHEAD_BYTES
         ranks.append(RankAudit(f"trainer stage {s} ({st['layers']} layers)", split.train_gpus // split.pp, parts,
                                src, limit, host, note=why, parameters=n))
-    # rank 0 of the trainer builds the whole policy in float32 on the host (`backends/ray/workers._build`)
+    # a process that loads the whole policy holds it in float32 on the host (`backends/ray/workers._build`)
     total = model_params(model)
-    trainer0_host = PROCESS_OVERHEAD_BYTES + total * 4
+    whole = total * 4
+    trainer0_host = PROCESS_OVERHEAD_BYTES + (whole if loads_whole_policy(cfg, "policy") else 0)
 
     # engines: weights at the served dtype over TP, the drafter, workspace and logits, KV cache in what is left
     kv_per_token = 2 * model.num_hidden_layers * math.ceil(model.num_key_value_heads / engine_tp) * model.head_dim * 2
     util = cfg.backend.vllm.gpu_memory_utilization
     engine_limit = int(limit * util)
-    weights = math.ceil(total * ENGINE_DTYPE_BYTES / engine_tp)
-    drafter = math.ceil(head * ENGINE_DTYPE_BYTES / engine_tp)
+    # an engine from the files serves the checkpoint's dtype; one built on a loaded policy exports it in float32
+    served = 4 if loads_whole_policy(cfg, "generator") else checkpoint_dtype_bytes
+    weights = math.ceil(total * served / engine_tp)
+    drafter = math.ceil(head * served / engine_tp)
     k = cfg.spec.num_speculative_tokens if cfg.spec else 0
     workspace = ENGINE_WORKSPACE_BYTES + 1024 * (k + 1) * model.vocab_size * 4
     one_sequence = (prompt_tokens + g.max_tokens) * kv_per_token
@@ -366,7 +372,7 @@ def audit(cfg, layout: dict, model: ModelConfig, *, prompt_tokens: int, gpu: str
     esrc = {k_: ANALYTIC for k_ in eparts}
     ranks.append(RankAudit(f"engine worker (vLLM TP{engine_tp})", engines * engine_tp, eparts, esrc, engine_limit,
                            PROCESS_OVERHEAD_BYTES))
-    engine_actor_host = PROCESS_OVERHEAD_BYTES + total * 4  # each engine actor's float32 policy, exported
+    engine_actor_host = PROCESS_OVERHEAD_BYTES + (whole if loads_whole_policy(cfg, "generator") else 0)
     ranks.append(RankAudit("driver", 1, {}, {}, 0, PROCESS_OVERHEAD_BYTES))
 
     for r in ranks:
@@ -406,8 +412,7 @@ def _device_problem(r: RankAudit, cfg, split: Split, model: ModelConfig) -> str:
     top = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in sorted(r.parts.items(), key=lambda kv: -kv[1])[:3])
     head = f"{r.kind}: {r.device_bytes / GB:.1f} GB a GPU > {r.device_limit / GB:.1f} GB ({top})"
     if r.kind.startswith("engine"):
-        return (f"{head}: the engines serve the policy in float32 (each Ray engine actor loads it with "
-                f"from_pretrained); serve it in bfloat16 from the files, or raise backend.vllm.tensor_parallel_size")
+        return f"{head}: raise backend.vllm.tensor_parallel_size or lower backend.vllm.max_model_len"
     meg = cfg.backend.megatron
     if meg.optimizer == "torch":
         fix = ("set backend.megatron.optimizer=megatron (the distributed optimizer shards the fp32 masters and "

@@ -61,6 +61,15 @@ def policy_config(policy: str, cache_dir: str | None = None) -> ModelConfig | No
 
 def drafter_vocab(path: str) -> int | None:
     """The vocabulary a drafter checkpoint drafts in (its own config.json: a draft model's `vocab_size`, a public
+def policy_dtype_bytes(policy: str, cache_dir: str | None = None) -> int:
+    """Bytes a parameter of the policy's checkpoint files: the `torch_dtype` of its config.json where the checkpoint
+    is on this machine, else 2 (the presets' published checkpoints are bfloat16)."""
+    local = local_input(policy, cache_dir)
+    path = Path(local or policy) / "config.json"
+    hf = json.loads(path.read_text()) if path.is_file() else {}
+    return {"float32": 4, "float16": 2, "bfloat16": 2}.get(hf.get("torch_dtype") or hf.get("dtype"), 2)
+
+
     EAGLE-3 head's target vocabulary; or the target recorded in drafter_config.json); None when the checkpoint is
     not on this machine."""
     for name, keys in (("config.json", ("vocab_size",)), ("drafter_config.json", ("target", "vocab_size"))):
@@ -188,7 +197,8 @@ def audit_of(cfg: RLConfig, layout: dict, gpu: str = "h100"):
     if model is None or cfg.backend.trainer != "megatron":
         return None  # an unresolvable input is input_problems' to report; the embedded trainer has no split
     return audit(cfg, layout, model, prompt_tokens=prompt_budget(cfg), gpu=gpu,
-                 gpus_per_node=layout.get("gpus_per_node") or 8)
+                 gpus_per_node=layout.get("gpus_per_node") or 8,
+                 checkpoint_dtype_bytes=policy_dtype_bytes(cfg.model.policy, cfg.model.hub_cache))
 
 
 def memory_problems(cfg: RLConfig, layout: dict, gpu: str = "h100") -> list[str]:

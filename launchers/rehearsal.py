@@ -10,6 +10,8 @@ What changes, and only that (`overrides`, laid over the recipe's config before a
   `megatron-spec train-drafter` does, an EAGLE-3 head set to draft what the toy repeats (`shape_drafter`);
 - the data: a small file in the recipe's data format (DAPO-Math layout parquet: chat-message prompts, boxed
   integer answers scored by the recipe's reward);
+- the optimizer: AdamW on each rank's shards (`backend.megatron.optimizer=torch`) where there is no GPU, since
+  Megatron-Core's distributed optimizer needs CUDA (the audit, `--audit`, sizes the recipe's own at full width);
 - the cluster: `WORLD` trainer ranks with the recipe's kinds of parallelism at size 2 (those Megatron runs on
   gloo: `megatron_split`), vLLM engines of tensor parallel 2 on CPU bundles, 3 steps of 2 prompts x 4 rollouts of a few tokens.
 Everything else stays the recipe's: backends, placement, async lag, speculation method and k, online drafter
@@ -110,6 +112,7 @@ def overrides(name: str, cfg, recipe_scale) -> list[str]:
         "grpo.prompts_per_step": PROMPTS, "grpo.group_size": GROUP, "grpo.max_tokens": MAX_TOKENS,
         "backend.megatron.tp": split["tp"], "backend.megatron.pp": split["pp"], "backend.megatron.ep": split["ep"],
         "backend.megatron.etp": 1, "backend.megatron.cp": 1,
+        "backend.megatron.optimizer": "megatron" if _cuda() else "torch",
         "backend.megatron.sequence_parallel": "false",
         "backend.megatron.first_stage_layers": "null", "backend.megatron.last_stage_layers": "null",
         "backend.vllm.tensor_parallel_size": ENGINE_TP, "backend.vllm.max_model_len": PROMPT_TOKENS + MAX_TOKENS,
@@ -118,6 +121,12 @@ def overrides(name: str, cfg, recipe_scale) -> list[str]:
     if cfg.spec is not None:
         sets["spec.model"] = toy / "drafter"
     return [f"{k}={v}" for k, v in sets.items()]
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def problems(cfg, arch: dict) -> list[str]:

@@ -89,6 +89,9 @@ class Scale:
     sequence_parallel: bool = False
     """Megatron sequence parallelism where TP > 1 [sequence_parallel]; Megatron-Core refuses to train MoE layers
     with tensor parallelism without it."""
+    recompute: str = "selective"
+    """Activation recompute of the trainer (`backend.megatron.recompute`): `selective` (core attention) or `full`
+    (each decoder layer), whichever the memory audit (`--audit`) needs."""
     cpu_bundles: bool = False
     """Ray bundles are equal shares of the cluster's CPUs, not GPUs (a `--rehearsal` on a CPU allocation)."""
 
@@ -119,7 +122,9 @@ class Scale:
                                      sequence_parallel=self.sequence_parallel and self.tp > 1,
                                      first_stage_layers=self.first_stage_layers,
                                      last_stage_layers=self.last_stage_layers,
-                                     params_dtype="bfloat16", recompute="selective"),  # fp32 masters, Adam
+                                     # bf16 with Megatron-Core's distributed optimizer: fp32 masters and
+                                     # Adam moments sharded over data parallelism (experts over expert-DP)
+                                     params_dtype="bfloat16", recompute=self.recompute, optimizer="megatron"),
             vllm=VLLMSection(max_model_len=max_model_len, tensor_parallel_size=self.vllm_tp,
                              gpu_memory_utilization=0.5 if self.colocated else 0.85))  # own GPUs: as simulated
 

@@ -96,7 +96,7 @@ def test_the_8b_recipe_fits_with_the_distributed_optimizer_and_not_with_torch(ca
 
 def test_audit_json_schema(capsys, tmp_path):
     """{"fits", "problems", "ranks": [{"kind", "count", "device_bytes", "host_bytes", "parts", "source"}]}: parts sum
-    to device_bytes; the 235B recipe's kinds are its 8 stages (12 ranks each), 32 engine workers and the driver."""
+    to device_bytes; the 235B recipe's kinds are its 8 stages (8 ranks each), 64 engine workers and the driver."""
     rc, out, err, data = run_audit(r235, "qwen3_235b_grpo_spec", [], capsys, tmp_path)
     assert {"fits", "problems", "ranks"} <= set(data) and isinstance(data["problems"], list)
     for r in data["ranks"]:
@@ -104,20 +104,20 @@ def test_audit_json_schema(capsys, tmp_path):
                 "source": str}.items() <= {k: type(v) for k, v in r.items()}.items()
         assert sum(r["parts"].values()) == r["device_bytes"]
     assert [(r["kind"].split(" (")[0], r["count"]) for r in data["ranks"]] == [
-        *((f"trainer stage {s}", 12) for s in range(8)), ("engine worker", 32), ("driver", 1)]
+        *((f"trainer stage {s}", 8) for s in range(8)), ("engine worker", 64), ("driver", 1)]
     assert data["ranks"][0]["source"] == "fake-tensor: params, params_drafter; analytic: grads, optimizer, " \
-                                         "activations, refit_buckets"
-    assert "trainer stage 0 (11 layers)" in out and rc == 1 and data["fits"] is False
+                                         "activations, refit_buckets, runtime"
+    assert "trainer stage 0 (12 layers)" in out and rc == 0 and data["fits"] is True
 
 
 @pytest.mark.parametrize("argv, cause, fix", [
-    (["backend.megatron.optimizer=torch"], "trainer stage 1 (12 layers)", "set backend.megatron.optimizer=megatron"),
-    (["backend.megatron.optimizer=megatron", "backend.megatron.recompute=full", "backend.megatron.pp=2",
-      "backend.megatron.first_stage_layers=null",
+    (["backend.megatron.optimizer=torch"], "trainer stage 0 (12 layers)", "set backend.megatron.optimizer=megatron"),
+    (["backend.megatron.pp=2", "backend.megatron.first_stage_layers=null",
       "backend.megatron.last_stage_layers=null"], "trainer stage 0 (47 layers)",
      "offload the optimizer's states to the host"),
-    (["grpo.prompts_per_step=250"], "250 x 16 = 4000 rollouts do not split over the trainer's data-parallel ranks "
-     "(DP = 6)", "a multiple of 6"),
+    # DP 4 splits any group of 16, so an odd group shows the refusal
+    (["grpo.prompts_per_step=250", "grpo.group_size=5"], "250 x 5 = 1250 rollouts do not split over the trainer's "
+     "data-parallel ranks (DP = 4)", "a multiple of 4"),
 ])
 def test_the_235b_refusals_name_cause_and_fix(argv, cause, fix, capsys, tmp_path):
     rc, out, err, data = run_audit(r235, "qwen3_235b_grpo_spec", argv, capsys, tmp_path)
@@ -126,18 +126,35 @@ def test_the_235b_refusals_name_cause_and_fix(argv, cause, fix, capsys, tmp_path
     assert fix in line and line in err
 
 
-def test_the_235b_recipe_as_shipped_does_not_fit_80gb():
-    """The recipe's 96 trainer GPUs at PP8 EP4: a 12-layer stage holds 7.68 B parameters (7.25 B of them experts), so
-    even the distributed optimizer with full recompute leaves the last stage over 80 GB; the engines serve the
-    policy in float32 (117 GB a GPU at TP8)."""
-    cfg = apply_overrides(r235.qwen3_235b_grpo_spec(), ["backend.megatron.optimizer=megatron",
-                                                       "backend.megatron.recompute=full",
-                                                       "grpo.prompts_per_step=252"])
+def test_the_235b_recipe_fits_80gb_and_its_earlier_layout_does_not():
+    """The recipe: 64 trainer GPUs at TP2 PP8 EP8 (expert-DP 1), the distributed optimizer and full recompute, the
+    stages 12 / 12 x 6 / 10 layers: every stage within an 80 GB H100; 8 engines of TP8 serve the bf16 files (58.9 GB of
+    weights a GPU). The layout before it, 96 trainer GPUs at EP4 beside 4 engines, does not fit even so: a 12-layer
+    stage holds 7.25 B expert parameters."""
+    cfg = r235.qwen3_235b_grpo_spec()
     found = audit(cfg, r235.SCALE.layout(cfg), preset("qwen3-235b-a22b"), prompt_tokens=1024)
-    middle = found.ranks[1]
-    assert middle.kind == "trainer stage 1 (12 layers)" and 7.6e9 < middle.parameters < 7.7e9
+    assert found.problems == [] and all(r.device_bytes <= r.device_limit for r in found.ranks)
+    assert max(r.device_bytes for r in found.ranks) < 79.6 * 2 ** 30  # what an 80 GB H100 gives a process
+    engine = next(r for r in found.ranks if r.kind.startswith("engine"))
+    assert engine.count == 64 and 58.7e9 < engine.parts["params"] < 58.8e9  # 235.1 B x 2 bytes / 8
+    old = apply_overrides(cfg, ["backend.megatron.ep=4", "backend.generators=4", "grpo.prompts_per_step=252",
+                                "backend.megatron.first_stage_layers=11", "backend.megatron.last_stage_layers=11"])
+    layout = r235.SCALE.layout(old)
+    layout["vllm"]["engines"] = 4
+    stale = audit(old, layout, preset("qwen3-235b-a22b"), prompt_tokens=1024)
     experts = stage_params(preset("qwen3-235b-a22b"), Split(tp=2, pp=8, ep=4, etp=1, cp=1, train_gpus=96,
                                                          first_stage_layers=11, last_stage_layers=11))[1]["expert"]
-    assert experts == 12 * 128 * 3 * 4096 * 1536 // 4  # 7.25 B: the issue's figure
-    assert [p.split(":")[0] for p in found.problems] == ["trainer stage 7 (11 layers)", "engine worker (vLLM TP8)"]
-    assert "colocate trainer and engines on all GPUs at a larger EP (EP16 on 128 GPUs)" in found.problems[0]
+    assert experts == 12 * 128 * 3 * 4096 * 1536 // 4  # 7.25 B
+    assert stale.problems and all("colocate trainer and engines" in p for p in stale.problems)
+
+
+@pytest.mark.parametrize("generator, trainer0_gb, engine_gb", [("vllm", 0, 0), ("embedded", 0, 940)])
+def test_host_memory_counts_only_processes_that_load_the_whole_policy(generator, trainer0_gb, engine_gb):
+    """With the Megatron trainer no trainer rank loads the policy, and vLLM engines start from the files; our engine
+    (not sharded) loads it in float32 in each engine actor: 235.1 B x 4 bytes, about 940 GB a process."""
+    cfg = apply_overrides(r235.qwen3_235b_grpo_spec(), [f"backend.generator={generator}"])
+    found = audit(cfg, r235.SCALE.layout(cfg), preset("qwen3-235b-a22b"), prompt_tokens=1024)
+    overhead = found.ranks[-1].host_bytes  # the driver: a process's overhead only
+    per_node = {kind: round((b - 9 * overhead) / 1e9, -1) for kind, b in found.nodes.items()}
+    assert per_node["trainer rank 0's"] == trainer0_gb
+    assert per_node["engine"] == engine_gb

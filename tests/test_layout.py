@@ -94,8 +94,8 @@ def test_world_grids():
 
 
 def test_the_235b_recipe_layout_is_one_megatron_accepts():
-    """TP2 PP8 CP1 EP16 on 128 GPUs with 11 layers on the first and last stage, 12 on the six others, a layout the
-    trainer runs."""
+    """TP2 PP8 CP1 EP8 on the recipe's 64 trainer GPUs with 12 layers on the first stage, 10 on the last and 12 on
+    the six others, a layout the trainer runs."""
     import importlib
 
     mod = importlib.import_module("recipes.qwen3_235b_grpo_spec")
@@ -105,7 +105,7 @@ def test_the_235b_recipe_layout_is_one_megatron_accepts():
     s = mod.SCALE
     assert (lay.tp, lay.pp, lay.cp, lay.ep) == (s.tp, s.pp, s.cp, s.ep)
     check_layout(preset("qwen3-235b-a22b"), lay, s.nodes * s.gpus_per_node, runnable=True)
-    assert stage_layers(94, 8, lay.first_stage_layers, lay.last_stage_layers) == [11, *[12] * 6, 11]
+    assert stage_layers(94, 8, lay.first_stage_layers, lay.last_stage_layers) == [12, *[12] * 6, 10]
     with pytest.raises(ValueError, match="pp=8 does not divide the 94"):  # without the uneven split
         check_layout(preset("qwen3-235b-a22b"), Layout(tp=2, pp=8, cp=1, ep=16, etp=1), 128)
 

@@ -74,9 +74,9 @@ def test_reference_recipes_are_what_the_docs_say():
     smol = recipe("smollm2_grpo_spec").smollm2_grpo_spec()
     assert smol.model.policy == "smollm2-135m" and smol.model.task == "natural"
     assert smol.spec.method in ("ngram", "history") and smol.model.drafter is None
-    big = recipe("qwen3_235b_grpo_spec").SCALE  # the tuner's best for 128 H100 at lag 2, k=5 (its docstring)
-    assert (big.nodes, big.gpus_per_node, big.tp, big.pp, big.cp, big.ep, big.vllm_tp) == (16, 8, 2, 8, 1, 4, 8)
-    assert (big.colocated, big.gen_gpus, big.async_lag) == (False, 32, 2)
+    big = recipe("qwen3_235b_grpo_spec").SCALE  # 128 H100 at lag 2, k=5, within 80 GB a GPU (its docstring)
+    assert (big.nodes, big.gpus_per_node, big.tp, big.pp, big.cp, big.ep, big.vllm_tp) == (16, 8, 2, 8, 1, 8, 8)
+    assert (big.colocated, big.gen_gpus, big.async_lag, big.recompute) == (False, 64, 2, "full")
 
 
 @pytest.mark.parametrize("name", AT_SCALE)
@@ -176,9 +176,9 @@ def test_at_scale_ray_slurm_plan(capsys):
                                "--executor local")
     assert "--nodes=16" in plan["sbatch_without_nemo_run"] and "slurm/ray.sub" in plan["sbatch_without_nemo_run"]
     rec = plan["recommended"]
-    assert rec["megatron"] == {"tp": 2, "pp": 8, "cp": 1, "ep": 4, "etp": 1, "first_stage_layers": 11,
-                               "last_stage_layers": 11, "dp": 6}
-    assert rec["vllm"]["tensor_parallel_size"] == 8 and rec["vllm"]["engines"] == 4
+    assert rec["megatron"] == {"tp": 2, "pp": 8, "cp": 1, "ep": 8, "etp": 1, "first_stage_layers": 12,
+                               "last_stage_layers": 10, "dp": 4}
+    assert rec["vllm"]["tensor_parallel_size"] == 8 and rec["vllm"]["engines"] == 8
     assert rec["vllm"]["speculative_config"]["num_speculative_tokens"] == 5
     script = out.split("# sbatch script", 1)[1]
     assert ("CONTAINER=img:1\nMOUNTS=/data:/data\nIMPORT_CHECK='python -c \"import megatron_spec, megatron.core, vllm, ray\"'"
@@ -239,10 +239,10 @@ def no_submit(monkeypatch):
 @pytest.mark.parametrize("name, argv, message", [
     # a layout the model cannot take: Qwen3-235B has 64 attention heads, 4 query groups
     ("qwen3_235b_grpo_spec", ["backend.megatron.tp=3"], "tp=3 does not divide num_attention_heads=64"),
-    # more GPUs than the allocation: 4 engines of TP8 beside the trainer on 1 x 8 GPUs
-    ("qwen3_235b_grpo_spec", ["--nodes", "1"], "4 generation engines x TP 8 = 32 GPUs, more than the allocation's 8"),
-    # a trainer split that does not fit what the engines leave: TP2 x PP8 = 16 per replica on 40 - 32 GPUs
-    ("qwen3_235b_grpo_spec", ["--nodes", "5"], "TP*PP*CP = 16 does not divide the 8 devices"),
+    # more GPUs than the allocation: 8 engines of TP8 beside the trainer on 1 x 8 GPUs
+    ("qwen3_235b_grpo_spec", ["--nodes", "1"], "8 generation engines x TP 8 = 64 GPUs, more than the allocation's 8"),
+    # a trainer split that does not fit what the engines leave: TP2 x PP8 = 16 per replica on 72 - 64 GPUs
+    ("qwen3_235b_grpo_spec", ["--nodes", "9"], "TP*PP*CP = 16 does not divide the 8 devices"),
     ("qwen3_8b_grpo_spec", ["--nodes", "1", "--gpus-per-node", "1"], "TP*PP*CP = 2 does not divide the 1 devices"),
     # chain-length weights for 3 lengths, where the chat task holds 2 (2-3 terms)
     ("qwen3_8b_grpo_spec", ["model.terms_weights=[1,1,1]"], "terms_weights needs 2 non-negative weights"),

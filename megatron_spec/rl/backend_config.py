@@ -92,9 +92,10 @@ class MegatronSection:
 class VLLMSection:
     """vLLM engine settings (used when `backend.generator=vllm`)."""
 
-    enforce_eager: bool = True
-    """Skip vLLM's graph compilation (start-up in seconds instead of minutes on CPU; compiled mode is faster per
-    step on long runs)."""
+    enforce_eager: bool | None = None
+    """Skip vLLM's graph compilation and CUDA graphs. None: eager where vLLM runs on CPUs (start-up in seconds
+    instead of minutes), CUDA graphs on GPUs (decoding a batch is then one graph launch a step, not one kernel
+    launch per operation)."""
     max_model_len: int = 4096
     """Longest prompt + completion an engine serves."""
     threads: int = 0
@@ -149,6 +150,10 @@ class BackendSection:
     """vLLM settings."""
 
     def __post_init__(self) -> None:
+    def eager(self, on_cpu: bool) -> bool:
+        """Whether the engine runs eagerly: `enforce_eager` where it is set, else only on CPUs."""
+        return on_cpu if self.enforce_eager is None else self.enforce_eager
+
         for name, allowed in (("trainer", TRAINERS), ("generator", GENERATORS), ("placement", PLACEMENTS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"backend.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")

@@ -206,3 +206,14 @@ def test_train_command_bad_override_fails_before_training(monkeypatch):
 
 def load_yaml_text(text: str) -> RLConfig:
     return from_dict(yaml.safe_load(text))
+
+
+def test_vllm_runs_eagerly_on_cpus_and_with_cuda_graphs_on_gpus_unless_told():
+    """`backend.vllm.enforce_eager` unset picks by platform; set, it wins on either."""
+    from megatron_spec.rl.backend_config import VLLMSection
+
+    assert (VLLMSection().eager(on_cpu=True), VLLMSection().eager(on_cpu=False)) == (True, False)
+    assert [VLLMSection(enforce_eager=e).eager(on_cpu=c) for e in (True, False) for c in (True, False)] == \
+        [True, True, False, False]
+    cfg = apply_overrides(RLConfig(), ["backend.vllm.enforce_eager=false"])
+    assert cfg.backend.vllm.enforce_eager is False and not cfg.backend.vllm.eager(on_cpu=True)

@@ -184,7 +184,7 @@ class VLLMGenerator:
         if not current_platform.is_cpu():
             kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
         return cls(str(out / "policy"), spec, seed=cfg.run.seed, max_model_len=v.max_model_len, drafter_conversion=form,
-                   cpu_threads=v.threads or cfg.run.threads, enforce_eager=v.enforce_eager,
+                   cpu_threads=v.threads or cfg.run.threads, enforce_eager=v.eager(current_platform.is_cpu()),
                    tensor_parallel_size=v.tensor_parallel_size, sleep_level=v.sleep_level, **kwargs)
 
     @staticmethod
