@@ -125,6 +125,9 @@ def gloo_lets_go(*holders):
             counts = [t._use_count() for t in tensors]
             return Work(self.pg.broadcast(tensors, *args), tensors, counts)
 
+        def __getattr__(self, name):  # the group's other collectives, unchanged
+            return getattr(self.pg, name)
+
     original = dist.broadcast
 
     def broadcast(tensor, *args, **kwargs):

@@ -6,7 +6,7 @@ Members `0 .. senders - 1` send, the rest receive. Each sender has a process gro
 (the sender its rank 0), so no sender ever receives another sender's bytes; receivers take the senders' refits one
 after another, in sender order. Per sender and refit:
 
-    control          [FRAMED or PACKED, buckets]                       one small broadcast
+    control          [FRAMED or PACKED, buckets]                       one small all-reduce
     FRAMED:          per bucket [header bytes, payload bytes], the JSON header, the payload; then [END | ABORT]
     PACKED:          per bucket only the payload; then [END | ABORT]
 
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import time
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 
@@ -155,11 +156,24 @@ class WeightGroup:
         self._broadcast(t, pg)
         return tuple(t.tolist())
 
+    def _open(self, mode: int, n: int, pg=None) -> tuple[int, int]:
+        """The opening mark as an all-reduce (receivers add zeros), so it completes only once every member has
+        arrived: the sender's time in it is its wait for the engines (`wait_s`), which a broadcast, buffered by
+        the transport, would not show."""
+        import torch.distributed as dist
+
+        t = torch.tensor([mode, n], dtype=torch.int64, device=self.device)
+        t0 = time.perf_counter()
+        (pg or self.pg).allreduce([t], dist.AllreduceOptions()).wait()
+        self.wait_s = time.perf_counter() - t0
+        return tuple(t.tolist())
+
     # -- sending ------------------------------------------------------------------------------------------------
 
     def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None = None) -> int:
         """A sender: stream `buckets` to every receiver, floating tensors cast to `dtype` (None: as they are);
-        returns the tensors' bytes sent (in the sent dtype). The sender holds the bucket it is given plus two payloads."""
+        returns the tensors' bytes sent (in the sent dtype). The sender holds the bucket it is given plus two payloads;
+        `wait_s` is then how long it waited for the receivers to arrive."""
         if not self.is_sender:
             raise RuntimeError(f"weight group: member {self.rank} receives (members 0..{self.senders - 1} send)")
         if self.layouts[0] is None or not self.packs:
@@ -186,7 +200,7 @@ class WeightGroup:
 
     def _send_framed(self, buckets, dtype) -> int:
         layout, total = [], 0
-        self._mark(FRAMED)
+        self._open(FRAMED, 0)
         try:
             for bucket in buckets:
                 header, n = layout_of(bucket, dtype)
@@ -227,7 +241,7 @@ class WeightGroup:
             works[slot] = self._post(buf)
             return buf
 
-        self._mark(PACKED, len(layout))
+        self._open(PACKED, len(layout))
         mark = ABORT
         try:
             for bucket in buckets:
@@ -254,17 +268,21 @@ class WeightGroup:
 
     # -- receiving ----------------------------------------------------------------------------------------------
 
-    def receive(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def receive(self, reuse: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """A receiver: every sender's buckets, sender by sender, each a list of (hf_name, tensor) views of one
-        received buffer. Must be drained to the end; the bytes received are `self.received` after."""
+        received buffer. `reuse`: for a loader that copies each bucket before asking for the next, two buffers
+        alternate (no allocation or first touch of fresh memory per bucket); otherwise each bucket is a fresh buffer
+        (vLLM's reload keeps views until a layer is whole). Must be drained to the end; the bytes received are
+        `self.received` after."""
         if self.is_sender:
             raise RuntimeError(f"weight group: member {self.rank} sends")
-        self.received = 0
+        self.received, self._reuse = 0, reuse
         for s, pg in enumerate(self.pgs):
             yield from self._receive_from(s, pg)
+        self._buffers = self._buffers if reuse else []
 
     def _receive_from(self, s: int, pg) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        mode, n = self._mark(0, 0, pg)
+        mode, n = self._open(0, 0, pg)
         if mode == FRAMED:
             layout = []
             while (frame := self._receive_frame(pg)) is not None:
@@ -280,7 +298,10 @@ class WeightGroup:
                                f"{'no' if layout is None else len(layout)} buckets of its layout")
 
         def post(i):
-            buf = torch.empty(layout[i][1], dtype=torch.uint8, device=self.device)
+            if self._reuse:
+                buf = self._payload(i % 2, max(n for _, n in layout))[:layout[i][1]]
+            else:
+                buf = torch.empty(layout[i][1], dtype=torch.uint8, device=self.device)
             return buf, self._post(buf, pg)
 
         nxt = post(0) if n else None
@@ -359,7 +380,7 @@ class CudaIpcWeightGroup(WeightGroup):
         them)."""
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-        if self._mark(0, 0, pg)[0] != FRAMED:
+        if self._open(0, 0, pg)[0] != FRAMED:
             raise RuntimeError("weight group (cuda_ipc): the sender did not open a framed refit")
         while (frame := self._receive_frame(pg)) is not None:  # the body is the buffer's IPC handle
             header, handle = frame

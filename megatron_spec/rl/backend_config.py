@@ -144,16 +144,16 @@ class BackendSection:
     refit_transport: str = "collective"
     """How weights reach Ray-placed engines: `collective` (a gloo / NCCL weight-update group from the trainer to
     every engine worker, bucket by bucket) or `object_store` (the fallback: buckets through Ray's object store)."""
+    refit_bucket_mb: int = 0
+    """Refit bucket, MiB: the tensors packed into one broadcast of the weight-update group (each sender holds two
+    while packing one and sending the other). A link reaches its bandwidth only on large messages. 0: 512 where
+    the engines have GPUs, the CPU default measured by `benchmarks/refit_collective.py` elsewhere."""
     megatron: MegatronSection = field(default_factory=MegatronSection)
     """Megatron-Core settings."""
     vllm: VLLMSection = field(default_factory=VLLMSection)
     """vLLM settings."""
 
     def __post_init__(self) -> None:
-    def eager(self, on_cpu: bool) -> bool:
-        """Whether the engine runs eagerly: `enforce_eager` where it is set, else only on CPUs."""
-        return on_cpu if self.enforce_eager is None else self.enforce_eager
-
         for name, allowed in (("trainer", TRAINERS), ("generator", GENERATORS), ("placement", PLACEMENTS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"backend.{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
@@ -168,6 +168,9 @@ class BackendSection:
             raise ValueError(f"backend.is_clip must be >= 1, got {self.is_clip}")
         if self.init_timeout_s <= 0:
             raise ValueError(f"backend.init_timeout_s must be > 0, got {self.init_timeout_s}")
+        if self.refit_bucket_mb < 0:
+            raise ValueError(f"backend.refit_bucket_mb must be >= 0 (0: the default for the devices), "
+                             f"got {self.refit_bucket_mb}")
         if self.refit_transport not in REFIT_TRANSPORTS:
             raise ValueError(f"backend.refit_transport must be one of {', '.join(REFIT_TRANSPORTS)}, "
                              f"got {self.refit_transport!r}")

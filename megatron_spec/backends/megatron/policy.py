@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ from .checkpoint import ShardedCheckpoints
 from .checks import Parallelism, check_parallelism
 from .importer import import_hf
 from .parallel import ensure_process_group, init_model_parallel
-from .provider import build_model
+from .provider import PORTABLE, Speed, build_model, speed_overrides
 from .step import device as _device
 from .step import (
     StepSpec, aux_loss_sum, clip, gather_rows, is_mtp, norm_owned, padded_tokens, plan, positions, reduce_grads,
@@ -85,11 +86,12 @@ class MegatronPolicy(ShardedCheckpoints):
                  mtp_coupling: str = "detached", mtp_loss_scaling_factor: float = 0.1, drafter_lr: float = 3e-4,
                  sequence_parallel: bool = False, seed: int = 0, followers: bool = False,
                  params_dtype: str = "float32", recompute: str = "none", optimizer: str = "torch",
-                 eagle3=None, drafter_cfg=None):
+                 eagle3=None, drafter_cfg=None, speed: Speed | None = None):
         """`model`: an HF checkpoint directory (each rank reads its own slices) or a loaded `CausalLM`; `drafter`:
         an MTP drafter directory or module (None with `mtp_num_layers`: a new head, as train-drafter makes);
         `eagle3`: an EAGLE-3 head (directory or module) trained online beside the policy (`eagle3.py`) with the
-        `drafter_train` section `drafter_cfg`."""
+        `drafter_train` section `drafter_cfg`; `speed`: MoE dispatcher, fusions and recompute details
+        (`provider.Speed`, its `recompute` replaced by `recompute`; None: `provider.PORTABLE`)."""
         from_files = not isinstance(model, CausalLM)
         cfg = read_config(model) if from_files else model.config
         if grpo.kl_coef > 0:
@@ -123,6 +125,7 @@ class MegatronPolicy(ShardedCheckpoints):
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_parallelism(cfg, par, world, sequence_parallel=sequence_parallel,  # before any rank allocates
                           on_gpus=torch.cuda.is_available())
+        speed_kw = speed_overrides(replace(speed or PORTABLE, recompute=recompute), moe=cfg.is_moe)
         if eagle3 is not None:  # a head that does not fit, or beside MTP layers, fails before anything is built
             from ...layout import online_eagle3_problems
             from .eagle3 import load_head
@@ -145,11 +148,8 @@ class MegatronPolicy(ShardedCheckpoints):
         self.has_drafter = drafter is not None and mtp_num_layers > 0
         init_model_parallel(par, cfg)
         reset_router_tracker()
-        extra = {} if recompute == "none" else dict(recompute_granularity=recompute)
-        if recompute == "full":
-            extra.update(recompute_method="uniform", recompute_num_layers=1)
         self.model = build_model(cfg, par, mtp_num_layers=mtp_num_layers, init=False, dtype=self.dtype,
-                                 sequence_parallel=sequence_parallel, batch_p2p_comm=False, **extra)
+                                 sequence_parallel=sequence_parallel, batch_p2p_comm=False, **speed_kw)
         if self.dtype != torch.float32:  # modules Megatron takes from torch (the RMSNorm without Apex / TE) too
             self.model.to(self.dtype)
         if from_files:  # every rank reads its own slices from the files; a new MTP head comes from memory
@@ -204,7 +204,7 @@ class MegatronPolicy(ShardedCheckpoints):
                    mtp_loss_scaling_factor=m.mtp_loss_scaling_factor, drafter_lr=cfg.drafter_train.lr,
                    sequence_parallel=m.sequence_parallel, seed=cfg.run.seed, followers=world > 1,
                    params_dtype=m.params_dtype, recompute=m.recompute, optimizer=m.optimizer,
-                   eagle3=eagle3_drafter_dir(cfg), drafter_cfg=cfg.drafter_train)
+                   eagle3=eagle3_drafter_dir(cfg), drafter_cfg=cfg.drafter_train, speed=Speed.from_section(m))
 
     # -- rank 0 announces, the others follow ------------------------------------------------------------------
 

@@ -4,10 +4,10 @@ metrics, logging, checkpoints and report; no second copy) with the trainer and t
     for step:  data -> prepare (weight sync) -> gen (rollouts, possibly run ahead) -> logprob -> train
 
 What differs from one process is only where the pieces live (`build_backends`), how weights reach the engines
-(`refit`: trainer rank 0 streams size-bounded buckets of HF-named tensors, policy and drafter, through a
-weight-update group to every engine worker, or through Ray's object store as the fallback, `transport.py`; bytes,
-seconds, GB/s and transport are logged as `weight_sync_bytes` / `_s` / `_gbps` / `_transport`) and how rollouts
-are made (`rollouts`).
+(`refit`: one trainer rank per pipeline stage streams that stage's packed buckets of HF-named tensors, policy and
+drafter, through a weight-update group to every engine worker, or rank 0 through Ray's object store as the
+fallback, `transport.py`; logged as `weight_sync_bytes` / `_s` / `_gbps` / `_transport` / `_senders` /
+`_sender_bytes_max` / `_received_bytes_max` / `_wait_s`) and how rollouts are made (`rollouts`).
 
 Async GRPO (`backend.async_lag = L > 0`): before waiting for step s's rollouts the driver has submitted generation
 for every step up to s + L, each with the newest weights it had; engines run those while the trainer updates. Every
@@ -50,7 +50,9 @@ class RayTrainer(loop.Trainer):
         self.sync_futures: list = []
         self.offload_info: dict = {}  # the last offload's memory metrics (colocated)
         self.sync_info = {"weight_sync_bytes": 0, "weight_sync_s": 0.0, "weight_sync_gbps": 0.0,
-                          "weight_sync_transport": cfg.backend.refit_transport}
+                          "weight_sync_transport": cfg.backend.refit_transport, "weight_sync_senders": 0,
+                          "weight_sync_sender_bytes_max": 0, "weight_sync_received_bytes_max": 0,
+                          "weight_sync_wait_s": 0.0}
         super().__init__(cfg)
 
     def build_backends(self):

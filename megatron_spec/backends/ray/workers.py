@@ -143,26 +143,42 @@ class TrainerRank:
             return self.policy.export_weights(bucket_bytes, dtype)
         return self.policy.export_weights()
 
-    def join_weights(self, host: str, port: int, world: int, timeout_s: float, backend: str) -> None:
-        """Rank 0: join a weight-update group as its sender (rank 0, hosting the rendezvous at `host:port`)."""
+    def join_weights(self, host: str, port: int, world: int, timeout_s: float, backend: str,
+                     senders: int = 1) -> None:
+        """Rank 0: join a weight-update group as its first sender (hosting the rendezvous at `host:port`). A
+        sharded policy announces the join, so each pipeline stage's sender joins too (`senders` of them)."""
         from ..weight_group import open_weight_group
 
         if self.rank != 0:
-            raise RuntimeError("only trainer rank 0 sends weights (it holds each gathered bucket)")
-        self.weights = open_weight_group(host, port, 0, world, timeout_s, backend)
+            raise RuntimeError("the driver joins the senders through trainer rank 0")
+        if hasattr(self.policy, "join_weights"):
+            self.policy.join_weights(host, port, world, timeout_s, backend, senders)
+        elif senders != 1:
+            raise RuntimeError(f"a trainer of one stage cannot provide {senders} weight senders")
+        else:
+            self.weights = open_weight_group(host, port, 0, world, timeout_s, backend)
 
-    def send_weights(self, bucket_bytes: int, dtype: str | None) -> tuple[int, float]:
-        """Stream the policy and drafter to the weight-update group, bucket by bucket as the export gathers them,
-        floating tensors in `dtype` (the engines' served dtype): (bytes, seconds). A sharded trainer's other ranks
-        take part in the gathering (they follow rank 0's export call)."""
+    def send_weights(self, bucket_bytes: int, dtype: str | None) -> tuple[int, float, object]:
+        """Stream the policy and drafter to the weight-update group in packed `bucket_bytes` buckets, floating
+        tensors in `dtype` (the engines' served dtype): (bytes of all senders, seconds, `transport.SendInfo`). A
+        sharded trainer sends from one rank per pipeline stage (`MegatronPolicy.send_weights`); a whole one from
+        here, its stream re-bucketed to `bucket_bytes`."""
         from ...rl.refit import buckets
         from ..weight_group import dtype_of
+        from .transport import SendInfo
 
         t0 = time.perf_counter()
-        nbytes = self.weights.send(buckets(self._exported(bucket_bytes, dtype), bucket_bytes),
-                                   dtype_of(dtype) if dtype else None)
+        if hasattr(self.policy, "send_weights"):
+            sent = self.policy.send_weights(bucket_bytes, dtype)
+            info = SendInfo(len(sent["sender_bytes"]), max(sent["sender_bytes"]), max(sent["received_bytes"]),
+                            max(sent["wait_s"]))
+            nbytes = sum(sent["sender_bytes"])
+        else:
+            nbytes = self.weights.send(buckets(self._exported(bucket_bytes, dtype), bucket_bytes),
+                                       dtype_of(dtype) if dtype else None)
+            info = SendInfo(1, nbytes, 0, self.weights.wait_s)
         self.crash.check("send_weights")
-        return nbytes, time.perf_counter() - t0
+        return nbytes, time.perf_counter() - t0, info
 
     def state_dict(self) -> dict:
         return self.policy.state_dict()
@@ -213,14 +229,15 @@ class Engine:
         """Ranks this engine takes in a weight-update group: one per vLLM worker, one for our engine."""
         return getattr(self.generator, "workers", 1)
 
-    def join_weights(self, host: str, port: int, world: int, base_rank: int, timeout_s: float, backend: str) -> str:
-        """Join the weight-update group as ranks base_rank .. base_rank + weight_ranks() - 1; returns the dtype
-        this engine serves (the sender casts to it)."""
+    def join_weights(self, host: str, port: int, world: int, base_rank: int, timeout_s: float, backend: str,
+                     senders: int = 1) -> str:
+        """Join the weight-update group (its first `senders` members send) as ranks base_rank .. base_rank +
+        weight_ranks() - 1; returns the dtype this engine serves (the senders cast to it)."""
         if hasattr(self.generator, "join_weight_group"):
-            return self.generator.join_weight_group(host, port, world, base_rank, timeout_s, backend)
+            return self.generator.join_weight_group(host, port, world, base_rank, timeout_s, backend, senders)
         from ..weight_group import open_weight_group
 
-        self.weights = open_weight_group(host, port, base_rank, world, timeout_s, backend)
+        self.weights = open_weight_group(host, port, base_rank, world, timeout_s, backend, senders=senders)
         return str(next(self.generator.model.parameters()).dtype).removeprefix("torch.")
 
     def receive_weights(self, version: int) -> tuple[int, float]:
@@ -231,7 +248,7 @@ class Engine:
         if hasattr(self.generator, "receive_weights"):
             nbytes = self.generator.receive_weights()
         else:
-            nbytes = self.generator.update_weights(self.weights.receive())
+            nbytes = self.generator.update_weights(self.weights.receive(reuse=True))  # our loader copies at once
         self.version = version
         self.crash.check("receive_weights")
         return nbytes, time.perf_counter() - t0

@@ -260,11 +260,12 @@ class VLLMGenerator:
         return self.tensor_parallel_size
 
     def join_weight_group(self, host: str, port: int, world: int, base_rank: int, timeout_s: float,
-                          backend: str) -> str:
-        """Every worker joins the weight-update group at `host:port` as ranks base_rank .. base_rank + workers - 1
-        (blocks until the group forms, so the sender must be joining too); returns the dtype the engine serves."""
+                          backend: str, senders: int = 1) -> str:
+        """Every worker joins the weight-update group at `host:port` (its first `senders` members send) as ranks
+        base_rank .. base_rank + workers - 1 (blocks until the group forms, so the senders must be joining too);
+        returns the dtype the engine serves."""
         dtypes = self.llm.collective_rpc("megatron_spec_join", args=(host, port, world, base_rank, timeout_s, backend,
-                                                                      self.form))
+                                                                      self.form, senders))
         return dtypes[0]
 
     def receive_weights(self) -> int:

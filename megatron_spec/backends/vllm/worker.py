@@ -6,8 +6,9 @@ backend repacks every linear layer and empties `.weight`, so a second `load_weig
 form, loads it and re-runs `process_weights_after_loading`, for the target and for the drafter alike.
 
 Weights reach the workers through the weight-update group (`backends/weight_group.py`): each worker joins it
-(`megatron_spec_join`) and, per refit, receives the stream bucket by bucket straight into one layer-wise reload
-(`megatron_spec_receive`); a layer is processed as soon as its last tensor arrived. Tensors never travel as
+(`megatron_spec_join`) and, per refit, receives the stream bucket by bucket, every trainer pipeline stage's
+sender in turn, straight into one layer-wise reload (`megatron_spec_receive`); a layer is processed as soon as its
+last tensor arrived. Tensors never travel as
 `collective_rpc` arguments (on CPU they arrive as lists or fail to serialise) and never through a file.
 `megatron_spec_trial_refit` runs the same reload on one layer of each kind at start-up, so an engine that cannot
 be refit fails before a run starts.
@@ -32,14 +33,15 @@ register()
 
 class WorkerExtension:
     def megatron_spec_join(self, host: str, port: int, world: int, base_rank: int, timeout_s: float, backend: str,
-                           drafter_form: dict | None) -> str:
-        """Join the weight-update group as rank `base_rank` + this worker's rank in its engine; returns the dtype
-        this worker serves (what the sender casts to). `drafter_form`: how streamed drafter tensors become vLLM's
-        (`{"eagle3": [capture layers, hidden size]}`), None when they load as they are."""
+                           drafter_form: dict | None, senders: int = 1) -> str:
+        """Join the weight-update group (its first `senders` members send: one per trainer pipeline stage) as rank
+        `base_rank` + this worker's rank in its engine; returns the dtype this worker serves (what the senders cast
+        to). `drafter_form`: how streamed drafter tensors become vLLM's (`{"eagle3": [capture layers, hidden
+        size]}`), None when they load as they are."""
         from ..weight_group import open_weight_group
 
         self.megatron_spec_group = open_weight_group(host, port, base_rank + self.rank, world, timeout_s, backend,
-                                                     local_rank=getattr(self, "local_rank", 0))
+                                                     local_rank=getattr(self, "local_rank", 0), senders=senders)
         self.megatron_spec_drafter_form = drafter_form
         return str(self.model_config.dtype).removeprefix("torch.")
 

@@ -66,12 +66,12 @@ def _bytes(buckets) -> int:
 def test_each_receiver_gets_every_stage_from_its_own_sender_and_headers_only_once():
     """Three refits. Each sender reports exactly its own stage's bytes and sits in one process group (its own);
     each receiver gets sender 0's three buckets then sender 1's, floating tensors equal to the sender's cast to
-    bf16, integers unchanged, and counts both stages' bytes. Broadcasts per sender and refit: the first (FRAMED)
-    has 1 + 3 per bucket + 1 (control, [sizes, header, payload] per bucket, end), the later ones (PACKED)
-    1 + 1 per bucket + 1: no per-bucket header."""
+    bf16, integers unchanged, and counts both stages' bytes. Broadcasts per sender and refit after the opening all-reduce:
+    the first (FRAMED) 3 per bucket + 1 ([sizes, header, payload] per bucket, end), the later ones (PACKED)
+    1 per bucket + 1: no per-bucket header."""
     results = _run(["ok", "ok", "ok"])
     for refit in range(3):
-        buckets_posts = 1 + 3 * 3 + 1 if refit == 0 else 1 + 3 + 1
+        buckets_posts = 3 * 3 + 1 if refit == 0 else 3 + 1
         for s in range(SENDERS):
             assert results[s][refit] == ("sent", _bytes(stage(s, refit)), buckets_posts, 1)
         for r in (2, 3):
@@ -100,7 +100,7 @@ def test_a_packed_refit_that_fails_or_changes_layout_aborts_every_receiver_and_t
         for refit in (2, 4):
             status, got, received, posts = results[r][refit]
             assert status == "received" and received == _bytes(stage(0, refit) + stage(1, refit))
-            assert posts == (1 + 3 + 1) + (1 + 3 * 3 + 1)
+            assert posts == (3 + 1) + (3 * 3 + 1)
     for refit in (2, 4):
-        assert results[0][refit] == ("sent", _bytes(stage(0, refit)), 1 + 3 + 1, 1)
-        assert results[1][refit] == ("sent", _bytes(stage(1, refit)), 1 + 3 * 3 + 1, 1)
+        assert results[0][refit] == ("sent", _bytes(stage(0, refit)), 3 + 1, 1)
+        assert results[1][refit] == ("sent", _bytes(stage(1, refit)), 3 * 3 + 1, 1)
