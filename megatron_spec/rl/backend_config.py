@@ -15,6 +15,9 @@ GENERATORS = ("embedded", "vllm")
 PLACEMENTS = ("inline", "colocated", "disaggregated")
 PARAMS_DTYPES = ("float32", "bfloat16")
 RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mlp", "moe", "shared_experts")
+DISPATCHERS = ("auto", "allgather", "alltoall")
 OPTIMIZERS = ("torch", "megatron")
 REFIT_TRANSPORTS = ("collective", "object_store")
 
@@ -53,8 +56,31 @@ class MegatronSection:
     the CPU torch AdamW per shard over fp32 copies), and checkpoints hold the fp32 masters. The at-scale recipes
     use bfloat16; the CPU tier's exact-equality tests use float32."""
     recompute: str = "none"
-    """Activation recompute: `none`, `selective` (core attention) or `full` (each decoder layer, uniformly)
-    [recompute_granularity]."""
+    """Activation recompute: `none`, `selective` (the `recompute_modules` of each layer) or `full` (whole decoder
+    layers, as `recompute_method` says) [recompute_granularity]."""
+    recompute_method: str = "uniform"
+    """With `full`: `uniform` (the stage's layers in chunks of `recompute_num_layers`, each chunk's input kept) or
+    `block` (only the stage's first `recompute_num_layers` layers recomputed, the rest kept) [recompute_method]."""
+    recompute_num_layers: int = 1
+    """With `full`: layers per chunk (`uniform`) or recomputed layers per stage (`block`) [recompute_num_layers]."""
+    recompute_modules: tuple[str, ...] = ()
+    """With `selective`: the parts of each layer whose activations are recomputed, of core_attn, moe_act,
+    layernorm, mlp, moe, shared_experts; empty: Megatron's default, core attention only (which keeps the MoE
+    layers' activations: add `moe` to recompute them too) [recompute_modules]."""
+    moe_token_dispatcher: str = "auto"
+    """How MoE layers move tokens to their experts' ranks: `alltoall` (each token to the EP ranks of its top-k
+    experts only), `allgather` (every EP rank gathers all tokens; works with gloo on CPUs), `auto`: alltoall where
+    Transformer Engine and CUDA are present, allgather otherwise [moe_token_dispatcher_type]."""
+    moe_grouped_gemm: bool | None = None
+    """All of a rank's experts in one grouped GEMM instead of a loop over experts (Transformer Engine); None: on
+    where Transformer Engine and CUDA are present [moe_grouped_gemm]."""
+    moe_permute_fusion: bool | None = None
+    """The dispatcher's token permute / unpermute as fused kernels (Transformer Engine); None: on where
+    Transformer Engine and CUDA are present [moe_permute_fusion]."""
+    fusions: bool | None = None
+    """Fused kernels that compute the same function: SwiGLU (`bias_activation_fusion`), rotary
+    (`apply_rope_fusion`) and the masked softmax (`masked_softmax_fusion`); CUDA with Transformer Engine only. None:
+    on where Transformer Engine and CUDA are present."""
     optimizer: str = "torch"
     """`torch`: torch AdamW on each rank's shards (CPU and GPU); `megatron`: Megatron-Core's distributed optimizer
     (`get_megatron_optimizer`, states sharded over data-parallel ranks, gradients reduced in fp32; CUDA only). Both
@@ -86,6 +112,21 @@ class MegatronSection:
             raise ValueError(f"backend.megatron.recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"backend.megatron.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.recompute_method not in RECOMPUTE_METHODS:
+            raise ValueError(f"backend.megatron.recompute_method must be one of {', '.join(RECOMPUTE_METHODS)}, "
+                             f"got {self.recompute_method!r}")
+        if self.recompute_num_layers < 1:
+            raise ValueError(f"backend.megatron.recompute_num_layers must be >= 1, got {self.recompute_num_layers}")
+        self.recompute_modules = tuple(self.recompute_modules)
+        if unknown := [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]:
+            raise ValueError(f"backend.megatron.recompute_modules: unknown {', '.join(unknown)}; known are "
+                             f"{', '.join(RECOMPUTE_MODULES)}")
+        if self.recompute_modules and self.recompute != "selective":
+            raise ValueError("backend.megatron.recompute_modules applies to recompute=selective: set "
+                             f"recompute=selective or drop the modules (recompute={self.recompute!r})")
+        if self.moe_token_dispatcher not in DISPATCHERS:
+            raise ValueError(f"backend.megatron.moe_token_dispatcher must be one of {', '.join(DISPATCHERS)}, "
+                             f"got {self.moe_token_dispatcher!r}")
 
 
 @dataclass

@@ -14,6 +14,7 @@ names, which `mapping` knows).
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,72 @@ DEFAULT_VOCAB_DIVISIBLE_BY = 128
 
 def have_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
+
+
+TE_EXTRA = "pip install 'megatron-spec[te]' (Transformer Engine for PyTorch, on a CUDA machine)"
+
+
+@dataclass(frozen=True)
+class Speed:
+    """How Megatron runs the model fast, as `backend.megatron` says (its docstrings); None / `auto`: the fastest
+    safe setting where Transformer Engine and CUDA are present, what works on CPUs otherwise."""
+
+    recompute: str = "none"
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    recompute_modules: tuple[str, ...] = ()
+    moe_token_dispatcher: str = "auto"
+    moe_grouped_gemm: bool | None = None
+    moe_permute_fusion: bool | None = None
+    fusions: bool | None = None
+
+    @classmethod
+    def from_section(cls, m) -> "Speed":
+        return cls(**{f.name: getattr(m, f.name) for f in fields(cls)})
+
+
+PORTABLE = Speed(moe_token_dispatcher="allgather", moe_grouped_gemm=False, moe_permute_fusion=False, fusions=False)
+"""Settings that run on any machine, CPU or GPU, with or without Transformer Engine: `MegatronPolicy`'s default
+when it is built directly rather than from a config."""
+
+
+def speed_overrides(speed: Speed, *, moe: bool, cuda: bool | None = None, te: bool | None = None) -> dict:
+    """`TransformerConfig` fields for `speed`. Raises before anything is built where a setting needs Transformer
+    Engine (grouped GEMM, permute fusion, the fused kernels) and it is absent, or needs CUDA on a CPU: on a GPU the
+    defaults are those settings, so a GPU machine without Transformer Engine is told to install it (or to turn
+    them off one by one)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    te = have_transformer_engine() if te is None else te
+    fast = cuda  # the defaults a GPU gets; they need Transformer Engine, which the check below asks for
+    wanted = {"moe_grouped_gemm": speed.moe_grouped_gemm, "moe_permute_fusion": speed.moe_permute_fusion,
+              "fusions": speed.fusions}
+    resolved = {k: fast if v is None else v for k, v in wanted.items()}
+    if not moe:
+        resolved["moe_grouped_gemm"] = resolved["moe_permute_fusion"] = False
+    needs_te = [k for k, on in resolved.items() if on]
+    if needs_te and not (te and cuda):
+        where = "CUDA and Transformer Engine" if not cuda else "Transformer Engine"
+        raise ValueError(f"backend.megatron {', '.join(needs_te)} need {where}"
+                         + (f": {TE_EXTRA}" if cuda else "") + f", or set backend.megatron.{needs_te[0]}=false"
+                         + (" (and the others listed)" if len(needs_te) > 1 else ""))
+    dispatcher = speed.moe_token_dispatcher
+    if dispatcher == "auto":
+        dispatcher = "alltoall" if cuda else "allgather"
+    if moe and dispatcher == "alltoall" and not cuda:
+        raise ValueError("backend.megatron.moe_token_dispatcher=alltoall needs CUDA (Megatron-Core's alltoall "
+                         "dispatcher makes CUDA streams): use allgather on CPUs")
+    out = dict(moe_grouped_gemm=resolved["moe_grouped_gemm"], moe_permute_fusion=resolved["moe_permute_fusion"],
+               bias_activation_fusion=resolved["fusions"], apply_rope_fusion=resolved["fusions"],
+               masked_softmax_fusion=resolved["fusions"])
+    if moe:
+        out["moe_token_dispatcher_type"] = dispatcher
+    if speed.recompute != "none":
+        out["recompute_granularity"] = speed.recompute
+    if speed.recompute == "full":
+        out.update(recompute_method=speed.recompute_method, recompute_num_layers=speed.recompute_num_layers)
+    if speed.recompute == "selective" and speed.recompute_modules:
+        out["recompute_modules"] = list(speed.recompute_modules)
+    return out
 
 
 def _router_without_te() -> None:
@@ -109,7 +176,7 @@ def transformer_config(
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=cfg.router_aux_loss_coef,
             moe_router_dtype="fp32",
-            moe_token_dispatcher_type="allgather",
+            moe_token_dispatcher_type="allgather",  # `speed_overrides` picks the dispatcher and the fusions
             moe_grouped_gemm=False,
         )
     if mtp_num_layers:

@@ -48,3 +48,4 @@ def one_vs_per_shape(rank: int, world: int, kind: str, layout: dict, rows: int) 
             weights.append({n: t.clone() for n, t in policy.export_weights()})
         out[name] = {"metrics": metrics, "weights": weights, "micro_batches": len(policy._micros(b))}
     return out
+

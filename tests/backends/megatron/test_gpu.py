@@ -431,3 +431,29 @@ def test_megatron_optimizer_checkpoint_resumes_the_next_step(kind, tmp_path):
     record(f"megatron_distopt_mtp_resume_{kind}", loss=loss_of(got), loss_uninterrupted=loss_of(want),
            grad_norm=got["grad_norm"], grad_norm_uninterrupted=want["grad_norm"], master_max_diff=master_diff,
            files=sorted(f.name for f in (tmp_path / "ckpt").iterdir()), gpu=torch.cuda.get_device_name())
+
+
+@pytest.mark.gpu
+def test_alltoall_dispatcher_step_matches_the_allgather_step():
+    """The MoE model's GRPO step with the GPU's speed settings (`backend.megatron`'s defaults: the alltoall
+    dispatcher, and with Transformer Engine grouped GEMM, permute fusion and the fused kernels; without it the
+    alltoall dispatcher alone) against the portable settings (allgather, nothing fused): the same experts see the
+    same tokens, so loss and grad norm agree to the module's fp32 GPU tolerance."""
+    from megatron_spec.backends.megatron.parallel import Parallelism
+    from megatron_spec.backends.megatron.policy import MegatronPolicy
+    from megatron_spec.backends.megatron.provider import PORTABLE, Speed, have_transformer_engine
+
+    from . import policy_workers as w
+
+    cfg = tiny("moe")
+    b = w.batches(cfg, 1)[0]
+    fast = Speed() if have_transformer_engine() else Speed(moe_grouped_gemm=False, moe_permute_fusion=False,
+                                                           fusions=False)
+    got = {}
+    for name, speed in (("portable", PORTABLE), ("fast", fast)):
+        policy = MegatronPolicy(w.our_model(cfg), w.grpo(), w.SAMPLING, Parallelism(), speed=speed)
+        got[name] = (policy.model.config.moe_token_dispatcher_type, policy.train_step(w.with_policy_old(b, None)))
+    assert (got["portable"][0], got["fast"][0]) == ("allgather", "alltoall")
+    tol = 1e-4 if fp32_tolerance() == 1e-4 else 2e-3
+    for key in ("loss", "grad_norm"):
+        assert got["fast"][1][key] == pytest.approx(got["portable"][1][key], rel=tol), key

@@ -41,3 +41,4 @@ def test_one_schedule_call_per_pass_equals_a_call_per_shape(kind, layout, world,
             assert a["train_pad_fraction"] == b["train_pad_fraction"] == 0.0
         for a, b in zip(per_shape["weights"], one["weights"]):
             close_weights(a, b)
+

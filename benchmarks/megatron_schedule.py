@@ -1,0 +1,115 @@
+"""The Megatron trainer's train stage with one pipeline schedule call per pass against one call per micro-batch
+shape, side by side in one run, and the simulator's train stage for the same run.
+
+`python benchmarks/megatron_schedule.py --out research/records/megatron_schedule.json` (under
+`flock /tmp/ms-timing.lock` on a shared machine). The tiny Qwen3-MoE (`checkpoints/tiny-qwen3-moe`, 4 layers,
+8 experts top-2) at PP2 on 2 gloo ranks and at PP2 x EP2 on 4, 1 torch thread per rank; one batch of 32 rows of
+10-token prompts and 8-40-token completions cut by a 96-token budget into >= 8 micro-batches of different lengths
+per rank. Each repeat times `train_step` once with `one_schedule` and once without, alternating which goes
+first, on one policy (the step's cost does not depend on the weights' values); rank 0's wall-clock seconds
+between barriers. A PP1 run (1 rank) of the same batch gives the per-stage cost the simulator's pipeline model
+(`megatron_spec.sim.bubble`) turns into the PP2 predictions, both paths, printed beside the measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_spec.models import from_pretrained  # noqa: E402
+from megatron_spec.rl.config import GRPOSection  # noqa: E402
+from megatron_spec.rl.policy import Batch  # noqa: E402
+
+POLICY = "checkpoints/tiny-qwen3-moe"
+SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)
+ROWS, PROMPT, BUDGET = 32, 10, 96
+
+
+def batch(vocab: int, seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, 41, (ROWS,), generator=g)
+    T = PROMPT + int(lengths.max())
+    ids = torch.randint(3, vocab, (ROWS, T), generator=g)
+    mask = torch.zeros(ROWS, T, dtype=torch.bool)
+    for i, n in enumerate(lengths.tolist()):
+        mask[i, PROMPT : PROMPT + n] = True
+    return Batch(ids, mask, torch.randn(ROWS, generator=g))
+
+
+def run(rank: int, world: int, layout: dict, repeats: int) -> dict:
+    import torch.distributed as dist
+
+    from megatron_spec.backends.megatron.checks import Parallelism
+    from megatron_spec.backends.megatron.policy import MegatronPolicy
+
+    model = from_pretrained(POLICY)
+    b = batch(model.config.vocab_size)
+    policy = MegatronPolicy(model, GRPOSection(micro_batch_tokens=BUDGET), SAMPLING, Parallelism(**layout))
+    micros = [(m.batch.input_ids.shape[0], m.batch.input_ids.shape[1]) for m in policy._micros(b)]
+    modes = (True, False) if world > 1 else (True,)
+    times = {one: [] for one in modes}
+    calls = {}
+    for r in range(repeats + 1):
+        for one in modes if r % 2 == 0 else modes[::-1]:
+            policy.one_schedule = one
+            dist.barrier()
+            t0 = time.perf_counter()
+            metrics = policy.train_step(Batch(b.input_ids, b.mask, b.advantages))
+            dist.barrier()
+            if r:  # the first round warms up
+                times[one].append(time.perf_counter() - t0)
+            calls[one] = metrics["train_schedule_calls"]
+            pad = metrics["train_pad_fraction"]
+    return {"micro_batches": micros, "pad_fraction": pad,
+            **{("one_call" if one else "per_shape"): {"median_s": statistics.median(times[one]), "times_s": times[one],
+                                                      "schedule_calls": calls[one]} for one in modes}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from megatron_spec.backends.megatron.parallel import spawn
+    from megatron_spec.sim.bubble import pipeline_train_time
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=6)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, 1 thread/rank",
+              "commit": commit, "command": "flock /tmp/ms-timing.lock python benchmarks/megatron_schedule.py "
+                                           f"--repeats {args.repeats} --out research/records/megatron_schedule.json",
+              "batch": f"{ROWS} rows, {PROMPT}-token prompts, 8-40-token completions, budget {BUDGET} tokens"}
+    pp1 = spawn(run, 1, {}, args.repeats)[0]
+    result["pp1"] = pp1
+    for name, world, layout in (("pp2", 2, dict(pp=2)), ("pp2_ep2", 4, dict(pp=2, ep=2, etp=1))):
+        out = spawn(run, world, layout, args.repeats)[0]
+        out["speedup_one_call"] = out["per_shape"]["median_s"] / out["one_call"]["median_s"]
+        result[name] = out
+    # The simulator: PP1's step is one stage doing all layers; at PP2 each stage does half of every micro-batch.
+    pp2 = result["pp2"]
+    m = len(pp2["micro_batches"])
+    pred = {"one_call": pipeline_train_time(pp1["one_call"]["median_s"], pp=2, micro_batches=m, calls=1),
+            "per_shape": pipeline_train_time(pp1["one_call"]["median_s"], pp=2, micro_batches=m,
+                                             calls=pp2["per_shape"]["schedule_calls"])}
+    result["sim_pp2"] = {k: {"predicted_s": v, "measured_s": pp2[k]["median_s"],
+                             "error": v / pp2[k]["median_s"] - 1} for k, v in pred.items()}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
