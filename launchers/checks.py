@@ -5,7 +5,8 @@ a hub name this machine cannot find), a drafter missing or of another method tha
 cannot take or the trainer does not run (context parallelism), more GPUs than the allocation has, vLLM engines that
 straddle nodes or contradict the placement, `max_model_len` below prompt plus `grpo.max_tokens`, rollouts longer than
 the model's context, backends other than the plan's, a drafter whose vocabulary is not the policy's, chain-length
-weights the policy's task cannot take: each is one line of a single error raised on the submitting machine, before
+weights the policy's task cannot take, hub names on several nodes without a shared `model.hub_cache`, TP or
+expert groups that would straddle nodes: each is one line of a single error raised on the submitting machine, before
 anything is rendered or submitted. Needs no optional dependency (model configs are read as JSON; a hub name is looked
 up in huggingface_hub's local cache, fetched only when the machine may reach the hub; modules are looked up without
 being imported).
@@ -29,6 +30,7 @@ from megatron_spec.rl.config import RLConfig
 from megatron_spec.spec.registry import needs_weights
 
 from .extras import EXTRAS, missing_extras
+from .plans import node_group_problems
 
 SCALE_EXTRAS = ("megatron", "vllm", "ray")
 """What the Ray placements need where the job runs: Megatron-Core trains, vLLM generates, Ray places both."""
@@ -59,8 +61,6 @@ def policy_config(policy: str, cache_dir: str | None = None) -> ModelConfig | No
     return preset(name) if name in PRESETS else None
 
 
-def drafter_vocab(path: str) -> int | None:
-    """The vocabulary a drafter checkpoint drafts in (its own config.json: a draft model's `vocab_size`, a public
 def policy_dtype_bytes(policy: str, cache_dir: str | None = None) -> int:
     """Bytes a parameter of the policy's checkpoint files: the `torch_dtype` of its config.json where the checkpoint
     is on this machine, else 2 (the presets' published checkpoints are bfloat16)."""
@@ -70,6 +70,8 @@ def policy_dtype_bytes(policy: str, cache_dir: str | None = None) -> int:
     return {"float32": 4, "float16": 2, "bfloat16": 2}.get(hf.get("torch_dtype") or hf.get("dtype"), 2)
 
 
+def drafter_vocab(path: str) -> int | None:
+    """The vocabulary a drafter checkpoint drafts in (its own config.json: a draft model's `vocab_size`, a public
     EAGLE-3 head's target vocabulary; or the target recorded in drafter_config.json); None when the checkpoint is
     not on this machine."""
     for name, keys in (("config.json", ("vocab_size",)), ("drafter_config.json", ("target", "vocab_size"))):
@@ -258,6 +260,19 @@ def _hub_problem(name: str, cache_dir: str | None, online: bool) -> str | None:
     return None
 
 
+def shared_cache_problems(cfg: RLConfig, nodes: int, recipe: str = "<recipe>") -> list[str]:
+    """A job on several nodes resolves each hub name on every node: without `model.hub_cache` each downloads into its
+    own default cache (in a container, the container's), and a node may get a path that does not exist elsewhere."""
+    if nodes <= 1 or cfg.model.hub_cache:
+        return []
+    names = [name for _, get in INPUT_FIELDS if (name := get(cfg)) and hub.is_hub_name(name)]
+    if not names:
+        return []
+    return [f"hub name(s) {', '.join(dict.fromkeys(names))} on {nodes} nodes need model.hub_cache on a file system "
+            f"every node mounts: set model.hub_cache=/shared/hf and stage them there once with `megatron-spec stage "
+            f"recipes/{recipe}.py model.hub_cache=/shared/hf` (or give local directories)"]
+
+
 def drafter_problems(cfg: RLConfig) -> list[str]:
     """A drafter with weights must be there, hold the recipe's method and draft in the policy's vocabulary (checked
     where both are on this machine)."""
@@ -361,12 +376,15 @@ def check_launch(name: str, cfg: RLConfig, layout: dict | None, *, driver: str |
     problems = driver_problems(driver) if driver else []
     problems += extras_problems(extras, container_image) if extras else []
     split = (layout_fit_problems(cfg, layout) + plan_problems(cfg, layout)) if layout else []
+    if layout and layout.get("nodes"):
+        split += node_group_problems(layout, layout["nodes"])
     problems += split
     memory = memory_problems(cfg, layout) if layout and not split else []  # memory of a split that exists
     problems += length_problems(cfg)
     problems += drafter_problems(cfg)
     problems += task_problems(cfg)
-    missing = input_problems(cfg, online=inputs)
+    missing = shared_cache_problems(cfg, layout.get("nodes", 1) if layout else 1, name)
+    missing += input_problems(cfg, online=inputs)
     if inputs:
         problems += memory + missing
     if problems:

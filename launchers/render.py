@@ -8,6 +8,8 @@ import re
 import shlex
 from pathlib import Path
 
+from .plans import OPEN_FILES, RAY_PORTS, ranks_by_node
+
 ROOT = Path(__file__).resolve().parents[1]
 
 TEMPLATES = {"slurm": "slurm/job.sub", "ray-slurm": "slurm/ray.sub"}
@@ -51,6 +53,39 @@ def job_inputs(plan: dict, command: str) -> dict[str, str]:
     return env
 
 
+def ray_inputs(plan: dict) -> dict[str, str]:
+    """A ray-slurm plan's node settings by the template's input names: CPUs per task (where the plan fixes them),
+    the open-file limit, the interface (where given) and every fixed port."""
+    ray = plan["ray"]
+    env = {"CPUS_PER_TASK": ray["cpus_per_task"], "RAY_NODE_IFACE": ray["node_iface"],
+           "OPEN_FILES": ray["open_files"]["target"], "OPEN_FILES_MIN": ray["open_files"]["min"], **ray["ports"]}
+    return {k: str(v) for k, v in env.items() if v is not None}
+
+
+def ray_defaults() -> dict[str, str]:
+    """The template's own defaults of the inputs `ray_inputs` sets (what a plan that changes nothing renders)."""
+    return {"OPEN_FILES": str(OPEN_FILES["target"]), "OPEN_FILES_MIN": str(OPEN_FILES["min"]),
+            **{k: str(v) for k, v in RAY_PORTS.items()}}
+
+
+def rank_lines(plan: dict) -> list[str]:
+    """An at-scale plan's node-major rank list (`plans.ranks_by_node`) as comments, and RANKS_BY_NODE: each
+    node's device units, which the template checks against the nodes that joined and hands the driver."""
+    layout = plan.get("recommended")
+    if not layout or not layout.get("gpus"):
+        return []
+    nodes = ranks_by_node(layout, plan["nodes"])
+    span = lambda r: f"{r[0]}-{r[1]}" if r[0] != r[1] else str(r[0])  # noqa: E731
+    out = ["# node-major ranks of the plan's layout (TP and expert groups inside a node):"]
+    for n in nodes:
+        parts = [f"units {span(n['units'])}"]
+        parts += [f"trainer ranks {span(n['trainer_ranks'])}"] if n["trainer_ranks"] else []
+        parts += [f"engines {span(n['engines'])}"] if n["engines"] else []
+        out.append(f"#   node {n['node']}: {', '.join(parts)}")
+    out.append(f"RANKS_BY_NODE={shlex.quote(' '.join(span(n['units']) for n in nodes))}")
+    return out
+
+
 def render_sbatch(plan: dict, command: str, name: str) -> str:
     """The plan's template with its `#SBATCH` lines set (options the plan leaves out removed, template defaults such
     as `--output` kept where the plan has none) and the inputs assigned just before the template reads them."""
@@ -68,6 +103,9 @@ def render_sbatch(plan: dict, command: str, name: str) -> str:
         elif line.startswith(_INPUTS):
             out.append(f"# ---- rendered by launchers.render_sbatch from {template} for {name} ----")
             out += [f"{k}={shlex.quote(v)}" for k, v in job_inputs(plan, command).items()]
+            if plan["executor"] == "ray-slurm":  # the plan's, unless the environment at submission sets one
+                out += [f"{k}=${{{k}:-{shlex.quote(v)}}}" for k, v in ray_inputs(plan).items()]
+                out += rank_lines(plan)
             out += [f"export {k}={shlex.quote(v)}" for k, v in plan.get("env_vars", {}).items()]
             out += ["", line]
         else:
@@ -81,6 +119,8 @@ def sbatch_command(plan: dict, command: str) -> str:
     """The shell line that submits `command` through the plan's template by hand (inputs from the environment,
     resources on the sbatch line), for users without NeMo-Run."""
     env = job_inputs(plan, command)
+    if plan["executor"] == "ray-slurm":  # what differs from the template's defaults
+        env.update({k: v for k, v in ray_inputs(plan).items() if ray_defaults().get(k) != v})
     flags = [f"--account={plan['account']}", f"--nodes={plan['nodes']}", f"--time={plan['time']}"]
     if (plan.get("save") or {}).get("signal"):
         flags.append(f"--signal={plan['save']['signal']}")

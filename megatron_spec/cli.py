@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "megatron_spec.rl.report",  # report
     "megatron_spec.rl.cli",  # train
     "megatron_spec.backends.megatron.export_cli",  # export-hf
+    "megatron_spec.stage",  # stage
 )
 
 

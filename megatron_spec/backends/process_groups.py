@@ -58,6 +58,16 @@ def local_ranks(nodes: list[str]) -> list[int]:
     return out
 
 
+def straddling_groups(nodes: list[str], size: int) -> list[int]:
+    """Indices of the groups of `size` consecutive ranks (Megatron's TP groups; its expert groups of EP x ETP) whose
+    ranks sit on more than one node, given every rank's node in rank order. A group larger than a node's ranks
+    must span nodes and is not counted."""
+    per_node = max(nodes.count(n) for n in set(nodes)) if nodes else 0
+    if size <= 1 or size > per_node:
+        return []
+    return [g for g in range(len(nodes) // size) if len(set(nodes[g * size:(g + 1) * size])) > 1]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -65,7 +75,15 @@ def free_port() -> int:
 
 
 def node_address() -> str:
-    return socket.gethostbyname(socket.gethostname())
+    """This node's address for the others to reach: MEGATRON_SPEC_NODE_IP where the launcher set it (slurm/ray.sub:
+    the address of the cluster network's interface), else what the hostname resolves to."""
+    return os.environ.get("MEGATRON_SPEC_NODE_IP") or socket.gethostbyname(socket.gethostname())
+
+
+def rendezvous_port() -> int:
+    """The port a group's rank 0 hosts its rendezvous on: MEGATRON_SPEC_RENDEZVOUS_PORT where the launcher fixed one
+    (so a cluster's firewall can open it), else a free one."""
+    return int(os.environ.get("MEGATRON_SPEC_RENDEZVOUS_PORT") or free_port())
 
 
 VERDICT_GRACE_S = 10.0

@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 
 from . import require_ray
-from ..process_groups import local_ranks
+from ..process_groups import local_ranks, straddling_groups
 from .placement import Placement, Slot
 from .workers import Engine, TrainerRank
 
@@ -58,6 +58,20 @@ def resume_hint(cfg) -> str:
     return f"{saved}; resume with:\n  megatron-spec train --config {run_dir}/config.yaml"
 
 
+def check_node_order(cfg, nodes: list[str]) -> None:
+    """Refuse, before any rank joins a group, a placement that puts one Megatron TP group or expert group on two
+    nodes (their collectives run every layer; across nodes they run at the network's speed, not NVLink's)."""
+    if cfg.backend.trainer != "megatron":
+        return
+    meg = cfg.backend.megatron
+    for what, size in (("TP", meg.tp), ("expert (EP x ETP)", meg.ep * (meg.etp or meg.tp))):
+        split = straddling_groups(nodes, size)
+        if split:
+            raise RuntimeError(f"the placement puts Megatron {what} group(s) {split} of {size} ranks on two nodes: "
+                               "ranks must be node-major (slurm/ray.sub's RANKS_BY_NODE; a group size that divides "
+                               "the devices of a node)")
+
+
 class TrainerGroup:
     """The trainer ranks behind the Policy interface. The driver calls rank 0; a sharded (Megatron) trainer's
     rank 0 announces each call to the other ranks, which follow it (`TrainerRank.follow`)."""
@@ -71,7 +85,9 @@ class TrainerGroup:
         timeout = cfg.backend.init_timeout_s
         addresses = ray.get([r.address.remote() for r in self.ranks], timeout=timeout)
         master = addresses[0][:2] if len(self.ranks) > 1 else None
-        locals_ = local_ranks([node for _, _, node in addresses])  # LOCAL_RANK: the index on its own node
+        nodes = [node for _, _, node in addresses]
+        locals_ = local_ranks(nodes)  # LOCAL_RANK: the index on its own node
+        check_node_order(cfg, nodes)
         self.followers = cfg.backend.trainer == "megatron" and len(self.ranks) > 1
         setups = [r.setup.remote(master, locals_[i], self.followers and i > 0) for i, r in enumerate(self.ranks)]
         self.follows = [r.follow.remote() for r in self.ranks[1:]] if self.followers else []

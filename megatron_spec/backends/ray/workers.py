@@ -62,12 +62,12 @@ class TrainerRank:
         self.crash = CrashHook()
 
     def address(self) -> tuple[str, int, str]:
-        """This node's address, a free port on it (for a rendezvous hosted by this rank) and the node's Ray id."""
+        """This node's address, the port for a rendezvous hosted by this rank (`rendezvous_port`) and the node's Ray id."""
         import ray
 
-        from ..process_groups import free_port, node_address
+        from ..process_groups import node_address, rendezvous_port
 
-        return node_address(), free_port(), ray.get_runtime_context().get_node_id()
+        return node_address(), rendezvous_port(), ray.get_runtime_context().get_node_id()
 
     def setup(self, master: tuple[str, int] | None, local_rank: int, follower: bool) -> int:
         """Join the trainer's process group (when world > 1: gloo on CPUs, NCCL on the GPU `local_rank` picks, the
