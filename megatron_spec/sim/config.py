@@ -216,11 +216,16 @@ class TrainParallel:
     """Context parallel size."""
     dp: int = 1
     """Data parallel replicas."""
+    vpp: int = 1
+    """Virtual pipeline stages per rank (interleaved 1F1B: each rank holds vpp chunks of its layers, which divides
+    the pipeline's fill and drain by vpp; `bubble.bubble_factor`)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep", "cp", "dp"):
+        for name in ("tp", "pp", "ep", "cp", "dp", "vpp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainParallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError(f"TrainParallel.vpp={self.vpp} interleaves pipeline stages: it needs pp > 1")
 
     @property
     def gpus(self) -> int:
@@ -326,6 +331,10 @@ class SimConfig:
     so the next step's prompts take the slots the current step's finished sequences free and the batch never
     drains; the gen side is simulated over lag + 1 steps' rollouts in one stream. False: each step's generation
     starts when the refit lands (lag 1 drains every step; lag L >= 2 streams L steps)."""
+    moe_dispatcher: str = "alltoall"
+    """How the trainer's MoE layers move tokens to their experts' ranks (`backend.megatron.moe_token_dispatcher`):
+    `alltoall` sends each token to the EP ranks of its top-k experts ((ep - 1) / ep x top_k copies), `allgather`
+    gives every EP rank every token (ep - 1 copies), so it moves ep / top_k times the bytes."""
     decode_eff: float | None = None
     """Share of the kernel roofline the serving engine reaches in decode, prefill and verify (scheduling gaps,
     unfused small kernels, MoE routing imbalance); None: the calibration's value for the GPU."""
@@ -361,6 +370,8 @@ class SimConfig:
                              f"got {self.micro_batch_tokens}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.moe_dispatcher not in ("alltoall", "allgather"):
+            raise ValueError(f"moe_dispatcher must be alltoall or allgather, got {self.moe_dispatcher!r}")
         if self.train_global_batch < 0:
             raise ValueError(f"train_global_batch must be >= 0 (0: one update per step), got {self.train_global_batch}")
         if self.train_global_batch and self.workload.rollouts % self.train_global_batch:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+from .bubble import bubble_factor as pipeline_bubble
 from .calibration import Calibration
 from .config import SimConfig
 from .hardware import Hardware
@@ -104,10 +105,9 @@ def _forward_flops(cfg: SimConfig, shape: CostShape, lengths: list[float]) -> tu
 
 
 def bubble_factor(cfg: SimConfig) -> float:
-    """1F1B pipeline: (m + pp - 1) / m for m micro-batches per data-parallel rank and optimizer step (each
-    optimizer step fills and drains the pipeline)."""
-    m = cfg.packed_micro_batches
-    return (m + cfg.train.pp - 1) / m
+    """The pipeline's fill and drain (`bubble.bubble_factor`): (m + (pp - 1) / vpp) / m for m micro-batches per
+    data-parallel rank and optimizer step, all in one schedule call (each optimizer step fills and drains)."""
+    return pipeline_bubble(cfg.packed_micro_batches, cfg.train.pp, cfg.train.vpp)
 
 
 def stage_imbalance(cfg: SimConfig) -> float:
@@ -131,7 +131,9 @@ def model_parallel_comm_time(cfg: SimConfig, hw: Hardware, cal: Calibration, tar
                              passes: int) -> float:
     """Activation traffic the MFU does not cover: 2 TP all-reduces per layer and pass over the tokens of one
     data-parallel rank (a pass = forward, or each half of backward), and 2 EP all-to-alls per MoE layer and pass.
-    Counted as exposed: overlapping them with compute is what a good MFU already assumes for the rest."""
+    Counted as exposed: overlapping them with compute is what a good MFU already assumes for the rest. The
+    alltoall dispatcher sends each token's top-k copies to other EP ranks; allgather gives every EP rank all
+    tokens (and reduce-scatters them back), ep / top_k times the bytes (`SimConfig.moe_dispatcher`)."""
     t, w = cfg.train, cfg.workload
     tokens = w.rollouts * w.tokens_per_rollout / (t.dp * t.cp)  # tokens one rank's activations cover
     total = 0.0
@@ -139,7 +141,8 @@ def model_parallel_comm_time(cfg: SimConfig, hw: Hardware, cal: Calibration, tar
         buf = tokens * target.hidden * 2 / t.tp  # sequence parallel: each rank holds 1/tp of the tokens
         total += 2 * target.layers * passes * 2 * (t.tp - 1) * buf / (hw.collective_bw(t.tp) * cal.link_eff)
     if t.ep > 1 and target.moe_layers:
-        buf = tokens / t.tp * target.top_k * target.hidden * 2 * (t.ep - 1) / t.ep
+        copies = target.top_k * (t.ep - 1) / t.ep if cfg.moe_dispatcher == "alltoall" else t.ep - 1
+        buf = tokens / t.tp * copies * target.hidden * 2
         total += 2 * target.moe_layers * passes * buf / (hw.collective_bw(t.ep * t.tp) * cal.link_eff)
     return total / t.pp  # each stage holds 1/pp of the layers; stages work in parallel
 

@@ -1,0 +1,58 @@
+"""The pipeline bubble and the MoE dispatcher's traffic in the simulator's train stage."""
+
+from dataclasses import replace
+
+import pytest
+
+from megatron_spec.sim import LengthDist, SimConfig, TrainParallel, Workload
+from megatron_spec.sim.bubble import bubble_factor, pipeline_train_time
+from megatron_spec.sim.pipeline import build
+from megatron_spec.sim.stages import model_parallel_comm_time, policy_train_time
+
+
+def test_bubble_of_1f1b_interleaved_and_several_calls():
+    """m + (pp - 1) slots for m micro-batches (8 on 4 stages: 11 / 8); interleaving 2 chunks halves the fill and
+    drain (9.5 / 8); 8 calls of one micro-batch each pay it 8 times (8 + 24 = 32 slots: pp x the work, every
+    stage idle but one)."""
+    assert bubble_factor(8, 4) == 11 / 8
+    assert bubble_factor(8, 4, vpp=2) == 9.5 / 8
+    assert bubble_factor(8, 4, calls=8) == 4.0
+    assert bubble_factor(5, 1) == 1.0
+    assert pipeline_train_time(2.0, pp=2, micro_batches=4) == pytest.approx(1.0 * 5 / 4)
+    with pytest.raises(ValueError, match="calls <= micro_batches"):
+        bubble_factor(4, 2, calls=5)
+
+
+W = Workload(prompts_per_step=64, group_size=8, prompt_len=200, response=LengthDist(mean=1500, max_tokens=8192))
+
+
+def moe_cfg(gpus: int = 16, **kw) -> SimConfig:
+    return SimConfig(model="qwen3-30b-a3b", hardware="h100", gpus=gpus, workload=W,
+                     train=TrainParallel(**{"pp": 2, "ep": 8, "dp": gpus // 2, **kw}))
+
+
+def test_dispatcher_traffic_and_interleaving_move_the_train_stage():
+    """allgather moves ep / top_k = 8 / 8 of alltoall's bytes for Qwen3-30B-A3B (top-8) at EP8, so equal; at EP16
+    (ep / top_k = 2) twice; interleaving (vpp 2) only shrinks the train stage."""
+    cfg = moe_cfg()
+    hw, cal, target, _ = build(cfg)
+    a2a = model_parallel_comm_time(cfg, hw, cal, target, passes=3)
+    gather = model_parallel_comm_time(replace(cfg, moe_dispatcher="allgather"), hw, cal, target, passes=3)
+    assert target.top_k == 8 and a2a > 0 and gather == pytest.approx(a2a)
+    wide = moe_cfg(gpus=32, ep=16)
+    a2a16 = model_parallel_comm_time(wide, hw, cal, target, passes=3)
+    assert model_parallel_comm_time(replace(wide, moe_dispatcher="allgather"), hw, cal, target,
+                                    passes=3) == pytest.approx(2 * a2a16)
+    assert policy_train_time(moe_cfg(vpp=2), hw, cal, target) < policy_train_time(cfg, hw, cal, target)
+
+
+@pytest.mark.parametrize("kw, message", [(dict(vpp=2, pp=1), "needs pp > 1"), (dict(vpp=0), "vpp must be >= 1")])
+def test_bad_virtual_stages_are_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        TrainParallel(**kw)
+
+
+def test_unknown_dispatcher_is_refused():
+    with pytest.raises(ValueError, match="moe_dispatcher must be alltoall or allgather"):
+        SimConfig(model="qwen3-30b-a3b", hardware="h100", gpus=16, workload=W, train=TrainParallel(dp=16),
+                  moe_dispatcher="flex")
