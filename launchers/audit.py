@@ -244,25 +244,50 @@ def stage_params(model: ModelConfig, split: Split) -> list[dict[str, int]]:
 
 # -- activations, analytic ---------------------------------------------------------------------------------------
 
-def layer_activation_bytes(model: ModelConfig, layer: int, recompute: str, tp: int, sp: bool, act: int) -> float:
+def layer_activation_bytes(model: ModelConfig, layer: int, recompute: str, tp: int, sp: bool, act: int,
+                           modules: tuple[str, ...] = ()) -> float:
     """Bytes one token's activations of one decoder layer keep for the backward pass on one rank: the layer's input
     only under full recompute; otherwise norms' inputs and outputs, the q/k/v projections and their normed and
     rotated copies, the attention output, and the MLP's gate, up, SiLU and product (for each of the top-k experts a
     token is routed to, with its dispatched input and output). Core attention is fused (Transformer Engine's
-    flash attention: no sequence-squared scores), so `selective` and `none` keep the same. Terms of width hidden are
-    split over TP only with sequence parallelism."""
+    flash attention: no sequence-squared scores), so recomputing it saves nothing here. Selective recompute of
+    `modules` (`backend.megatron.recompute_modules`) drops what they recompute: `layernorm` the norms' outputs,
+    `mlp` a dense MLP's inner activations, `moe_act` the experts' SiLU and product, `moe` everything of the MoE
+    MLP but its input. Terms of width hidden are split over TP only with sequence parallelism."""
     h, d = model.hidden_size, model.head_dim
     wide = 1 / tp if sp else 1.0
     if recompute == "full":
         return h * act * wide
+    mods = set(modules) if recompute == "selective" else set()
+    norm_out = 0 if "layernorm" in mods else h * wide
     q, kv = model.num_attention_heads * d, model.num_key_value_heads * d
-    attn = 2 * h * wide + ((q + 2 * kv) + (q + kv) + q) / tp
+    attn = h * wide + norm_out + ((q + 2 * kv) + (q + kv) + q) / tp
     if model.is_moe_layer(layer):
         k, f = model.num_experts_per_tok, model.moe_intermediate_size
-        mlp = 2 * h * wide + k * (2 * h + 4 * f) / tp + model.num_experts * 2 * wide  # router probs in fp32
+        inner = 0 if "moe" in mods else k * (2 * h + (2 if "moe_act" in mods else 4) * f) / tp
+        mlp = h * wide + (0 if "moe" in mods else norm_out) + inner + model.num_experts * 2 * wide  # router fp32
     else:
-        mlp = 2 * h * wide + 4 * model.intermediate_size / tp
+        mlp = h * wide + norm_out + (0 if "mlp" in mods else 4 * model.intermediate_size / tp)
     return (attn + mlp) * act
+
+
+def stage_activation_bytes(model: ModelConfig, layers: range, meg, tp: int, act: int) -> tuple[float, float]:
+    """(bytes per token one micro-batch keeps on a stage holding `layers`, bytes per token live again while
+    recompute reruns a part). Full recompute, `uniform`: the input of each chunk of `recompute_num_layers` layers
+    is kept and one chunk's activations live while it reruns; `block`: the stage's first `recompute_num_layers`
+    layers keep only their input, the rest keep everything, and one layer reruns at a time."""
+    sp = meg.sequence_parallel
+    mods = tuple(getattr(meg, "recompute_modules", ()))
+    n = getattr(meg, "recompute_num_layers", 1)
+    if meg.recompute != "full" or not layers:
+        return sum(layer_activation_bytes(model, i, meg.recompute, tp, sp, act, mods) for i in layers), 0.0
+    if getattr(meg, "recompute_method", "uniform") == "block":
+        kept = sum(layer_activation_bytes(model, i, "full" if j < n else "none", tp, sp, act)
+                   for j, i in enumerate(layers))
+        return kept, layer_activation_bytes(model, layers[0], "none", tp, sp, act)
+    chunks = math.ceil(len(layers) / n)
+    rerun = sum(layer_activation_bytes(model, i, "none", tp, sp, act) for i in layers[:n])
+    return chunks * layer_activation_bytes(model, layers[0], "full", tp, sp, act), rerun
 
 
 def micro_batch_tokens(cfg, prompt_tokens: int) -> int:
@@ -328,12 +353,8 @@ def audit(cfg, layout: dict, model: ModelConfig, *, prompt_tokens: int, gpu: str
         src["grads"] = src["optimizer"] = ANALYTIC
         in_flight = min(split.pp - s, n_micro)
         start = sum(x["layers"] for x in stages[:s])
-        per_token = sum(layer_activation_bytes(model, i, meg.recompute, split.tp, meg.sequence_parallel, act)
-                        for i in range(start, start + st["layers"]))
-        activations = mb * per_token * in_flight
-        if meg.recompute == "full" and st["layers"]:  # one layer's activations live again while it is recomputed
-            activations += mb * layer_activation_bytes(model, start, "selective", split.tp, meg.sequence_parallel,
-                                                       act)
+        per_token, rerun = stage_activation_bytes(model, range(start, start + st["layers"]), meg, split.tp, act)
+        activations = mb * (per_token * in_flight + rerun)
         if s == split.pp - 1:  # the output layer's fp32 logits and their gradient, vocabulary-parallel
             activations += mb * model.vocab_size / split.tp * 4 * 2
         parts["activations"] = int(activations)
