@@ -474,14 +474,44 @@ class MegatronPolicy(ShardedCheckpoints):
         bucket_bytes = bucket_bytes or REFIT_BUCKET_BYTES
         self._announce("export_weights", bucket_bytes, dtype)
         stream = refit_buckets(self.model, bucket_bytes, dtype_of(dtype) if dtype else None)
-        for name, t in (item for bucket in stream for item in bucket):
+        yield from self._for_engines((item for bucket in stream for item in bucket), eagle3=True)
+
+    def _for_engines(self, items, eagle3: bool):
+        """The engines' names: MTP layers as the drafter (`drafter.mtp.*`, dropped without one), then, when
+        `eagle3`, the EAGLE-3 head (replicated on every rank: nothing to gather)."""
+        for name, t in items:
             if is_mtp(name):
                 if not self.has_drafter:
                     continue
                 name = DRAFTER_PREFIX + name
             yield name, t
-        if self.eagle3:  # replicated on every rank: nothing to gather
+        if eagle3 and self.eagle3:
             yield from self.eagle3.export()
+
+    def join_weights(self, host: str, port: int, world: int, timeout_s: float, backend: str, senders: int) -> None:
+        """Join the weight-update group at `host:port` (rank 0 hosts it) as one sender per pipeline stage, the
+        stage's first rank (`refit_stream.join_stage_sender`); the other ranks only gather. Collective."""
+        from .refit_stream import join_stage_sender
+
+        self._announce("join_weights", host, port, world, timeout_s, backend, senders)
+        self.weight_group = join_stage_sender(host, port, world, timeout_s, backend, senders)
+
+    def send_weights(self, bucket_bytes: int, dtype: str | None) -> dict:
+        """One refit into the joined weight-update group: each pipeline stage gathers only its own buckets and its
+        sender sends them (stage 0's also the EAGLE-3 head); the senders' bytes and waits and every rank's
+        received bytes (`refit_stream.send_stages`). Collective."""
+        from ..weight_group import dtype_of
+        from .refit_stream import send_stages, stage_buckets
+
+        self._announce("send_weights", bucket_bytes, dtype)
+        cast, received = dtype_of(dtype) if dtype else None, [0]
+        stream = stage_buckets(self.model, bucket_bytes, cast, received)
+        group = getattr(self, "weight_group", None)
+        if group is None and dist.get_rank() == 0:
+            raise RuntimeError("send_weights before join_weights: the weight-update group is not formed")
+        named = self._for_engines((item for bucket in stream for item in bucket), eagle3=group is not None and
+                                  group.rank == 0)
+        return send_stages(group, named, received, bucket_bytes, cast)
 
 def _group_params(sub, mtp: bool) -> list:
     """The main parameters of one Megatron sub-optimizer's MTP groups (`mtp`) or policy groups (the MTP groups are

@@ -17,6 +17,11 @@ caller still holds of the previous bucket (at most B: the trainer re-buckets the
 end in the next gathered one) and the weight-update group's payload (B): at most about 5 B (5 times the largest
 tensor where that is bigger), against the whole model for an export in one bucket. Collective: every rank of
 the model's groups must drain the generator.
+
+The refit into engines does not need every stage's weights on one rank: `send_stages` has each pipeline stage
+gather only its own buckets (`stage_buckets`: the same gathers, no broadcast between stages) and its first rank
+send them into the weight-update group as that stage's sender (`join_stage_sender`), so no rank receives another
+stage's weights and the stages send at once, each its own share.
 """
 
 from __future__ import annotations
@@ -75,3 +80,69 @@ def _cast(entry, dtype: torch.dtype | None):
     if not _casts(entry.param, dtype):
         return entry
     return dataclasses.replace(entry, param=entry.param.detach().to(dtype))
+
+
+def stage_buckets(model, bucket_bytes: int, dtype: torch.dtype | None = None,
+                  received: list[int] | None = None) -> Iterator[list[tuple[str, Tensor]]]:
+    """This rank's pipeline stage's buckets only, as `refit_buckets` gathers them (every rank of the stage yields
+    them; no stage sees another's). `received[0]` counts the bytes this rank received while gathering: a
+    gathered tensor's bytes less this rank's own shard's. Collective over the stage's TP and expert groups."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"refit bucket size must be positive, got {bucket_bytes}")
+    r = ranks()
+    entries = [_in_dtype(e, dtype) for e in _entries(model, r)]
+    cfg, pool = model.hf_config, _Pool()
+    for bucket in _buckets(entries, bucket_bytes):
+        cast = [_cast(e, dtype) for e in bucket]
+        if received is not None:
+            received[0] += sum(e.out_bytes - c.param.numel() * c.param.element_size() for e, c in zip(bucket, cast))
+        items = _gather(cast, cfg, r, pool)
+        yield items
+        items = None
+
+
+def stage_senders() -> list[int]:
+    """The global rank that sends each pipeline stage's weights, by stage: the stage's first rank (its TP, EP and
+    data-parallel rank 0, which the stage's gathers reach). Collective over the default group."""
+    stages = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, ranks().pp_rank)
+    return [stages.index(s) for s in range(max(stages) + 1)]
+
+
+def join_stage_sender(host: str, port: int, world: int, timeout_s: float, backend: str, senders: int):
+    """Every trainer rank: a stage's sender joins the weight-update group as member `pp_rank` (stage 0's, global
+    rank 0, hosts the rendezvous at `host:port`); returns its group, None on the other ranks. Collective."""
+    from ..weight_group import open_weight_group
+
+    by_stage = stage_senders()
+    if len(by_stage) != senders or by_stage[0] != 0:
+        raise RuntimeError(f"weight group: {senders} sender(s) expected, the trainer has stages sent by ranks "
+                           f"{by_stage} (stage 0's sender must be rank 0, which hosts the rendezvous)")
+    me = dist.get_rank()
+    if me not in by_stage:
+        return None
+    local = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return open_weight_group(host, port, by_stage.index(me), world, timeout_s, backend, local_rank=local,
+                             senders=senders)
+
+
+def send_stages(group, stream: Iterator[tuple[str, Tensor]], received: list[int], bucket_bytes: int,
+                dtype: torch.dtype | None) -> dict:
+    """Drain `stream` (this rank's stage's tensors, named for the engines) into `group` in `bucket_bytes` buckets
+    (None on a rank that does not send, which still takes part in its stage's gathers); then every rank's
+    figures, on every rank: the senders' bytes and waits, and what each rank received while gathering
+    (`received[0]`). Collective."""
+    from ...rl.refit import buckets
+
+    if group is not None:
+        sent = group.send(buckets(stream, bucket_bytes), dtype)
+        wait = group.wait_s
+    else:
+        for _ in stream:
+            pass
+        sent, wait = 0, 0.0
+    stats = [None] * dist.get_world_size()
+    dist.all_gather_object(stats, (group is not None, sent, received[0], wait))
+    return {"sender_bytes": [b for is_sender, b, _, _ in stats if is_sender],
+            "wait_s": [w for is_sender, _, _, w in stats if is_sender],
+            "received_bytes": [r for _, _, r, _ in stats]}
