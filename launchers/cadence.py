@@ -3,7 +3,8 @@ for before the limit must fit in it. Plain data in, plain data out (no dependenc
 
 The first save comes after `run.save_every` steps or `run.save_every_s` seconds (plus the step in flight),
 whichever is first. The step time is the simulator's projection where the plan has one (`--tune`'s predicted
-stage times); without it only the time cadence can be checked. A job whose first save would come after
+step, or the recipe's own layout projected by `launchers/projection.py`); without it only the time cadence can be
+checked. A job whose first save would come after
 `FIRST_SAVE_FRACTION` of its limit is refused: its only save would be the one on the signal, and a node failure
 before it would lose the whole job.
 """
@@ -22,9 +23,12 @@ def time_limit_s(time: str) -> int:
 
 
 def projected_step_s(plan: dict) -> float | None:
-    """The simulator's step time the plan carries (`--tune`: the sum of its predicted stage times), else None."""
+    """The simulator's step time the plan carries (`--tune`'s predicted step, else the plain-decoding projection of
+    the recipe's own layout, `launchers/projection.py`), else None."""
     stages = (plan.get("tuned") or {}).get("predicted_stage_s")
-    return float(sum(stages.values())) if stages else None
+    if stages:
+        return float(stages["step"]) if "step" in stages else float(sum(stages.values()))
+    return (plan.get("projected") or {}).get("step_s")
 
 
 def first_save_s(run, step_s: float | None) -> float | None:

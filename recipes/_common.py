@@ -33,6 +33,7 @@ import yaml
 
 from launchers import MissingExtra, local_plan, ray_slurm_plan, slurm_plan
 from launchers.cadence import check_save_cadence
+from launchers.projection import project, timeout_problems
 from launchers.checks import SCALE_EXTRAS, check_launch, import_check
 from launchers.render import TEMPLATES, render_sbatch, sbatch_command
 from megatron_spec.layout import Layout, check_layout
@@ -111,13 +112,13 @@ class Scale:
         return Layout(tp=self.tp, pp=self.pp, ep=self.ep, etp=1, cp=self.cp,
                       first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers)
 
-    def backend(self, max_model_len: int) -> BackendSection:
+    def backend(self, max_model_len: int, init_timeout_s: float = BackendSection.init_timeout_s) -> BackendSection:
         """The backends this Scale describes, as the recipe's `backend` section: the Megatron trainer with this split,
-        vLLM engines serving `max_model_len` tokens (prompt plus completion), and the placement; so the run is what
-        `--dryrun` prints."""
+        vLLM engines serving `max_model_len` tokens (prompt plus completion), the placement, and the process groups'
+        timeout `init_timeout_s` (`backend.init_timeout_s`); so the run is what `--dryrun` prints."""
         return BackendSection(
             trainer="megatron", generator="vllm", placement="colocated" if self.colocated else "disaggregated",
-            generators=self.gen_gpus // self.vllm_tp or 1, async_lag=self.async_lag,
+            generators=self.gen_gpus // self.vllm_tp or 1, async_lag=self.async_lag, init_timeout_s=init_timeout_s,
             megatron=MegatronSection(tp=self.tp, pp=self.pp, ep=self.ep, etp=1, cp=self.cp,
                                      sequence_parallel=self.sequence_parallel and self.tp > 1,
                                      first_stage_layers=self.first_stage_layers,
@@ -194,6 +195,10 @@ def recipe_main(build: Callable[[], RLConfig], argv: list[str] | None = None, sc
             plan["tuned"] = tuned
         if toy_arch is not None:  # what the rehearsal replaced the model by
             plan["rehearsal"] = {"toy_architecture": toy_arch, "refused_stages": rehearsal.problems(cfg, toy_arch)}
+        if scale is not None and toy_arch is None:  # the simulator's plain step on this layout, for the checks
+            plan["projected"] = project(cfg, plan["recommended"], args.gpu)
+            if problems := timeout_problems(cfg, plan["projected"]):
+                raise ValueError("; ".join(problems))
         check_save_cadence(plan, cfg)  # the first save and the signal within --time (plan["save"])
         if args.audit or args.audit_json:
             return audit_main(name, args, cfg, scale, plan)

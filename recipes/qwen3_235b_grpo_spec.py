@@ -52,7 +52,8 @@ def qwen3_235b_grpo_spec() -> RLConfig:
         spec=SpecConfig("eagle3", num_speculative_tokens=5, model=DRAFTER),
         run=RunSection(steps=300, out_dir="runs/qwen3_235b", save_every=10, save_every_s=1800, dataset_size=17_000, eval_prompts=30,
                        eval_every=10, threads=8),
-        backend=SCALE.backend(max_model_len=PROMPT_TOKENS + MAX_TOKENS),
+        # a step takes about half an hour at this size, and Megatron's ranks wait for rank 0 through one
+        backend=SCALE.backend(max_model_len=PROMPT_TOKENS + MAX_TOKENS, init_timeout_s=4200.0),
     )
 
 

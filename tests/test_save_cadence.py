@@ -42,9 +42,33 @@ def test_signal_must_come_before_the_limit():
     assert cadence.save_plan(RunSection(signal_before_s=0), "00:03:00", None)["signal"] is None
 
 
-def test_projected_step_time_is_the_tuned_stages_sum():
+def test_projected_step_time_is_the_tuned_step_else_the_recipes_own_projection():
+    """The tuner's stages carry their `step` (overlap counted); a plan without `--tune` uses the plain-decoding
+    projection of the recipe's own layout."""
+    tuned = {"gen": 900.0, "train": 400.0, "step": 1000.0}
+    assert cadence.projected_step_s({"tuned": {"predicted_stage_s": tuned}, "projected": {"step_s": 7.0}}) == 1000.0
     assert cadence.projected_step_s({"tuned": {"predicted_stage_s": {"gen": 900.0, "train": 400.0}}}) == 1300.0
+    assert cadence.projected_step_s({"projected": {"step_s": 1837.5}}) == 1837.5
     assert cadence.projected_step_s({}) is None
+
+
+def test_235b_recipe_projects_its_own_step_and_sizes_its_checks_by_it(capsys):
+    """Without --tune the 235B plan carries the simulator's plain-decoding step on its own layout; the recipe's
+    collective timeout covers two of them, 1800 s (the default) does not, and a first save only after 10 steps of
+    about half an hour does not fit a 4-hour job: each refusal names its fix, before anything is submitted."""
+    from recipes import qwen3_235b_grpo_spec as r235
+
+    argv = ["--executor", "ray-slurm", "--account", "a", "--container-image", "i", "--dryrun"]
+    assert r235.main([*argv[-1:]]) == 0
+    out = capsys.readouterr().out
+    step = float(next(line for line in out.splitlines() if line.startswith("  step_s:")).split()[1])
+    assert 1500 < step < 2100 and 2 * step <= r235.qwen3_235b_grpo_spec().backend.init_timeout_s
+    assert r235.main([*argv, "backend.init_timeout_s=1800"]) == 2
+    err = capsys.readouterr().err
+    assert f"backend.init_timeout_s=1800 s is below 2 x the projected step ({step:.0f} s on h100" in err
+    assert "set backend.init_timeout_s=4200" in err
+    assert r235.main([*argv, "run.save_every_s=null"]) == 2
+    assert f"after 10 steps x {step:.0f} s" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("make, template", [(slurm_plan, "job.sub"), (ray_slurm_plan, "ray.sub")])

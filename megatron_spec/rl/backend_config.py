@@ -181,7 +181,9 @@ class BackendSection:
     """Truncation of the importance ratio old-policy / behaviour policy used with `async_lag > 0`."""
     init_timeout_s: float = 1800.0
     """How long process groups (the trainer's, the weight-update group) wait for all their ranks at start-up,
-    and for each later collective: long enough to cover model loading, since followers wait while rank 0 loads."""
+    and for each later collective: long enough to cover model loading, since followers wait while rank 0 loads, and
+    a whole step, since they wait inside a collective for rank 0's next call (an at-scale recipe's launch check
+    wants twice the simulator's projected step, `launchers/projection.py`)."""
     refit_transport: str = "collective"
     """How weights reach Ray-placed engines: `collective` (a gloo / NCCL weight-update group from the trainer to
     every engine worker, bucket by bucket) or `object_store` (the fallback: buckets through Ray's object store)."""
