@@ -100,6 +100,8 @@ def register(subparsers) -> None:
                            "step model on the CPU host: gen, the drafter's training, gen-stage and whole-step ratios")
     sim.add_argument("--main-job-prompts", type=int, default=0,
                      help="--main-job: prompts per step of the record's runs (0: the record's own, else 8)")
+    mode.add_argument("--train-stage", action="store_true",
+                      help="the 235B projection's train stage: bubble, schedule calls, interleaving, dispatcher")
     mode.add_argument("--refit", action="store_true",
                       help="the refit of --model per transport: the CPU host's measured gloo figure, GPU spec sheets")
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -191,6 +193,11 @@ def simulate_command(args) -> int:
                               for p, s in pairs(record)], indent=2))
         else:
             print(format_pairs(record, prompts=args.main_job_prompts))
+        return 0
+    if args.train_stage:
+        from .train_stage import train_stage_report
+
+        print(train_stage_report(args.hardware, 512) + "\n\n" + train_stage_report(args.hardware, 2048))
         return 0
     if args.refit:
         from .stages import refit_table

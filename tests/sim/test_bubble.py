@@ -56,3 +56,20 @@ def test_unknown_dispatcher_is_refused():
     with pytest.raises(ValueError, match="moe_dispatcher must be alltoall or allgather"):
         SimConfig(model="qwen3-30b-a3b", hardware="h100", gpus=16, workload=W, train=TrainParallel(dp=16),
                   moe_dispatcher="flex")
+
+
+def test_235b_train_stage_variants():
+    """The projection's trainer on 512 H100 (44 micro-batches per DP rank, PP8): one call per step has bubble
+    (44 + 7) / 44; one call per micro-batch pays pp = 8 (every stage idle but one), so its stage is longer by the
+    compute times 8 / 1.159 - 1; interleaving only shortens it; allgather at EP16 with top-8 moves twice the
+    dispatcher's bytes, so it only lengthens it."""
+    from megatron_spec.sim.projection import projection_config
+    from megatron_spec.sim.train_stage import train_stage_report, variants
+
+    cfg = projection_config("h100", 512)
+    rows = {label.split(",")[0]: (seconds, bubble) for label, seconds, bubble in variants(cfg)}
+    trainer, per_micro = rows["one schedule call per step"], rows["one schedule call per micro-batch"]
+    assert cfg.packed_micro_batches == 44 and trainer[1] == pytest.approx(51 / 44) and per_micro[1] == 8.0
+    assert per_micro[0] > 4 * trainer[0]
+    assert rows["interleaved stages"][0] < trainer[0] < rows["allgather dispatcher"][0]
+    assert "TP2 PP8 EP16 DP32, 44 micro-batches" in train_stage_report("h100", 512)
