@@ -72,7 +72,7 @@ class Candidate:
         c, s = self.cfg, self.cfg.spec
         return {
             "train_tp": c.train.tp, "train_pp": c.train.pp, "train_cp": c.train.cp, "train_ep": c.train.ep,
-            "train_dp": c.train.dp, "gen_tp": c.gen.tp, "gen_ep": c.gen.ep, "engines": c.engines,
+            "train_dp": c.train.dp, "moe_dispatcher": c.moe_dispatcher, "gen_tp": c.gen.tp, "gen_ep": c.gen.ep, "engines": c.engines,
             "colocated": c.colocated, "gen_gpus": c.gen_gpus, "policy_lag": c.policy_lag,
             "method": s.drafter if s else "none", "k": s.k if s else 0, "adaptive": bool(s and s.adaptive),
             "adaptive_threshold": s.adaptive_threshold if s else 0,
@@ -223,11 +223,17 @@ def fits_train(cfg: SimConfig, hw: Hardware, target: CostShape) -> bool:
     return rep.train_total <= rep.device_bytes
 
 
+def cheaper_dispatcher(base: SimConfig, layout: TrainParallel) -> str:
+    """The MoE dispatcher that moves fewer bytes at this EP: allgather sends each token to the ep - 1 other EP
+    ranks, alltoall its top-k copies to (ep - 1) / ep of them, so allgather wins while ep < top_k."""
+    return "allgather" if layout.ep < base.model_config.num_experts_per_tok else "alltoall"
+
+
 def _evaluate(base: SimConfig, layout: TrainParallel, gen: GenParallel, colocated: bool, gen_gpus: int, lag: int,
               spec: Speculation | None, rejected: Rejections) -> Candidate | None:
     try:
         cfg = replace(base, train=layout, gen=gen, colocated=colocated, gen_gpus=0 if colocated else gen_gpus,
-                      policy_lag=lag, spec=spec)
+                      policy_lag=lag, spec=spec, moe_dispatcher=cheaper_dispatcher(base, layout))
     except ValueError as err:  # this engine layout does not divide the model or the GPU share
         rejected.add(str(err).split(";")[0])
         return None
@@ -281,6 +287,8 @@ class TunedLayout:
     """Speculative tokens (0 = plain decoding)."""
     adaptive: bool
     """Whether the adaptive controller may lower k."""
+    moe_dispatcher: str = "alltoall"
+    """The trainer's MoE token dispatcher the ranking assumed (`cheaper_dispatcher`)."""
 
     def backend_overrides(self) -> dict[str, object]:
         """Dotted `RLConfig` overrides of the backend section this layout sets. Sequence parallelism goes with
@@ -291,7 +299,8 @@ class TunedLayout:
                 "backend.megatron.cp": t.cp, "backend.megatron.first_stage_layers": t.first_stage_layers,
                 "backend.megatron.last_stage_layers": t.last_stage_layers, "backend.generators": self.engines,
                 "backend.placement": self.placement, "backend.async_lag": self.async_lag,
-                "backend.megatron.sequence_parallel": t.tp > 1}
+                "backend.megatron.sequence_parallel": t.tp > 1,
+                "backend.megatron.moe_token_dispatcher": self.moe_dispatcher}
 
 
 def best_layout(model: str | ModelConfig, gpus: int, gpu: str = "h100", workload: Workload | None = None,
@@ -318,7 +327,7 @@ def best_layout(model: str | ModelConfig, gpus: int, gpu: str = "h100", workload
     tuned = TunedLayout(train=train, train_dp=c.train.dp, gen_tp=c.gen.tp, gen_ep=c.gen.ep, engines=c.engines,
                         placement="colocated" if c.colocated else "disaggregated", gen_gpus=c.gen_gpus,
                         async_lag=c.policy_lag, method=s.drafter if s else "none", k=s.k if s else 0,
-                        adaptive=bool(s and s.adaptive))
+                        adaptive=bool(s and s.adaptive), moe_dispatcher=c.moe_dispatcher)
     return tuned, {**best.result.stages, "step": best.result.step_s}
 
 

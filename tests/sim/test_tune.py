@@ -134,6 +134,9 @@ def test_best_layout_235b_passes_the_shared_validator():
                     workload=__import__("megatron_spec.sim.projection", fromlist=["x"]).projection_workload(),
                     train=TrainParallel(tp=t.tp, pp=t.pp, ep=t.ep, cp=t.cp, dp=layout.train_dp),
                     gen=__import__("megatron_spec.sim", fromlist=["x"]).GenParallel(tp=layout.gen_tp, ep=layout.gen_ep),
-                    spec=Speculation(k=layout.k, acceptance_length=2.8, drafter=layout.method))
+                    spec=Speculation(k=layout.k, acceptance_length=2.8, drafter=layout.method),
+                    moe_dispatcher=layout.moe_dispatcher)
+    assert o["backend.megatron.moe_token_dispatcher"] == layout.moe_dispatcher == (
+        "allgather" if t.ep < 8 else "alltoall")  # Qwen3-235B-A22B routes to 8 experts
     again = simulate(cfg)
     assert stages == pytest.approx({**again.stages, "step": again.step_s}, rel=1e-12)
