@@ -80,15 +80,16 @@ class GRPOSection:
     drop_uniform_groups: bool = False
     """DAPO's dynamic sampling, without refilling: groups whose rewards are all equal (zero advantage) are left out of
     the update, so they do not dilute the token mean (logged as `groups_dropped`). A step whose groups are all
-    uniform keeps them (zero policy gradient; the drafter still trains). Embedded trainer only (the Megatron trainer
-    splits a fixed row count over its data-parallel ranks)."""
+    uniform keeps them (zero policy gradient; the drafter still trains). The Megatron trainer, which splits a fixed
+    row count over its data-parallel ranks, keeps the left-out rows with nothing of them counted (the same update;
+    their forward and backward are still spent)."""
     train_groups: int = 0
     """At most this many groups enter a step's update: the first, in draw order, whose rewards differ (with an
     advantage), every uniform group left out as `drop_uniform_groups` leaves it; 0: no cap. DAPO's dynamic sampling
     fills its training batch so, from more prompts than it trains: with `prompts_per_step` above this, a step draws
     more rollouts than it trains on, as RL post-training's long reasoning rollouts outweigh their update. A step with
     no group carrying an advantage keeps its first `train_groups` groups (zero policy gradient; the drafter still
-    trains). Embedded trainer only, like `drop_uniform_groups`."""
+    trains). With the Megatron trainer as `drop_uniform_groups`."""
     max_grad_norm: float = 1.0
     """Gradient clipping of the policy."""
     max_nan_steps: int = 3

@@ -19,12 +19,14 @@ class LossNorm:
     tokens: float
     """Generated tokens in the whole batch (at least 1): the denominator of the `token` mean."""
     sequences: int
-    """Sequences in the whole batch: the denominator of the `sequence` mean."""
+    """Sequences with a generated token in the whole batch (at least 1): the denominator of the `sequence` mean. A
+    row whose mask is empty is not in the mean, as if it were not in the batch (how the Megatron trainer leaves a
+    group out of an update without changing its row count)."""
 
     @classmethod
     def of(cls, mask: Tensor) -> "LossNorm":
         """The norm of the batch whose generated-token mask [B, T] is `mask`."""
-        return cls(float(mask.sum().clamp_min(1)), mask.shape[0])
+        return cls(float(mask.sum().clamp_min(1)), int(mask.any(-1).sum().clamp_min(1)))
 
 
 BASELINES = ("mean", "leave_one_out")

@@ -68,10 +68,6 @@ def check_inputs(cfg: RLConfig) -> None:
     if d.extra_groups and not (cfg.grpo.drop_uniform_groups or cfg.grpo.train_groups):
         raise ValueError("drafter_train.extra_groups takes the groups the policy leaves out of its update, and with "
                          "neither grpo.drop_uniform_groups nor grpo.train_groups it leaves none out")
-    if cfg.backend.trainer == "megatron" and (cfg.grpo.drop_uniform_groups or cfg.grpo.train_groups):
-        raise ValueError("grpo.drop_uniform_groups and grpo.train_groups change a step's row count, and the Megatron "
-                         "trainer splits the rows evenly over its data-parallel ranks: use them with the embedded "
-                         "trainer")
     if cfg.backend.trainer == "megatron" and cfg.spec and cfg.spec.method == "eagle3":
         from ..layout import online_eagle3_problems
 
@@ -165,6 +161,16 @@ def step_advantages(rewards: torch.Tensor, lengths: list[int], g) -> tuple[torch
             keep = kept.repeat_interleave(g.group_size).tolist()
             advantages = advantages[kept]
     return advantages.flatten(), keep, info
+
+
+def leave_out_rows(mask: torch.Tensor, advantages: torch.Tensor, keep: list[bool]):
+    """The batch's mask with the rows not kept emptied, and the kept rows' advantages spread over all rows (0 for
+    the others): the loss (`grpo.LossNorm` counts only rows with a generated token) and its gradient are then those
+    of the batch without those rows, for a trainer that cannot change its row count."""
+    kept = torch.tensor(keep, device=mask.device)
+    full = torch.zeros(len(keep), dtype=advantages.dtype, device=advantages.device)
+    full[kept.to(advantages.device)] = advantages
+    return mask & kept[:, None], full
 
 
 def logprob_mismatch(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> float:
@@ -302,12 +308,15 @@ class Trainer:
         g = self.cfg.grpo
         advantages, keep, shaping = step_advantages(rewards, [len(o.token_ids) for o in rollouts.outs], g)
         extra = None
-        if keep is not None:  # dynamic sampling: the uniform groups' rollouts leave the update
+        masked = keep is not None and self.cfg.backend.trainer != "embedded"
+        if keep is not None and not masked:  # dynamic sampling: the uniform groups' rollouts leave the update
             extra = self.drafter_extra(prompts, rollouts.outs, keep)
             prompts = [p for p, k in zip(prompts, keep) if k]
             rollouts = dataclasses.replace(rollouts, outs=[o for o, k in zip(rollouts.outs, keep) if k])
         with timer("logprob"):
             batch, behaviour = make_batch(prompts, rollouts.outs)
+            if masked:  # a trainer whose row count is fixed: the rows stay, with no generated token counted
+                batch.mask, advantages = leave_out_rows(batch.mask, advantages, keep)
             if rollouts.lag:
                 batch.behaviour_logprobs, batch.is_clip = behaviour, self.cfg.backend.is_clip
             if not g.fold_logprob:  # folded: train_step takes them from its own forward and fills them in

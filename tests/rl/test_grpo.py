@@ -273,17 +273,45 @@ def test_a_checkpoint_with_normalize_std_resumes_as_its_std():
     checkpoint.check_same_config({**saved, "grpo.normalize_std": False}, cfg, "run")
 
 
-def test_dropping_uniform_groups_is_refused_for_the_megatron_trainer():
-    """Megatron splits a fixed row count over its data-parallel ranks: the combination fails before anything is
-    built."""
+@pytest.mark.parametrize("agg, ratio_level", [("token", "token"), ("sequence", "token"), ("sequence", "sequence")])
+def test_rows_left_out_by_their_mask_give_the_update_without_them(agg, ratio_level):
+    """Dynamic sampling under a trainer with a fixed row count (Megatron's, split over data-parallel ranks): the left-
+    out groups' rows stay with an empty mask and advantage 0 (`leave_out_rows`). The loss and its gradient equal
+    those of the batch without the rows, for each aggregation, to fp32 summation order (the sums have the same
+    terms plus exact zeros: 1e-6 relative covers the reordering on any instruction set)."""
+    from megatron_spec.rl.loop import leave_out_rows
+
+    gen = torch.Generator().manual_seed(0)
+    B, T = 8, 12
+    lengths = torch.tensor([12, 3, 7, 1, 9, 12, 5, 2])
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    old = -torch.rand(B, T, generator=gen) * 3
+    new = old + 0.1 * torch.randn(B, T, generator=gen)
+    keep = [True, True, False, False, True, True, False, False]  # groups of 2: the second and fourth left out
+    kept = torch.tensor(keep)
+    advantages = torch.randn(int(kept.sum()), generator=gen)
+
+    def loss_and_grad(rows, m, adv):
+        logprobs = new[rows].clone().requires_grad_()
+        loss, _ = policy_loss(logprobs, old[rows], adv, m, agg=agg, ratio_level=ratio_level)
+        loss.backward()
+        return loss, logprobs.grad
+
+    dropped_loss, dropped_grad = loss_and_grad(kept.nonzero().flatten(), mask[kept], advantages)
+    full_mask, full_adv = leave_out_rows(mask, advantages, keep)
+    assert full_mask.sum(1).tolist() == [12, 3, 0, 0, 9, 12, 0, 0] and full_adv[~kept].eq(0).all()
+    masked_loss, masked_grad = loss_and_grad(torch.arange(B), full_mask, full_adv)
+    torch.testing.assert_close(masked_loss, dropped_loss, rtol=1e-6, atol=0)
+    assert masked_grad[~kept].eq(0).all()
+    torch.testing.assert_close(masked_grad[kept], dropped_grad, rtol=1e-6, atol=1e-12)
+    assert dropped_loss.abs() > 1e-3  # a loss that carries the advantages
+
+
+def test_dynamic_sampling_is_accepted_with_the_megatron_trainer():
     from megatron_spec.rl.config import RLConfig
     from megatron_spec.rl.loop import check_inputs
 
     cfg = RLConfig()
     cfg.backend.trainer = "megatron"
-    cfg.grpo.drop_uniform_groups = True
-    with pytest.raises(ValueError, match="drop_uniform_groups and grpo.train_groups change a step's row count"):
-        check_inputs(cfg)
-    cfg.grpo.drop_uniform_groups, cfg.grpo.train_groups = False, 2
-    with pytest.raises(ValueError, match="grpo.train_groups change a step's row count"):
-        check_inputs(cfg)
+    cfg.grpo.drop_uniform_groups, cfg.grpo.train_groups = True, 2
+    check_inputs(cfg)
