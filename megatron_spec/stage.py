@@ -74,6 +74,7 @@ def register(sub) -> None:
     p = sub.add_parser("stage", help="put a recipe's hub checkpoints into its model.hub_cache once",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("recipe", help="recipe file, e.g. recipes/qwen3_8b_grpo_spec.py")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model.hub_cache=/lustre/hf")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides, e.g. model.hub_cache=/lustre/hf")
     p.add_argument("--config", help="YAML laid over the recipe's config, before the overrides")
     p.set_defaults(func=run)

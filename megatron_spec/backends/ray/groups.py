@@ -83,7 +83,7 @@ class TrainerGroup:
                                                                            placement.trainer(r).threads)
                       for r in range(placement.trainer_world)]
         timeout = cfg.backend.init_timeout_s
-        addresses = ray.get([r.address.remote() for r in self.ranks], timeout=timeout)
+        addresses = ray.get([r.address.remote(True) for r in self.ranks], timeout=timeout)
         master = addresses[0][:2] if len(self.ranks) > 1 else None
         nodes = [node for _, _, node in addresses]
         locals_ = local_ranks(nodes)  # LOCAL_RANK: the index on its own node

@@ -61,13 +61,16 @@ class TrainerRank:
         self.policy = None
         self.crash = CrashHook()
 
-    def address(self) -> tuple[str, int, str]:
-        """This node's address, the port for a rendezvous hosted by this rank (`rendezvous_port`) and the node's Ray id."""
+    def address(self, rendezvous: bool = False) -> tuple[str, int, str]:
+        """This node's address, a port on it for a group this rank would host, and the node's Ray id. The port is
+        the launcher's fixed one for the trainer's own group (`rendezvous`: `rendezvous_port`), else a free one
+        (the weight-update group's, which the trainer group's store would otherwise hold)."""
         import ray
 
-        from ..process_groups import node_address, rendezvous_port
+        from ..process_groups import free_port, node_address, rendezvous_port
 
-        return node_address(), rendezvous_port(), ray.get_runtime_context().get_node_id()
+        port = rendezvous_port() if rendezvous else free_port()
+        return node_address(), port, ray.get_runtime_context().get_node_id()
 
     def setup(self, master: tuple[str, int] | None, local_rank: int, follower: bool) -> int:
         """Join the trainer's process group (when world > 1: gloo on CPUs, NCCL on the GPU `local_rank` picks, the
