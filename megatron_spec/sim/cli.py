@@ -7,6 +7,8 @@
     megatron-spec simulate --compare-published   # NeMo-RL's published H100 step times, simulated, with stage parts
     megatron-spec simulate --main-job RECORD.json  # a measured main job (CPU) against the step model
     megatron-spec simulate --refit --model qwen3-235b-a22b   # refit seconds per transport, sources stated
+    megatron-spec simulate --refit --model qwen3-235b-a22b --tp 2 --pp 8 --ep 8 --gen-tp 8 --gen-gpus 64 --gpus 128 \
+        --stage-layers 12,10                                    # ... and the refit of that layout as implemented
     megatron-spec tune --model qwen3-8b --hardware h100 --gpus 64 --k 3 --acceptance 2.8 --lags 0 1 2 --plot top.png
     megatron-spec tune --model qwen3-235b-a22b --gpus 128 --gpu h100 --fp8 --k 3 --acceptance 2.8 --methods mtp eagle3 \
         --lags 0 2 --ks 0 3 5
@@ -103,7 +105,11 @@ def register(subparsers) -> None:
     mode.add_argument("--train-stage", action="store_true",
                       help="the 235B projection's train stage: bubble, schedule calls, interleaving, dispatcher")
     mode.add_argument("--refit", action="store_true",
-                      help="the refit of --model per transport: the CPU host's measured gloo figure, GPU spec sheets")
+                      help="the refit of --model per transport: the CPU host's measured gloo figure, GPU spec sheets; "
+                           "then the refit of the --tp/--pp/--ep, --gen-tp, --gen-gpus layout as implemented "
+                           "(a sender per stage), its assumptions printed")
+    sim.add_argument("--stage-layers", default="", metavar="FIRST,LAST",
+                     help="--refit: decoder layers of the first and last pipeline stages (default: an even split)")
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
     sim.set_defaults(func=simulate_command)
 
@@ -203,6 +209,15 @@ def simulate_command(args) -> int:
         from .stages import refit_table
 
         print(refit_table(args.model, args.fp8))
+        if args.hardware != "cpu":
+            from .refit import RefitTopology, refit_report
+
+            first, last = (int(x) for x in args.stage_layers.split(",")) if args.stage_layers else (0, 0)
+            gen_gpus = args.gen_gpus or args.gpus
+            top = RefitTopology(tp=args.tp, pp=args.pp, ep=args.ep, engines=max(1, gen_gpus // args.gen_tp),
+                                gen_tp=args.gen_tp, colocated=not args.gen_gpus, first_stage_layers=first,
+                                last_stage_layers=last)
+            print("\n" + refit_report(args.model, top, args.hardware, args.fp8))
         return 0
     if args.compare_published:
         from .fit import FIT_ROWS

@@ -1,0 +1,150 @@
+"""The refit as the collective transport implements it, projected for a GPU cluster.
+
+Topology (`backends/weight_group.py`, `backends/megatron/refit_stream.py`): one sender per trainer pipeline stage,
+each holding only its own stage's weights, which the stage gathers bucket by bucket from its tensor- and
+expert-parallel ranks inside its scale-up domain; every engine worker receives whole tensors (vLLM keeps its own
+tensor-parallel part of each), the senders' refits one after another; each sender packs bucket n + 1 while bucket
+n travels (two buffers), so a stage costs the slower of its gather and its send, and only the first bucket of the
+refit is not overlapped. Where engine and trainer are on different nodes a receiver's bytes arrive through its
+own NIC; the receivers' links are the bottleneck, so taking the senders in turn costs nothing over taking them at
+once.
+
+Assumptions, printed with the result: a stage's parameters are its layers' share of the decoder plus the
+embedding (first stage) and output head (last); each stage's sender receives the stage's bytes less its own
+shard over NVLink (a gather over tensor and expert ranks); links run at `link_eff` of their spec sheet
+(NCCL's broadcast of messages of hundreds of MB); loading into vLLM overlaps receiving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import Hardware, hardware
+from .shapes import CostShape
+
+
+@dataclass(frozen=True)
+class RefitTopology:
+    """The trainer and engine layout a refit runs on."""
+
+    tp: int
+    """Trainer tensor parallel size."""
+    pp: int
+    """Trainer pipeline stages: the refit's senders."""
+    ep: int
+    """Trainer expert parallel size."""
+    engines: int
+    """Generation engines."""
+    gen_tp: int
+    """GPUs per engine: each is one receiver of whole tensors."""
+    colocated: bool = False
+    """Engines on the trainer's GPUs (else on GPUs, and here nodes, of their own)."""
+    first_stage_layers: int = 0
+    """Decoder layers of the first stage (0: an even split)."""
+    last_stage_layers: int = 0
+    """Decoder layers of the last stage (0: an even split)."""
+    bucket_mb: int = 512
+    """Refit bucket, MiB (`backend.refit_bucket_mb` on GPUs)."""
+    link_eff: float = 0.9
+    """Share of a link's spec-sheet bandwidth a refit's broadcasts and gathers reach."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "ep", "engines", "gen_tp", "bucket_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"refit topology: {name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.link_eff <= 1:
+            raise ValueError(f"refit topology: link_eff must be in (0, 1], got {self.link_eff}")
+
+
+def stage_layers(shape: CostShape, top: RefitTopology) -> list[int]:
+    """Decoder layers per stage: the first and last as given, the rest split as evenly as whole layers allow."""
+    if top.pp == 1:
+        return [shape.layers]
+    first, last = top.first_stage_layers, top.last_stage_layers
+    inner = top.pp - 2 if first and last else top.pp - bool(first) - bool(last)
+    rest = shape.layers - first - last
+    if inner <= 0 or rest < inner:
+        if rest != 0 or inner > 0:
+            raise ValueError(f"refit topology: {shape.layers} layers cannot fill {top.pp} stages as given")
+    base, extra = divmod(rest, inner) if inner else (0, 0)
+    middle = [base + (i < extra) for i in range(inner)]
+    return ([first] if first else []) + middle + ([last] if last else [])
+
+
+def stage_bytes(shape: CostShape, top: RefitTopology, dtype_bytes: float, drafter_params: float = 0.0,
+                tied: bool = False) -> list[float]:
+    """Bytes each stage's sender sends: its layers' share of the decoder, the embedding and the drafter on the
+    first stage, the output head (unless `tied` to the embedding) on the last."""
+    layers = stage_layers(shape, top)
+    head = 0.0 if tied else shape.vocab * shape.hidden
+    decoder = shape.total_params - shape.embed_params - head
+    out = [decoder * n / shape.layers for n in layers]
+    out[0] += shape.embed_params + drafter_params
+    out[-1] += head
+    return [b * dtype_bytes for b in out]
+
+
+@dataclass(frozen=True)
+class RefitProjection:
+    seconds: float
+    stage_bytes: list[float]
+    receiver_bytes: float
+    receive_link: str
+    receive_bw: float
+    gather_bw: float
+    assumptions: list[str]
+
+
+def project(shape: CostShape, top: RefitTopology, hw: Hardware, dtype_bytes: float = 2.0,
+            drafter_params: float = 0.0, shard_receive: bool = False, tied: bool = False) -> RefitProjection:
+    """Seconds of one refit on `top` over `hw`'s links. `shard_receive`: each engine worker receives only its
+    1/gen_tp of every tensor (not what the transport does today; shown as what the receivers' links would then
+    allow)."""
+    stages = stage_bytes(shape, top, dtype_bytes, drafter_params, tied)
+    gather_bw = hw.link_bw / 2 * top.link_eff
+    if top.colocated:
+        link, bw = "NVLink (engine worker on another GPU of the node)", hw.link_bw / 2 * top.link_eff
+    else:
+        link, bw = "its GPU's NIC (engines on nodes of their own)", hw.net_bw * top.link_eff
+    bucket = top.bucket_mb * 2**20
+    share = 1 / top.gen_tp if shard_receive else 1.0
+    own = 1 / max(top.tp, top.ep)
+    seconds, fill = 0.0, None
+    for b in stages:
+        gather, send = b * (1 - own) / gather_bw, b * share / bw
+        seconds += max(gather, send)
+        if fill is None:  # the first bucket: gathered before anything is sent
+            fill = min(gather, send) * min(1.0, bucket / b) if b else 0.0
+    seconds += fill or 0.0
+    assumptions = [
+        f"senders: {top.pp} (one per pipeline stage), layers per stage {stage_layers(shape, top)}",
+        f"each engine worker ({top.engines} engines x TP{top.gen_tp}) receives "
+        + ("its 1/TP share of every tensor" if shard_receive else "whole tensors") + f", through {link}",
+        f"links at {top.link_eff:.0%} of the spec sheet: receive {bw / 1e9:.1f} GB/s, in-stage gather over NVLink "
+        f"{gather_bw / 1e9:.1f} GB/s (each sender lacks {1 - own:.0%} of its stage)",
+        f"buckets of {top.bucket_mb} MiB, packing bucket n + 1 while bucket n travels; loading overlaps receiving",
+    ]
+    return RefitProjection(seconds, stages, sum(stages) * share, link, bw, gather_bw, assumptions)
+
+
+def refit_report(model: str, top: RefitTopology, hw_name: str = "h100", fp8: bool = False,
+                 drafter_params: float = 0.0) -> str:
+    """The refit of `model` on `top`: seconds as implemented, and with receivers taking only their TP share."""
+    from .config import resolve_model
+    from .shapes import shape_of
+
+    cfg = resolve_model(model)
+    shape, hw, tied = shape_of(cfg), hardware(hw_name), cfg.tie_word_embeddings
+    dtype_bytes = 1 if fp8 else 2
+    now = project(shape, top, hw, dtype_bytes, drafter_params, tied=tied)
+    shard = project(shape, top, hw, dtype_bytes, drafter_params, shard_receive=True, tied=tied)
+    lines = [f"refit of {model} on {hw.name}: TP{top.tp} x PP{top.pp} x EP{top.ep} trainer -> {top.engines} engines "
+             f"of TP{top.gen_tp} ({'colocated' if top.colocated else 'disaggregated'}), "
+             f"{'fp8' if fp8 else 'bf16'} weights",
+             *(f"  assumption: {a}" for a in now.assumptions),
+             f"  stage bytes (GB): {' '.join(f'{b / 1e9:.1f}' for b in now.stage_bytes)}; busiest sender "
+             f"{max(now.stage_bytes) / 1e9:.1f} GB, each receiver {now.receiver_bytes / 1e9:.1f} GB",
+             f"  refit as implemented: {now.seconds:.1f} s",
+             f"  if each receiver took only its 1/TP share (not implemented): {shard.seconds:.1f} s "
+             f"({shard.receiver_bytes / 1e9:.1f} GB a receiver)"]
+    return "\n".join(lines)

@@ -1,0 +1,52 @@
+"""The refit's projection from the implemented topology (`megatron_spec/sim/refit.py`): stages partition the model,
+a one-stage refit with nothing to gather is its bytes over the receiver's link, and the 235B recipe's layout is
+bounded below by its receivers' NICs at line rate."""
+
+import pytest
+
+from megatron_spec.sim.config import resolve_model
+from megatron_spec.sim.hardware import NDR_IB_BW, hardware
+from megatron_spec.sim.refit import RefitTopology, project, refit_report, stage_bytes, stage_layers
+from megatron_spec.sim.shapes import shape_of
+
+RECIPE = RefitTopology(tp=2, pp=8, ep=8, engines=8, gen_tp=8, first_stage_layers=12, last_stage_layers=10)
+"""The 235B recipe's layout (recipes/qwen3_235b_grpo_spec.py: TP2 x PP8 x EP8, 8 engines of vLLM TP8)."""
+
+
+def test_stages_partition_the_model():
+    """The 235B recipe's 94 layers as 12, six middle stages of 12, and 10; the stages' bytes add up to the whole
+    model (untied head) plus the drafter, in bf16."""
+    shape = shape_of(resolve_model("qwen3-235b-a22b"))
+    assert stage_layers(shape, RECIPE) == [12] * 7 + [10]
+    stages = stage_bytes(shape, RECIPE, 2, drafter_params=1e9)
+    assert sum(stages) == pytest.approx(2 * (shape.total_params + 1e9), rel=1e-12)
+    with pytest.raises(ValueError, match="cannot fill"):
+        stage_layers(shape, RefitTopology(tp=1, pp=8, ep=1, engines=1, gen_tp=1, first_stage_layers=90,
+                                          last_stage_layers=10))
+
+
+def test_one_stage_with_nothing_to_gather_is_its_bytes_over_the_nic():
+    """TP = EP = 1, one stage: nothing is gathered, so the refit is the model's bytes over one receiver's NIC at
+    `link_eff`, exactly; sharded receiving divides it by the engine's TP."""
+    shape, hw = shape_of(resolve_model("qwen3-8b")), hardware("h100")
+    top = RefitTopology(tp=1, pp=1, ep=1, engines=2, gen_tp=4, link_eff=0.5)
+    nbytes = sum(stage_bytes(shape, top, 2))
+    assert project(shape, top, hw).seconds == pytest.approx(nbytes / (NDR_IB_BW * 0.5), rel=1e-12)
+    assert project(shape, top, hw, shard_receive=True).seconds == pytest.approx(nbytes / 4 / (NDR_IB_BW * 0.5))
+
+
+def test_recipe_refit_is_bounded_by_the_receivers_links():
+    """Every receiver takes the whole model through its NIC: the refit cannot beat those bytes at line rate, and
+    with gathers inside NVLink domains it stays within one bucket's gather of the bytes at `link_eff`."""
+    shape, hw = shape_of(resolve_model("qwen3-235b-a22b")), hardware("h100")
+    p = project(shape, RECIPE, hw)
+    wire = p.receiver_bytes / (NDR_IB_BW * RECIPE.link_eff)
+    assert p.receiver_bytes == pytest.approx(2 * shape.total_params)
+    assert wire <= p.seconds <= wire + 512 * 2**20 / p.gather_bw
+
+
+def test_report_states_its_assumptions():
+    text = refit_report("qwen3-235b-a22b", RECIPE)
+    for part in ("senders: 8 (one per pipeline stage)", "whole tensors", "links at 90% of the spec sheet",
+                 "buckets of 512 MiB", "refit as implemented", "not implemented"):
+        assert part in text
