@@ -149,3 +149,21 @@ def test_a_killed_background_save_leaves_the_previous_checkpoint_loadable(ckpts,
     assert same(saved["state"]["model"], torch.load(out / "weights_at_0.pt"))
     checkpoint.clear_interrupted(out)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000000"]
+
+
+def test_a_signal_after_a_background_save_exits_with_both_saves_complete(ckpts, tmp_path, shaped_reward):
+    """Saving every step in the background, SIGUSR1 during step 1: the loop finalizes step 0's background save
+    before it saves step 1 in the foreground and returns; both directories are complete (state.pt loads with its
+    step), `latest` names step 1, no temporary directory is left, and step 1's line logs the save on the critical
+    path with the background write it finalized."""
+    from .test_stop import signalling_trainer
+
+    cfg = small_cfg(ckpts, tmp_path)
+    cfg.run.steps, cfg.run.save_every = 4, 1
+    out = loop.run(cfg, signalling_trainer(1, signal.SIGUSR1))
+    assert out["stopped_on"] == "SIGUSR1" and out["step"] == 1
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000000", "step_000001"]
+    assert (root / "latest").read_text() == "step_000001"
+    assert [checkpoint.load_dir(root / f"step_00000{s}")["step"] for s in (0, 1)] == [0, 1]
+    assert {"save_blocking_s", "save_background_s"} <= set(read_metrics(tmp_path)[1])

@@ -14,7 +14,7 @@ A background save (`save_sharded(..., background=True)`) takes what Megatron-Cor
 critical path: the copy of this rank's shards to host memory (`snapshot`: a clone of each host tensor, since the next
 step updates the parameters in place; device tensors are copied by Megatron's preload) and the collective planning.
 Megatron-Core's `AsyncCallsQueue` that would then run the write needs CUDA, so a thread of ours runs it
-(`BackgroundWrite`: Megatron's writer, which forks one process per file), and `finish_save` does the finalization
+(`BackgroundWrite`: Megatron's per-file writer, `in_this_thread`), and `finish_save` does the finalization
 Megatron defines (the write results gathered, rank 0 writing the global metadata), collectively, when the loop asks.
 Until then the directory is incomplete and not yet named as a checkpoint (`rl/checkpoint.py` renames it after).
 """
@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from megatron_spec.rl.checkpoint import lower_priority
 
 from . import require_megatron
 from .cpu import on_cpu
@@ -63,9 +65,13 @@ class BackgroundWrite:
 
     def _write(self, args) -> None:
         t0 = time.perf_counter()
+        lower_priority()
         try:
-            if self.request.async_fn is not None:  # None: nothing of this rank's to write
-                self.request.async_fn(*args, **self.request.async_fn_kwargs)
+            fn = self.request.async_fn
+            if getattr(getattr(fn, "func", None), "__name__", "") == "write_preloaded_data_multiproc":
+                in_this_thread(*fn.args, *args)
+            elif fn is not None:  # None: nothing of this rank's to write
+                fn(*args, **self.request.async_fn_kwargs)
         except BaseException as err:  # noqa: BLE001  (re-raised in the caller's thread by `finish`)
             self.error = err
         self.seconds = time.perf_counter() - t0
@@ -87,6 +93,28 @@ class BackgroundWrite:
         for fn in self.request.finalize_fns:  # collective: the write results gathered, the metadata written
             fn()
         return self.seconds
+
+
+def in_this_thread(transforms, use_msc: bool, rank: int, buckets: list, results) -> None:
+    """What Megatron-Core's `write_preloaded_data_multiproc` does, file after file in the calling thread: its
+    per-file writer, the results handed to `results` as it hands them. Its own runner forks a process per file,
+    which on a host training at the same time makes every page the step then writes (weights, gradients, moments)
+    a copy-on-write fault for as long as the children live: the step ran 3-4 times slower during the write."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    local, count, out = queue.SimpleQueue(), queue.Queue(), {}
+    for i, bucket in enumerate(buckets):
+        count.put(i)
+        FileSystemWriterAsync.write_preloaded_data(transforms, i, bucket, local, count, use_fsync=True,
+                                                   **({"use_msc": True} if use_msc else {}))
+        idx, written = local.get()
+        if isinstance(written, Exception):
+            out = written
+            break
+        out[idx] = written
+    results.put(out)
 
 
 class ShardedCheckpoints:
