@@ -10,7 +10,10 @@ the last (it also holds the output layer) and 12 on the six others (`backend.meg
 TP8 (one node each) serving the bf16 checkpoint files, `spec.vllm()` as vLLM's `speculative_config`, running up to
 two policy versions ahead of the trainer (`backend.async_lag=2`, truncated importance sampling). The config selects
 exactly that (`SCALE.backend`), with engines serving a prompt of up to 1024 tokens plus the 8192 of a rollout.
-256 prompts x 16 rollouts = 4096 rollouts per step, the batch of the reference's projection. A trainer of 96 GPUs
+256 prompts x 16 rollouts = 4096 rollouts per step, the batch of the reference's projection, of DAPO-Math-17k's
+prompts scored by math-verify, groups of equal rewards left out of the update (DAPO's dynamic sampling); the
+EAGLE-3 drafter is NVIDIA's public head for Qwen3-235B-A22B, trained online. Both are hub names, resolved where the
+job runs. A trainer of 96 GPUs
 (the other split of 128 into whole nodes) allows EP4 at most at PP8, and a stage's 7.25 B expert parameters then
 fit 80 GB under no optimizer setting without offload. `--tune` picks the tuner's best runnable layout for another
 allocation instead.
@@ -30,6 +33,7 @@ import sys
 from megatron_spec.layout import check_layout
 from megatron_spec.models.presets import preset
 from megatron_spec.rl.config import GRPOSection, ModelSection, RLConfig, RunSection
+from megatron_spec.rl.data_config import DataSection
 from megatron_spec.spec.config import SpecConfig
 from recipes._common import Scale, recipe_main
 
@@ -39,7 +43,11 @@ SCALE = Scale(nodes=16, gpus_per_node=8, tp=2, pp=8, cp=1, ep=8, vllm_tp=8, colo
 check_layout(preset("qwen3-235b-a22b"), SCALE.train_layout(), SCALE.nodes * SCALE.gpus_per_node - SCALE.gen_gpus,
              runnable=True)
 
-DRAFTER = "checkpoints/qwen3-235b-a22b-eagle3"
+DRAFTER = "nvidia/Qwen3-235B-A22B-Eagle3"
+"""A public EAGLE-3 head for the policy, by hub name (resolved into `model.hub_cache` where the job runs), trained
+online during RL."""
+DATA = "BytedTsinghua-SIA/DAPO-Math-17k"
+"""DAPO's math prompts (chat messages, integer answers scored by math-verify), by hub name."""
 MAX_TOKENS = 8192
 PROMPT_TOKENS = 1024
 
@@ -48,7 +56,9 @@ def qwen3_235b_grpo_spec() -> RLConfig:
     """256 prompts x 16 rollouts of up to 8K tokens per step, DAPO's asymmetric clip, no KL."""
     return RLConfig(
         model=ModelSection(policy="Qwen/Qwen3-235B-A22B", drafter=DRAFTER, task="natural"),
-        grpo=GRPOSection(prompts_per_step=256, group_size=16, max_tokens=MAX_TOKENS, lr=5e-7, clip_high=0.28),
+        grpo=GRPOSection(prompts_per_step=256, group_size=16, max_tokens=MAX_TOKENS, lr=5e-7, clip_high=0.28,
+                         drop_uniform_groups=True),
+        data=DataSection(path=DATA, format="dapo", max_prompt_tokens=PROMPT_TOKENS),
         spec=SpecConfig("eagle3", num_speculative_tokens=5, model=DRAFTER),
         run=RunSection(steps=300, out_dir="runs/qwen3_235b", save_every=10, save_every_s=1800, dataset_size=17_000, eval_prompts=30,
                        eval_every=10, threads=8),

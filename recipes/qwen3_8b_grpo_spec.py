@@ -5,8 +5,9 @@ Recommended: 4 nodes x 8 H100 (32 GPUs, as the reference's 32 GB200), colocated.
 (16 GB of weights per GPU leaves most of the 80 GB for KV cache), `spec.vllm()` as vLLM's `speculative_config`;
 Ray places one trainer and one generator worker per GPU. The config selects exactly that (`SCALE.backend`:
 `backend.trainer=megatron`, `backend.generator=vllm`, colocated), with engines serving a prompt of up to 1024 tokens
-plus the 8192 of a rollout. The EAGLE-3 drafter is initialised offline on policy
-responses (`megatron-spec train-drafter --method eagle3`) and trained online during RL.
+plus the 8192 of a rollout. The prompts are DAPO-Math-17k's, scored by math-verify, with groups of equal rewards
+left out of the update (DAPO's dynamic sampling); the EAGLE-3 drafter is RedHat's public head for Qwen3-8B
+(speculators layout), trained online during RL. Both are hub names, resolved where the job runs.
 
 Running needs `pip install -e .[megatron,vllm,ray]` on the cluster: submit with `--executor ray-slurm`;
 `--dryrun` works anywhere. `--tune` replaces this layout by the tuner's best for `--nodes` x `--gpus-per-node`
@@ -16,12 +17,17 @@ GPUs of kind `--gpu` (`megatron-spec tune`), and prints it with the predicted st
 import sys
 
 from megatron_spec.rl.config import GRPOSection, ModelSection, RLConfig, RunSection
+from megatron_spec.rl.data_config import DataSection
 from megatron_spec.spec.config import SpecConfig
 from recipes._common import Scale, recipe_main
 
 SCALE = Scale(nodes=4, gpus_per_node=8, tp=2, pp=1, cp=1, ep=1, vllm_tp=1, time="04:00:00")
 
-DRAFTER = "checkpoints/qwen3-8b-eagle3"
+DRAFTER = "RedHatAI/Qwen3-8B-speculator.eagle3"
+"""A public EAGLE-3 head for the policy, by hub name (resolved into `model.hub_cache` where the job runs), trained
+online during RL."""
+DATA = "BytedTsinghua-SIA/DAPO-Math-17k"
+"""DAPO's math prompts (chat messages, integer answers scored by math-verify), by hub name."""
 MAX_TOKENS = 8192
 PROMPT_TOKENS = 1024
 
@@ -30,7 +36,9 @@ def qwen3_8b_grpo_spec() -> RLConfig:
     """64 prompts x 16 rollouts of up to 8K tokens per step, DAPO's asymmetric clip, no KL."""
     return RLConfig(
         model=ModelSection(policy="Qwen/Qwen3-8B", drafter=DRAFTER, task="natural"),
-        grpo=GRPOSection(prompts_per_step=64, group_size=16, max_tokens=MAX_TOKENS, lr=1e-6, clip_high=0.28),
+        grpo=GRPOSection(prompts_per_step=64, group_size=16, max_tokens=MAX_TOKENS, lr=1e-6, clip_high=0.28,
+                         drop_uniform_groups=True),
+        data=DataSection(path=DATA, format="dapo", max_prompt_tokens=PROMPT_TOKENS),
         spec=SpecConfig("eagle3", num_speculative_tokens=3, model=DRAFTER),
         run=RunSection(steps=500, out_dir="runs/qwen3_8b", save_every=20, save_every_s=1800, dataset_size=17_000, eval_prompts=30,
                        eval_every=20, threads=8),

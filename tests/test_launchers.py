@@ -254,7 +254,8 @@ def test_the_run_resolves_hub_names_into_its_cache_without_a_network(tmp_path, m
 
 
 def test_a_drafter_directory_that_does_not_exist_is_refused(refused):
-    err = refused("qwen3_8b_grpo_spec", AT_SCALE_SUBMIT)
+    err = refused("qwen3_8b_grpo_spec", [*AT_SCALE_SUBMIT, "model.drafter=checkpoints/qwen3-8b-eagle3",
+                                         "spec.model=checkpoints/qwen3-8b-eagle3"])
     assert ("model.drafter checkpoints/qwen3-8b-eagle3 does not exist on this machine: give an existing directory "
             "or a hub name") in err
 
@@ -317,8 +318,9 @@ def test_vllm_tensor_parallel_against_nodes_is_refused(argv, message, refused):
 
 def test_max_model_len_below_prompt_plus_max_tokens_is_refused(refused):
     err = refused("qwen3_235b_grpo_spec", [*AT_SCALE_SUBMIT, "backend.vllm.max_model_len=4096"])
-    assert ("backend.vllm.max_model_len=4096 is below a prompt of up to 256 tokens plus grpo.max_tokens=8192: set "
-            "backend.vllm.max_model_len=8448") in err
+    # the recipe's prompts are capped at data.max_prompt_tokens=1024
+    assert ("backend.vllm.max_model_len=4096 is below a prompt of up to 1024 tokens plus grpo.max_tokens=8192: set "
+            "backend.vllm.max_model_len=9216") in err
 
 
 def test_max_tokens_beyond_the_models_context_is_refused(refused):
