@@ -67,19 +67,25 @@ def _memory(rank: int, par) -> dict:
     from ...live_bytes import gloo_lets_go, live_bytes
 
     model = _model(tiny("dense", **BIG), par, mtp_layers=0)
-    group = open_weight_group("127.0.0.1", free_port(), 0, 1, 60, "gloo") if rank == 0 else None
 
-    def measure(stream) -> dict:
+    def measure(stream, group) -> dict:
         with gloo_lets_go(*[g for g in [group] if g is not None]), live_bytes() as counted:
             if group is not None:
                 sent = group.send(stream, torch.bfloat16)
             else:
                 sent = sum(t.numel() * 2 for b in stream for _, t in b)
-        return {"peak": counted.peak, "end": counted.end, "allocated": counted.allocated, "bytes": sent}
+        kept = sum(b.numel() for b in group._buffers) if group is not None else 0
+        return {"peak": counted.peak, "end": counted.end, "allocated": counted.allocated, "bytes": sent,
+                "payload_buffers": kept}
 
     def pairs(stream):  # what the policy's export_weights yields, and the trainer's refit buckets again
         return buckets((item for bucket in stream for item in bucket), BIG_BUCKET)
 
-    streamed = measure(pairs(refit_buckets(model, BIG_BUCKET, torch.bfloat16)))
-    before = measure(buckets(export_hf(model), BIG_BUCKET))
-    return {"streamed": streamed, "before": before}
+    def group():
+        return open_weight_group("127.0.0.1", free_port(), 0, 1, 60, "gloo") if rank == 0 else None
+
+    refit = group()
+    streamed = measure(pairs(refit_buckets(model, BIG_BUCKET, torch.bfloat16)), refit)  # the first: FRAMED
+    packed = measure(pairs(refit_buckets(model, BIG_BUCKET, torch.bfloat16)), refit)  # later ones: PACKED
+    before = measure(buckets(export_hf(model), BIG_BUCKET), group())
+    return {"streamed": streamed, "packed": packed, "before": before}

@@ -82,3 +82,16 @@ def test_sending_rank_holds_a_few_buckets_not_the_model(runs):
     assert m["streamed"]["peak"] <= 5 * BIG_BUCKET < m["streamed"]["bytes"]
     assert m["streamed"]["end"] == 0
     assert m["before"]["peak"] > m["streamed"]["bytes"]
+
+
+def test_packed_refits_hold_one_more_payload(runs):
+    """Every refit after the first travels PACKED: the sender keeps two payload buffers (bucket n + 1 is packed
+    while bucket n is broadcast) from refit to refit, so it ends holding exactly those two buffers, each at most
+    one bucket (B, plus 16-byte alignment padding for each of the at most 64 tensors a 4 MiB bucket of this model
+    holds), and its peak is at most one payload (B) above the first refit's bound, 6 B."""
+    from .refit_workers import BIG_BUCKET
+
+    m = runs[0]["memory"]["packed"]
+    assert m["bytes"] == runs[0]["memory"]["streamed"]["bytes"]
+    assert m["end"] == m["payload_buffers"] <= 2 * (BIG_BUCKET + 16 * 64)
+    assert m["peak"] <= 6 * BIG_BUCKET
