@@ -98,7 +98,7 @@ class RefitProjection:
 def project(shape: CostShape, top: RefitTopology, hw: Hardware, dtype_bytes: float = 2.0,
             drafter_params: float = 0.0, shard_receive: bool = False, tied: bool = False) -> RefitProjection:
     """Seconds of one refit on `top` over `hw`'s links. `shard_receive`: each engine worker receives only its
-    1/gen_tp of every tensor (not what the transport does today; shown as what the receivers' links would then
+    1/gen_tp of every tensor (not what the transport does; shown as what the receivers' links would then
     allow)."""
     stages = stage_bytes(shape, top, dtype_bytes, drafter_params, tied)
     gather_bw = hw.link_bw / 2 * top.link_eff
