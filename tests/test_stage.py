@@ -35,7 +35,7 @@ def test_a_multi_node_launch_without_a_shared_cache_is_refused(refused):
     """The 8B recipe (a hub policy, no model.hub_cache) on 2 nodes: refused before submission, the one error line
     naming model.hub_cache and the stage command."""
     err = refused("qwen3_8b_grpo_spec", [*AT_SCALE_SUBMIT, "--nodes", "2"])
-    assert "hub name(s) Qwen/Qwen3-8B on 2 nodes need model.hub_cache" in err
+    assert "hub name(s) Qwen/Qwen3-8B" in err and " on 2 nodes need model.hub_cache" in err
     assert "megatron-spec stage recipes/qwen3_8b_grpo_spec.py model.hub_cache=/shared/hf" in err
 
 

@@ -1,6 +1,6 @@
 """Every sbatch template we ship, submitted to the live local SLURM cluster with the tiny recipe: the plain one-job
-template as the recipe renders it, the Ray template (head on the node, driver on the head), NeMo-Run's
-SlurmExecutor through the recipe, a failing job, and scancel then resubmission resuming from the last checkpoint.
+template as the recipe renders it, the Ray template (head on the node, the command on the head; the Ray driver
+through `--executor ray-slurm` is test_ray_slurm_signal.py's), NeMo-Run's SlurmExecutor through the recipe, a failing job, and scancel then resubmission resuming from the last checkpoint.
 
 Each test asserts what SLURM recorded (JobState and ExitCode from `scontrol`, the job-completion log, the job gone
 from `squeue`), where the output and the run directory landed, and what the run left there (metrics per step, the
@@ -188,30 +188,6 @@ def test_nemo_run_slurm_executor_submits_the_recipe(cluster, tmp_path):
     assert "job exited with code 0" in sbatch_out[0].read_text()
     assert (sbatch_out[0].parent / "code" / "recipes" / "tiny_grpo_spec.py").is_file()  # the packaged checkout
     assert [m["step"] for m in metrics(run_dir)] == [0, 1] and latest(run_dir) == "step_000001"
-
-
-def test_recipe_ray_slurm_runs_the_ray_driver_on_the_head(cluster, tmp_path):
-    """`--executor ray-slurm` of the tiny recipe with `backend.placement=colocated`: the recipe renders
-    slurm/ray.sub, submits it with sbatch, and the job runs the Ray driver on the head against the job's own Ray
-    cluster (RAY_ADDRESS is that head: the driver's log says it connected to the existing cluster at the job's
-    port); the run completes through the driver (its metrics carry the driver's `generator_restarts`)."""
-    pytest.importorskip("nemo_run")
-    pytest.importorskip("ray")
-    run_dir, port = tmp_path / "run", free_port()
-    argv = [sys.executable, "recipes/tiny_grpo_spec.py", "backend.placement=colocated", "--executor", "ray-slurm",
-            "--account", "A", "--partition", cluster, "--gpus-per-node", "0", "--job-dir", str(tmp_path),
-            "run.steps=2", f"run.out_dir={run_dir}", *TINY]
-    env = {**os.environ, "RAY_PORT": str(port), "RAY_DASHBOARD_PORT": str(free_port()),
-           "LOG_DIR": str(tmp_path / "ray-logs")}
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    job_id = done.stdout.split("submitted SLURM job ", 1)[1].split()[0]
-    state = wait_for(job_id, timeout_s=400)
-    out = (tmp_path / f"tiny_grpo_spec-{job_id}.out").read_text()
-    assert_finished(job_id, state, "0:0", "COMPLETED")
-    assert "Connecting to existing Ray cluster at address: " in out and f":{port}" in out
-    logged = metrics(run_dir)
-    assert [m["step"] for m in logged] == [0, 1] and all(m["generator_restarts"] == 0 for m in logged)
 
 
 def test_signal_before_the_limit_saves_and_a_resubmission_resumes(cluster, tmp_path):
