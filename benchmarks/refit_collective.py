@@ -184,12 +184,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
 def write_link(args, argv, rows: list[dict]) -> int:
     best = max(rows, key=lambda r: r["refit_gb_per_s"])
     record = {"command": "python benchmarks/refit_collective.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "preset": args.preset, "dtype": "float32", "transport": "collective (gloo)",
-              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, local Ray cluster of 2 CPUs; "
-                         f"{platform.processor() or 'cpu'}",
+              "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({_cpu_model()}), local Ray cluster of 2 CPUs",
               "load_average_1_5_15": os.getloadavg(), "rows": rows, "best_bucket_mb": best["bucket_mb"],
               "best_refit_over_link_throughput": best["refit_over_link_throughput"]}
     out = Path(args.out)
