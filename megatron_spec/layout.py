@@ -185,18 +185,13 @@ def sequence_parallel_problems(m: ModelConfig | None, lay: Layout, sequence_para
     return problems
 
 
-def online_eagle3_problems(mtp_num_layers: int, recompute: str) -> list[str]:
-    """Megatron trainer settings an online EAGLE-3 head does not support: MTP layers beside it (one drafter a run),
-    and full activation recompute (the head captures layer outputs with forward hooks, which recompute would fire
-    twice). The run's input check and the Megatron policy both ask this."""
-    problems = []
+def online_eagle3_problems(mtp_num_layers: int) -> list[str]:
+    """Megatron trainer settings an online EAGLE-3 head does not support: MTP layers beside it (one drafter a run).
+    The run's input check and the Megatron policy both ask this."""
     if mtp_num_layers:
-        problems.append(f"spec.method=eagle3 trains an EAGLE-3 head; backend.megatron.mtp_num_layers={mtp_num_layers} "
-                        "would build MTP layers beside it: set mtp_num_layers=0 (or use spec.method=mtp)")
-    if recompute == "full":
-        problems.append("an online EAGLE-3 head captures layer outputs with forward hooks, which full activation "
-                        "recompute would fire twice: use backend.megatron.recompute=none or selective")
-    return problems
+        return [f"spec.method=eagle3 trains an EAGLE-3 head; backend.megatron.mtp_num_layers={mtp_num_layers} "
+                "would build MTP layers beside it: set mtp_num_layers=0 (or use spec.method=mtp)"]
+    return []
 
 
 def colocation_problems(colocated: bool, engine_tp: int, *, on_gpus: bool = True, who: str = "") -> list[str]:

@@ -150,6 +150,10 @@ class VLLMSection:
     """vLLM sleep level of a colocated GPU engine between generations: 2 drops its weights too (the next refit
     rewrites them), 1 keeps them in host memory. CPU engines have no sleep mode."""
 
+    def eager(self, on_cpu: bool) -> bool:
+        """Whether the engine runs eagerly: `enforce_eager` where it is set, else only on CPUs."""
+        return on_cpu if self.enforce_eager is None else self.enforce_eager
+
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"backend.vllm.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

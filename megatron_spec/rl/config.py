@@ -194,6 +194,12 @@ class DrafterTrainSection:
     batch's positions (`drafter_agreement`), so its freshness shows while the adaptive controller keeps speculation
     off. Free when online (the drafter's training forward gives it); a frozen drafter runs one extra forward without
     gradient."""
+    max_tokens: int = 0
+    """The Megatron trainer's online EAGLE-3 head: the most generated tokens of a step it trains on, as whole rows
+    spread over the batch (`rl.microbatch.spread_rows`); only those rows' fused states and logits are kept during
+    the forward and sent to the head's rank, so its memory is bounded by this, not by the step's batch. Without
+    `agreement` the logits kept are the head's draft vocabulary only. 0: every row (the embedded trainer always
+    reads every row)."""
     gate: bool = True
     """With `spec.adaptive` and online training on the embedded trainer and generator: let the whole-step gate
     (`spec.adaptive.WholeStepGate`) run a step plainly, without drafting and without this training, wherever
@@ -214,6 +220,8 @@ class DrafterTrainSection:
             raise ValueError(f"drafter_train.extra_groups must be >= 0, got {self.extra_groups}")
         if not 0.0 <= self.ema < 1.0:
             raise ValueError(f"drafter_train.ema is a decay in [0, 1) (0: no average), got {self.ema}")
+        if self.max_tokens < 0:
+            raise ValueError(f"drafter_train.max_tokens must be >= 0 (0: every row), got {self.max_tokens}")
 
 
 @dataclass

@@ -72,7 +72,7 @@ def check_inputs(cfg: RLConfig) -> None:
         from ..layout import online_eagle3_problems
 
         m = cfg.backend.megatron
-        if problems := online_eagle3_problems(m.mtp_num_layers, m.recompute):
+        if problems := online_eagle3_problems(m.mtp_num_layers):
             raise ValueError("; ".join(problems))
     policy = cfg.model.policy
     if policy != "smollm2-135m" and not (Path(policy) / "config.json").is_file():

@@ -25,6 +25,25 @@ def sequence_lengths(mask: Tensor) -> list[int]:
     return torch.where(mask.any(1), end, 0).clamp_min(2).tolist()
 
 
+def spread_rows(mask: Tensor, max_tokens: int) -> list[int]:
+    """Rows of a batch (generated-token mask [B, T]) whose generated tokens total at most `max_tokens`, taken in
+    the bit-reversed order of their index (0, B/2, B/4, 3B/4, ...) so that they spread over the batch's prompts
+    rather than fill the first groups; at least one row; every row when `max_tokens` is 0. Sorted."""
+    B = mask.shape[0]
+    if max_tokens <= 0:
+        return list(range(B))
+    bits = max(B - 1, 1).bit_length()
+    order = sorted(range(B), key=lambda i: int(format(i, f"0{bits}b")[::-1], 2))
+    tokens = mask.sum(1).tolist()
+    taken, total = [], 0
+    for i in order:
+        if taken and total + tokens[i] > max_tokens:
+            continue
+        taken.append(i)
+        total += tokens[i]
+    return sorted(taken)
+
+
 def micro_batches(lengths: list[float], token_budget: int) -> list[list[int]]:
     """Row indices of each micro-batch. Rows sorted longest first (ties by index, so the cut is deterministic) are
     taken greedily while the micro-batch's padded size, rows x its longest length, stays within `token_budget`; a

@@ -20,9 +20,11 @@ The head reads everything detached and has its own AdamW (`drafter_train.lr`), s
 its trunk's gradients are those of a step without the head, bit for bit. As in the embedded trainer, the head
 learns from the states of the forward before the policy's update and from the token embeddings after it.
 
-Cost: the head rank receives B x T x (3H + V) floats per step (the logits dominate: restricting them to the head's
-draft vocabulary would be the next saving); every other rank sends only its own share. Full activation recompute
-would run the hooked layers twice per micro-batch and is refused. Sequence parallelism cannot run on the CPU
+Cost: the head rank receives R x T x (3H + V) floats per step for the R rows it trains on (every row, or those
+within `drafter_train.max_tokens`, `spread_rows`; V is the head's draft vocabulary without `drafter_train.agreement`,
+whose measure needs the whole vocabulary); the hooks keep only those rows, so no rank holds more of them than its
+own micro-batches' share; every other rank sends only its own share. Under full activation
+recompute a layer's forward runs again inside the backward; the hooks skip that run (`in_backward`). Sequence parallelism cannot run on the CPU
 (Megatron's torch norms refuse it without Apex / Transformer Engine); `assemble` is tested with the slices it
 sends.
 """
@@ -40,7 +42,7 @@ from torch import Tensor
 from megatron_spec.models import Eagle3Head
 from megatron_spec.models.config import ModelConfig
 from megatron_spec.models.decoder import TrunkOutput
-from megatron_spec.rl.microbatch import micro_batches, sequence_lengths
+from megatron_spec.rl.microbatch import micro_batches, sequence_lengths, spread_rows
 from megatron_spec.rl.policy import Batch, DrafterInputs, EmbeddedPolicy
 from megatron_spec.rl.refit import DRAFTER_PREFIX
 
@@ -90,6 +92,12 @@ def head_rank() -> int:
     return int(flag.item())
 
 
+def in_backward() -> bool:
+    """Whether this runs inside an autograd backward (a recomputed forward does): autograd has a current graph
+    task then."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class _Embeddings:
     """The target's `embed` for the head: the gathered embedding rows of the ids a batch holds."""
 
@@ -130,22 +138,31 @@ class Eagle3Online:
         offset = layer_offset(model)
         self.local = {offset + j: layer for j, layer in enumerate(model.decoder.layers)
                       if offset + j in head.capture_layers}
+        self.max_tokens = drafter_cfg.max_tokens
+        self.draft_vocab = not drafter_cfg.agreement and head.d2t is not None
         self.layers: dict[int, list[Tensor]] = {}
         self.logits: list[Tensor] = []
-        self.micros = []
+        self.micros, self.rows, self.kept = [], [], []
 
     @contextlib.contextmanager
-    def capture(self, micros):
+    def capture(self, micros, mask: Tensor | None = None):
         """Hooks on this stage's fused layers (and its output layer on the last stage) for one train forward over
-        `micros` (this rank's micro-batches, run in order by the schedule)."""
+        `micros` (this rank's micro-batches, run in order by the schedule), keeping only the rows the head trains
+        on: those of the batch's generated-token `mask` [B, T] within `drafter_train.max_tokens` (`spread_rows`),
+        every row without a mask."""
         self.micros, self.layers, self.logits = micros, {i: [] for i in self.local}, []
+        self.rows = spread_rows(mask, self.max_tokens) if mask is not None else sorted(
+            r for micro in micros for r in micro.rows)
+        at = {r: n for n, r in enumerate(self.rows)}  # a kept row's place among the head's rows
+        # per micro-batch: (its positions of the kept rows, their places among the head's rows)
+        self.kept = [([j for j, r in enumerate(micro.rows) if r in at], [at[r] for r in micro.rows if r in at])
+                     for micro in micros]
         if not self.reads:
             yield
             return
         handles = [layer.register_forward_hook(self._keep(i)) for i, layer in self.local.items()]
         if self.model.post_process:
-            handles.append(self.model.output_layer.register_forward_hook(
-                lambda _m, _i, out: self.logits.append(out[0].detach())))
+            handles.append(self.model.output_layer.register_forward_hook(self._keep_logits))
         try:
             yield
         finally:
@@ -153,9 +170,19 @@ class Eagle3Online:
                 h.remove()
 
     def _keep(self, i: int):
-        def hook(_module, _inputs, out):
-            self.layers[i].append((out[0] if isinstance(out, tuple) else out).detach())
+        def hook(_module, _inputs, out):  # out [t, b, H]: the micro-batch's kept rows only
+            if in_backward():  # full recompute runs the layer again inside the backward: the same states
+                return
+            local, _ = self.kept[len(self.layers[i])]
+            self.layers[i].append((out[0] if isinstance(out, tuple) else out).detach()[:, local])
         return hook
+
+    def _keep_logits(self, _module, _inputs, out):
+        """The kept rows' logits [t, b, V padded] (gathered over TP), cut to the vocabulary, or to the head's draft
+        vocabulary where nothing needs the rest."""
+        local, _ = self.kept[len(self.logits)]
+        lg = out[0].detach()[:, local, : self.model.hf_config.vocab_size]
+        self.logits.append(lg.index_select(-1, self.head.d2t.to(lg.device)) if self.draft_vocab else lg)
 
     def _pieces(self, batch: Batch, ids: Tensor) -> list[tuple[tuple, Tensor]]:
         """What this rank holds for the head, as (key, tensor) (`assemble` reads the keys)."""
@@ -164,14 +191,14 @@ class Eagle3Online:
         sp = self.model.config.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1
         pieces = []
         for k, i in enumerate(dict.fromkeys(self.head.capture_layers)):
-            for micro, h in zip(self.micros, self.layers.get(i, [])):  # h [t, b, H] (t / tp of them under SP)
-                if sp or tp_rank == 0:
+            for (_, at), h in zip(self.kept, self.layers.get(i, [])):  # h [t, b, H] (t / tp of them under SP)
+                if (sp or tp_rank == 0) and at:
                     start = tp_rank * h.shape[0] if sp else 0
-                    pieces.append((("layer", k, list(micro.rows), start), h.transpose(0, 1).float().contiguous()))
+                    pieces.append((("layer", k, at, start), h.transpose(0, 1).float().contiguous()))
         if tp_rank == 0:
-            for micro, lg in zip(self.micros, self.logits):  # [t, b, V padded], gathered over TP
-                pieces.append((("logits", list(micro.rows)), lg.transpose(0, 1)[..., : cfg.vocab_size].float()
-                               .contiguous()))
+            for (_, at), lg in zip(self.kept, self.logits):  # [t, b, V]
+                if at:
+                    pieces.append((("logits", at), lg.transpose(0, 1).float().contiguous()))
         if ps.is_pipeline_first_stage() and ps.get_data_parallel_rank() == 0:
             emb = self.model.embedding.word_embeddings  # vocabulary-parallel: each TP rank its own rows
             lo, hi = emb.vocab_start_index, emb.vocab_end_index
@@ -181,8 +208,9 @@ class Eagle3Online:
 
     @torch.no_grad()
     def _gather(self, batch: Batch) -> tuple[dict[int, Tensor], Tensor, _Embeddings] | None:
-        """The batch's captured layers [B, T, H], logits [B, T, V] and token embeddings on the head rank (None on
-        every other rank): each rank's pieces, sent point to point after a manifest of their keys and shapes."""
+        """The kept rows' (`batch`: those rows) captured layers [R, T, H], logits [R, T, V] and token embeddings on
+        the head rank (None on every other rank): each rank's pieces, sent point to point after a manifest of their
+        keys and shapes."""
         ids = batch.input_ids.unique().to(device())
         pieces = self._pieces(batch, ids)
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -204,8 +232,8 @@ class Eagle3Online:
                     pieces.append((key, t))
         cfg = self.model.hf_config
         fused = list(dict.fromkeys(self.head.capture_layers))
-        layers, logits, rows = assemble(pieces, len(fused), batch.input_ids.shape, cfg.hidden_size, cfg.vocab_size,
-                                        ids)
+        vocab = len(self.head.d2t) if self.draft_vocab else cfg.vocab_size
+        layers, logits, rows = assemble(pieces, len(fused), batch.input_ids.shape, cfg.hidden_size, vocab, ids)
         return {i: layers[k] for k, i in enumerate(fused)}, logits, _Embeddings(ids, rows)
 
     def step(self, batch: Batch) -> dict:
@@ -217,6 +245,7 @@ class Eagle3Online:
         import time
 
         started = time.perf_counter()
+        batch = Batch(batch.input_ids[self.rows], batch.mask[self.rows])  # the rows the head trains on
         gathered = self._gather(batch)
         self.layers, self.logits = {}, []
         metrics = {}

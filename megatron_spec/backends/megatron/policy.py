@@ -130,7 +130,7 @@ class MegatronPolicy(ShardedCheckpoints):
             from ...layout import online_eagle3_problems
             from .eagle3 import load_head
 
-            if problems := online_eagle3_problems(mtp_num_layers, recompute):
+            if problems := online_eagle3_problems(mtp_num_layers):
                 raise ValueError("; ".join(problems))
             if drafter_cfg is None:
                 raise ValueError("an online EAGLE-3 head needs its drafter_train section (drafter_cfg)")
@@ -283,7 +283,7 @@ class MegatronPolicy(ShardedCheckpoints):
         self._zero_grad()
         self.model.train()
         aux_loss_sum(self.model, 1)  # start from an empty router-loss tracker
-        with self.eagle3.capture(micros) if self.eagle3 else contextlib.nullcontext():
+        with self.eagle3.capture(micros, batch.mask) if self.eagle3 else contextlib.nullcontext():
             outs, calls = run_schedule(self.model, micros, spec, self.mtp, forward_only=False,
                                        one_call=self.one_schedule)
         contributes = self._contributes()

@@ -112,14 +112,46 @@ def gather_run(par) -> dict:
             "nonzero": int((seen["reference"] != 0).sum())}
 
 
+def budget_run(par) -> dict:
+    """One train step with every row kept and the whole vocabulary (the default), one within
+    `drafter_train.max_tokens` with the draft vocabulary only (agreement off), and one as the first under full
+    activation recompute: what the head rank received in each, on the head rank (None elsewhere), and the rows kept."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, drafter, recompute in (("all", {}, "none"), ("budget", {"max_tokens": BUDGET, "agreement": False}, "none"),
+                                     ("recompute", {}, "full")):
+        policy = megatron_policy(par, drafter=drafter, recompute=recompute)
+        online, seen = policy.eagle3, {}
+        gather = online._gather
+
+        def keep(batch, gather=gather, seen=seen):
+            got = gather(batch)
+            seen["got"] = None if got is None else (
+                {i: t.clone() for i, t in got[0].items()}, got[1].clone(), got[2].ids.clone(), got[2].rows.clone())
+            return got
+
+        online._gather = keep
+        batch = batches(cfg(), 1)[0]
+        policy.train_step(with_policy_old(batch, policy.logprobs(batch)))
+        out[name] = {"got": seen["got"], "rows": list(online.rows)}
+    out["rank"] = dist.get_rank() if dist.is_initialized() else 0
+    return out
+
+
+BUDGET = 20
+"""Generated tokens the budget run's head trains on: fewer than the batch's (4 rows of up to 12 tokens)."""
+
+
 def one_rank(rank: int, world: int) -> dict:
     from megatron_spec.backends.megatron.checks import Parallelism
 
-    return {"tp1": megatron_run(Parallelism()), "grads": trunk_grads_run()}
+    return {"tp1": megatron_run(Parallelism()), "grads": trunk_grads_run(), "budget": budget_run(Parallelism())}
 
 
 def two_ranks(rank: int, world: int) -> dict:
     from megatron_spec.backends.megatron.checks import Parallelism
 
     return {"tp2": megatron_run(Parallelism(tp=2)), "pp2": megatron_run(Parallelism(pp=2)),
-            "gather_tp2": gather_run(Parallelism(tp=2)), "gather_pp2": gather_run(Parallelism(pp=2))}
+            "gather_tp2": gather_run(Parallelism(tp=2)), "gather_pp2": gather_run(Parallelism(pp=2)),
+            "budget_pp2": budget_run(Parallelism(pp=2))}

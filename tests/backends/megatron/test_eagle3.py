@@ -94,6 +94,49 @@ def test_only_the_head_rank_receives_the_head_inputs_and_they_equal_the_all_redu
     assert results[head]["equal"] and results[head]["nonzero"] > 0
 
 
+@pytest.mark.megatron_dist
+@pytest.mark.parametrize("layout", ["tp1", "pp2"])
+def test_a_token_budget_sends_the_head_only_its_rows_and_draft_vocabulary(one, two, layout):
+    """`drafter_train.max_tokens` (agreement off): the head rank receives only the rows `spread_rows` keeps, and for
+    them exactly what the full capture holds: the fused states of those rows, their logits at the draft vocabulary's
+    ids, the embedding rows of their tokens (value for value: the same forward, before the same update). Under full
+    activation recompute (the layers' forward again inside the backward) the head receives the same, bit for bit:
+    the hooks skip the recomputed forward."""
+    from megatron_spec.rl.microbatch import spread_rows
+
+    results = [one["budget"]] if layout == "tp1" else [r["budget_pp2"] for r in two]
+    got = [r for r in results if r["budget"]["got"] is not None]
+    assert len(got) == 1  # the head rank alone
+    r = got[0]
+    batch = w.batches(w.cfg(), 1)[0]
+    rows = spread_rows(batch.mask, w.BUDGET)
+    assert r["budget"]["rows"] == rows and 0 < len(rows) < batch.mask.shape[0]
+    assert int(batch.mask[rows].sum()) <= w.BUDGET
+    (full_layers, full_logits, full_ids, full_emb), (layers, logits, ids, emb) = r["all"]["got"], r["budget"]["got"]
+    for i, h in layers.items():
+        assert torch.equal(h, full_layers[i][rows])
+    assert logits.shape[-1] == len(w.D2T) and torch.equal(logits, full_logits[rows][..., w.D2T])
+    assert torch.equal(ids, batch.input_ids[rows].unique())
+    assert torch.equal(emb, full_emb[torch.searchsorted(full_ids, ids)])
+    recomputed = r["recompute"]["got"]
+    assert all(torch.equal(a, b) for a, b in zip(recomputed[1:], r["all"]["got"][1:]))
+    assert all(torch.equal(recomputed[0][i], full_layers[i]) for i in full_layers)
+
+
+def test_spread_rows_take_whole_rows_within_the_budget_in_bit_reversed_order():
+    """8 rows of 3 tokens: a budget of 12 takes 4 rows, 0, 4, 2, 6 (bit-reversed order), spread over the batch; a
+    budget below one row still takes row 0; 0 takes every row."""
+    from megatron_spec.rl.microbatch import spread_rows
+
+    mask = torch.zeros(8, 5, dtype=torch.bool)
+    mask[:, 2:] = True
+    assert spread_rows(mask, 12) == [0, 2, 4, 6]
+    assert spread_rows(mask, 2) == [0]
+    assert spread_rows(mask, 0) == list(range(8))
+    mask[4, 2:] = False  # an empty row costs nothing: it is taken too
+    assert spread_rows(mask, 9) == [0, 2, 4, 6]
+
+
 def test_sequence_parallel_slices_assemble_to_the_whole_states():
     """Under sequence parallelism each TP rank holds its own slice of positions of a fused layer's states and sends
     that slice with its start; `assemble` puts two ranks' slices where the whole states (as one rank without SP
@@ -117,8 +160,8 @@ def test_sequence_parallel_slices_assemble_to_the_whole_states():
 
 
 def test_unsupported_combinations_fail_before_anything_is_built():
-    """EAGLE-3 beside MTP layers, a head fusing a layer the policy lacks, full recompute: each raises in the
-    constructor, before torch.distributed or any model exists (no process group here)."""
+    """EAGLE-3 beside MTP layers, a head fusing a layer the policy lacks: each raises in the constructor, before
+    torch.distributed or any model exists (no process group here)."""
     from megatron_spec.backends.megatron.checks import Parallelism
     from megatron_spec.backends.megatron.policy import MegatronPolicy
     from megatron_spec.models import Eagle3Head
@@ -132,7 +175,6 @@ def test_unsupported_combinations_fail_before_anything_is_built():
     cases = [
         (dict(eagle3=w.head(), mtp_num_layers=1), "mtp_num_layers=1"),
         (dict(eagle3=Eagle3Head(deep, Eagle3Config(8, (0, 3, 7)))), r"fuses layer\(s\) \[7\]"),
-        (dict(eagle3=w.head(), recompute="full"), "full activation recompute"),
     ]
     for kw, message in cases:
         with pytest.raises(ValueError, match=message):
