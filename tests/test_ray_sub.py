@@ -289,3 +289,13 @@ def test_the_driver_names_groups_a_placement_put_on_two_nodes():
     assert straddling_groups(["a", "a", "a", "b", "b", "b"], 2) == [1]
     assert straddling_groups(["a", "a", "b", "b"], 4) == []
     assert straddling_groups(["a", "b"], 1) == []
+
+
+def test_the_templates_own_defaults_are_the_plans():
+    """A script submitted by hand (no plan) gets the same ports and limits as a rendered one: each of the template's
+    defaults is the plan's."""
+    from launchers.render import ray_defaults
+
+    text = (ROOT / "slurm" / "ray.sub").read_text()
+    for name, value in ray_defaults().items():
+        assert f"\n{name}=${{{name}:-{value}}}" in text, name
