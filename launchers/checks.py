@@ -27,6 +27,7 @@ from megatron_spec.layout import (Layout, colocation_problems, layout_problems, 
 from megatron_spec.models import ModelConfig, hub
 from megatron_spec.models.presets import PRESETS, preset
 from megatron_spec.rl.config import RLConfig
+from megatron_spec.rl.loop import config_problems
 from megatron_spec.spec.registry import needs_weights
 
 from .extras import EXTRAS, missing_extras
@@ -383,6 +384,7 @@ def check_launch(name: str, cfg: RLConfig, layout: dict | None, *, driver: str |
     problems += length_problems(cfg)
     problems += drafter_problems(cfg)
     problems += task_problems(cfg)
+    problems += config_problems(cfg)  # what the loop itself refuses at its start, asked here already
     missing = shared_cache_problems(cfg, layout.get("nodes", 1) if layout else 1, name)
     missing += input_problems(cfg, online=inputs)
     if inputs:

@@ -409,3 +409,13 @@ def test_the_loop_trains_on_the_hub_snapshot(tmp_path, monkeypatch):
                           ["model.policy=someone/tiny-qwen3", f"model.hub_cache={tmp_path}", "run.steps=1"])
     loop.train(cfg)
     assert len(seen) == 1 and seen[0].model.policy == str(snap) and seen[0].model.drafter == cfg.model.drafter
+
+
+def test_what_the_loop_refuses_at_its_start_is_refused_before_submission(refused):
+    """The loop's own config checks (`rl.loop.config_problems`, asked again when it starts on the cluster) run on
+    the submitting machine: an EAGLE-3 recipe with MTP layers beside the head, and drafter passes the Megatron
+    trainer does not make."""
+    err = refused("qwen3_235b_grpo_spec", [*AT_SCALE_SUBMIT, "backend.megatron.mtp_num_layers=1"])
+    assert "backend.megatron.mtp_num_layers=1 would build MTP layers beside it: set mtp_num_layers=0" in err
+    err = refused("qwen3_8b_grpo_spec", [*AT_SCALE_SUBMIT, "drafter_train.replay=2"])
+    assert "drafter_train.drafts, updates, replay and minibatches > 1" in err

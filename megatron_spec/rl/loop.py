@@ -51,29 +51,36 @@ class StageTimer:
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 
 
-def check_inputs(cfg: RLConfig) -> None:
-    """Every file and the device the run needs exist, before any model is built or anything is written."""
-    cfg.run.torch_device()
+def config_problems(cfg: RLConfig) -> list[str]:
+    """Combinations of settings the run cannot take, read from the config alone (no file, no device), so a launcher
+    asks them on the submitting machine too (`launchers.checks.check_launch`)."""
+    problems = []
     if cfg.run.device != "cpu" and cfg.backend.placement != "inline":
-        raise ValueError(f"run.device={cfg.run.device} places the in-process trainer and generator; the "
-                         f"{cfg.backend.placement} placement's worker groups place their own (leave run.device=cpu)")
+        problems.append(f"run.device={cfg.run.device} places the in-process trainer and generator; the "
+                        f"{cfg.backend.placement} placement's worker groups place their own (leave run.device=cpu)")
     d = cfg.drafter_train
     if cfg.backend.trainer == "megatron" and (max(d.drafts, d.updates, d.replay, d.minibatches) > 1 or d.ema):
-        raise ValueError("the Megatron trainer trains its MTP head jointly with the policy, one first-draft pass per "
-                         "step (backend.megatron.mtp_*); drafter_train.drafts, updates, replay and minibatches > 1 "
-                         "and ema > 0 are the embedded trainer's: set them to 1 (ema to 0)")
+        problems.append("the Megatron trainer trains its MTP head jointly with the policy, one first-draft pass per "
+                        "step (backend.megatron.mtp_*); drafter_train.drafts, updates, replay and minibatches > 1 "
+                        "and ema > 0 are the embedded trainer's: set them to 1 (ema to 0)")
     if d.extra_groups and cfg.backend.trainer != "embedded":
-        raise ValueError("drafter_train.extra_groups feeds rows the policy does not train to the embedded trainer's "
-                         "drafter: use it with backend.trainer=embedded (or set it to 0)")
+        problems.append("drafter_train.extra_groups feeds rows the policy does not train to the embedded trainer's "
+                        "drafter: use it with backend.trainer=embedded (or set it to 0)")
     if d.extra_groups and not (cfg.grpo.drop_uniform_groups or cfg.grpo.train_groups):
-        raise ValueError("drafter_train.extra_groups takes the groups the policy leaves out of its update, and with "
-                         "neither grpo.drop_uniform_groups nor grpo.train_groups it leaves none out")
+        problems.append("drafter_train.extra_groups takes the groups the policy leaves out of its update, and with "
+                        "neither grpo.drop_uniform_groups nor grpo.train_groups it leaves none out")
     if cfg.backend.trainer == "megatron" and cfg.spec and cfg.spec.method == "eagle3":
         from ..layout import online_eagle3_problems
 
-        m = cfg.backend.megatron
-        if problems := online_eagle3_problems(m.mtp_num_layers):
-            raise ValueError("; ".join(problems))
+        problems += online_eagle3_problems(cfg.backend.megatron.mtp_num_layers)
+    return problems
+
+
+def check_inputs(cfg: RLConfig) -> None:
+    """Every file and the device the run needs exist, before any model is built or anything is written."""
+    cfg.run.torch_device()
+    if problems := config_problems(cfg):
+        raise ValueError("; ".join(problems))
     policy = cfg.model.policy
     if policy != "smollm2-135m" and not (Path(policy) / "config.json").is_file():
         raise FileNotFoundError(f"policy checkpoint {policy} not found (no config.json); "
