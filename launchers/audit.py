@@ -290,6 +290,19 @@ def stage_activation_bytes(model: ModelConfig, layers: range, meg, tp: int, act:
     return chunks * layer_activation_bytes(model, layers[0], "full", tp, sp, act), rerun
 
 
+def eagle3_capture_bytes(cfg, model: ModelConfig, rollouts: int, prompt_tokens: int) -> int:
+    """What the online EAGLE-3 head's rank receives and assembles in a step (`backends/megatron/eagle3.py`): for the
+    tokens it trains on (`drafter_train.max_tokens`, else every row at its longest), three fused states and the
+    logits (the draft vocabulary without `drafter_train.agreement`), fp32, once as the pieces received and once
+    assembled."""
+    d = cfg.drafter_train
+    if not (d.online or d.agreement):
+        return 0
+    tokens = d.max_tokens or rollouts * (prompt_tokens + cfg.grpo.max_tokens)
+    vocab = model.vocab_size if d.agreement else EAGLE3_DRAFT_VOCAB
+    return tokens * (3 * model.hidden_size + vocab) * 4 * 2
+
+
 def micro_batch_tokens(cfg, prompt_tokens: int) -> int:
     """Tokens of the recipe's largest micro-batch: as many rows of the longest rollout (prompt plus
     `grpo.max_tokens`) as `grpo.micro_batch_tokens` allows, at least one (`backends/megatron/step.plan`)."""
@@ -362,9 +375,11 @@ def audit(cfg, layout: dict, model: ModelConfig, *, prompt_tokens: int, gpu: str
         if head:
             parts["params_drafter"] = head * 4
             src["params_drafter"] = FAKE
-            if s == split.pp - 1:  # the head rank: its gradients and AdamW
+            if s == split.pp - 1:  # the head rank: its gradients and AdamW, and the rows it trains on
                 parts["optimizer_drafter"] = head * 12
                 src["optimizer_drafter"] = ANALYTIC
+                parts["activations_drafter"] = eagle3_capture_bytes(cfg, model, rollouts, prompt_tokens)
+                src["activations_drafter"] = ANALYTIC
         parts["refit_buckets"] = 2 * REFIT_BUCKET_BYTES  # the bucket gathered and its shards cast
         src["refit_buckets"] = ANALYTIC
         parts["runtime"], src["runtime"] = DEVICE_RUNTIME_BYTES, ANALYTIC
@@ -435,6 +450,10 @@ def _device_problem(r: RankAudit, cfg, split: Split, model: ModelConfig) -> str:
     if r.kind.startswith("engine"):
         return f"{head}: raise backend.vllm.tensor_parallel_size or lower backend.vllm.max_model_len"
     meg = cfg.backend.megatron
+    if r.parts.get("activations_drafter", 0) > r.device_limit / 4:
+        return (f"{head}: the online EAGLE-3 head's rank receives the fused states and logits of every token it trains "
+                f"on; set drafter_train.max_tokens (for example 8192) and drafter_train.agreement=false (the logits "
+                f"then only over the head's draft vocabulary)")
     if meg.optimizer == "torch":
         fix = ("set backend.megatron.optimizer=megatron (the distributed optimizer shards the fp32 masters and "
                f"moments over DP {split.dp}, experts over expert-DP {split.expert_dp})")

@@ -32,7 +32,7 @@ import sys
 
 from megatron_spec.layout import check_layout
 from megatron_spec.models.presets import preset
-from megatron_spec.rl.config import GRPOSection, ModelSection, RLConfig, RunSection
+from megatron_spec.rl.config import DrafterTrainSection, GRPOSection, ModelSection, RLConfig, RunSection
 from megatron_spec.rl.data_config import DataSection
 from megatron_spec.spec.config import SpecConfig
 from recipes._common import Scale, recipe_main
@@ -59,6 +59,8 @@ def qwen3_235b_grpo_spec() -> RLConfig:
         grpo=GRPOSection(prompts_per_step=256, group_size=16, max_tokens=MAX_TOKENS, lr=5e-7, clip_high=0.28,
                          drop_uniform_groups=True),
         data=DataSection(path=DATA, format="dapo", max_prompt_tokens=PROMPT_TOKENS),
+        # the head trains on 8192 generated tokens a step, whose states and draft-vocabulary logits its rank receives
+        drafter_train=DrafterTrainSection(max_tokens=8192, agreement=False),
         spec=SpecConfig("eagle3", num_speculative_tokens=5, model=DRAFTER),
         run=RunSection(steps=300, out_dir="runs/qwen3_235b", save_every=10, save_every_s=1800, dataset_size=17_000, eval_prompts=30,
                        eval_every=10, threads=8),
