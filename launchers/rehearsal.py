@@ -16,6 +16,8 @@ What changes, and only that (`overrides`, laid over the recipe's config before a
   gloo: `megatron_split`), vLLM engines of tensor parallel 2 on CPU bundles, 3 steps of 2 prompts x 4 rollouts of a few tokens.
 Everything else stays the recipe's: backends, placement, async lag, speculation method and k, online drafter
 training, checkpoint cadence (the loop also saves the last step), pre-launch checks, sbatch template, Ray driver.
+The recipe's own config is first audited at full size (`full_size_audit`): a recipe that would not fit its GPUs is
+refused, since a toy run of it would prove nothing.
 
 A stage the code path would skip without an error (`problems`: e.g. a drafter the trainer backend does not train
 although the config says it is trained online) refuses the rehearsal before anything is built, naming the stage,
@@ -121,6 +123,19 @@ def overrides(name: str, cfg, recipe_scale) -> list[str]:
     if cfg.spec is not None:
         sets["spec.model"] = toy / "drafter"
     return [f"{k}={v}" for k, v in sets.items()]
+
+
+def full_size_audit(cfg, recipe_scale, gpu: str) -> dict:
+    """The memory audit (`launchers.audit`) of the recipe's own config on its own layout at full size: a rehearsal
+    proves the code path at toy width, which only means something for a recipe that fits its GPUs. `fits` None where
+    the architecture is not known here."""
+    from .checks import audit_of
+
+    found = audit_of(cfg, recipe_scale.layout(cfg), gpu)
+    if found is None:
+        return {"gpu": gpu, "fits": None}
+    return {"gpu": gpu, "fits": found.fits, "largest_rank_gb": round(max(r.device_bytes for r in found.ranks) / 1e9, 1),
+            "problems": list(found.problems)}
 
 
 def _cuda() -> bool:

@@ -177,6 +177,10 @@ def recipe_main(build: Callable[[], RLConfig], argv: list[str] | None = None, sc
             if args.tune:
                 raise ValueError("--rehearsal runs the recipe's own layout at toy size; drop --tune")
             toy_arch = rehearsal.toy_architecture(cfg.model.policy)
+            full_size = rehearsal.full_size_audit(apply_overrides(cfg, args.overrides), recipe_scale, args.gpu)
+            if not args.dryrun and full_size["fits"] is False:
+                raise ValueError(f"--rehearsal of {name}: the recipe does not fit its GPUs at full size, so a toy run "
+                                 f"of it proves nothing: {'; '.join(full_size['problems'])}")
             cfg = apply_overrides(cfg, rehearsal.overrides(name, cfg, recipe_scale))
         if args.tune:
             cfg, scale, tuned = tune_recipe(name, cfg, scale, args)
@@ -194,7 +198,8 @@ def recipe_main(build: Callable[[], RLConfig], argv: list[str] | None = None, sc
         if tuned is not None:
             plan["tuned"] = tuned
         if toy_arch is not None:  # what the rehearsal replaced the model by
-            plan["rehearsal"] = {"toy_architecture": toy_arch, "refused_stages": rehearsal.problems(cfg, toy_arch)}
+            plan["rehearsal"] = {"toy_architecture": toy_arch, "refused_stages": rehearsal.problems(cfg, toy_arch),
+                                 "full_size_audit": full_size}
         if scale is not None and toy_arch is None:  # the simulator's plain step on this layout, for the checks
             plan["projected"] = project(cfg, plan["recommended"], args.gpu)
             if problems := timeout_problems(cfg, plan["projected"]):

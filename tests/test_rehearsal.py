@@ -93,6 +93,8 @@ def test_rehearsal_keeps_what_it_rehearses(name):
     assert {k: m[k] > 1 for k in kinds} == {k: fm[k] > 1 for k in kinds} and (m["tp"] == 1 or fm["ep"] == 1)
     assert max(m[k] for k in ("tp", "pp", "ep")) == 2 and m["cp"] == fm["cp"] == 1
     assert m["tp"] * m["pp"] * m["cp"] * m["dp"] == rehearsal.WORLD
+    audit = toy_plan["rehearsal"]["full_size_audit"]  # the recipe itself, at full size on its GPUs
+    assert audit["fits"] is True and audit["problems"] == [] and 60 < audit["largest_rank_gb"] < 85.5
     r, fr = toy_plan["recommended"], full_plan["recommended"]
     assert r["ray"]["placement"] == fr["ray"]["placement"] and r["ray"]["async_lag"] == fr["ray"]["async_lag"]
     assert r["ray"]["bundle"] == {"CPU": 1} and r["vllm"]["tensor_parallel_size"] == 2
@@ -236,3 +238,14 @@ def test_build_toy_writes_a_loadable_policy_drafter_and_data(tmp_path):
     build(cfg, arch)
     assert (tmp_path / "policy" / "model.safetensors").stat().st_mtime_ns == stamp
     assert (tmp_path / "drafter" / "model.safetensors").read_bytes() == first
+
+
+def test_a_recipe_that_does_not_fit_at_full_size_is_not_rehearsed(capsys):
+    """The 8B recipe with torch AdamW's unsharded states (124 GB a GPU by the audit): its rehearsal is refused before
+    any toy input is built, naming the audit's problem."""
+    from recipes import qwen3_8b_grpo_spec as r8
+
+    assert r8.main(["--rehearsal", "backend.megatron.optimizer=torch"]) == 2
+    err = capsys.readouterr().err
+    assert "--rehearsal of qwen3_8b_grpo_spec: the recipe does not fit its GPUs at full size" in err
+    assert "set backend.megatron.optimizer=megatron" in err
