@@ -33,7 +33,7 @@ from unittest import mock
 from megatron_spec.layout import stage_layers
 from megatron_spec.models import ModelConfig
 
-FAKE, ANALYTIC = "fake-tensor", "analytic"
+FAKE, ANALYTIC, MEASURED = "fake-tensor", "analytic", "measured"
 GB = 1000 ** 3
 GiB = 1024 ** 3
 HOST_MEMORY_BYTES = 2 * 1000 ** 4
@@ -45,6 +45,10 @@ DEVICE_RUNTIME_BYTES = 3 * GiB
 """Device memory of a trainer rank outside its tensors: the CUDA context (about 0.6 GB), the buffers of its NCCL
 communicators (TP, PP, DP, EP, expert-DP: about 1 GB) and the caching allocator's fragmentation (about 1.5 GB): an
 assumption, stated, not measured here (vLLM's engines count theirs inside `gpu_memory_utilization`)."""
+CPU_PROCESS_BYTES = 485_036_032
+"""A Megatron trainer rank's peak resident memory on the CPU before it loads anything of the model (Python, torch,
+Megatron-Core, its gloo group): measured once (`research/audit_check/overhead.py`); on the CPU (`gpu="cpu"`) the
+device memory a rank audits is its process's, and this takes the place of `DEVICE_RUNTIME_BYTES`."""
 EAGLE3_DRAFT_VOCAB = 32000
 """Draft vocabulary of the public EAGLE-3 heads, assumed where the drafter's files are not on this machine."""
 
@@ -316,8 +320,8 @@ def micro_batch_tokens(cfg, prompt_tokens: int) -> int:
 def audit(cfg, layout: dict, model: ModelConfig, *, prompt_tokens: int, gpu: str = "h100",
           gpus_per_node: int = 8, checkpoint_dtype_bytes: int = 2) -> Audit:
     """The audit of `cfg` on `layout` (`Scale.layout`: the split, engines and placement on the allocation) for the
-    policy architecture `model`, on GPUs of kind `gpu`; the policy's checkpoint files hold `checkpoint_dtype_bytes`
-    a parameter."""
+    policy architecture `model`, on GPUs of kind `gpu` (or "cpu": the trainer ranks of a CPU run, whose device memory
+    is their resident memory); the policy's checkpoint files hold `checkpoint_dtype_bytes` a parameter."""
     from megatron_spec.backends.ray.workers import loads_whole_policy
     from megatron_spec.rl.loop import REFIT_BUCKET_BYTES
     from megatron_spec.sim.hardware import hardware
@@ -382,10 +386,15 @@ def audit(cfg, layout: dict, model: ModelConfig, *, prompt_tokens: int, gpu: str
                 src["activations_drafter"] = ANALYTIC
         parts["refit_buckets"] = 2 * REFIT_BUCKET_BYTES  # the bucket gathered and its shards cast
         src["refit_buckets"] = ANALYTIC
-        parts["runtime"], src["runtime"] = DEVICE_RUNTIME_BYTES, ANALYTIC
+        if gpu == "cpu":
+            parts["runtime"], src["runtime"] = CPU_PROCESS_BYTES, MEASURED
+        else:
+            parts["runtime"], src["runtime"] = DEVICE_RUNTIME_BYTES, ANALYTIC
         host = PROCESS_OVERHEAD_BYTES
         ranks.append(RankAudit(f"trainer stage {s} ({st['layers']} layers)", split.train_gpus // split.pp, parts,
                                src, limit, host, note=why, parameters=n))
+    if gpu == "cpu":  # a CPU run's trainer ranks: their resident memory is what the audit counts
+        return Audit(ranks, problems, {})
     # a process that loads the whole policy holds it in float32 on the host (`backends/ray/workers._build`)
     total = model_params(model)
     whole = total * 4
