@@ -118,7 +118,8 @@ def measure_link(cfg, bucket_mb: int, rounds: int) -> dict:
             resolve(refit.start(version))
             refit_s.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            ray.get([sender.__ray_call__.remote(_link_broadcast, True), engine.__ray_call__.remote(_link_broadcast, False)])
+            ray.get([sender.__ray_call__.remote(_link_broadcast, True),
+                     engine.__ray_call__.remote(_link_broadcast, False)])
             link_s.append(time.perf_counter() - t0)
         refit_med, link_med = statistics.median(refit_s), statistics.median(link_s)
         return {"bucket_mb": bucket_mb, "bytes": nbytes, "refit_s": refit_s, "link_s": link_s,
@@ -194,7 +195,8 @@ def _cpu_model() -> str:
 
 def write_link(args, argv, rows: list[dict]) -> int:
     best = max(rows, key=lambda r: r["refit_gb_per_s"])
-    record = {"command": "python benchmarks/refit_collective.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    given = argv if argv is not None else sys.argv[1:]
+    record = {"command": "python benchmarks/refit_collective.py " + " ".join(given),
               "preset": args.preset, "dtype": "float32", "transport": "collective (gloo)",
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs ({_cpu_model()}), local Ray cluster of 2 CPUs",
               "load_average_1_5_15": os.getloadavg(), "rows": rows, "best_bucket_mb": best["bucket_mb"],

@@ -107,3 +107,35 @@ def test_cuda_ipc_without_cuda_is_refused_before_the_rendezvous():
         open_weight_group("127.0.0.1", free_port(), 1, 2, 0.5, "cuda_ipc")
     with pytest.raises(ValueError, match="unknown transport 'ipc'"):
         open_weight_group("127.0.0.1", free_port(), 1, 2, 0.5, "ipc")
+
+
+def test_refit_bucket_follows_the_devices_and_the_config():
+    """backend.refit_bucket_mb = 0 takes the devices' default (512 MiB where a bundle has a GPU, the measured CPU
+    best elsewhere); a set value wins on either; a negative one is refused naming the field."""
+    from megatron_spec.backends.ray.placement import Placement
+    from megatron_spec.backends.ray.transport import CPU_BUCKET_MB, GPU_BUCKET_MB, bucket_bytes
+    from megatron_spec.rl.backend_config import BackendSection
+    from megatron_spec.rl.config import RLConfig
+
+    cfg = RLConfig()
+    gpu = Placement("disaggregated", 1, 1, {"CPU": 4.0, "GPU": 1.0})
+    cpu = Placement("disaggregated", 1, 1, {"CPU": 1.0})
+    assert (bucket_bytes(cfg, gpu), bucket_bytes(cfg, cpu)) == (GPU_BUCKET_MB << 20, CPU_BUCKET_MB << 20)
+    assert GPU_BUCKET_MB >= 512
+    cfg.backend.refit_bucket_mb = 8
+    assert bucket_bytes(cfg, gpu) == bucket_bytes(cfg, cpu) == 8 << 20
+    with pytest.raises(ValueError, match="backend.refit_bucket_mb must be >= 0"):
+        BackendSection(refit_bucket_mb=-1)
+
+
+def test_sync_metrics_name_the_senders_and_the_waits():
+    """The step's weight_sync_* metrics: bytes from the senders' result, seconds the slowest side (sending and
+    loading overlap), and the senders' figures as given."""
+    from megatron_spec.backends.ray.transport import CollectiveRefit, SendInfo, sync_metrics
+
+    refit = CollectiveRefit.__new__(CollectiveRefit)
+    m = sync_metrics(refit, [(600, 2.0, SendInfo(2, 400, 50, 0.25)), (600, 3.0), (600, 1.0)])
+    assert m == {"weight_sync_bytes": 600, "weight_sync_s": 3.0, "weight_sync_gbps": 600 / 3.0 / 1e9,
+                 "weight_sync_transport": "collective", "weight_sync_senders": 2,
+                 "weight_sync_sender_bytes_max": 400, "weight_sync_received_bytes_max": 50,
+                 "weight_sync_wait_s": 0.25}

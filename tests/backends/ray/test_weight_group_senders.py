@@ -66,9 +66,9 @@ def _bytes(buckets) -> int:
 def test_each_receiver_gets_every_stage_from_its_own_sender_and_headers_only_once():
     """Three refits. Each sender reports exactly its own stage's bytes and sits in one process group (its own);
     each receiver gets sender 0's three buckets then sender 1's, floating tensors equal to the sender's cast to
-    bf16, integers unchanged, and counts both stages' bytes. Broadcasts per sender and refit after the opening all-reduce:
-    the first (FRAMED) 3 per bucket + 1 ([sizes, header, payload] per bucket, end), the later ones (PACKED)
-    1 per bucket + 1: no per-bucket header."""
+    bf16, integers unchanged, and counts both stages' bytes. Broadcasts per sender and refit after the opening
+    all-reduce: the first (FRAMED) 3 per bucket + 1 ([sizes, header, payload] per bucket, end), the later ones
+    (PACKED) 1 per bucket + 1: no per-bucket header."""
     results = _run(["ok", "ok", "ok"])
     for refit in range(3):
         buckets_posts = 3 * 3 + 1 if refit == 0 else 3 + 1
