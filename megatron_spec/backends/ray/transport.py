@@ -57,15 +57,16 @@ def resolve(pending: list) -> list[tuple]:
     return [ray.get(p) if isinstance(p, ray.ObjectRef) else p for p in pending]
 
 
-def weight_backend(placement) -> str:
+def weight_backend(placement, senders: int = 1) -> str:
     """The one place the collective refit's transport is chosen (a name of `weight_group.GROUPS`): NCCL between
-    separate GPUs; CUDA IPC when the one engine worker shares the sender's GPU (colocated on one GPU: the buckets
-    never leave the device); gloo on CPUs and for the other colocated layouts (two ranks on one GPU cannot share an
-    NCCL group, and an IPC handle only opens on the GPU it was made on)."""
+    separate GPUs; CUDA IPC when the one engine worker shares the one sender's GPU (colocated on one GPU: the
+    buckets never leave the device); gloo on CPUs and for the other colocated layouts (two ranks on one GPU cannot
+    share an NCCL group, and an IPC handle only opens on the GPU it was made on, so a second stage's sender, on
+    another GPU, rules it out)."""
     gpus = placement.bundle.get("GPU", 0)
     if gpus and placement.kind == "disaggregated":
         return "nccl"
-    if gpus and placement.generators * placement.engine_tp == 1:
+    if gpus and placement.generators * placement.engine_tp == 1 and senders == 1:
         return "cuda_ipc"
     return "gloo"
 
@@ -90,9 +91,9 @@ class CollectiveRefit:
 
     def __init__(self, cfg, trainer, generator):
         self.cfg, self.trainer, self.generator = cfg, trainer, generator
-        self.backend = weight_backend(generator.placement)
-        self.bucket_bytes = bucket_bytes(cfg, generator.placement)
         self.senders = weight_senders(cfg)
+        self.backend = weight_backend(generator.placement, self.senders)
+        self.bucket_bytes = bucket_bytes(cfg, generator.placement)
         self.dtype: str | None = None
         self.version: int | None = None
         generator.reconnect = self.reconnect

@@ -82,15 +82,16 @@ def test_wrong_device_is_refused_before_the_collective():
 
 
 def test_transport_follows_the_placement():
-    """NCCL between separate GPUs; CUDA IPC only where the single engine worker shares the sender's GPU (a handle
-    opens on the GPU it was made on, and under Ray each actor sees only its own GPU); gloo on CPUs and for the
-    other colocated layouts."""
+    """NCCL between separate GPUs; CUDA IPC only where the single engine worker shares the single sender's GPU (a
+    handle opens on the GPU it was made on, and under Ray each actor sees only its own GPU; a second pipeline
+    stage sends from another GPU); gloo on CPUs and for the other colocated layouts."""
     from megatron_spec.backends.ray.placement import Placement
     from megatron_spec.backends.ray.transport import weight_backend
 
     gpu, cpu = {"CPU": 4.0, "GPU": 1.0}, {"CPU": 1.0}
     assert weight_backend(Placement("disaggregated", 2, 2, gpu)) == "nccl"
     assert weight_backend(Placement("colocated", 1, 1, gpu)) == "cuda_ipc"
+    assert weight_backend(Placement("colocated", 2, 1, gpu), senders=2) == "gloo"  # stage 1 sends from GPU 1
     assert weight_backend(Placement("colocated", 2, 1, gpu, engine_tp=2)) == "gloo"
     assert weight_backend(Placement("colocated", 2, 2, gpu)) == "gloo"
     assert weight_backend(Placement("colocated", 1, 1, cpu)) == "gloo"
