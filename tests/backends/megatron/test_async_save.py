@@ -45,3 +45,37 @@ def test_resume_from_the_background_save_takes_the_same_next_step(saved):
         a, b = rank[0]["next"], rank[1]["next"]
         assert a["metrics"][0]["loss"] == b["metrics"][0]["loss"]
         assert equal(a["weights"][-1], b["weights"][-1])
+
+
+def test_torchrun_recipe_resumes_from_a_background_save(tmp_path):
+    """The tiny MoE recipe under torchrun (EP2; rank 1 follows rank 0's announced calls, `finish_save` included),
+    saving every step: steps 0 and 1 are saved in the background (logged `save_background_s` at the next boundary),
+    step 2 at the end in the foreground. A copy of the run cut back to step 1's background checkpoint resumes and
+    its step 2 equals the straight run's exactly (loss, grad norm, reward, acceptance, drafter loss)."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from .test_recipe_torchrun import RECIPE, ROOT
+
+    def run(out, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", RECIPE,
+               "backend.trainer=megatron", "backend.megatron.ep=2", "run.steps=3", "run.save_every=1",
+               "run.report=false", f"run.out_dir={out}", *extra]
+        done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    straight = run(tmp_path / "straight", "run.resume=false")
+    assert [sorted(k for k in m if k.startswith("save_")) for m in straight] == [
+        ["save_blocking_s"], ["save_background_s", "save_blocking_s"], ["save_background_s", "save_blocking_s"]]
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "straight", cut)
+    shutil.rmtree(cut / "checkpoints" / "step_000002")
+    (cut / "checkpoints" / "latest").write_text("step_000001")
+    resumed = run(cut)[-1]
+    keys = ["step", "loss", "grad_norm", "reward_mean", "acceptance_length", "drafter_loss"]
+    assert [resumed[k] for k in keys] == [straight[2][k] for k in keys]
