@@ -66,6 +66,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                    help="colocated: trainer states and engine weights round-trip host memory each step "
                         "(default: on when colocated)")
+    g.add_argument("--moe-dispatcher", default="alltoall", choices=("alltoall", "allgather"),
+                   help="the trainer's MoE token dispatcher (allgather moves ep / top_k times the bytes; tune "
+                        "picks the one that moves fewer per layout)")
     g.add_argument("--train-fp8", action="store_true", help="FP8 training GEMMs")
     g.add_argument("--decode-eff", type=float, default=None,
                    help="share of the kernel roofline the engine reaches (default: the GPU's calibration)")
@@ -156,6 +159,7 @@ def _config(args, layout: bool = True):
                      gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                      micro_batch_tokens=args.micro_batch_tokens, fold_logprob=args.fold_logprob,
                      reference_logprob=args.reference_logprob, recompute=args.recompute,
+                     moe_dispatcher=args.moe_dispatcher,
                      train_global_batch=args.train_global_batch, offload=args.offload, train_fp8=args.train_fp8,
                      decode_eff=args.decode_eff, in_flight_updates=args.in_flight_updates)
 
