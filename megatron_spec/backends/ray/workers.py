@@ -15,16 +15,22 @@ import os
 import time
 
 
+def loads_whole_policy(cfg, which: str) -> bool:
+    """Whether the actor building `which` ("policy" or "generator") loads the whole policy in float32. With a
+    Megatron trainer none does: every trainer rank reads its own shards, and a vLLM engine starts from the checkpoint
+    files in the dtype they hold (as the in-process loop does). Our engine, which is not sharded, loads the policy
+    into its own process. The memory audit (`launchers/audit.py`) counts host memory by this rule."""
+    return not (cfg.backend.trainer == "megatron" and (which == "policy" or cfg.backend.generator == "vllm"))
+
+
 def _build(cfg, which: str):
-    """The actor's policy or generator. With a Megatron trainer no actor loads the whole policy: every trainer rank
-    reads its own shards, and a vLLM engine starts from the checkpoint files in the dtype they hold (as the
-    in-process loop does). Our engine, which is not sharded, loads the policy into its own process."""
+    """The actor's policy or generator, loaded as `loads_whole_policy` says."""
     from ...models import from_pretrained
     from ...rl.backends import build_generator, build_policy
     from ...rl.loop import load_drafter_for
 
     build = build_policy if which == "policy" else build_generator
-    if cfg.backend.trainer == "megatron" and (which == "policy" or cfg.backend.generator == "vllm"):
+    if not loads_whole_policy(cfg, which):
         return build(cfg, None, None)
     model = from_pretrained(cfg.model.policy)
     return build(cfg, model, load_drafter_for(cfg, model))
