@@ -294,17 +294,27 @@ def stage_activation_bytes(model: ModelConfig, layers: range, meg, tp: int, act:
     return chunks * layer_activation_bytes(model, layers[0], "full", tp, sp, act), rerun
 
 
-def eagle3_capture_bytes(cfg, model: ModelConfig, rollouts: int, prompt_tokens: int) -> int:
-    """What the online EAGLE-3 head's rank receives and assembles in a step (`backends/megatron/eagle3.py`): for the
-    tokens it trains on (`drafter_train.max_tokens`, else every row at its longest), three fused states and the
-    logits (the draft vocabulary without `drafter_train.agreement`), fp32, once as the pieces received and once
-    assembled."""
+def eagle3_head_bytes(cfg, model: ModelConfig, rollouts: int, prompt_tokens: int) -> tuple[int, int]:
+    """What the online EAGLE-3 head's rank holds (`backends/megatron/eagle3.py`), (during the policy's forward and
+    backward, after the policy's update). During: the fused states and logits its hooks keep for the positions it
+    trains on (`drafter_train.max_tokens`, at least one row; else every row at its longest; the logits over the
+    draft vocabulary without `drafter_train.agreement`), fp32. After (the policy's activations freed): those as
+    received and as assembled, and the head's own activations on its largest micro-batch (`grpo.micro_batch_tokens`,
+    at least one row) per unrolled draft (`drafter_train.drafts`): its fused input, its decoder layer (dense, fp32,
+    the policy's widths), its output and logits with their gradient."""
     d = cfg.drafter_train
     if not (d.online or d.agreement):
-        return 0
-    tokens = d.max_tokens or rollouts * (prompt_tokens + cfg.grpo.max_tokens)
+        return 0, 0
+    row = prompt_tokens + cfg.grpo.max_tokens
+    tokens = max(d.max_tokens, row) if d.max_tokens else rollouts * row
     vocab = model.vocab_size if d.agreement else EAGLE3_DRAFT_VOCAB
-    return tokens * (3 * model.hidden_size + vocab) * 4 * 2
+    captured = tokens * (3 * model.hidden_size + vocab) * 4
+    if not d.online:
+        return captured, 2 * captured
+    micro = min(tokens, max(cfg.grpo.micro_batch_tokens, row))
+    layer = layer_activation_bytes(dataclasses.replace(model, num_experts=0), 0, "none", 1, False, 4)
+    per_token = layer + (3 * model.hidden_size + model.hidden_size + 2 * vocab) * 4
+    return captured, int(2 * captured + micro * d.drafts * per_token)
 
 
 def micro_batch_tokens(cfg, prompt_tokens: int) -> int:
@@ -382,7 +392,9 @@ def audit(cfg, layout: dict, model: ModelConfig, *, prompt_tokens: int, gpu: str
             if s == split.pp - 1:  # the head rank: its gradients and AdamW, and the rows it trains on
                 parts["optimizer_drafter"] = head * 12
                 src["optimizer_drafter"] = ANALYTIC
-                parts["activations_drafter"] = eagle3_capture_bytes(cfg, model, rollouts, prompt_tokens)
+                during, after = eagle3_head_bytes(cfg, model, rollouts, prompt_tokens)
+                # the head updates after the policy's step, once the policy's activations are freed
+                parts["activations_drafter"] = max(during, after - parts["activations"])
                 src["activations_drafter"] = ANALYTIC
         parts["refit_buckets"] = 2 * REFIT_BUCKET_BYTES  # the bucket gathered and its shards cast
         src["refit_buckets"] = ANALYTIC
@@ -460,9 +472,10 @@ def _device_problem(r: RankAudit, cfg, split: Split, model: ModelConfig) -> str:
         return f"{head}: raise backend.vllm.tensor_parallel_size or lower backend.vllm.max_model_len"
     meg = cfg.backend.megatron
     if r.parts.get("activations_drafter", 0) > r.device_limit / 4:
-        return (f"{head}: the online EAGLE-3 head's rank receives the fused states and logits of every token it trains "
-                f"on; set drafter_train.max_tokens (for example 8192) and drafter_train.agreement=false (the logits "
-                f"then only over the head's draft vocabulary)")
+        return (f"{head}: the online EAGLE-3 head's rank holds the fused states and logits of every position it "
+                f"trains on, and its activations per unrolled draft: lower drafter_train.max_tokens (for example to "
+                f"8192) or drafter_train.drafts, and set drafter_train.agreement=false (the logits then only over the "
+                f"head's draft vocabulary)")
     if meg.optimizer == "torch":
         fix = ("set backend.megatron.optimizer=megatron (the distributed optimizer shards the fp32 masters and "
                f"moments over DP {split.dp}, experts over expert-DP {split.expert_dp})")

@@ -59,7 +59,8 @@ def qwen3_235b_grpo_spec() -> RLConfig:
         grpo=GRPOSection(prompts_per_step=256, group_size=16, max_tokens=MAX_TOKENS, lr=5e-7, clip_high=0.28,
                          drop_uniform_groups=True),
         data=DataSection(path=DATA, format="dapo", max_prompt_tokens=PROMPT_TOKENS),
-        # the head trains on 8192 generated tokens a step, whose states and draft-vocabulary logits its rank receives
+        # the head trains on a row or 8192 positions a step (whose states and draft-vocabulary logits its rank
+        # receives) on its first draft: unrolled over more drafts it would not fit the last stage (`--audit`)
         drafter_train=DrafterTrainSection(max_tokens=8192, agreement=False),
         spec=SpecConfig("eagle3", num_speculative_tokens=5, model=DRAFTER),
         run=RunSection(steps=300, out_dir="runs/qwen3_235b", save_every=10, save_every_s=1800, dataset_size=17_000, eval_prompts=30,

@@ -39,8 +39,9 @@ def qwen3_8b_grpo_spec() -> RLConfig:
         grpo=GRPOSection(prompts_per_step=64, group_size=16, max_tokens=MAX_TOKENS, lr=1e-6, clip_high=0.28,
                          drop_uniform_groups=True),
         data=DataSection(path=DATA, format="dapo", max_prompt_tokens=PROMPT_TOKENS),
-        # the head trains on 8192 generated tokens a step, whose states and draft-vocabulary logits its rank receives
-        drafter_train=DrafterTrainSection(max_tokens=8192, agreement=False),
+        # the head trains on a row or 8192 positions a step (whose states and draft-vocabulary logits its rank
+        # receives), unrolled over each of its k = 3 drafts
+        drafter_train=DrafterTrainSection(max_tokens=8192, agreement=False, drafts=3),
         spec=SpecConfig("eagle3", num_speculative_tokens=3, model=DRAFTER),
         run=RunSection(steps=500, out_dir="runs/qwen3_8b", save_every=20, save_every_s=1800, dataset_size=17_000, eval_prompts=30,
                        eval_every=20, threads=8),

@@ -116,7 +116,7 @@ def test_audit_json_schema(capsys, tmp_path):
       "backend.megatron.last_stage_layers=null"], "trainer stage 0 (47 layers)",
      "offload the optimizer's states to the host"),
     # the online EAGLE-3 head's inputs for every token of the step
-    (["drafter_train.max_tokens=0"], "trainer stage 7 (10 layers)", "set drafter_train.max_tokens"),
+    (["drafter_train.max_tokens=0"], "trainer stage 7 (10 layers)", "lower drafter_train.max_tokens"),
     # DP 4 splits any group of 16, so an odd group shows the refusal
     (["grpo.prompts_per_step=250", "grpo.group_size=5"], "250 x 5 = 1250 rollouts do not split over the trainer's "
      "data-parallel ranks (DP = 4)", "a multiple of 4"),

@@ -418,4 +418,4 @@ def test_what_the_loop_refuses_at_its_start_is_refused_before_submission(refused
     err = refused("qwen3_235b_grpo_spec", [*AT_SCALE_SUBMIT, "backend.megatron.mtp_num_layers=1"])
     assert "backend.megatron.mtp_num_layers=1 would build MTP layers beside it: set mtp_num_layers=0" in err
     err = refused("qwen3_8b_grpo_spec", [*AT_SCALE_SUBMIT, "drafter_train.replay=2"])
-    assert "drafter_train.drafts, updates, replay and minibatches > 1" in err
+    assert "drafter_train.updates, replay and minibatches > 1 and ema > 0 are the embedded trainer's" in err

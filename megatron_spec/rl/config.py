@@ -166,7 +166,9 @@ class DrafterTrainSection:
     shared head), forward and backward: ~10 % of the trunk's work per draft for one MTP layer on Qwen3-8B, 25 % on
     the tiny model. 1 keeps the update at one pass; the chained drafts share its weights and keep their offline
     training. Tiny recipe, 50 steps, MTP k=3 every step: acceptance length steps 0-9 -> 40-49 was 3.30 -> 3.29 with
-    1 and 3.32 -> 3.28 with 3, whose train stage took 0.23 s against 0.18 s."""
+    1 and 3.32 -> 3.28 with 3, whose train stage took 0.23 s against 0.18 s. The Megatron trainer unrolls an
+    EAGLE-3 head so (each of `num_speculative_tokens` drafts trained: EAGLE-3's training-time test); its MTP layers
+    train the first draft only."""
     updates: int = 1
     """Drafter optimizer steps per RL step, each a pass over the batch's detached states (no extra trunk forward).
     More than one lets the drafter keep up where RL changes what the policy writes within a few steps."""
@@ -195,9 +197,10 @@ class DrafterTrainSection:
     off. Free when online (the drafter's training forward gives it); a frozen drafter runs one extra forward without
     gradient."""
     max_tokens: int = 0
-    """The Megatron trainer's online EAGLE-3 head: the most generated tokens of a step it trains on, as whole rows
-    spread over the batch (`rl.microbatch.spread_rows`); only those rows' fused states and logits are kept during
-    the forward and sent to the head's rank, so its memory is bounded by this, not by the step's batch. Without
+    """The Megatron trainer's online EAGLE-3 head: the most tokens (prompt and completion positions) of a step it
+    trains on, as whole rows spread over the batch (`rl.microbatch.spread_rows`); only those rows' fused states and
+    logits are kept during the forward and sent to the head's rank, so its memory is bounded by this (or one row,
+    if longer), not by the step's batch. Without
     `agreement` the logits kept are the head's draft vocabulary only. 0: every row (the embedded trainer always
     reads every row)."""
     gate: bool = True

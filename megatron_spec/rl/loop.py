@@ -59,10 +59,14 @@ def config_problems(cfg: RLConfig) -> list[str]:
         problems.append(f"run.device={cfg.run.device} places the in-process trainer and generator; the "
                         f"{cfg.backend.placement} placement's worker groups place their own (leave run.device=cpu)")
     d = cfg.drafter_train
-    if cfg.backend.trainer == "megatron" and (max(d.drafts, d.updates, d.replay, d.minibatches) > 1 or d.ema):
-        problems.append("the Megatron trainer trains its MTP head jointly with the policy, one first-draft pass per "
-                        "step (backend.megatron.mtp_*); drafter_train.drafts, updates, replay and minibatches > 1 "
-                        "and ema > 0 are the embedded trainer's: set them to 1 (ema to 0)")
+    eagle3 = cfg.spec is not None and cfg.spec.method == "eagle3"
+    if cfg.backend.trainer == "megatron" and (max(d.updates, d.replay, d.minibatches) > 1 or d.ema):
+        problems.append("the Megatron trainer updates its drafter once a step on the step's batch (an MTP head "
+                        "jointly with the policy, backend.megatron.mtp_*); drafter_train.updates, replay and "
+                        "minibatches > 1 and ema > 0 are the embedded trainer's: set them to 1 (ema to 0)")
+    if cfg.backend.trainer == "megatron" and d.drafts > 1 and not eagle3:
+        problems.append("the Megatron trainer trains an MTP head's first draft only (jointly with the policy); "
+                        "drafter_train.drafts > 1 unrolls an EAGLE-3 head (spec.method=eagle3): set it to 1")
     if d.extra_groups and cfg.backend.trainer != "embedded":
         problems.append("drafter_train.extra_groups feeds rows the policy does not train to the embedded trainer's "
                         "drafter: use it with backend.trainer=embedded (or set it to 0)")

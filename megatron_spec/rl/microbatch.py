@@ -26,15 +26,16 @@ def sequence_lengths(mask: Tensor) -> list[int]:
 
 
 def spread_rows(mask: Tensor, max_tokens: int) -> list[int]:
-    """Rows of a batch (generated-token mask [B, T]) whose generated tokens total at most `max_tokens`, taken in
-    the bit-reversed order of their index (0, B/2, B/4, 3B/4, ...) so that they spread over the batch's prompts
-    rather than fill the first groups; at least one row; every row when `max_tokens` is 0. Sorted."""
+    """Rows of a batch (generated-token mask [B, T]) whose used lengths (`sequence_lengths`: prompt and completion,
+    what a forward over them holds) total at most `max_tokens`, taken in the bit-reversed order of their index (0,
+    B/2, B/4, 3B/4, ...) so that they spread over the batch's prompts rather than fill the first groups; at least
+    one row; every row when `max_tokens` is 0. Sorted."""
     B = mask.shape[0]
     if max_tokens <= 0:
         return list(range(B))
     bits = max(B - 1, 1).bit_length()
     order = sorted(range(B), key=lambda i: int(format(i, f"0{bits}b")[::-1], 2))
-    tokens = mask.sum(1).tolist()
+    tokens = sequence_lengths(mask)
     taken, total = [], 0
     for i in order:
         if taken and total + tokens[i] > max_tokens:

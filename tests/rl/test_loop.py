@@ -178,9 +178,13 @@ def test_bad_input(ckpts, tmp_path, monkeypatch):
         cfg = small_cfg(ckpts, tmp_path / "e")
         cfg.backend.trainer = "megatron"
         setattr(cfg.drafter_train, field, value)
-        with pytest.raises(ValueError, match="drafts, updates, replay and minibatches > 1\n?.*are the embedded"):
+        with pytest.raises(ValueError, match="updates, replay and\n?.*minibatches > 1 and ema > 0 are the embedded"):
             loop.train(cfg)
         assert not (tmp_path / "e").exists()  # refused before anything is written
+    cfg = small_cfg(ckpts, tmp_path / "e")  # an MTP head (the small config's) trains its first draft only
+    cfg.backend.trainer, cfg.drafter_train.drafts = "megatron", 3
+    with pytest.raises(ValueError, match="drafter_train.drafts > 1 unrolls an EAGLE-3 head"):
+        loop.train(cfg)
     for name, change, message in (
             ("g", lambda c: setattr(c.backend, "trainer", "megatron"), "use it with backend.trainer=embedded"),
             ("h", lambda c: setattr(c.grpo, "drop_uniform_groups", False), "it leaves none out")):

@@ -37,9 +37,9 @@ def head_weights(weights: dict) -> dict:
     return {n: t for n, t in weights.items() if n.startswith("drafter.")}
 
 
-def embedded_run() -> dict:
+def embedded_run(**drafter) -> dict:
     model = our_model(cfg())
-    policy = EmbeddedPolicy(model, grpo(), SAMPLING, head(), "eagle3", drafter_cfg())
+    policy = EmbeddedPolicy(model, grpo(), SAMPLING, head(), "eagle3", drafter_cfg(**drafter))
     metrics, weights = [], []
     for b in batches(cfg()):
         b = with_policy_old(b, policy.logprobs(b))
@@ -55,8 +55,8 @@ def megatron_policy(par, with_head: bool = True, **kw):
                           eagle3=head() if with_head else None, drafter_cfg=drafter_cfg(**kw.pop("drafter", {})), **kw)
 
 
-def megatron_run(par, steps: int = STEPS) -> dict:
-    policy = megatron_policy(par)
+def megatron_run(par, steps: int = STEPS, **drafter) -> dict:
+    policy = megatron_policy(par, drafter=drafter)
     metrics, weights = [], []
     for b in batches(cfg(), steps):
         b = with_policy_old(b, policy.logprobs(b))
@@ -139,14 +139,19 @@ def budget_run(par) -> dict:
     return out
 
 
-BUDGET = 20
-"""Generated tokens the budget run's head trains on: fewer than the batch's (4 rows of up to 12 tokens)."""
+BUDGET = 24
+"""Positions the budget run's head trains on: fewer than the batch's (4 rows of up to 12 tokens)."""
 
 
 def one_rank(rank: int, world: int) -> dict:
     from megatron_spec.backends.megatron.checks import Parallelism
 
-    return {"tp1": megatron_run(Parallelism()), "grads": trunk_grads_run(), "budget": budget_run(Parallelism())}
+    return {"tp1": megatron_run(Parallelism()), "grads": trunk_grads_run(), "budget": budget_run(Parallelism()),
+            "tp1_drafts": megatron_run(Parallelism(), drafts=DRAFTS)}
+
+
+DRAFTS = 3
+"""Unrolled drafts of the head's update in the training-time-test comparison."""
 
 
 def two_ranks(rank: int, world: int) -> dict:

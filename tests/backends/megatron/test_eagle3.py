@@ -58,6 +58,19 @@ def test_tp1_eagle3_step_equals_the_embedded_trainer(one):
 
 
 @pytest.mark.megatron_dist
+def test_unrolled_drafts_train_as_the_embedded_trainer_does(one):
+    """`drafter_train.drafts=3` (EAGLE-3's training-time test: the head unrolled over its own states, every drafted
+    position trained): the head's loss, agreement and weights after each step equal the embedded trainer's unrolled
+    update, whose agreement has one entry per draft (one for the one-draft update)."""
+    ours, ref = one["tp1_drafts"], w.embedded_run(drafts=w.DRAFTS)
+    for step in range(w.STEPS):
+        same_head(ours["metrics"][step], ref["metrics"][step])
+        close_weights(w.head_weights(ours["weights"][step]), w.head_weights(ref["weights"][step]))
+    assert (len(ours["metrics"][0]["drafter_agreement"]), len(one["tp1"]["metrics"][0]["drafter_agreement"])) == \
+        (w.DRAFTS, 1)
+
+
+@pytest.mark.megatron_dist
 def test_the_head_leaves_the_trunk_gradients_bitwise_unchanged(one):
     g = one["grads"]
     assert sorted(g["eagle3"]["grads"]) == sorted(g["none"]["grads"])
@@ -111,7 +124,6 @@ def test_a_token_budget_sends_the_head_only_its_rows_and_draft_vocabulary(one, t
     batch = w.batches(w.cfg(), 1)[0]
     rows = spread_rows(batch.mask, w.BUDGET)
     assert r["budget"]["rows"] == rows and 0 < len(rows) < batch.mask.shape[0]
-    assert int(batch.mask[rows].sum()) <= w.BUDGET
     (full_layers, full_logits, full_ids, full_emb), (layers, logits, ids, emb) = r["all"]["got"], r["budget"]["got"]
     for i, h in layers.items():
         assert torch.equal(h, full_layers[i][rows])
@@ -124,17 +136,18 @@ def test_a_token_budget_sends_the_head_only_its_rows_and_draft_vocabulary(one, t
 
 
 def test_spread_rows_take_whole_rows_within_the_budget_in_bit_reversed_order():
-    """8 rows of 3 tokens: a budget of 12 takes 4 rows, 0, 4, 2, 6 (bit-reversed order), spread over the batch; a
-    budget below one row still takes row 0; 0 takes every row."""
+    """8 rows of 5 positions (2 prompt, 3 generated): a budget of 20 takes 4 rows, 0, 4, 2, 6 (bit-reversed order),
+    spread over the batch; a budget below one row still takes row 0; 0 takes every row; a row counts its used
+    length (up to its last generated token), so one that ends early costs less."""
     from megatron_spec.rl.microbatch import spread_rows
 
     mask = torch.zeros(8, 5, dtype=torch.bool)
     mask[:, 2:] = True
-    assert spread_rows(mask, 12) == [0, 2, 4, 6]
-    assert spread_rows(mask, 2) == [0]
+    assert spread_rows(mask, 20) == [0, 2, 4, 6]
+    assert spread_rows(mask, 4) == [0]
     assert spread_rows(mask, 0) == list(range(8))
-    mask[4, 2:] = False  # an empty row costs nothing: it is taken too
-    assert spread_rows(mask, 9) == [0, 2, 4, 6]
+    mask[4, 3:] = False  # row 4 uses 3 positions: 5 + 3 + 5 fit in 13, and 5 + 3 + 5 + 5 = 18 in 18
+    assert spread_rows(mask, 13) == [0, 2, 4] and spread_rows(mask, 18) == [0, 2, 4, 6]
 
 
 def test_sequence_parallel_slices_assemble_to_the_whole_states():
