@@ -116,9 +116,13 @@ class Audit:
                          + ("fake-tensor params, the rest analytic" if FAKE in r.sources.values() else
                             "analytic" if r.sources else "-"))
         for kind, b in self.nodes.items():
-            lines.append(f"host memory of a {kind} node: {b / GB:.0f} GB of {HOST_MEMORY_BYTES / GB:.0f} GB")
+            lines.append(f"host memory of {_node(kind)}: {b / GB:.0f} GB of {HOST_MEMORY_BYTES / GB:.0f} GB")
         lines.append("fits" if self.fits else "does not fit:\n  - " + "\n  - ".join(self.problems))
         return "\n".join(lines)
+
+
+def _node(kind: str) -> str:
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} node"
 
 
 def _group(part: str) -> str:
@@ -445,7 +449,7 @@ def audit(cfg, layout: dict, model: ModelConfig, *, prompt_tokens: int, gpu: str
         nodes["engine"] = per_engine_node * engine_actor_host + gpus_per_node * PROCESS_OVERHEAD_BYTES
     for kind, b in nodes.items():
         if b > HOST_MEMORY_BYTES:
-            problems.append(f"host memory of a {kind} node: {b / GB:.0f} GB > {HOST_MEMORY_BYTES / GB:.0f} GB "
+            problems.append(f"host memory of {_node(kind)}: {b / GB:.0f} GB > {HOST_MEMORY_BYTES / GB:.0f} GB "
                             "(processes that load the whole policy in float32): load each rank's slices from the "
                             "files in the served dtype")
     return Audit(ranks, problems, nodes)

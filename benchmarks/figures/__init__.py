@@ -3,12 +3,12 @@ section of the results page (`benchmarks/claims.py --check` checks them both way
 
 from .base import PAGES, Figure, Given
 from . import main_job
-from . import at_scale, data, engine, gpu
+from . import at_scale, audit, data, engine, gpu
 from . import simulator
 
-FIGURES: list[Figure] = [*main_job.FIGURES, *engine.FIGURES, *gpu.FIGURES, *at_scale.FIGURES, *data.FIGURES,
+FIGURES: list[Figure] = [*main_job.FIGURES, *engine.FIGURES, *gpu.FIGURES, *at_scale.FIGURES, *audit.FIGURES, *data.FIGURES,
                          *simulator.FIGURES]
-GIVEN: list[Given] = [*main_job.GIVEN, *engine.GIVEN, *gpu.GIVEN, *at_scale.GIVEN, *data.GIVEN,
+GIVEN: list[Given] = [*main_job.GIVEN, *engine.GIVEN, *gpu.GIVEN, *at_scale.GIVEN, *audit.GIVEN, *data.GIVEN,
                       *simulator.GIVEN]
 
 __all__ = ["FIGURES", "GIVEN", "PAGES", "Figure", "Given"]
