@@ -41,6 +41,8 @@ def build_executor(plan: dict):
         tunnel=tunnel,
         # A Ray node process owns every GPU of its node; SLURM must not hand the node to another job.
         exclusive=True if plan["executor"] == "ray-slurm" else None,
+        # and the CPUs the plan gives it (None: SLURM's default for the step)
+        cpus_per_task=(plan.get("ray") or {}).get("cpus_per_task"),
         # NeMo-Run's script runs its step in the foreground, so no trap there could pass a batch-shell signal on:
         # SIGUSR1 goes to the step's processes instead (`submit` execs the recipe, so the loop is the step's task).
         signal=nemo_run_signal(plan),

@@ -299,3 +299,14 @@ def test_the_templates_own_defaults_are_the_plans():
     text = (ROOT / "slurm" / "ray.sub").read_text()
     for name, value in ray_defaults().items():
         assert f"\n{name}=${{{name}:-{value}}}" in text, name
+
+
+def test_nemo_run_executor_of_a_ray_plan_asks_for_its_cpus():
+    """The NeMo-Run SlurmExecutor built from a ray-slurm plan (for experiments composed by hand) carries the plan's
+    CPUs per task and exclusive nodes; a plain SLURM plan leaves the CPUs to SLURM."""
+    pytest.importorskip("nemo_run")
+    import launchers
+
+    ray = launchers.ray_slurm_executor("A", "batch", 2, 4, "00:10:00", None, cpus_per_task=12)
+    assert (ray.cpus_per_task, ray.exclusive, ray.nodes, ray.ntasks_per_node) == (12, True, 2, 1)
+    assert launchers.slurm_executor("A", "batch", 1, 1, "00:10:00", None).cpus_per_task is None
