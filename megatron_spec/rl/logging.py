@@ -7,7 +7,8 @@ Per RL step, `StepLogger.log(metrics)`:
   - prints one compact line: step, stage times, tokens/s, acceptance length, reward, accuracy, loss.
 
 `read_metrics(run_dir)` reads the file back. A process killed mid-write leaves a truncated last line, which is
-ignored; a resumed run re-logs the steps after its checkpoint, and the last record of a step wins.
+ignored; a resumed run first removes the records of the steps after its checkpoint (it re-runs them), so the file
+holds each step once.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class StepLogger:
         self._bar = None
         path = self.run_dir / METRICS_FILE
         _drop_partial_line(path)
+        if purge_step is not None:
+            _drop_steps_from(path, purge_step)
         self._file = open(path, "a", encoding="utf-8")
         loggers = tuple(loggers) if loggers is not None else (("tensorboard",) if tensorboard else ())
         check_loggers(loggers)
@@ -312,6 +315,28 @@ def _drop_partial_line(path: Path) -> None:
         if data.endswith(b"\n"):
             return
         f.truncate(data.rfind(b"\n") + 1)
+
+
+def _drop_steps_from(path: Path, step: int) -> None:
+    """Remove the records of `step` and later (a run resumed from an earlier checkpoint re-runs them), so the file
+    holds each step once; rewritten beside and moved into place, so a crash here leaves the old file whole."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if _step_of(line) is None or _step_of(line) < step]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return int(record["step"]) if isinstance(record, dict) and "step" in record else None
 
 
 def _note_once(msg: str) -> None:

@@ -433,8 +433,9 @@ def _run(cfg: RLConfig, make_trainer, stop: StopRequest, clock) -> dict:
         print(f"resumed from {run_dir}/checkpoints (step {saved['step']})")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    # a resumed run re-runs the steps after its checkpoint: their earlier records (TensorBoard's too) go
     logger = StepLogger(run_dir, cfg.run.steps, loggers=cfg.run.loggers, config=dataclasses.asdict(cfg),
-                        project=cfg.run.logger_project)
+                        project=cfg.run.logger_project, purge_step=start if saved is not None else None)
     nan_streak, metrics = 0, {}
     save_clock = SaveClock(cfg.run.save_every_s, clock)
     checkpoint.clear_interrupted(run_dir)

@@ -56,6 +56,19 @@ def test_resume_after_crash_appends_cleanly_and_last_record_wins(tmp_path):
     assert back[1]["reward_mean"] == 0.9
 
 
+def test_a_resumed_run_leaves_each_step_in_the_file_once(tmp_path):
+    """Resumed from step 0's checkpoint after steps 1-2 were logged (a job killed after a later save was lost): the
+    logger opened with purge_step=1 drops their records, so the raw file, not only `read_metrics`, holds each step
+    once, the re-run ones as re-run."""
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(_metrics(s)) + "\n" for s in range(3)))
+    with StepLogger(tmp_path, 3, tensorboard=False, stream=io.StringIO(), purge_step=1) as log:
+        log.log(_metrics(1, reward_mean=0.9))
+        log.log(_metrics(2, reward_mean=0.8))
+    raw = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["step"], m["reward_mean"]) for m in raw] == [(0, _metrics(0)["reward_mean"]), (1, 0.9), (2, 0.8)]
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
 def test_corrupt_middle_line_warns(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps(_metrics(0)) + "\n{oops\n" + json.dumps(_metrics(1)) + "\n")
     with pytest.warns(UserWarning, match="metrics.jsonl:2"):
