@@ -321,6 +321,14 @@ def eagle3_head_bytes(cfg, model: ModelConfig, rollouts: int, prompt_tokens: int
     return captured, int(2 * captured + micro * d.drafts * per_token)
 
 
+def save_host_bytes(cfg, n: int, act: int) -> int:
+    """Host memory a trainer rank holding `n` parameters takes while it saves (`backends/megatron/checkpoint.py`):
+    the fp32 masters and both Adam moments of its model-parallel part (12 B a parameter; the distributed optimizer's
+    reshardable form gathers them over data parallelism, the torch optimizer's live there already on a CPU but are
+    copied off a GPU), and with `run.async_save` a copy of its weights (`act` B) for the background writer."""
+    return n * (12 + (act if cfg.run.async_save else 0))
+
+
 def micro_batch_tokens(cfg, prompt_tokens: int) -> int:
     """Tokens of the recipe's largest micro-batch: as many rows of the longest rollout (prompt plus
     `grpo.max_tokens`) as `grpo.micro_batch_tokens` allows, at least one (`backends/megatron/step.plan`)."""
@@ -406,7 +414,13 @@ def audit(cfg, layout: dict, model: ModelConfig, *, prompt_tokens: int, gpu: str
             parts["runtime"], src["runtime"] = CPU_PROCESS_BYTES, MEASURED
         else:
             parts["runtime"], src["runtime"] = DEVICE_RUNTIME_BYTES, ANALYTIC
-        host = PROCESS_OVERHEAD_BYTES
+        save = save_host_bytes(cfg, n, act)
+        if gpu == "cpu":  # the save's host copies are the rank's own resident memory
+            if cfg.run.async_save:
+                parts["save"], src["save"] = save, ANALYTIC
+            host = 0
+        else:
+            host = PROCESS_OVERHEAD_BYTES + save
         ranks.append(RankAudit(f"trainer stage {s} ({st['layers']} layers)", split.train_gpus // split.pp, parts,
                                src, limit, host, note=why, parameters=n))
     if gpu == "cpu":  # a CPU run's trainer ranks: their resident memory is what the audit counts
@@ -414,7 +428,7 @@ def audit(cfg, layout: dict, model: ModelConfig, *, prompt_tokens: int, gpu: str
     # a process that loads the whole policy holds it in float32 on the host (`backends/ray/workers._build`)
     total = model_params(model)
     whole = total * 4
-    trainer0_host = PROCESS_OVERHEAD_BYTES + (whole if loads_whole_policy(cfg, "policy") else 0)
+    rank0_policy = whole if loads_whole_policy(cfg, "policy") else 0  # on top of what rank 0 holds as a rank
 
     # engines: weights at the served dtype over TP, the drafter, workspace and logits, KV cache in what is left
     kv_per_token = 2 * model.num_hidden_layers * math.ceil(model.num_key_value_heads / engine_tp) * model.head_dim * 2
@@ -441,8 +455,8 @@ def audit(cfg, layout: dict, model: ModelConfig, *, prompt_tokens: int, gpu: str
             problems.append(_device_problem(r, cfg, split, model))
     # nodes: the trainer's first node (rank 0's float32 policy, the driver) and an engine node (its actor's copy)
     per_engine_node = max(gpus_per_node // engine_tp, 1) if engine_tp <= gpus_per_node else 1
-    nodes = {"trainer rank 0's": trainer0_host + (gpus_per_node - 1) * PROCESS_OVERHEAD_BYTES
-             + PROCESS_OVERHEAD_BYTES}
+    trainer_host = max(r.host_bytes for r in ranks if r.kind.startswith("trainer"))  # a rank saving its shards
+    nodes = {"trainer rank 0's": gpus_per_node * trainer_host + rank0_policy + PROCESS_OVERHEAD_BYTES}  # + driver
     if colocated:
         nodes["trainer rank 0's"] += per_engine_node * engine_actor_host + gpus_per_node * PROCESS_OVERHEAD_BYTES
     else:

@@ -150,13 +150,22 @@ def test_the_235b_recipe_fits_80gb_and_its_earlier_layout_does_not():
     assert stale.problems and all("colocate trainer and engines" in p for p in stale.problems)
 
 
-@pytest.mark.parametrize("generator, trainer0_gb, engine_gb", [("vllm", 0, 0), ("embedded", 0, 940)])
-def test_host_memory_counts_only_processes_that_load_the_whole_policy(generator, trainer0_gb, engine_gb):
+def test_host_memory_counts_the_saves_and_only_processes_that_load_the_whole_policy():
     """With the Megatron trainer no trainer rank loads the policy, and vLLM engines start from the files; our engine
-    (not sharded) loads it in float32 in each engine actor: 235.1 B x 4 bytes, about 940 GB a process."""
-    cfg = apply_overrides(r235.qwen3_235b_grpo_spec(), [f"backend.generator={generator}"])
-    found = audit(cfg, r235.SCALE.layout(cfg), preset("qwen3-235b-a22b"), prompt_tokens=1024)
-    overhead = found.ranks[-1].host_bytes  # the driver: a process's overhead only
-    per_node = {kind: round((b - 9 * overhead) / 1e9, -1) for kind, b in found.nodes.items()}
-    assert per_node["trainer rank 0's"] == trainer0_gb
-    assert per_node["engine"] == engine_gb
+    (not sharded) loads it in float32 in each engine actor: 235.1 B x 4 bytes, about 940 GB more an engine node. A
+    trainer node holds, for each of its 8 ranks while it saves, the fp32 masters and moments of its part (12 B a
+    parameter) and, with background saves, a copy of its bf16 weights (2 B): the largest stage's 4.37 B parameters x
+    14 B, about 61 GB a rank; and the driver."""
+    from launchers.audit import PROCESS_OVERHEAD_BYTES
+
+    found = {}
+    for generator in ("vllm", "embedded"):
+        cfg = apply_overrides(r235.qwen3_235b_grpo_spec(), [f"backend.generator={generator}"])
+        found[generator] = audit(cfg, r235.SCALE.layout(cfg), preset("qwen3-235b-a22b"), prompt_tokens=1024).nodes
+    assert round((found["embedded"]["engine"] - found["vllm"]["engine"]) / 1e9, -1) == 940
+    trainer = found["vllm"]["trainer rank 0's"]
+    assert trainer == found["embedded"]["trainer rank 0's"]
+    stage = max(r.parameters for r in audit(r235.qwen3_235b_grpo_spec(), r235.SCALE.layout(
+        r235.qwen3_235b_grpo_spec()), preset("qwen3-235b-a22b"), prompt_tokens=1024).ranks if r.parameters)
+    assert trainer == 8 * (PROCESS_OVERHEAD_BYTES + stage * 14) + PROCESS_OVERHEAD_BYTES
+    assert 4.3e9 < stage < 4.4e9

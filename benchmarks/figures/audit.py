@@ -53,9 +53,9 @@ FIGURES: list[Figure] = [
     Figure(R, "82.0 of 85.5 GB", AUDIT_235B, lambda _: trainer(AUDIT_235B)),
     Figure(R, "last stage 80.3 GB", AUDIT_235B, lambda _: head_stage(AUDIT_235B)),
     Figure(R, "72.7 of 72.7 GB (weights 58.8 GB)", AUDIT_235B, lambda _: engine(AUDIT_235B)),
-    Figure(R, "39 GB a node", AUDIT_235B, lambda _: host(AUDIT_235B)),
+    Figure(R, "528 GB a node", AUDIT_235B, lambda _: host(AUDIT_235B)),
     Figure(R, "76.8 of 85.5 GB", AUDIT_8B, lambda _: trainer(AUDIT_8B)),
     Figure(R, "42.8 of 42.8 GB (weights 16.4 GB)", AUDIT_8B, lambda _: engine(AUDIT_8B)),
-    Figure(R, "107 GB a node", AUDIT_8B, lambda _: host(AUDIT_8B)),
+    Figure(R, "566 GB a node", AUDIT_8B, lambda _: host(AUDIT_8B)),
 ]
 GIVEN: list = []
