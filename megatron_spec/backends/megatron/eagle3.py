@@ -267,7 +267,7 @@ class Eagle3Online:
             metrics = box[0]
         return metrics
 
-    def _share(self, with_optimizer: bool = False) -> dict | None:
+    def share(self, with_optimizer: bool = False) -> dict | None:
         """The head's weights from the head rank to every rank (a broadcast of the head, small next to what the
         gather moves), so every rank exports and checkpoints the head it trained; with `with_optimizer`, also its
         optimizer's state, returned. Collective."""
@@ -283,16 +283,17 @@ class Eagle3Online:
             opt = box[0]
         return opt
 
-    def export(self):
-        """The head's tensors under `drafter.` (as the embedded trainer's refit stream carries them). Collective:
-        every rank drains it."""
-        self._share()
+    def export(self, share: bool = True):
+        """The head's tensors under `drafter.` (as the embedded trainer's refit stream carries them). With `share`
+        collective (every rank drains it); without, the caller has `share`d the head on every rank already."""
+        if share:
+            self.share()
         for name, t in self.head.state_dict().items():
             yield DRAFTER_PREFIX + name, t.detach()
 
     def state_dict(self) -> dict:
         """The head and its optimizer's state. Collective."""
-        opt = self._share(with_optimizer=True)
+        opt = self.share(with_optimizer=True)
         state = {"head": {n: t.detach().cpu().clone() for n, t in self.head.state_dict().items()}}
         if opt is not None:
             state["opt"] = opt

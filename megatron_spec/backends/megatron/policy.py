@@ -476,9 +476,10 @@ class MegatronPolicy(ShardedCheckpoints):
         stream = refit_buckets(self.model, bucket_bytes, dtype_of(dtype) if dtype else None)
         yield from self._for_engines((item for bucket in stream for item in bucket), eagle3=True)
 
-    def _for_engines(self, items, eagle3: bool):
+    def _for_engines(self, items, eagle3: bool, shared: bool = False):
         """The engines' names: MTP layers as the drafter (`drafter.mtp.*`, dropped without one), then, when
-        `eagle3`, the EAGLE-3 head (replicated on every rank: nothing to gather)."""
+        `eagle3`, the EAGLE-3 head (broadcast from the rank that trains it as the stream reaches it, a collective
+        every rank's stream makes; `shared`: broadcast already, before any stream started)."""
         for name, t in items:
             if is_mtp(name):
                 if not self.has_drafter:
@@ -486,7 +487,7 @@ class MegatronPolicy(ShardedCheckpoints):
                 name = DRAFTER_PREFIX + name
             yield name, t
         if eagle3 and self.eagle3:
-            yield from self.eagle3.export()
+            yield from self.eagle3.export(share=not shared)
 
     def join_weights(self, host: str, port: int, world: int, timeout_s: float, backend: str, senders: int) -> None:
         """Join the weight-update group at `host:port` (rank 0 hosts it) as one sender per pipeline stage, the
@@ -509,9 +510,12 @@ class MegatronPolicy(ShardedCheckpoints):
         group = getattr(self, "weight_group", None)
         if group is None and dist.get_rank() == 0:
             raise RuntimeError("send_weights before join_weights: the weight-update group is not formed")
+        if self.eagle3:  # shared on every rank first: a stage's sender blocked on it mid-stream would hold its
+            self.eagle3.share()  # receivers, and they the other stages' senders
         named = self._for_engines((item for bucket in stream for item in bucket), eagle3=group is not None and
-                                  group.rank == 0)
+                                  group.rank == 0, shared=True)
         return send_stages(group, named, received, bucket_bytes, cast)
+
 
 def _group_params(sub, mtp: bool) -> list:
     """The main parameters of one Megatron sub-optimizer's MTP groups (`mtp`) or policy groups (the MTP groups are

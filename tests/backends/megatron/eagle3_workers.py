@@ -139,6 +139,44 @@ def budget_run(par) -> dict:
     return out
 
 
+def refit_run(par) -> dict:
+    """After one train step, a refit through the policy's own join_weights / send_weights into a weight-update group
+    whose one receiver is a thread of rank 0's process: every stage's first rank sends; the EAGLE-3 head (trained on
+    the last stage's first rank) travels in stage 0's stream, shared with every rank first. Returns the received
+    head tensors (rank 0) and this rank's head after the step."""
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron_spec.backends.process_groups import free_port
+    from megatron_spec.backends.weight_group import open_weight_group
+
+    policy = megatron_policy(par)
+    batch = batches(cfg(), 1)[0]
+    policy.train_step(with_policy_old(batch, policy.logprobs(batch)))
+    port = [free_port() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    senders = par.pp
+    got, box = {}, {}
+
+    def receiver():
+        try:
+            member = open_weight_group("127.0.0.1", port[0], senders, senders + 1, 120, "gloo", senders=senders)
+            got.update({n: t.clone() for b in member.receive() for n, t in b})
+        except BaseException as err:  # reported, not lost in the thread
+            box["error"] = repr(err)
+
+    thread = threading.Thread(target=receiver) if dist.get_rank() == 0 else None
+    if thread is not None:
+        thread.start()
+    policy.join_weights("127.0.0.1", port[0], senders + 1, 120, "gloo", senders)
+    policy.send_weights(1 << 16, "float32")
+    if thread is not None:
+        thread.join(120)
+    head = {n: t.detach().clone() for n, t in policy.eagle3.head.state_dict().items()}
+    return {"head": head, "received": {n: t for n, t in got.items() if n.startswith("drafter.")}, **box}
+
+
 BUDGET = 24
 """Positions the budget run's head trains on: fewer than the batch's (4 rows of up to 12 tokens)."""
 
@@ -159,4 +197,4 @@ def two_ranks(rank: int, world: int) -> dict:
 
     return {"tp2": megatron_run(Parallelism(tp=2)), "pp2": megatron_run(Parallelism(pp=2)),
             "gather_tp2": gather_run(Parallelism(tp=2)), "gather_pp2": gather_run(Parallelism(pp=2)),
-            "budget_pp2": budget_run(Parallelism(pp=2))}
+            "budget_pp2": budget_run(Parallelism(pp=2)), "refit_pp2": refit_run(Parallelism(pp=2))}

@@ -150,6 +150,17 @@ def test_spread_rows_take_whole_rows_within_the_budget_in_bit_reversed_order():
     assert spread_rows(mask, 13) == [0, 2, 4] and spread_rows(mask, 18) == [0, 2, 4, 6]
 
 
+@pytest.mark.megatron_dist
+def test_a_refit_from_every_stage_carries_the_trained_head(two):
+    """PP2: stage 0's sender (rank 0) streams the head, which the last stage's rank trains; every rank takes part
+    in sharing it (a broadcast all ranks drain, senders or not), so the refit completes and the receiver gets the
+    head as its rank holds it after the step."""
+    assert "error" not in two[0]["refit_pp2"], two[0]["refit_pp2"].get("error")
+    received, head = two[0]["refit_pp2"]["received"], two[1]["refit_pp2"]["head"]
+    assert sorted(received) == sorted(f"drafter.{n}" for n in head)
+    assert all(torch.equal(received[f"drafter.{n}"], t) for n, t in head.items())
+
+
 def test_sequence_parallel_slices_assemble_to_the_whole_states():
     """Under sequence parallelism each TP rank holds its own slice of positions of a fused layer's states and sends
     that slice with its start; `assemble` puts two ranks' slices where the whole states (as one rank without SP
