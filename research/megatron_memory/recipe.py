@@ -17,7 +17,10 @@ def megatron_memory() -> RLConfig:
         model=ModelSection(policy=os.environ["MM_POLICY"], task="tiny"),
         grpo=GRPOSection(prompts_per_step=2, group_size=2, max_tokens=8),
         spec=None,
-        run=RunSection(steps=2, out_dir=os.environ["MM_OUT"], save_every=1, eval_every=0, report=False, threads=2),
+        # saves in the foreground: a background save's host copy of every rank's state would not fit this 24 GB
+        # machine beside 4 ranks and the generator (the memory audit counts that copy where it is on)
+        run=RunSection(steps=2, out_dir=os.environ["MM_OUT"], save_every=1, eval_every=0, report=False, threads=2,
+                       async_save=False),
         backend=BackendSection(trainer="megatron", megatron=MegatronSection(ep=2, pp=2)),
     )
 
