@@ -296,6 +296,9 @@ class VLLMGenerator:
             joining.join()
             if "error" in box:
                 raise box["error"]
+            # Headers with every refit: a caller may send another set of tensors than the first refit did (a policy-
+            # only refit after a full one), which a layout kept from the first refit (PACKED) cannot carry.
+            group.packs = False
             self.local_group, self.served_dtype = group, dtype_of(box["value"])
         box = {}
         receiving = threading.Thread(target=self._call, args=(box, self.receive_weights))
