@@ -323,7 +323,7 @@ def _drop_steps_from(path: Path, step: int) -> None:
     if not path.is_file():
         return
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [line for line in lines if _step_of(line) is None or _step_of(line) < step]
+    kept = [line for line in lines if (at := _step_of(line)) is None or at < step]
     if len(kept) == len(lines):
         return
     tmp = path.with_name(path.name + ".tmp")
