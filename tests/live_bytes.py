@@ -15,8 +15,8 @@ in the tensors it is given). A block whose last reference another thread drops i
 worker thread lets go of a collective's tensors just after the caller's `wait()` returns, so a buffer the caller
 drops at once (the weight group's payload at the end of a send, a pooled gather buffer replaced by a larger one)
 may be freed there, and would count as live until its address is handed out again. `gloo_lets_go` closes that
-gap: the caller of each broadcast goes on only once gloo holds none of its tensors, so every free is the
-caller's, and recorded.
+gap: the caller of each broadcast (and all-reduce: the weight group's opening mark) goes on only once gloo holds
+none of its tensors, so every free is the caller's, and recorded.
 """
 
 from __future__ import annotations
@@ -96,8 +96,8 @@ def tally(events: list[tuple[int, int, int]]) -> LiveBytes:
 
 @contextmanager
 def gloo_lets_go(*holders):
-    """Inside the block, `torch.distributed.broadcast` and the `broadcast` of each holder's process group (`.pg`:
-    a weight group's) return only once no other thread holds a reference to the tensors they were given (their
+    """Inside the block, `torch.distributed.broadcast` and the `broadcast` and `allreduce` of each holder's process
+    group (`.pg`: a weight group's) return only once no other thread holds a reference to the tensors they were given (their
     use counts are back to what they were before the call). Changes what runs when, never what is allocated."""
     import torch.distributed as dist
 
@@ -124,6 +124,10 @@ def gloo_lets_go(*holders):
         def broadcast(self, tensors, *args):
             counts = [t._use_count() for t in tensors]
             return Work(self.pg.broadcast(tensors, *args), tensors, counts)
+
+        def allreduce(self, tensors, *args):  # the weight group's opening mark, a 16-byte tensor
+            counts = [t._use_count() for t in tensors]
+            return Work(self.pg.allreduce(tensors, *args), tensors, counts)
 
         def __getattr__(self, name):  # the group's other collectives, unchanged
             return getattr(self.pg, name)
