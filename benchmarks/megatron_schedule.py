@@ -19,7 +19,6 @@ are longer by however long the ranks wait for a core.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_spec.bench.common import machine  # noqa: E402
+from megatron_spec.bench.common import emit, machine  # noqa: E402
 from megatron_spec.models import from_pretrained  # noqa: E402
 from megatron_spec.rl.config import GRPOSection  # noqa: E402
 from megatron_spec.rl.policy import Batch  # noqa: E402
@@ -136,12 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
                                    "error": pred / pp2[path]["min_s"] - 1,
                                    "bubble_factor": bubble_factor(m, 2, calls=calls)}
     result["load_average_after"] = os.getloadavg()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,15 @@ def write_json(path: str | os.PathLike, payload: dict) -> Path:
     return path
 
 
+def emit(record: dict, out: str | os.PathLike | None) -> dict:
+    """A benchmark's record printed, and written to `out` when given (its JSON record); returns it."""
+    text = json.dumps(record, indent=2)
+    print(text)
+    if out:
+        write_json(out, record)
+    return record
+
+
 def drafter_checkpoint(target: str, method: str, draft_model: str) -> Path | None:
     """Where the trained drafter for `method` lives: the draft model given, or the head that `train-drafter` saved
     beside the target as `<target>-<method>` (beside `checkpoints/` for a preset name such as smollm2-135m).

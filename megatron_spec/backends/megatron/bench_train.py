@@ -11,13 +11,13 @@ warm-up, `--threads` torch threads per process. Times are wall-clock seconds of 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
 
 import torch
 
+from megatron_spec.bench.common import emit
 from megatron_spec.models import from_pretrained, load_drafter
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
 from megatron_spec.rl.policy import Batch, EmbeddedPolicy
@@ -83,12 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         result[name] = {"median_s": statistics.median(times), "times_s": times}
     result["ratio_megatron_ep1_to_embedded"] = result["megatron_ep1"]["median_s"] / result["embedded"]["median_s"]
     result["ratio_megatron_ep2_to_embedded"] = result["megatron_ep2"]["median_s"] / result["embedded"]["median_s"]
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":
