@@ -5,6 +5,10 @@ A decode step and a verify step are the same thing: feed each sequence its last 
 plain decoding), then let verification decide how many drafts stand. With no drafts that is exactly plain
 sampling from p, so one code path serves both; and since every output position's token is drawn with that
 position's own uniform, a seed gives the same tokens with speculation as without (deterministic drafters).
+
+New weights may arrive between two steps of a running generation (`refit`, in-flight RL updates): the running
+sequences' keys and values are then computed again under them, so every later token is sampled, and every draft
+verified, by exactly the new policy, and each token's policy version is recorded in its completion.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ..spec.registry import build_proposer
 from ..spec.sampling import PositionUniforms, UniformStreams, position_uniforms, processed_logprobs, uniforms
 from ..spec.verify import Verdict, emitted_logprobs, verify_coupled, verify_greedy, verify_sampled
 from ..models.kv_cache import KVCache
+from .inflight import RefitHandoff
 from .params import Completion, SamplingParams
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -46,6 +51,10 @@ class LLMEngine:
         """The previous step drafted. Only then is the drafter caught up: after a plain or prefill step an MTP /
         EAGLE-3 head or a draft model first runs over the positions it missed, which is not what drafting costs."""
         self.cache: KVCache | None = None
+        self.version = 0
+        """The policy version of the weights in place (set by `refit`); each emitted token is recorded with it."""
+        self.refits = RefitHandoff()
+        """Where another thread hands a refit in while this engine generates (`RefitHandoff.refit`)."""
 
     # -- the loop -------------------------------------------------------------------------------------------
     def step(self) -> None:
@@ -69,11 +78,52 @@ class LLMEngine:
             self.time_step(len(seqs), logits.shape[1] - 1, after_drafting, started)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        seqs = self.start(prompts, params)
-        with torch.inference_mode(), weights_fixed():
+        with self.refits.generating_in(self), torch.inference_mode():
+            seqs = self.start(prompts, params)
             while not self.scheduler.is_finished():
-                self.step()
+                with weights_fixed():  # left for a refit: the weights' packed forms are checked again after it
+                    while not self.scheduler.is_finished() and not self.refits.due:
+                        self.step()
+                self.refits.take(self)
         return [self.completion(s) for s in seqs]
+
+    # -- in-flight refits -----------------------------------------------------------------------------------
+    def refit(self, load, version: int):
+        """Between two steps (or with no generation running): `load()` new weights (policy and drafter together),
+        record them as `version`, and compute the running sequences' keys and values again under them, with the
+        drafter's state, so the next token is sampled and every next draft made and verified by the new policy
+        alone (a token's log-prob is then exactly the new policy's given the prefix). Returns what `load` did."""
+        with torch.inference_mode(False):
+            loaded = load()
+        self.version = version
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is None or scheduler.is_finished():
+            return loaded
+        for seq in self.seqs:
+            if not seq.output:  # not started: all of its tokens will be the new version's
+                seq.versions = [(0, version)]
+            elif seq.finish_reason is None:
+                seq.versions.append((len(seq.output), version))
+        with torch.inference_mode():
+            self.recompute(scheduler.running)
+        return loaded
+
+    def recompute(self, running: list[Sequence]) -> None:
+        """Each running sequence's keys and values again, over all its tokens but the last (which the next step
+        feeds), in forwards of at most `max_prefill_tokens`; the drafter starts over on them as after a prefill."""
+        self.proposer.start(self.seqs, self.params, self.max_len, self.cache.num_slots)
+        self.drafted_last = False
+        batch: list[Sequence] = []
+        for seq in sorted(running, key=lambda s: s.slot) + [None]:
+            if batch and (seq is None or max(s.length for s in batch + [seq]) * (len(batch) + 1)
+                          > self.max_prefill_tokens):
+                for s in batch:
+                    s.num_cached = 0
+                out = self.runner.forward(batch, [s.tokens[:-1] for s in batch])
+                self.proposer.observe(batch, out, [0] * len(batch), [s.length - 1 for s in batch])
+                batch = []
+            if seq is not None:
+                batch.append(seq)
 
     # -- speculation ----------------------------------------------------------------------------------------
     def time_step(self, batch: int, k: int, after_drafting: bool, started: float) -> None:
@@ -147,7 +197,7 @@ class LLMEngine:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         context = self.model.config.max_position_embeddings
         # Drafts are written past a sequence's end before verification, hence k_max + 1 spare positions.
-        max_len = min(context, max(len(p) for p in prompts) + params.max_tokens) + self.k_max + 1
+        max_len = self.max_len = min(context, max(len(p) for p in prompts) + params.max_tokens) + self.k_max + 1
         num_slots = min(len(prompts), self.max_num_seqs)
         self.ensure_cache(num_slots, max_len)
         self.scheduler = Scheduler(self.cache, self.max_num_seqs, self.max_prefill_tokens)
@@ -159,10 +209,11 @@ class LLMEngine:
         stream = UniformStreams([torch.Generator().manual_seed(draw_seed(key)) for key in keys])
         for i, (prompt, gen) in enumerate(zip(prompts, generators)):
             seq = Sequence(i, list(prompt), min(params.max_tokens, context - len(prompt)), gen, stream=stream,
-                           stream_row=i, positions=positions, positions_row=i)
+                           stream_row=i, positions=positions, positions_row=i, versions=[(0, self.version)])
             self.scheduler.add(seq)
             seqs.append(seq)
         self.proposer.start(seqs, params, max_len, self.cache.num_slots)
+        self.seqs = seqs
         return seqs
 
     def validate(self, prompts: list[list[int]]) -> None:
@@ -206,4 +257,11 @@ class LLMEngine:
         if seq.verify_steps:
             spec = {"drafted": seq.drafted, "accepted": sum(seq.accepted_per_pos), "verify_steps": seq.verify_steps,
                     "accepted_per_pos": seq.accepted_per_pos, "drafted_per_pos": seq.drafted_per_pos}
-        return Completion(seq.output, seq.logprobs, seq.finish_reason, len(seq.prompt), spec)
+        return Completion(seq.output, seq.logprobs, seq.finish_reason, len(seq.prompt), spec,
+                          versions=token_versions(seq.versions, len(seq.output)))
+
+
+def token_versions(starts: list[tuple[int, int]], n: int) -> list[int]:
+    """The policy version of each of n output tokens, from (first output index, version) pairs in order."""
+    ends = [first for first, _ in starts[1:]] + [n]
+    return [version for (first, version), end in zip(starts, ends) for _ in range(first, min(end, n))]

@@ -47,3 +47,6 @@ class Completion:
     """Number of prompt tokens."""
     spec: dict = field(default_factory=dict)
     """Speculation statistics of this completion (drafted, accepted, per position); empty without speculation."""
+    versions: list[int] = field(default_factory=list)
+    """The policy version of the weights that sampled each generated token (in-flight refits switch versions
+    between two tokens; a rollout may then span several); empty where the generator does not record it."""

@@ -58,6 +58,9 @@ class Sequence:
     else a table of its own, made on first use)."""
     positions_row: int = 0
     """This sequence's row in `positions`."""
+    versions: list[tuple[int, int]] = field(default_factory=list)
+    """(first output index, policy version) each time the weights that sample its tokens changed (`LLMEngine.refit`
+    between two steps); the first entry is its start's."""
 
     def uniforms(self, n: int) -> list[float]:
         """The next n uniforms in [0, 1) of this sequence's in-order stream (`UniformStreams`)."""
