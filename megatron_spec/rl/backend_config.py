@@ -183,6 +183,10 @@ class BackendSection:
     corrected by truncated importance sampling (`is_clip`)."""
     is_clip: float = 2.0
     """Truncation of the importance ratio old-policy / behaviour policy used with `async_lag > 0`."""
+    in_flight_updates: bool = False
+    """With `async_lag` >= 1, engines take each refit between two decoding steps of the generation they are running
+    (their running rollouts continue under the new weights, each token's policy version recorded) instead of after
+    it, so the trainer never waits for queued generation. Our engine (`generator=embedded`) only."""
     init_timeout_s: float = 1800.0
     """How long process groups (the trainer's, the weight-update group) wait for all their ranks at start-up,
     and for each later collective: long enough to cover model loading, since followers wait while rank 0 loads, and
@@ -213,6 +217,13 @@ class BackendSection:
                              "(generators run ahead of the trainer in their own workers)")
         if self.is_clip < 1:
             raise ValueError(f"backend.is_clip must be >= 1, got {self.is_clip}")
+        if self.in_flight_updates and not self.async_lag:
+            raise ValueError("backend.in_flight_updates needs backend.async_lag >= 1: a synchronous step has no "
+                             "generation running when its refit comes")
+        if self.in_flight_updates and self.generator != "embedded":
+            raise ValueError(f"backend.in_flight_updates takes refits between decoding steps of our engine only; "
+                             f"backend.generator={self.generator} engines take them between generate calls: set "
+                             "backend.generator=embedded or backend.in_flight_updates=false")
         if self.init_timeout_s <= 0:
             raise ValueError(f"backend.init_timeout_s must be > 0, got {self.init_timeout_s}")
         if self.refit_bucket_mb < 0:
