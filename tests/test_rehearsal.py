@@ -76,8 +76,10 @@ def test_rehearsal_keeps_what_it_rehearses(name):
     for section in ("drafter_train",):
         assert to_dict(getattr(toy, section)) == to_dict(getattr(full, section))
     b, fb = toy.backend, full.backend
-    assert (b.trainer, b.generator, b.placement, b.async_lag, b.is_clip, b.refit_transport) == \
-        (fb.trainer, fb.generator, fb.placement, fb.async_lag, fb.is_clip, fb.refit_transport)
+    assert (b.trainer, b.generator, b.placement, b.async_lag, b.refit_transport) == \
+        (fb.trainer, fb.generator, fb.placement, fb.async_lag, fb.refit_transport)
+    assert to_dict(toy.grpo.rollout_correction) == to_dict(full.grpo.rollout_correction)
+    assert toy.grpo.max_trajectory_age == full.grpo.max_trajectory_age
     assert (b.megatron.params_dtype, b.megatron.recompute) == (fb.megatron.params_dtype, fb.megatron.recompute)
     # Megatron-Core's distributed optimizer needs CUDA: a CPU rehearsal runs AdamW on each rank's shards
     assert fb.megatron.optimizer == "megatron" and b.megatron.optimizer == "torch"  # no GPU in this suite

@@ -180,9 +180,7 @@ class BackendSection:
     """Generation engines; a step's prompts are split across them with GRPO groups kept whole."""
     async_lag: int = 0
     """Policy versions the generators may run ahead of the trainer (0: synchronous GRPO). Off-policy rollouts are
-    corrected by truncated importance sampling (`is_clip`)."""
-    is_clip: float = 2.0
-    """Truncation of the importance ratio old-policy / behaviour policy used with `async_lag > 0`."""
+    corrected as `grpo.rollout_correction` says (truncated importance sampling by default)."""
     in_flight_updates: bool = False
     """With `async_lag` >= 1, engines take each refit between two decoding steps of the generation they are running
     (their running rollouts continue under the new weights, each token's policy version recorded) instead of after
@@ -215,8 +213,6 @@ class BackendSection:
         if self.async_lag and self.placement == "inline":
             raise ValueError("backend.async_lag > 0 needs backend.placement colocated or disaggregated "
                              "(generators run ahead of the trainer in their own workers)")
-        if self.is_clip < 1:
-            raise ValueError(f"backend.is_clip must be >= 1, got {self.is_clip}")
         if self.in_flight_updates and not self.async_lag:
             raise ValueError("backend.in_flight_updates needs backend.async_lag >= 1: a synchronous step has no "
                              "generation running when its refit comes")

@@ -57,6 +57,9 @@ def check_same_config(saved: dict, cfg, run_dir: Path) -> None:
     if "grpo.normalize_std" in saved:  # the boolean that `grpo.std` replaced
         saved = dict(saved)
         saved["grpo.std"] = "population" if saved.pop("grpo.normalize_std") else "none"
+    if "backend.is_clip" in saved:  # the truncation that `grpo.rollout_correction.truncate` took over
+        saved = dict(saved)
+        saved["grpo.rollout_correction.truncate"] = saved.pop("backend.is_clip")
     # Defaults stand in for fields the checkpoint predates, not for the fields of a section it saved as None.
     unset = [k + "." for k, v in saved.items() if v is None]
     defaults = {k: v for k, v in flatten(RLConfig()).items() if not k.startswith(tuple(unset))}

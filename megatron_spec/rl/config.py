@@ -34,6 +34,48 @@ class ModelSection:
 
 
 @dataclass
+class RolloutCorrection:
+    """How the loss corrects rollouts that an older policy version generated (`backend.async_lag` > 0): each token's
+    surrogate is weighted by the importance ratio pi_old / mu of the trained policy before the update to the
+    behaviour policy that sampled it (`grpo.truncated_is_weights`), and rollouts whose ratio leaves a band can be
+    rejected from the update (`grpo.rejection_mask`). On-policy rollouts are not touched."""
+
+    level: str = "token"
+    """Whose ratio weighs a token: its own (`token`), its sequence's, the product over the sequence's tokens
+    (`sequence`: the trajectory's exact ratio, whose variance grows with the length; needs `truncate`), or the
+    geometric mean of its sequence's token ratios (`geometric`). Rejection acts at the same level."""
+    truncate: float | None = 2.0
+    """Upper bound on the importance weight (truncated importance sampling: bounded variance for a small bias),
+    at least 1; None: untruncated."""
+    reject_low: float | None = None
+    """Tokens (at `level=token`) or whole sequences whose ratio is below this leave the update, as if they were not
+    in the batch (the loss's means count what is left); None: no lower bound. Needs `grpo.fold_logprob=false`:
+    the decision is taken on the old log-probs before the update."""
+    reject_high: float | None = None
+    """The same above this ratio; None: no upper bound."""
+
+    def __post_init__(self) -> None:
+        if self.level not in ("token", "sequence", "geometric"):
+            raise ValueError(f"grpo.rollout_correction.level must be one of token, sequence, geometric, "
+                             f"got {self.level!r}")
+        if self.truncate is not None and self.truncate < 1:
+            raise ValueError(f"grpo.rollout_correction.truncate must be >= 1 (or null: untruncated), "
+                             f"got {self.truncate}")
+        if self.level == "sequence" and self.truncate is None:
+            raise ValueError("grpo.rollout_correction.level=sequence needs a truncate (a product of token ratios "
+                             "over a long rollout overflows): set grpo.rollout_correction.truncate, e.g. 2")
+        if self.reject_low is not None and not 0 < self.reject_low <= 1:
+            raise ValueError(f"grpo.rollout_correction.reject_low must be in (0, 1] (or null), got {self.reject_low}")
+        if self.reject_high is not None and self.reject_high < 1:
+            raise ValueError(f"grpo.rollout_correction.reject_high must be >= 1 (or null), got {self.reject_high}")
+
+    @property
+    def rejects(self) -> bool:
+        """Whether a band is set."""
+        return self.reject_low is not None or self.reject_high is not None
+
+
+@dataclass
 class GRPOSection:
     prompts_per_step: int = 8
     """Distinct prompts per RL step."""
@@ -90,6 +132,12 @@ class GRPOSection:
     more rollouts than it trains on, as RL post-training's long reasoning rollouts outweigh their update. A step with
     no group carrying an advantage keeps its first `train_groups` groups (zero policy gradient; the drafter still
     trains). With the Megatron trainer as `drop_uniform_groups`."""
+    rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
+    """Importance weighting and rejection of rollouts from an older policy version."""
+    max_trajectory_age: int | None = None
+    """Bounded staleness: GRPO groups any of whose rollouts an older policy version than the trained one minus
+    this generated are dropped before the update, whole (`groups_dropped_stale`); at least `backend.async_lag`,
+    which every step's rollouts reach. None: no bound."""
     max_grad_norm: float = 1.0
     """Gradient clipping of the policy."""
     max_nan_steps: int = 3
@@ -123,6 +171,13 @@ class GRPOSection:
     prompts, responses mean ~21 and longest ~86; 2 CPU threads, interleaved, 40 batches): the trunk computes 19 %
     fewer positions (padding included) and the train step takes 0.89 of the unshared time (paired median; medians
     163 vs 186 ms)."""
+    routing_replay: bool = False
+    """MoE policies: the generator records the experts each token was routed to (per MoE layer, prompt and generated
+    tokens, from the policy's own forwards; under speculation the verification forward's rows of the accepted
+    tokens) and the trainer's forwards (log-prob and train) route each token to those experts, with its own router
+    probabilities of them as the weights. Training then uses the rollout's experts where a near tie in the router
+    would otherwise flip between the engine's and the trainer's numerics. Refused for a dense policy and with
+    `backend.generator=vllm` (its routed-experts output is not wired here)."""
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -144,6 +199,12 @@ class GRPOSection:
             raise ValueError("grpo.clip_low and grpo.clip_high must be >= 0")
         if self.train_groups < 0:
             raise ValueError(f"grpo.train_groups must be >= 0 (0: every group), got {self.train_groups}")
+        if self.max_trajectory_age is not None and self.max_trajectory_age < 0:
+            raise ValueError(f"grpo.max_trajectory_age must be >= 0 (or null: no bound), got {self.max_trajectory_age}")
+        if self.rollout_correction.rejects and self.fold_logprob:
+            raise ValueError("grpo.rollout_correction.reject_low / reject_high decide from the old log-probs before "
+                             "the update, which the folded train forward computes only during it: set "
+                             "grpo.fold_logprob=false")
         if self.micro_batch_tokens < 0:
             raise ValueError(f"grpo.micro_batch_tokens must be >= 0 (0: no micro-batching), "
                              f"got {self.micro_batch_tokens}")

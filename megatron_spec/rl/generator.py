@@ -15,16 +15,19 @@ from .refit import load_buckets
 
 class EmbeddedGenerator:
     def __init__(self, policy_model, drafter=None, spec: SpecConfig | None = None, max_num_seqs: int = 256,
-                 own: bool = False):
-        """`own`: keep `policy_model` and `drafter` themselves instead of copies (they were loaded for it alone)."""
+                 own: bool = False, record_routing: bool = False):
+        """`own`: keep `policy_model` and `drafter` themselves instead of copies (they were loaded for it alone);
+        `record_routing`: completions carry their MoE routing (`grpo.routing_replay`)."""
         take = (lambda m: m) if own else copy.deepcopy
         self.model = take(policy_model).eval().requires_grad_(False)
         self.drafter = take(drafter).eval().requires_grad_(False) if drafter is not None else None
-        self.engine = LLMEngine(self.model, max_num_seqs=max_num_seqs, spec=spec, drafter=self.drafter)
+        self.engine = LLMEngine(self.model, max_num_seqs=max_num_seqs, spec=spec, drafter=self.drafter,
+                                record_routing=record_routing)
 
     @classmethod
     def from_rl(cls, cfg, model, drafter=None) -> "EmbeddedGenerator":
-        return cls(model, drafter, cfg.spec, max_num_seqs=cfg.grpo.prompts_per_step * cfg.grpo.group_size)
+        return cls(model, drafter, cfg.spec, max_num_seqs=cfg.grpo.prompts_per_step * cfg.grpo.group_size,
+                   record_routing=cfg.grpo.routing_replay)
 
     def update_weights(self, stream) -> int:
         """Load a bucketed `(hf_name, tensor)` stream (policy and `drafter.` tensors); returns bytes loaded."""

@@ -31,7 +31,7 @@ from ..spec.registry import drafter_method, needs_weights
 from ..spec.stats import speculation_summary
 from . import checkpoint, memory
 from .config import RLConfig
-from .grpo import group_advantages, overlong_penalty, uniform_groups
+from .grpo import correction_stats, group_advantages, overlong_penalty, rejection_mask, uniform_groups
 from .policy import Batch
 from .refit import buckets
 from .stop import SaveClock, StopRequest, save_due
@@ -70,9 +70,18 @@ def config_problems(cfg: RLConfig) -> list[str]:
     if d.extra_groups and cfg.backend.trainer != "embedded":
         problems.append("drafter_train.extra_groups feeds rows the policy does not train to the embedded trainer's "
                         "drafter: use it with backend.trainer=embedded (or set it to 0)")
+    age = cfg.grpo.max_trajectory_age
+    if age is not None and age < cfg.backend.async_lag:
+        problems.append(f"grpo.max_trajectory_age={age} is below backend.async_lag={cfg.backend.async_lag}, the age "
+                        f"every step's rollouts reach, so every step would drop all its groups: set "
+                        f"grpo.max_trajectory_age >= {cfg.backend.async_lag} (or null: no bound)")
     if d.extra_groups and not (cfg.grpo.drop_uniform_groups or cfg.grpo.train_groups):
         problems.append("drafter_train.extra_groups takes the groups the policy leaves out of its update, and with "
                         "neither grpo.drop_uniform_groups nor grpo.train_groups it leaves none out")
+    if cfg.grpo.routing_replay and cfg.backend.generator == "vllm":
+        problems.append("grpo.routing_replay records the rollouts' MoE routing in the embedded engine; vLLM's "
+                        "routed-experts output (enable_return_routed_experts, its GPU model runner only, not the CPU "
+                        "one) is not wired to it: use backend.generator=embedded or set grpo.routing_replay=false")
     if cfg.backend.trainer == "megatron" and cfg.spec and cfg.spec.method == "eagle3":
         from ..layout import online_eagle3_problems
 
@@ -100,6 +109,13 @@ def check_inputs(cfg: RLConfig) -> None:
         problems = sequence_parallel_problems(model, m.layout(), m.sequence_parallel, on_gpus=on_gpus)
         if problems:
             raise ValueError("; ".join(problems))
+    if cfg.grpo.routing_replay:
+        from ..models.hf_io import read_config
+        from ..models.presets import preset
+
+        if not (preset(policy) if policy == "smollm2-135m" else read_config(policy)).is_moe:
+            raise ValueError(f"grpo.routing_replay replays the experts of an MoE policy; {policy} is dense: "
+                             f"set grpo.routing_replay=false")
     from .task import task_difficulty
 
     try:
@@ -146,14 +162,36 @@ def make_batch(prompts: list[list[int]], outs) -> tuple[Batch, torch.Tensor]:
         ids[i, :n] = torch.tensor(p + o.token_ids)
         mask[i, len(p) : n] = True
         behaviour[i, len(p) - 1 : n - 1] = torch.tensor(o.logprobs)
-    return Batch(ids, mask), behaviour
+    return Batch(ids, mask, routing=batch_routing(outs, T)), behaviour
 
 
-def step_advantages(rewards: torch.Tensor, lengths: list[int], g) -> tuple[torch.Tensor, list[bool] | None, dict]:
+def batch_routing(outs, T: int) -> torch.Tensor | None:
+    """[B, T, MoE layers, top_k] the rollouts' recorded routing, right-padded with -1 (route freely: padding and
+    each row's last token, which no rollout forward read); None unless every rollout carries its routing."""
+    if not outs or any(getattr(o, "routing", None) is None for o in outs):
+        return None
+    routing = torch.full((len(outs), T, *outs[0].routing.shape[1:]), -1, dtype=outs[0].routing.dtype)
+    for i, o in enumerate(outs):
+        routing[i, : len(o.routing)] = o.routing
+    return routing
+
+
+def fresh_groups(ages: list[int], group_size: int, max_age: int | None) -> torch.Tensor | None:
+    """bool [P]: the GRPO groups none of whose rollouts (`ages` [N], prompt-major: policy versions between the
+    weights that generated each and the weights being trained) is older than `max_age`; None where there is no
+    bound. A group is kept or dropped whole: its advantages compare its rollouts with each other."""
+    if max_age is None:
+        return None
+    return (torch.tensor(ages).view(-1, group_size) <= max_age).all(dim=1)
+
+
+def step_advantages(rewards: torch.Tensor, lengths: list[int], g,
+                    fresh: torch.Tensor | None = None) -> tuple[torch.Tensor, list[bool] | None, dict]:
     """The advantages [N] of a step's rollouts (rewards [N], prompt-major groups of `g.group_size`) under the GRPO
-    section's options: DAPO's overlong shaping of the rewards, then the group baseline and std. With
-    `drop_uniform_groups` or `train_groups`, also which rows to keep (None: all) and the advantages of the kept rows
-    only; and the counts to log (uniform groups, groups dropped, mean shaping)."""
+    section's options: DAPO's overlong shaping of the rewards, then the group baseline and std. With `fresh` (bool
+    [P], `fresh_groups`), `drop_uniform_groups` or `train_groups`, also which rows to keep (None: all) and the
+    advantages of the kept rows only: the stale groups go first, dynamic sampling chooses among the rest; and the
+    counts to log (uniform groups, groups dropped by dynamic sampling and as stale, mean shaping)."""
     shaped = rewards.double() + overlong_penalty(torch.tensor(lengths), g.max_tokens, g.overlong_buffer,
                                                  g.overlong_penalty)
     groups = shaped.view(-1, g.group_size)
@@ -163,14 +201,19 @@ def step_advantages(rewards: torch.Tensor, lengths: list[int], g) -> tuple[torch
         info["overlong_penalty_mean"] = float((shaped - rewards.double()).mean())
     advantages = group_advantages(groups, g.baseline, g.std).float()
     keep = None
+    candidates = torch.ones_like(uniform) if fresh is None else fresh
+    kept = candidates
+    if fresh is not None:
+        info["groups_dropped_stale"] = int((~fresh).sum())
     if g.drop_uniform_groups or g.train_groups:
-        kept = ~uniform if not uniform.all() else torch.ones_like(uniform)
+        signal = candidates & ~uniform
+        kept = signal if signal.any() else candidates
         if g.train_groups:  # the first train_groups of them, in draw order
-            kept &= kept.cumsum(0) <= g.train_groups
-        info["groups_dropped"] = int((~kept).sum())
-        if not kept.all():
-            keep = kept.repeat_interleave(g.group_size).tolist()
-            advantages = advantages[kept]
+            kept = kept & (kept.cumsum(0) <= g.train_groups)
+        info["groups_dropped"] = int((candidates & ~kept).sum())
+    if not kept.all():
+        keep = kept.repeat_interleave(g.group_size).tolist()
+        advantages = advantages[kept]
     return advantages.flatten(), keep, info
 
 
@@ -202,6 +245,9 @@ class Rollouts:
     """The generator's outputs, one per prompt (token ids, behaviour log-probs, speculation stats)."""
     lag: int = 0
     """Policy versions between the weights that generated them and the weights being trained (0: on-policy)."""
+    ages: list[int] | None = None
+    """Per rollout, policy versions between the weights that generated its oldest token and the weights being
+    trained (`grpo.max_trajectory_age` drops groups by them); None: every rollout is `lag` old."""
     metrics: dict = dataclasses.field(default_factory=dict)
     """What the producer adds to the step's metrics (weight sync bytes / seconds, policy version, restarts)."""
 
@@ -315,12 +361,17 @@ class Trainer:
         """The logprob and train stages: one policy (and drafter) update on the rollouts, the drafter's cut short
         after `drafter_budget_s` (the gate's budget; in-process trainer only). Rollouts of an older policy
         version carry their behaviour log-probs into the loss's importance correction; their engine-vs-trainer
-        mismatch is then the policy's drift, not a processing error, and is not reported (None)."""
-        g = self.cfg.grpo
-        advantages, keep, shaping = step_advantages(rewards, [len(o.token_ids) for o in rollouts.outs], g)
+        mismatch is then the policy's drift, not a processing error, and is not reported (None). Groups older than
+        `grpo.max_trajectory_age` leave the update as dynamic sampling's do, and with a rejection band the tokens
+        or sequences whose ratio leaves it leave the batch's mask (so the loss's means count what is left)."""
+        g, rc = self.cfg.grpo, self.cfg.grpo.rollout_correction
+        ages = rollouts.ages if rollouts.ages is not None else [rollouts.lag] * len(rollouts.outs)
+        fresh = fresh_groups(ages, g.group_size, g.max_trajectory_age)
+        advantages, keep, shaping = step_advantages(rewards, [len(o.token_ids) for o in rollouts.outs], g, fresh)
         extra = None
-        masked = keep is not None and self.cfg.backend.trainer != "embedded"
-        if keep is not None and not masked:  # dynamic sampling: the uniform groups' rollouts leave the update
+        # a trainer whose row count is fixed, or a step with every group stale (no row left to make a batch of)
+        masked = keep is not None and (self.cfg.backend.trainer != "embedded" or not any(keep))
+        if keep is not None and not masked:  # stale groups and dynamic sampling's left-out ones leave the update
             extra = self.drafter_extra(prompts, rollouts.outs, keep)
             prompts = [p for p, k in zip(prompts, keep) if k]
             rollouts = dataclasses.replace(rollouts, outs=[o for o, k in zip(rollouts.outs, keep) if k])
@@ -329,15 +380,21 @@ class Trainer:
             if masked:  # a trainer whose row count is fixed: the rows stay, with no generated token counted
                 batch.mask, advantages = leave_out_rows(batch.mask, advantages, keep)
             if rollouts.lag:
-                batch.behaviour_logprobs, batch.is_clip = behaviour, self.cfg.backend.is_clip
+                batch.behaviour_logprobs = behaviour
             if not g.fold_logprob:  # folded: train_step takes them from its own forward and fills them in
                 batch.old_logprobs = self.policy.logprobs(batch)
+            generated = batch.mask[:, 1:].clone()
+            if rollouts.lag and rc.rejects:  # the config refuses a band with fold_logprob: old is known here
+                batch.mask[:, 1:] = rejection_mask(batch.old_logprobs, behaviour, generated, rc.level, rc.reject_low,
+                                                   rc.reject_high)
         with timer("train"):
             batch.advantages = advantages
             # Only what this step has: the Megatron trainer's train_step takes the batch alone.
             drafter = {k: v for k, v in (("drafter_extra", extra), ("drafter_budget_s", drafter_budget_s))
                        if v is not None}
             train = {**self.policy.train_step(batch, **drafter), **shaping}
+        if rollouts.lag:
+            train.update(correction_stats(batch.old_logprobs, behaviour, generated, batch.mask[:, 1:], rc.level))
         with timer("logprob"):
             mismatch = None if rollouts.lag else logprob_mismatch(batch.old_logprobs, behaviour, batch.mask[:, 1:])
         return train, mismatch

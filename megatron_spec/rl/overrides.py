@@ -109,7 +109,13 @@ def _join(where: str, key: str) -> str:
     return f"{where}.{key}" if where else key
 
 
+MOVED = {"backend.is_clip": "grpo.rollout_correction.truncate"}
+"""Keys that now live elsewhere: old key -> new key (named in the error an old config meets)."""
+
+
 def _unknown_key(where: str, key: str, valid: list[str]) -> str:
+    if _join(where, key) in MOVED:
+        return f"{_join(where, key)} is now {MOVED[_join(where, key)]}: rename the key"
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f" (did you mean {_join(where, close[0])}?)" if close else ""
     return f"unknown key {_join(where, key)!r}{hint}; valid keys of {where or 'the config'}: {', '.join(valid)}"

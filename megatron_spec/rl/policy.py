@@ -61,10 +61,9 @@ class Batch:
     `train_step` takes them from its own forward, detached, and fills them in (`grpo.fold_logprob`)."""
     behaviour_logprobs: Tensor | None = None
     """[B, T-1] the engine's log-probs of the sampled tokens when the rollouts came from an older policy version
-    than the one being trained (async GRPO): the loss then weighs each token by the truncated importance ratio
-    old / behaviour (`grpo.truncated_is_weights`). None: the rollouts are on-policy, no correction."""
-    is_clip: float = 2.0
-    """Truncation of that importance ratio (`backend.is_clip`)."""
+    than the one being trained (async GRPO): the loss then weighs each token by the importance ratio old /
+    behaviour as `grpo.rollout_correction` says (`grpo.truncated_is_weights`). None: the rollouts are on-policy,
+    no correction."""
 
     def to(self, device: torch.device) -> "Batch":
         """This batch with every tensor on `device` (itself where they already are)."""
@@ -78,7 +77,7 @@ class Batch:
         per_token = lambda t: None if t is None else t[idx, : length - 1]  # noqa: E731  ([B, T-1] fields)
         return Batch(self.input_ids[idx, :length], self.mask[idx, :length],
                      None if self.advantages is None else self.advantages[idx],
-                     per_token(self.old_logprobs), per_token(self.behaviour_logprobs), self.is_clip)
+                     per_token(self.old_logprobs), per_token(self.behaviour_logprobs))
 
 
 class DrafterInputs(NamedTuple):
@@ -174,14 +173,18 @@ def grpo_micro_loss(logits: Tensor, mb: Batch, old_logprobs: Tensor | None, samp
     """One micro-batch's share of the GRPO surrogate (`grpo.policy_loss` with the whole batch's `norm`), from the
     policy's logits over `mb`: (loss, metrics, the processed log-probs [b, t-1] with their gradient, 0 outside the
     mask). `old_logprobs` None folds the ratio's old log-probs into this forward (detached). Rollouts that carry
-    behaviour log-probs of an older policy version (async GRPO) are weighted by truncated importance ratios, and the
-    truncated share is `is_clip_frac`. Every trainer computes its loss through this one function."""
+    behaviour log-probs of an older policy version (async GRPO) are weighted by importance ratios at
+    `grpo.rollout_correction`'s level and truncation (whole rows sit in one micro-batch, so a sequence's ratio is
+    its own here), and the truncated share of the tokens is `is_clip_frac`. Every trainer computes its loss through
+    this one function."""
     mask = mb.mask[:, 1:]
     logprobs = masked(token_logprobs(logits, mb.input_ids, sampling), mask)
     old = logprobs.detach() if old_logprobs is None else masked(old_logprobs, mask)
     weights = None
     if mb.behaviour_logprobs is not None:
-        weights, truncated = truncated_is_weights(old, masked(mb.behaviour_logprobs, mask), mb.is_clip)
+        rc = grpo.rollout_correction
+        weights, truncated = truncated_is_weights(old, masked(mb.behaviour_logprobs, mask), rc.truncate, mask,
+                                                  rc.level)
     loss, metrics = policy_loss(logprobs, old, mb.advantages, mask, grpo.clip_low, grpo.clip_high, grpo.loss_agg,
                                 norm, weights, grpo.dual_clip_c, grpo.ratio_level)
     if weights is not None:

@@ -61,16 +61,17 @@ def test_trainer_applies_the_weights_from_the_batch_behaviour_logprobs():
     """The embedded trainer's update with behaviour log-probs equal to its own old log-probs is the update without
     them, bit for bit (every weight is exp(0) = 1); behaviour log-probs log(4) above the old ones on the first half
     of the rows weigh those rows' tokens by 1/4 (nothing truncated), which changes the loss to exactly what the
-    per-token sum gives, and log(4) below them truncates at is_clip=2 and reports the truncated share."""
+    per-token sum gives, and log(4) below them truncates at the default `grpo.rollout_correction.truncate`=2 and
+    reports the truncated share."""
     batch = rollout_batch()
     probe = make_policy(0)
     old = probe.logprobs(batch)
     mask = batch.mask[:, 1:]
 
-    def step(behaviour, clip=2.0):
+    def step(behaviour):
         policy = make_policy(0)
         b = copy.copy(batch)
-        b.old_logprobs, b.behaviour_logprobs, b.is_clip = old.clone(), behaviour, clip
+        b.old_logprobs, b.behaviour_logprobs = old.clone(), behaviour
         return policy.train_step(b), policy
 
     plain, p_plain = step(None)
@@ -93,10 +94,10 @@ def test_trainer_applies_the_weights_from_the_batch_behaviour_logprobs():
 
 
 def test_micro_batches_carry_the_behaviour_rows():
-    """`Batch.select` crops the behaviour log-probs like the old ones, with the clip."""
+    """`Batch.select` crops the behaviour log-probs like the old ones."""
     batch = rollout_batch()
-    batch.behaviour_logprobs, batch.is_clip = torch.arange(batch.mask.numel() - batch.mask.shape[0]).view(
-        batch.mask.shape[0], -1).float(), 3.0
+    batch.behaviour_logprobs = torch.arange(batch.mask.numel() - batch.mask.shape[0]).view(
+        batch.mask.shape[0], -1).float()
     mb = batch.select([2, 5], 6)
-    assert torch.equal(mb.behaviour_logprobs, batch.behaviour_logprobs[[2, 5], :5]) and mb.is_clip == 3.0
+    assert torch.equal(mb.behaviour_logprobs, batch.behaviour_logprobs[[2, 5], :5])
     assert isinstance(mb, Batch)
