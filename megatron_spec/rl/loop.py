@@ -245,11 +245,11 @@ class Rollouts:
     """The generator's outputs, one per prompt (token ids, behaviour log-probs, speculation stats)."""
     lag: int = 0
     """Policy versions between the weights that generated them and the weights being trained (0: on-policy)."""
+    metrics: dict = dataclasses.field(default_factory=dict)
+    """What the producer adds to the step's metrics (weight sync bytes / seconds, policy version, restarts)."""
     ages: list[int] | None = None
     """Per rollout, policy versions between the weights that generated its oldest token and the weights being
     trained (`grpo.max_trajectory_age` drops groups by them); None: every rollout is `lag` old."""
-    metrics: dict = dataclasses.field(default_factory=dict)
-    """What the producer adds to the step's metrics (weight sync bytes / seconds, policy version, restarts)."""
 
 
 class Trainer:
