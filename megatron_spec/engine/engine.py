@@ -37,7 +37,8 @@ from .sequence import Sequence, draw_seed
 
 class LLMEngine:
     def __init__(self, model: CausalLM, max_num_seqs: int = 64, max_prefill_tokens: int = 16384,
-                 eos_token_id: int | list[int] | None = None, spec: SpecConfig | None = None, drafter=None):
+                 eos_token_id: int | list[int] | None = None, spec: SpecConfig | None = None, drafter=None,
+                 record_routing: bool = False):
         self.model = model.eval()
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
@@ -55,6 +56,8 @@ class LLMEngine:
         """The policy version of the weights in place (set by `refit`); each emitted token is recorded with it."""
         self.refits = RefitHandoff()
         """Where another thread hands a refit in while this engine generates (`RefitHandoff.refit`)."""
+        self.record_routing = record_routing
+        """Return each completion's MoE routing (`Completion.routing`), for the trainer to replay."""
 
     # -- the loop -------------------------------------------------------------------------------------------
     def step(self) -> None:
@@ -72,6 +75,7 @@ class LLMEngine:
             emitted = self.accept(seqs, drafts, logits)
             valid = [len(tokens) for tokens, _ in emitted]  # the last token and the accepted drafts
         self.proposer.observe(seqs, out, starts, valid)
+        self.keep_routing(seqs, out, valid)
         for seq, (tokens, logprobs) in zip(seqs, emitted):
             self.append(seq, tokens, logprobs)
         if self.controller and not is_prefill:
@@ -119,11 +123,21 @@ class LLMEngine:
                           > self.max_prefill_tokens):
                 for s in batch:
                     s.num_cached = 0
+                    s.routing.clear()  # the later tokens read these positions' states as the new weights route them
                 out = self.runner.forward(batch, [s.tokens[:-1] for s in batch])
                 self.proposer.observe(batch, out, [0] * len(batch), [s.length - 1 for s in batch])
+                self.keep_routing(batch, out, [s.length - 1 for s in batch])
                 batch = []
             if seq is not None:
                 batch.append(seq)
+
+    def keep_routing(self, seqs: list[Sequence], out, counts: list[int]) -> None:
+        """Where routing is recorded, each sequence's rows of a target forward that stand (the first counts[b]: a
+        prompt, a step's last token and accepted drafts, or a recompute's whole prefix)."""
+        if out.routing is not None:
+            rows = out.routing.cpu()
+            for b, (seq, n) in enumerate(zip(seqs, counts)):
+                seq.routing.append(rows[b, :n])
 
     # -- speculation ----------------------------------------------------------------------------------------
     def time_step(self, batch: int, k: int, after_drafting: bool, started: float) -> None:
@@ -201,7 +215,7 @@ class LLMEngine:
         num_slots = min(len(prompts), self.max_num_seqs)
         self.ensure_cache(num_slots, max_len)
         self.scheduler = Scheduler(self.cache, self.max_num_seqs, self.max_prefill_tokens)
-        self.runner = ModelRunner(self.model, self.cache, self.proposer.capture_layers)
+        self.runner = ModelRunner(self.model, self.cache, self.proposer.capture_layers, self.record_routing)
         seqs = []
         keys = [params.seed * 1_000_003 + i for i in range(len(prompts))]
         generators = [torch.Generator().manual_seed(key) for key in keys]
@@ -257,8 +271,10 @@ class LLMEngine:
         if seq.verify_steps:
             spec = {"drafted": seq.drafted, "accepted": sum(seq.accepted_per_pos), "verify_steps": seq.verify_steps,
                     "accepted_per_pos": seq.accepted_per_pos, "drafted_per_pos": seq.drafted_per_pos}
+        # A stop token among accepted drafts leaves rows past the completion: its last input is at length - 2.
+        routing = torch.cat(seq.routing)[: seq.length - 1] if seq.routing else None
         return Completion(seq.output, seq.logprobs, seq.finish_reason, len(seq.prompt), spec,
-                          versions=token_versions(seq.versions, len(seq.output)))
+                          versions=token_versions(seq.versions, len(seq.output)), routing=routing)
 
 
 def token_versions(starts: list[tuple[int, int]], n: int) -> list[int]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torch import Tensor
+
 from ..spec.sampling import validate_sampling
 
 
@@ -50,3 +52,9 @@ class Completion:
     versions: list[int] = field(default_factory=list)
     """The policy version of the weights that sampled each generated token (in-flight refits switch versions
     between two tokens; a rollout may then span several); empty where the generator does not record it."""
+    routing: Tensor | None = None
+    """MoE routing replay (`grpo.routing_replay`): [prompt_len + len(token_ids) - 1, MoE layers, top_k] int16, the
+    experts each MoE layer routed each input position to (prompt and generated tokens; the last generated token is
+    never an input), in the policy's forwards that produced the tokens (for a speculative step, the verification
+    forward's rows of the accepted tokens; after an in-flight refit, the new weights' forward over the prefix, which
+    the later tokens read). None where not recorded."""

@@ -10,16 +10,19 @@ from ..models.decoder import CausalLM, TrunkOutput
 from ..models.host import long_tensor
 from ..models.kv_cache import KVCache
 from ..models.packed import linears
+from ..models.routing import choices
 from ..spec.proposers import Drafts
 from .sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, capture: tuple[int, ...] = ()):
+    def __init__(self, model: CausalLM, cache: KVCache, capture: tuple[int, ...] = (), routing: bool = False):
         self.model = model
         self.cache = cache
         self.capture = capture
         """Target layers whose hidden states a drafter reads (EAGLE-3); empty for most drafters."""
+        self.routing = routing
+        """Read each forward's MoE routing into its output (`TrunkOutput.routing`), for routing replay."""
 
     def forward(self, seqs: list[Sequence], new_tokens: list[list[int]]) -> TrunkOutput:
         """Feed each sequence its `new_tokens` (ragged, right-padded) after its cached ones; advance its cache."""
@@ -31,6 +34,8 @@ class ModelRunner:
         """Feed sequence b the first counts[b] of `ids` [B, T] (the rest is padding) after its cached tokens."""
         view = self.cache.view([s.slot for s in seqs], [s.num_cached for s in seqs], ids.shape[1])
         out = self.model.trunk(ids, view.positions, view, capture=self.capture)
+        if self.routing:
+            out.routing = choices(self.model, *ids.shape)
         for seq, n in zip(seqs, counts):
             seq.num_cached += n
         return out
@@ -60,7 +65,8 @@ class ModelRunner:
             for _, s in copies:
                 s.num_cached = len(s.prompt)
             index = long_tensor(source, out.hidden.device)
-            out = TrunkOutput(out.hidden[index], {layer: h[index] for layer, h in out.layers.items()})
+            out = TrunkOutput(out.hidden[index], {layer: h[index] for layer, h in out.layers.items()},
+                              None if out.routing is None else out.routing[index])
         last = torch.tensor([len(s.prompt) - 1 for s in seqs], device=out.hidden.device)
         rows = torch.arange(len(seqs), device=out.hidden.device)
         return self.logits(out.hidden[rows, last]), out

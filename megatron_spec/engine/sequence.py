@@ -61,6 +61,9 @@ class Sequence:
     versions: list[tuple[int, int]] = field(default_factory=list)
     """(first output index, policy version) each time the weights that sample its tokens changed (`LLMEngine.refit`
     between two steps); the first entry is its start's."""
+    routing: list = field(default_factory=list, repr=False)
+    """With routing recorded: per target forward, the experts of the input positions that stand ([n, MoE layers,
+    top_k] each, on the host): the prompt's, then each step's last token and accepted drafts."""
 
     def uniforms(self, n: int) -> list[float]:
         """The next n uniforms in [0, 1) of this sequence's in-order stream (`UniformStreams`)."""

@@ -181,6 +181,9 @@ class TrunkOutput:
     """Final hidden states after the last norm, [B, T, H]: what the output head reads."""
     layers: dict[int, Tensor] = field(default_factory=dict)
     """Residual stream after each requested layer index (EAGLE-3 fuses low/middle/high ones)."""
+    routing: Tensor | None = None
+    """[B, T, MoE layers, top_k] the experts each position was routed to, where the caller read them
+    (`routing.choices`: the engine, recording a rollout's routing); None otherwise."""
 
 
 class Transformer(nn.Module):

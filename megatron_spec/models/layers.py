@@ -227,6 +227,10 @@ class MoE(nn.Module):
     After each forward `self.aux_loss` holds the Switch-style load-balancing loss
     E * sum_e f_e * P_e (f_e: share of top-k assignments that went to expert e, P_e: mean router probability of e),
     which is 1.0 for a perfectly balanced router. Training adds `router_aux_loss_coef * aux_loss`.
+
+    Routing replay (`routing.py`): after each forward `self.chosen` holds the experts each input row was routed to
+    [rows, top_k]; where `self.replay` is set, rows route to its experts instead (a row of -1: to its own top-k),
+    weighted by this router's probabilities of those experts, so the gradient still reaches the router.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -235,12 +239,18 @@ class MoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
         self.aux_loss: Tensor | None = None
+        self.chosen: Tensor | None = None
+        self.replay: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.replay is not None:
+            chosen = torch.where(self.replay < 0, chosen, self.replay)
+            weights = probs.gather(1, chosen)
+        self.chosen = chosen
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         weights = weights.to(x.dtype)

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ..models.decoder import CausalLM, TrunkOutput
 from ..models.eagle3 import captured_layers
+from ..models.routing import replayed
 from ..spec.drafter_loss import agreement, depth_pairs, pairs_loss
 from ..spec.registry import drafter_method
 from ..spec.sampling import processed_logprobs
@@ -64,12 +65,16 @@ class Batch:
     than the one being trained (async GRPO): the loss then weighs each token by the importance ratio old /
     behaviour as `grpo.rollout_correction` says (`grpo.truncated_is_weights`). None: the rollouts are on-policy,
     no correction."""
+    routing: Tensor | None = None
+    """[B, T, MoE layers, top_k] the experts the rollouts routed each position to (-1: route freely), which the
+    trainer's forwards replay (`grpo.routing_replay`, `models.routing`); None: each forward routes by itself."""
 
     def to(self, device: torch.device) -> "Batch":
         """This batch with every tensor on `device` (itself where they already are)."""
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return replace(self, input_ids=move(self.input_ids), mask=move(self.mask), advantages=move(self.advantages),
-                       old_logprobs=move(self.old_logprobs), behaviour_logprobs=move(self.behaviour_logprobs))
+                       old_logprobs=move(self.old_logprobs), behaviour_logprobs=move(self.behaviour_logprobs),
+                       routing=move(self.routing))
 
     def select(self, rows: list[int], length: int) -> "Batch":
         """The micro-batch of `rows`, cropped to its first `length` positions."""
@@ -77,7 +82,8 @@ class Batch:
         per_token = lambda t: None if t is None else t[idx, : length - 1]  # noqa: E731  ([B, T-1] fields)
         return Batch(self.input_ids[idx, :length], self.mask[idx, :length],
                      None if self.advantages is None else self.advantages[idx],
-                     per_token(self.old_logprobs), per_token(self.behaviour_logprobs))
+                     per_token(self.old_logprobs), per_token(self.behaviour_logprobs),
+                     routing=None if self.routing is None else self.routing[idx, :length])
 
 
 class DrafterInputs(NamedTuple):
@@ -248,8 +254,9 @@ class EmbeddedPolicy:
         """The trunk's output over the micro-batch `mb` (`rows` of the batch), through the shared prompts if any (which
         capture the layers they were built with; `capture` is for the unshared forward)."""
         if shared is None:
-            return self.model.trunk(mb.input_ids, capture=capture)
-        return shared.trunk(rows, mb.input_ids.shape[1])
+            with replayed(self.model, mb.routing):
+                return self.model.trunk(mb.input_ids, capture=capture)
+        return shared.trunk(rows, mb.input_ids.shape[1])  # dense models only: nothing to replay
 
     @torch.no_grad()
     def logprobs(self, batch: Batch) -> Tensor:
@@ -279,7 +286,7 @@ class EmbeddedPolicy:
         for _, mb in self.split(batch):
             if deadline is not None and deadline.stops():
                 break
-            out = self.model.trunk(mb.input_ids, capture=self.capture())
+            out = self.trunk(mb, [], None, self.capture())
             states.append(DrafterInputs(mb.input_ids, mb.mask, out, self.model.lm_head(out.hidden)))
         return states
 

@@ -180,8 +180,16 @@ def simulate_command(args) -> int:
 
         sens = acceptance_sensitivity(_config(args))
         if args.json:
-            print(json.dumps({"assumed": dict(zip(("per_position", "k", "speedup"), sens.assumed)),
-                              "speedups": [{"per_position": r, "k": k, "speedup": v}
+            import shlex
+            import sys
+
+            rates = sorted({r for r, _ in sens.speedups})
+            print(json.dumps({"command": "megatron-spec " + shlex.join(sys.argv[1:]),
+                              "machine": "any: the simulator is deterministic arithmetic",
+                              "assumed": dict(zip(("per_position", "k", "speedup"), sens.assumed)),
+                              "tuner_k": {f"{r:g}": sens.best_k(r) for r in rates},
+                              "speedup_range_with_tuner_k": sens.speedup_range(),
+                              "speedups": [{"per_position": r, "k": k, "speedup": v, "gen_s": sens.gen_s[(r, k)]}
                                            for (r, k), v in sens.speedups.items()]}, indent=2))
         else:
             print(format_sensitivity(sens))

@@ -183,41 +183,57 @@ SENSITIVITY_KS = (1, 2, 3, 4, 5, 6, 7)
 class Sensitivity:
     """A configuration's whole-step speed-up over synchronous plain decoding on its own layout, for every
     per-position acceptance (the same at each draft position) and k: how far a projection rests on its acceptance
-    assumption."""
+    assumption, and which k the tuner would pick at each acceptance."""
 
     speedups: dict[tuple[float, int], float]
     """(per-position acceptance, k) -> plain synchronous step / this step."""
+    gen_s: dict[tuple[float, int], float]
+    """(per-position acceptance, k) -> the generation side's seconds per step (the tuner's tie-break)."""
     assumed: tuple[float, int, float]
     """The configuration's own (per-position acceptance equivalent to its acceptance length, k, speed-up)."""
 
     def best_k(self, rate: float) -> int:
-        """The k that gives the shortest step at this acceptance."""
-        return max((s, k) for (r, k), s in self.speedups.items() if r == rate)[1]
+        """The k the tuner picks at this acceptance (`tune.search`'s order): the shortest step, then, where
+        training bounds the step and several k tie, the shortest generation, then the smaller k."""
+        return min(((-round(s, 6), round(self.gen_s[(r, k)], 6), k) for (r, k), s in self.speedups.items()
+                    if r == rate))[2]
+
+    def speedup_range(self) -> tuple[float, float]:
+        """Lowest and highest speed-up over the sweep with the tuner's k at each acceptance."""
+        picked = [self.speedups[(r, self.best_k(r))] for r in sorted({r for r, _ in self.speedups})]
+        return min(picked), max(picked)
 
 
 def acceptance_sensitivity(cfg: SimConfig, rates: tuple[float, ...] = SENSITIVITY_RATES,
                            ks: tuple[int, ...] = SENSITIVITY_KS) -> Sensitivity:
     """Re-simulate `cfg` (which speculates) at each per-position acceptance and k, against the same layout run
-    synchronously without speculation."""
+    synchronously without speculation. The configuration's own acceptance is swept over `ks` too, so `best_k`
+    answers for the assumption itself."""
     if cfg.spec is None:
         raise ValueError("the acceptance sensitivity needs a speculative configuration (--k and --acceptance)")
     plain = simulate(replace(cfg, spec=None, policy_lag=0)).step_s
-    out = {}
-    for rate in rates:
+    speedups, gen_s = {}, {}
+    for rate in (*rates, cfg.spec.rate):
         for k in ks:
             spec = replace(cfg.spec, k=k, acceptance_length=0.0, per_position=(rate,) * k, adaptive=False)
-            out[(rate, k)] = plain / simulate(replace(cfg, spec=spec)).step_s
-    return Sensitivity(out, (cfg.spec.rate, cfg.spec.k, plain / simulate(cfg).step_s))
+            res = simulate(replace(cfg, spec=spec))
+            speedups[(rate, k)], gen_s[(rate, k)] = plain / res.step_s, res.stages["gen"]
+    return Sensitivity(speedups, gen_s, (cfg.spec.rate, cfg.spec.k, plain / simulate(cfg).step_s))
 
 
 def format_sensitivity(s: Sensitivity) -> str:
-    rates = sorted({r for r, _ in s.speedups})
-    ks = sorted({k for _, k in s.speedups})
-    rate, k, speedup = s.assumed
+    own, k, speedup = s.assumed
+    rates = sorted({r for r, _ in s.speedups if r != own})
+    ks = sorted({kk for _, kk in s.speedups})
+    low, high = s.speedup_range()
     lines = [f"whole-step speed-up over synchronous plain decoding on the same layout, by per-position acceptance "
              f"(rows) and k (columns); the configuration's own: {speedup:.2f}x at k={k}, per-position acceptance "
-             f"{rate:.3f} (acceptance length {sum(rate ** i for i in range(k + 1)):.2f})",
-             "accept " + " ".join(f"{'k=' + str(kk):>6}" for kk in ks) + "  best k"]
-    for r in rates:
-        lines.append(f"{r:6.2f} " + " ".join(f"{s.speedups[(r, kk)]:6.2f}" for kk in ks) + f"  {s.best_k(r):6d}")
+             f"{own:.3f} (acceptance length {sum(own ** i for i in range(k + 1)):.2f})",
+             "accept " + " ".join(f"{'k=' + str(kk):>6}" for kk in ks) + "  tuner's k"]
+    for r in (*rates, own):
+        lines.append(f"{r:6.3g} " + " ".join(f"{s.speedups[(r, kk)]:6.2f}" for kk in ks) + f"  {s.best_k(r):9d}"
+                     + ("  (assumed)" if r == own else ""))
+    lines.append(f"the tuner's k at the assumed acceptance: {s.best_k(own)} "
+                 f"({s.speedups[(own, s.best_k(own))]:.2f}x); over per-position acceptance {rates[0]:g}-{rates[-1]:g} "
+                 f"with the tuner's k: {low:.2f}-{high:.2f}x")
     return "\n".join(lines)

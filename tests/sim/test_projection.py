@@ -90,3 +90,34 @@ def test_acceptance_sensitivity_of_the_recipe():
     assert sens.speedups[(0.9, 6)] == pytest.approx(3.08, abs=0.006)
     rate, k, speedup = sens.assumed
     assert (round(rate, 3), k, round(speedup, 2)) == (0.834, 5, 2.65)
+
+
+def test_recipe_sensitivity_record_and_the_tuners_k():
+    """The committed record of the 235B recipe's sensitivity (`research/records/projection_235b_sensitivity.json`)
+    is what its command prints now (the simulator is deterministic: every figure to 1e-9 relative). The tuner's k
+    at the recipe's assumption (per-position acceptance 0.834, an acceptance length of 4 at k=5) is 5: training
+    bounds the step at lag 2 (2.34x at every k of 1-7), so the tuner's tie-break, the shortest generation, picks
+    it; from 0.5 to 0.9 it picks 2 / 3 / 4 / 4 / 6 and the step stays at 2.34x."""
+    import json
+    import shlex
+    from pathlib import Path
+
+    from megatron_spec.cli import build_parser
+    from megatron_spec.sim.cli import _config
+    from megatron_spec.sim.projection import acceptance_sensitivity
+
+    record = json.loads((Path(__file__).resolve().parents[2] / "research" / "records"
+                         / "projection_235b_sensitivity.json").read_text())
+    args = shlex.split(record["command"])[1:]
+    assert "--sensitivity" in args and "--lag" in args
+    sens = acceptance_sensitivity(_config(build_parser().parse_args(args)))
+    for row in record["speedups"]:
+        key = (row["per_position"], row["k"])
+        assert sens.speedups[key] == pytest.approx(row["speedup"], rel=1e-9)
+        assert sens.gen_s[key] == pytest.approx(row["gen_s"], rel=1e-9)
+    rates = sorted({r for r, _ in sens.speedups})
+    assert {f"{r:g}": sens.best_k(r) for r in rates} == record["tuner_k"]
+    assert [sens.best_k(r) for r in (0.5, 0.6, 0.7, 0.8, 0.9)] == [2, 3, 4, 4, 6]
+    own, k, speedup = sens.assumed
+    assert (round(own, 3), k, sens.best_k(own), round(speedup, 2)) == (0.834, 5, 5, 2.34)
+    assert [round(x, 2) for x in sens.speedup_range()] == [2.34, 2.34]

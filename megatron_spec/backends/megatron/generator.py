@@ -169,7 +169,7 @@ def serve(conn: Connection) -> None:
         model = from_pretrained(cfg.model.policy, device=cfg.run.torch_device())
         drafter = load_drafter_for(cfg, model)
         gen = EmbeddedGenerator(model, drafter, cfg.spec, max_num_seqs=cfg.grpo.prompts_per_step * cfg.grpo.group_size,
-                                own=True)
+                                own=True, record_routing=cfg.grpo.routing_replay)
         del model, drafter
     except Exception:  # noqa: BLE001  (reported to the caller, which raises it)
         conn.send(("error", traceback.format_exc()))
