@@ -11,8 +11,8 @@ between barriers, and of that the time inside `run_schedule` (forward and backwa
 the repeats (other processes only ever add time), and each round's paired ratio.
 
 PP1 runs (1 rank, before and after the pipelined ones; the faster counts) give the costs the simulator's
-pipeline model (`megatron_spec.sim.bubble`) turns into the PP2 predictions of both paths, printed beside the
-measurements. The prediction assumes each rank has a core to itself: on a loaded machine the measured PP2 times
+pipeline model (`megatron_spec.sim.bubble.cpu_pipeline_s`: 1F1B over the micro-batches' tokens, the gloo exchanges
+between stages) turns into the PP2 predictions of both paths, printed beside the measurements. The prediction assumes each rank has a core to itself: on a loaded machine the measured PP2 times
 are longer by however long the ranks wait for a core.
 """
 
@@ -100,7 +100,7 @@ def run(rank: int, world: int, layout: dict, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     from megatron_spec.backends.megatron.parallel import spawn
-    from megatron_spec.sim.bubble import bubble_factor, pipeline_train_time
+    from megatron_spec.sim.bubble import bubble_factor, cpu_pipeline_s
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=8)
@@ -124,13 +124,17 @@ def main(argv: list[str] | None = None) -> dict:
     result["pp1"] = pp1 = min(pp1, key=lambda r: r["one_call"]["min_s"])
     # The simulator: at PP1 one rank runs every layer of every micro-batch (its schedule time) and the rest of the
     # step (gradient reductions, clipping, AdamW: proportional to the parameters it holds). At PP2 each stage holds
-    # half of both; the schedule's part stretches by the bubble of its calls.
+    # half of both; the schedule's part runs as 1F1B over micro-batches costed by their tokens, with each
+    # stage-to-stage exchange over the host's measured gloo link (`bubble.cpu_pipeline_s`).
     pp2, one = result["pp2"], pp1["one_call"]
     m, rest = len(pp2["micro_batches"]), one["min_s"] - one["schedule_min_s"]
+    with open(os.path.join(POLICY, "config.json")) as f:
+        hidden = json.load(f)["hidden_size"]
     result["sim_pp2"] = {}
     for path in ("one_call", "per_shape"):
         calls = pp2[path]["schedule_calls"]
-        pred = pipeline_train_time(one["schedule_min_s"], pp=2, micro_batches=m, calls=calls) + rest / 2
+        pred = cpu_pipeline_s(one["schedule_min_s"], rest, pp2["micro_batches"], hidden, pp=2,
+                              one_call=path == "one_call")
         result["sim_pp2"][path] = {"predicted_s": pred, "measured_s": pp2[path]["min_s"],
                                    "error": pred / pp2[path]["min_s"] - 1,
                                    "bubble_factor": bubble_factor(m, 2, calls=calls)}

@@ -104,6 +104,12 @@ GPU_PROFILES: dict[str, Hardware] = {
 # step model on this host; the CPU calibration set (`calibration.CPU_HOST`) carries what its eager engine and
 # trainer reach.
 CPU_GLOO_REFIT_BW = 0.537e9
+# A pipeline stage's send to the next on this host: gloo isend / irecv between two 1-thread ranks, timed as a
+# ping-pong of 24 B to 4 MiB (medians of 200 rounds each, other jobs running: load 2-4 on the 2 cores), seconds
+# fitted on bytes by least squares: 146 us a message plus the bytes at 2.30 GB/s (on a quiet host 88 us and
+# 2.54 GB/s). What `bubble.p2p_exchange_s` charges a Megatron pipeline exchange on the CPU host.
+CPU_GLOO_P2P_LATENCY_S = 146e-6
+CPU_GLOO_P2P_BW = 2.30e9
 
 CPU_PROFILES: dict[str, Hardware] = {
     "cpu": Hardware("cpu", flops_bf16=177e9, mem_bw=22.8 * GB, mem_bytes=24 * GB, link_bw=2 * CPU_GLOO_REFIT_BW,
