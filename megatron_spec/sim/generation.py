@@ -62,16 +62,18 @@ class Engine:
     def step_time(self, n_seqs: float, ctx_tokens: float, k: int, tau: float = 1.0) -> float:
         """One engine step over `n_seqs` sequences holding `ctx_tokens` context in total.
 
-        k = 0 is one decode forward. With k > 0: k draft forwards (the first re-reads the ~tau tokens accepted last
-        step, as EAGLE-3 and MTP do) then one verify forward over k+1 tokens per sequence. Every forward pays the
-        fixed per-forward overhead (`Calibration.forward_overhead_s`), which is what makes k cheap-looking draft
-        forwards expensive at small batch."""
+        k = 0 is one decode forward. With k > 0: k draft forwards, one after another, then one verify forward over
+        k+1 tokens per sequence. The first draft pass runs over all k+1 positions the last verify scored, rejected
+        ones included (vLLM's EAGLE / MTP proposer with its default padded drafter batch, `propose` in
+        `vllm/v1/spec_decode/llm_base_proposer.py`), the other k-1 over one token per sequence. Every forward pays
+        the fixed per-forward overhead (`Calibration.forward_overhead_s`), which is what makes k cheap-looking
+        draft forwards expensive at small batch. `tau` does not enter this cost; a platform that overrides the
+        method may use it (the CPU harness's engine drafts from the accepted tokens only)."""
         if k == 0:
             return self._fwd(self.target, n_seqs, 1, ctx_tokens)
         t = self._fwd(self.target, n_seqs, k + 1, ctx_tokens)
         if self.drafter is not None:
-            # vLLM drops rejected positions before the drafter's catch-up: ~tau tokens per sequence.
-            t += self._fwd(self.drafter, n_seqs, tau, ctx_tokens)
+            t += self._fwd(self.drafter, n_seqs, k + 1, ctx_tokens)
             t += (k - 1) * self._fwd(self.drafter, n_seqs, 1, ctx_tokens)
         return t
 
