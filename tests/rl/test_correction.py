@@ -180,6 +180,41 @@ def test_the_embedded_trainer_weighs_each_row_by_its_level(level):
     assert truncated > 0  # the truncation is exercised at every level
 
 
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+def test_the_embedded_trainer_leaves_rejected_rows_out(agg):
+    """Sequences rejected whole keep their rows with an empty mask (the loop narrows the batch's mask): the embedded
+    trainer's update (geometric ratios; each aggregation, so the sequence mean's row count is checked too) equals
+    its update on the batch without those rows: the loss to 3e-6 absolute (a mean of 13-16 terms of size <= 3
+    summed in another order, the micro-batches being cut otherwise: n x fp32 eps x 3 bounds the difference; the
+    terms cancel to ~0.05, so this is not a relative bound; observed 3e-7; three empty rows counted in the sequence
+    mean would move it by ~1e-2), and the weights to
+    within Adam's worst case for an element whose tiny gradient rounds differently (2 x lr, lr 1e-3) with a mean
+    below 1e-7 (a row that still counted would move most weights by ~lr)."""
+    from tests.rl.test_policy import make_policy, rollout_batch
+
+    batch = rollout_batch()
+    old = make_policy(0).logprobs(batch)
+    rejected = torch.zeros(batch.mask.shape[0], dtype=torch.bool)
+    rejected[[1, 4, 9]] = True
+    kept_rows = (~rejected).nonzero().flatten()
+    results = []
+    for b in (copy.copy(batch), batch.select(kept_rows.tolist(), batch.mask.shape[1])):
+        if b.mask.shape[0] == batch.mask.shape[0]:
+            b.mask = batch.mask & ~rejected[:, None]
+            b.old_logprobs = old.clone()
+        else:
+            b.old_logprobs = old[kept_rows].clone()
+        b.behaviour_logprobs = b.old_logprobs - 0.3
+        policy = make_policy(64, loss_agg=agg, rollout_correction=RolloutCorrection(level="geometric"))
+        metrics = policy.train_step(b)
+        results.append((metrics, [p.detach().clone() for p in policy.model.parameters()]))
+    (a, wa), (b, wb) = results
+    assert a["loss"] == pytest.approx(b["loss"], rel=0, abs=3e-6) and a["is_clip_frac"] == b["is_clip_frac"] == 0.0
+    assert abs(a["loss"]) > 1e-3
+    diffs = torch.cat([(x - y).abs().flatten() for x, y in zip(wa, wb)])
+    assert diffs.max() <= 2e-3 and diffs.mean() <= 1e-7
+
+
 class RecordingPolicy:
     """A trainer that keeps the batch it is given and returns the old log-probs a crafted step needs."""
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from megatron_spec.models import MTP, CausalLM, MTPConfig
-from megatron_spec.rl.config import GRPOSection
+from megatron_spec.rl.config import GRPOSection, RolloutCorrection
 from megatron_spec.rl.policy import Batch, EmbeddedPolicy
 
 from .common import hf_tensors, policy_part, tiny
@@ -153,6 +153,49 @@ def after_outside_backward_run(kind: str) -> dict:
     return megatron_run(kind, Parallelism())
 
 
+CORRECTION = dict(rollout_correction=RolloutCorrection(level="geometric", truncate=1.2))
+"""Geometric-mean importance ratios truncated at 1.2: per-row weights, row 0's truncated (`correction_inputs`)."""
+
+
+def correction_inputs(kind: str, rows: list[int] | None = None) -> tuple[Batch, torch.Tensor]:
+    """Step 0's batch (old log-probs folded) with behaviour log-probs 0.5 x N(0, 1) off the embedded policy's own
+    (0.6 lower on row 0, whose geometric-mean ratio is then above the bound), and with rows 2 and 3 left out as dynamic sampling leaves a group out of a fixed row count (`leave_out_rows`:
+    empty mask, advantage 0); `rows`: only those rows instead (the batch without the left-out group)."""
+    from megatron_spec.rl.loop import leave_out_rows
+
+    cfg = tiny(kind)
+    b = batches(cfg, 1)[0]
+    own = EmbeddedPolicy(our_model(cfg), grpo(), SAMPLING).logprobs(b)
+    behaviour = own + 0.5 * torch.randn(own.shape, generator=torch.Generator().manual_seed(7))
+    behaviour[0] -= 0.6
+    if rows is not None:
+        return Batch(b.input_ids[rows], b.mask[rows], b.advantages[rows], None, behaviour[rows]), behaviour
+    keep = [True, True, False, False]
+    mask, advantages = leave_out_rows(b.mask, b.advantages[[0, 1]], keep)
+    return Batch(b.input_ids, mask, advantages, None, behaviour), behaviour
+
+
+def embedded_correction_run(kind: str) -> dict:
+    """The embedded trainer's step on the kept rows alone: with the correction, and without behaviour log-probs."""
+    out = {}
+    for name, corrected in (("corrected", True), ("plain", False)):
+        model = our_model(tiny(kind))
+        policy = EmbeddedPolicy(model, grpo(**CORRECTION), SAMPLING)
+        b, _ = correction_inputs(kind, rows=[0, 1])
+        if not corrected:
+            b.behaviour_logprobs = None
+        out[name] = {"metrics": [policy.train_step(b)],
+                     "weights": [{n: t.detach().clone() for n, t in model.state_dict().items()}]}
+    return out
+
+
+def megatron_correction_run(kind: str, par) -> dict:
+    """`MegatronPolicy`'s step on the whole batch with rows 2 and 3 left out, corrected as `CORRECTION` says."""
+    policy = megatron_policy(kind, par, grpo=CORRECTION)
+    b, _ = correction_inputs(kind)
+    return {"metrics": [policy.train_step(b)], "weights": [{n: t.clone() for n, t in policy.export_weights()}]}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Spawn entries (module-level, importable by the spawned processes)
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,6 +219,7 @@ def one_rank(rank: int, world: int) -> dict:
     out["coupling"] = coupling_run("dense")
     out["online"] = online_mtp_run("moe")
     out["after_outside_backward"] = after_outside_backward_run("moe")
+    out["correction"] = megatron_correction_run("dense", Parallelism())
     return out
 
 
@@ -187,6 +231,8 @@ def two_ranks(rank: int, world: int) -> dict:
     for (kind, mtp), layouts in TWO_RANK_LAYOUTS.items():
         for name, sizes in layouts.items():
             out[kind, mtp, name] = megatron_run(kind, Parallelism(**sizes), mtp)
+    out["correction", "dp2"] = megatron_correction_run("dense", Parallelism())  # rank 1's rows are the left-out ones
+    out["correction", "pp2"] = megatron_correction_run("dense", Parallelism(pp=2))
     ep2, pp2 = Parallelism(ep=2, etp=1), Parallelism(pp=2)
     out["resume", "straight"] = megatron_run("moe", ep2, "detached", steps=RESUME_STEPS)
     first = megatron_policy("moe", ep2, "detached")

@@ -96,6 +96,31 @@ def test_parallel_steps_equal_the_tp1_step(one, two, kind, mtp, layout):
                                                                               rel=REL)
 
 
+@pytest.fixture(scope="module")
+def embedded_correction():
+    return w.embedded_correction_run("dense")
+
+
+@pytest.mark.parametrize("layout", ["tp1", "dp2", "pp2"])
+def test_corrected_step_with_left_out_rows_equals_the_embedded_step_without_them(one, two, embedded_correction,
+                                                                              layout):
+    """Async rollouts under dynamic sampling on the Megatron trainer: behaviour log-probs 0.5 x N(0, 1) off the
+    policy's, geometric-mean ratios truncated at 1.2 (`grpo.rollout_correction`), and rows 2 and 3 left out with an
+    empty mask (`loop.leave_out_rows`, as the loop leaves a group out of a fixed row count). Loss, clip fraction,
+    truncated share, grad norm and weights equal the embedded trainer's step on rows 0 and 1 alone, at TP1, at DP2
+    (rank 1's rows are the left-out ones: it contributes no token) and at PP2. Tolerances of the module docstring;
+    the truncated share is a count over tokens, equal exactly (no ratio is within 1e-3 of the bound). The
+    correction is live: the step without behaviour log-probs has another loss."""
+    ref = embedded_correction["corrected"]
+    runs = [one["correction"]] if layout == "tp1" else [rank["correction", layout] for rank in two]
+    for ours in runs:
+        same_metrics(ours["metrics"][0], ref["metrics"][0])
+        assert ours["metrics"][0]["is_clip_frac"] == ref["metrics"][0]["is_clip_frac"]
+        close_weights(ours["weights"][0], ref["weights"][0])
+    assert 0 < ref["metrics"][0]["is_clip_frac"] < 1
+    assert abs(ref["metrics"][0]["loss"] - embedded_correction["plain"]["metrics"][0]["loss"]) > 1e-3
+
+
 def test_a_backward_outside_the_schedule_leaves_the_next_steps_as_they_were(one):
     """A backward through MoE routers outside Megatron's schedule (a detached MTP loss, as the GPU tier's MTP-only
     test runs before the GRPO-step test in one process) used to make the next schedule fail ("output with shape []
