@@ -229,7 +229,7 @@ class RecordingPolicy:
         return {"loss": 0.0}
 
 
-def learn(trainer_kind: str, ages: list[int], ratios: list[float], **grpo):
+def learn(trainer_kind: str, ages: list[int], ratios: list[float], rewards=(1.0, 0.0, 1.0, 0.0, 0.0, 1.0), **grpo):
     """`Trainer.learn` on 3 groups of 2 one-token rollouts (prompt [1]) whose ratio old / behaviour is `ratios`,
     generated a policy version ago (lag 1), with a recording trainer. Returns (the batch it trained, metrics)."""
     trainer = object.__new__(Trainer)
@@ -239,7 +239,7 @@ def learn(trainer_kind: str, ages: list[int], ratios: list[float], **grpo):
     old = torch.full((6, 1), -1.0)
     trainer.policy = RecordingPolicy(old)
     outs = [SimpleNamespace(token_ids=[5], logprobs=[-1.0 - math.log(r)]) for r in ratios]
-    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    rewards = torch.tensor(rewards)
     train, mismatch = trainer.learn([[1]] * 6, Rollouts(outs, lag=1, ages=ages), rewards, StageTimer())
     assert mismatch is None
     return trainer.policy.batch, train
@@ -264,6 +264,20 @@ def test_learn_drops_stale_groups_and_rejects_out_of_band_tokens(trainer_kind):
     assert train["is_ratio_max"] == pytest.approx(3.0) and train["is_ratio_min"] == pytest.approx(1.0)
     assert train["is_ratio_mean"] == pytest.approx(1.5)
     assert train["is_masked_tokens_frac"] == 0.25 and train["is_masked_seqs_frac"] == 0.25
+
+
+def test_dynamic_sampling_keeps_the_megatron_trainers_rows():
+    """`drop_uniform_groups` with the Megatron trainer: the uniform group 1 keeps its rows, with an empty mask and
+    advantage 0 (`leave_out_rows`, whose update equals the one without the rows: tests/backends/megatron's
+    `test_corrected_step_with_left_out_rows_equals_the_embedded_step_without_them`); the embedded trainer gets
+    the 4 other rows."""
+    rewards = (1.0, 0.0, 1.0, 1.0, 0.0, 1.0)
+    batch, train = learn("megatron", [0] * 6, [1.0] * 6, rewards, drop_uniform_groups=True)
+    assert train["groups_dropped"] == 1 and "groups_dropped_stale" not in train
+    assert batch.mask[:, 1:].flatten().tolist() == [True, True, False, False, True, True]
+    assert batch.advantages.tolist() == pytest.approx([1.0, -1.0, 0.0, 0.0, -1.0, 1.0], abs=1e-5)
+    batch, _ = learn("embedded", [0] * 6, [1.0] * 6, rewards, drop_uniform_groups=True)
+    assert batch.mask.shape[0] == 4 and batch.mask[:, 1:].all()
 
 
 def test_every_group_stale_leaves_an_update_without_any_token():
