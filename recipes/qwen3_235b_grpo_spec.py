@@ -19,9 +19,11 @@ fit 80 GB under no optimizer setting without offload. `--tune` picks the tuner's
 allocation instead.
 
 Projected by the simulator (H100 set calibrated on NeMo-RL's published step times; engines in bf16; response lengths
-log-normal with the projection's mean and spread under the 8192 cap; EAGLE-3 acceptance length 4 at k=5, the
-projection's assumption, trained online): see the at-scale guide's table for the step times and speed-ups, and
-`megatron-spec simulate ... --sensitivity` for their range over the acceptance assumption.
+log-normal with the projection's mean and spread under the 8192 cap; drafter trained online): 2.34x over
+synchronous plain decoding at k=5, the tuner's k under the assumption of an EAGLE-3 acceptance length of 4 at k=5
+(per-position acceptance 0.834), and 2.34x over per-position acceptance 0.5-0.9 with the tuner's k (2-6): training
+bounds the step. The step times and the sensitivity table are in the at-scale guide (docs/guide/at-scale.md);
+`megatron-spec simulate ... --sensitivity` prints the table.
 
 Running needs `pip install -e .[megatron,vllm,ray]` on the cluster: submit with `--executor ray-slurm`;
 `--dryrun` works anywhere; `--rehearsal` runs this file's code path at toy width on the allocation at hand
