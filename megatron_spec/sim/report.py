@@ -91,13 +91,19 @@ def validation_report() -> str:
 def projection_report() -> str:
     """Qwen3-235B-A22B projection, its sensitivity to acceptance, lag and response-length spread, and the verdict
     against the paper's ~2.5x; H100 is the calibrated profile, GB200 the spec-sheet one."""
-    from .projection import format_rows, headline, sensitivity, spread_sensitivity
+    from .acceptance import rate_from_tau
+    from .projection import format_rows, headline, sensitivity, spread_sensitivity, tuned_run
 
     rows = headline()
     lines = ["Qwen3-235B-A22B GRPO, 4096 rollouts/step, FP8 engines TP8/EP8, trainer TP2 PP8 EP16, full recompute, "
              "EAGLE-3 head trained online",
              "speedups vs synchronous autoregressive on the same GPUs (H100: calibrated on NeMo-RL's published "
              "step times; GB200: spec-sheet set, optimistic against NeMo-RL's GB200 rows)", "", format_rows(rows), ""]
+    rate = rate_from_tau(4.0, 5)
+    tuned = [tuned_run(hw, gpus, lag, rate) for hw in ("h100", "gb200") for gpus, lag in ((512, 0), (2048, 2))]
+    lines += [f"the same points at the k the tuner picks for that drafter (per-position acceptance {rate:.3f}, the "
+              f"acceptance length 4 at k=5 implies; the acceptance length at each k from the constant-rate model)",
+              format_rows(tuned), ""]
     sens = sensitivity("h100", 2048)
     taus = sorted({t for _, t in sens})
     lags = sorted({lag for lag, _ in sens})
