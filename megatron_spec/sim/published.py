@@ -127,6 +127,15 @@ def format_table(comps: list[Comparison], footer: bool = True, fitted: tuple[str
         use = "fit" if c.name in fitted else "check"
         lines.append(f"{c.name:22} {use:5} {c.release:7} {c.published_s:9.1f} {c.result.step_s:9.1f} {c.ratio:6.2f}  "
                      + " ".join(f"{st[s]:7.1f}" for s in STAGES) + f" {c.result.exposed_gen_s:7.1f}")
+    if fitted:
+        lines.append("")
+        for label, part in (("fitted", [c for c in comps if c.name in fitted]),
+                            ("held out", [c for c in comps if c.name not in fitted])):
+            if part:
+                worst = max(part, key=lambda c: abs(c.ratio - 1))
+                lines.append(f"{label} ({len(part)} rows): ratio {min(c.ratio for c in part):.2f}-"
+                             f"{max(c.ratio for c in part):.2f}, furthest {worst.name} ({worst.ratio - 1:+.0%}); "
+                             f"{sum(abs(c.ratio - 1) <= 0.15 for c in part)} of {len(part)} within 15 %")
     if not footer:
         return "\n".join(lines)
     lines.append("")

@@ -152,6 +152,9 @@ def test_compare_published_cli(capsys):
         line = next(x for x in out.splitlines() if x.startswith(name))
         assert f"{ratio:.2f}" in line
     assert "not expressible" in out and "DeepSeek V3" in out
+    # fitted and held-out rows summarised apart, each from the pinned ratios
+    assert "fitted (5 rows): ratio 0.99-1.02, furthest qwen3-30b-a3b sync (+2%); 5 of 5 within 15 %" in out
+    assert "held out (5 rows): ratio 0.89-1.04, furthest qwen3-235b sync 256 (-11%); 5 of 5 within 15 %" in out
 
 
 def test_lag_sensitivity_of_in_flight_updates():
