@@ -453,7 +453,7 @@ class EmbeddedPolicy:
                         counts.append(0.0)
                     sums[i] += s
                     counts[i] += c
-            if online:
+            if online and pairs:  # none where every row's tokens left the update (rejected or stale)
                 share = float(f.mask.sum()) / max(tokens, 1.0)
                 with torch.set_grad_enabled(learn):
                     loss = self.drafter_cfg.loss_weight * share * pairs_loss(drafter, pairs)

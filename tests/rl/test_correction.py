@@ -215,6 +215,34 @@ def test_the_embedded_trainer_leaves_rejected_rows_out(agg):
     assert diffs.max() <= 2e-3 and diffs.mean() <= 1e-7
 
 
+def test_micro_batches_left_without_a_token_give_the_drafter_nothing_to_learn():
+    """Rows whose every token left the update sit together where the length buckets put them (here every row of
+    at most 4 generated tokens, several micro-batches of 16 tokens): the online MTP drafter's loss is then its loss
+    on the batch without those rows, to 1e-5 relative (fp32 sums in another order); a batch with no token left at
+    all changes no weight (zero gradients into a fresh AdamW) and reports zero losses."""
+    from tests.rl.test_policy import make_policy, rollout_batch
+
+    batch = rollout_batch()
+    mask = batch.mask
+    short = mask.sum(1) <= 4
+    assert 4 <= int(short.sum()) < len(short)
+    results = []
+    for b in (copy.copy(batch), batch.select((~short).nonzero().flatten().tolist(), mask.shape[1])):
+        if b.mask.shape[0] == mask.shape[0]:
+            b.mask = mask & ~short[:, None]
+        results.append(make_policy(16, "mtp").train_step(b))
+    assert results[0]["drafter_loss"] == pytest.approx(results[1]["drafter_loss"], rel=1e-5)
+    assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=0, abs=3e-6)
+    policy = make_policy(16, "mtp")
+    before = [p.detach().clone() for p in [*policy.model.parameters(), *policy.drafter.parameters()]]
+    empty = copy.copy(batch)
+    empty.mask = torch.zeros_like(mask)
+    metrics = policy.train_step(empty)
+    assert metrics["loss"] == 0.0 and metrics["drafter_loss"] == 0.0
+    after = [*policy.model.parameters(), *policy.drafter.parameters()]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
 class RecordingPolicy:
     """A trainer that keeps the batch it is given and returns the old log-probs a crafted step needs."""
 
