@@ -11,14 +11,19 @@ fallback, `transport.py`; logged as `weight_sync_bytes` / `_s` / `_gbps` / `_tra
 
 Async GRPO (`backend.async_lag = L > 0`): before waiting for step s's rollouts the driver has submitted generation
 for every step up to s + L, each with the newest weights it had; engines run those while the trainer updates. Every
-engine answers with the policy version its weights were at; step s's `policy_lag` is the trainer's version minus the
-oldest of them, never above L (at step s the trainer is at version s, and step s's generation was submitted at
-step s - L or later, after that step's sync). The loss then corrects with truncated importance sampling
-(`backend.is_clip`, `is_clip_frac` logged). The drafter is synced in the same stream with the same version, so it
-always drafts for the policy whose rollouts it speeds up. An engine takes a refit only between two generate calls
-(one call at a time per actor), so no request ever mixes two versions. With the collective transport the trainer's
-stream needs every engine at once, so it starts after the generation already queued on the engines; lag 1 still
-overlaps step s + 1's generation with step s's training. With L = 0 the step is exactly the in-process step.
+token comes back with the policy version of the weights that sampled it; step s's `policy_lag` is the trainer's
+version minus the oldest of them, never above L (at step s the trainer is at version s, and step s's generation was
+submitted at step s - L or later, after that step's sync). The loss then corrects each token with its own behaviour
+log-prob (`is_clip_frac` logged). The drafter is synced in the same stream with the same version, so it always
+drafts for the policy whose rollouts it speeds up.
+
+Without in-flight updates an engine takes a refit only between two generate calls (one call at a time per actor),
+so no request mixes two versions; but with the collective transport the trainer's stream needs every engine at
+once, so it waits for the generation already queued on them (lag 2 then behaves as lag 1). With
+`backend.in_flight_updates` an engine takes it between two decoding steps of the generation it runs (its running
+rollouts' keys and values recomputed under the new weights, `LLMEngine.refit`), so the senders wait about one
+decoding step (`weight_sync_wait_s`, beside the engines' `engine_generate_s`) and rollouts may span versions
+(`rollout_version_span_max`, `rollout_versions_mean`). With L = 0 the step is exactly the in-process step.
 """
 
 from __future__ import annotations
@@ -80,7 +85,8 @@ class RayTrainer(loop.Trainer):
 
     def refit(self) -> None:
         """Send the trainer's weights when they are newer than the engines'; wait for the engines to load them
-        when synchronous (with a lag they load after the generation already queued)."""
+        when synchronous (with a lag they load after the generation already queued, or with in-flight updates at
+        the next decoding step of the one running)."""
         if self.synced == self.version:
             return
         if self.placement.kind == "colocated":  # the engines wake on the trainer's devices: make room first
@@ -104,13 +110,14 @@ class RayTrainer(loop.Trainer):
         for s in range(step + 1, min(ahead, last) + 1):
             if s not in self.pending:
                 self.pending[s] = self.submit(s, self.draw(s)[1])
-        outs, versions = self.generator.collect(self.pending.pop(step))
-        lag = self.version - min(versions)
+        outs, seconds = self.generator.collect(self.pending.pop(step))
+        ages = [self.version - min(o.versions, default=self.version) for o in outs]  # from each oldest token
+        lag = max(ages)
         metrics = {"policy_lag": lag, "generator_restarts": self.generator.restarts, **self.sync_metrics(),
-                   "engine_memory": self.engine_memory()}
+                   **version_metrics(outs), "engine_generate_s": max(seconds), "engine_memory": self.engine_memory()}
         if self.offload_info:
             metrics["trainer_offload"] = dict(self.offload_info)
-        return Rollouts(outs, lag, metrics)
+        return Rollouts(outs, lag, metrics, ages)
 
     def engine_memory(self) -> dict:
         """Every engine's peak resident memory since the last step, MB, by engine: its actor process and the sum
@@ -160,6 +167,16 @@ class RayTrainer(loop.Trainer):
                 getattr(self, group).close()
         if hasattr(self, "pg"):
             remove_placement_group(self.pg)
+
+
+def version_metrics(outs) -> dict:
+    """How many policy versions the rollouts' tokens span: the most of one rollout (max - min + 1) and the mean
+    number of distinct versions in a rollout (1.0 when no engine switched weights mid-rollout)."""
+    versions = [o.versions for o in outs if o.versions]
+    if not versions:
+        return {}
+    return {"rollout_version_span_max": max(max(v) - min(v) + 1 for v in versions),
+            "rollout_versions_mean": sum(len(set(v)) for v in versions) / len(versions)}
 
 
 def _done(ref) -> bool:

@@ -16,6 +16,9 @@ from ..process_groups import local_ranks, straddling_groups
 from .placement import Placement, Slot
 from .workers import Engine, TrainerRank
 
+BESIDE_GROUP = "beside"
+"""An engine actor's second concurrency group with in-flight updates: refits (`Engine.receive_weights`) and the
+driver's short calls (`Engine.memory`), which run while a generation does instead of after the ones queued."""
 SEED_STRIDE = 1_000_000_007
 """Seed offset between engines: far above any step's seed, so no two engines or steps share a random stream."""
 
@@ -36,13 +39,14 @@ def split_groups(n_prompts: int, group_size: int, engines: int) -> list[tuple[in
     return ranges
 
 
-def _actor(cls, slot: Slot, pg, **options):
+def _actor(cls, slot: Slot, pg, concurrency_groups: dict | None = None, **options):
+    """`cls` as an actor in `slot`'s bundle; `concurrency_groups` are fixed with the class (Ray takes them there)."""
     ray = require_ray()
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=slot.bundle)
-    return ray.remote(cls).options(num_cpus=slot.cpus, num_gpus=slot.gpus, scheduling_strategy=strategy,
-                                   **options)
+    remote = ray.remote(concurrency_groups=concurrency_groups)(cls) if concurrency_groups else ray.remote(cls)
+    return remote.options(num_cpus=slot.cpus, num_gpus=slot.gpus, scheduling_strategy=strategy, **options)
 
 
 class TrainerDied(RuntimeError):
@@ -184,12 +188,23 @@ class GeneratorGroup:
     def _start(self, j: int):
         slot = self.placement.generator(j)
         threads = self.cfg.backend.vllm.threads or slot.threads
-        return _actor(Engine, slot, self.pg).remote(self.cfg, threads, j)
+        if not self.cfg.backend.in_flight_updates:
+            return _actor(Engine, slot, self.pg).remote(self.cfg, threads, j)
+        # Refits in a thread of their own, handed to the generating thread between two steps; they must not wait
+        # for the generate calls submitted before them, which Ray's in-order execution would make them do.
+        return _actor(Engine, slot, self.pg, {BESIDE_GROUP: 1},
+                      allow_out_of_order_execution=True).remote(self.cfg, threads, j)
+
+    def beside(self, engine, method: str):
+        """`engine.method` to be called beside generation: in the engine's second concurrency group with in-flight
+        updates (it runs while a generation does), else queued behind whatever the engine is generating."""
+        call = getattr(engine, method)
+        return call.options(concurrency_group=BESIDE_GROUP) if self.cfg.backend.in_flight_updates else call
 
     def sync(self, version: int, refs: list) -> list:
-        """Send the buckets to every engine (queued behind whatever each is generating); the load futures."""
+        """Send the buckets to every engine; the load futures."""
         self.weights = (version, refs)
-        return [e.update_weights.remote(version, refs) for e in self.engines]
+        return [self.beside(e, "update_weights").remote(version, refs) for e in self.engines]
 
     def submit(self, prompts: list, params, group_size: int) -> Pending:
         parts = []
@@ -201,15 +216,15 @@ class GeneratorGroup:
         seeded = dataclasses.replace(params, seed=params.seed + j * SEED_STRIDE)
         return self.engines[j].generate.remote(prompts, seeded, self.colocated)
 
-    def collect(self, pending: Pending) -> tuple[list, list[int]]:
-        """The rollouts in prompt order and the policy version of each engine's share; an engine that died is
-        replaced and its share re-issued."""
+    def collect(self, pending: Pending) -> tuple[list, list[float]]:
+        """The rollouts in prompt order (each token's policy version in `Completion.versions`) and each engine's
+        generation seconds; an engine that died is replaced and its share re-issued."""
         ray = require_ray()
-        outs, versions = [None] * len(pending.prompts), []
+        outs, seconds = [None] * len(pending.prompts), []
         for j, lo, hi, handle, ref in pending.parts:
             while True:
                 try:
-                    version, part = ray.get(ref)
+                    part, took = ray.get(ref)
                     break
                 except ray.exceptions.RayActorError:
                     if self.engines[j] is handle:  # not replaced yet by an earlier share's failure
@@ -217,8 +232,8 @@ class GeneratorGroup:
                     handle = self.engines[j]
                     ref = self._generate(j, pending.prompts[lo:hi], pending.params)
             outs[lo:hi] = part
-            versions.append(version)
-        return outs, versions
+            seconds.append(took)
+        return outs, seconds
 
     def _restart(self, j: int) -> None:
         ray = require_ray()
@@ -233,7 +248,7 @@ class GeneratorGroup:
 
     def memory(self) -> list[dict]:
         """Each engine's peak memory since the last call (`Engine.memory`)."""
-        return require_ray().get([e.memory.remote() for e in self.engines])
+        return require_ray().get([self.beside(e, "memory").remote() for e in self.engines])
 
     def generate(self, prompts: list, params) -> list:
         """The Generator interface (greedy evaluation): one call over all engines, prompts split evenly."""

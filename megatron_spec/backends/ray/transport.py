@@ -128,7 +128,8 @@ class CollectiveRefit:
         """Stream the weights of `version` to every engine; the futures of the sender and each engine."""
         self.version = version
         send = self.trainer.ranks[0].send_weights.remote(self.bucket_bytes, self.dtype)
-        return [send, *[e.receive_weights.remote(version) for e in self.generator.engines]]
+        return [send, *[self.generator.beside(e, "receive_weights").remote(version)
+                        for e in self.generator.engines]]
 
     def reconnect(self) -> None:
         """After an engine was replaced: form the group again and resend the last sent version (the trainer holds

@@ -6,6 +6,10 @@ tensors. Weights travel through a weight-update group (`backends/weight_group.py
 buckets it exports, every engine worker receives them (`join_weights` / `send_weights` / `receive_weights`). The
 fallback (`backend.refit_transport=object_store`) passes lists of object-store references to the buckets; the
 engine fetches them itself, so the driver never holds a copy.
+
+With `backend.in_flight_updates` an engine actor runs its refits in a concurrency group of their own: a refit that
+arrives while a generation runs in the actor's other thread is loaded by that thread between two decoding steps
+(`LLMEngine.refit`), so the senders wait for one step, not for the generation and the ones queued behind it.
 """
 
 from __future__ import annotations
@@ -230,9 +234,18 @@ class Engine:
         import ray
 
         t0 = time.perf_counter()
-        nbytes = self.generator.update_weights(ray.get(ref) for ref in refs)
-        self.version = version
+        nbytes = self._load((ray.get(ref) for ref in refs), version)
         return nbytes, time.perf_counter() - t0
+
+    def _load(self, stream, version: int) -> int:
+        """Load a refit stream of `version`: our engine between two decoding steps of a generation running in the
+        actor's other thread (in-flight updates; at once when none runs), other generators directly."""
+        if hasattr(self.generator, "update_weights_in_flight"):
+            nbytes = self.generator.update_weights_in_flight(stream, version)
+        else:
+            nbytes = self.generator.update_weights(stream)
+        self.version = version
+        return nbytes
 
     def weight_ranks(self) -> int:
         """Ranks this engine takes in a weight-update group: one per vLLM worker, one for our engine."""
@@ -251,14 +264,14 @@ class Engine:
 
     def receive_weights(self, version: int) -> tuple[int, float]:
         """Receive one refit from the weight-update group (the trainer streams it at the same time): policy and
-        drafter, one version for both, taken between two generate calls (this actor runs one call at a time, so no
-        request ever sees two versions). Returns (bytes, seconds)."""
+        drafter, one version for both, taken between two generate calls, or with in-flight updates between two
+        decoding steps of the one running. Returns (bytes, seconds)."""
         t0 = time.perf_counter()
         if hasattr(self.generator, "receive_weights"):
             nbytes = self.generator.receive_weights()
-        else:
-            nbytes = self.generator.update_weights(self.weights.receive(reuse=True))  # our loader copies at once
-        self.version = version
+            self.version = version
+        else:  # our loader copies each bucket at once, so the receive buffers are reused
+            nbytes = self._load(self.weights.receive(reuse=True), version)
         self.crash.check("receive_weights")
         return nbytes, time.perf_counter() - t0
 
@@ -275,16 +288,22 @@ class Engine:
     def sleep(self) -> None:
         self.generator.sleep()
 
-    def generate(self, prompts, params, colocated: bool) -> tuple[int, list]:
-        """Rollouts of `prompts` and the policy version that generated them. A colocated engine wakes for them and
-        sleeps again after, leaving its devices to the trainer."""
+    def generate(self, prompts, params, colocated: bool) -> tuple[list, float]:
+        """Rollouts of `prompts`, each token's policy version in `Completion.versions` (filled in with the engine's
+        version where the generator does not record it: it takes refits between generate calls only), and the
+        seconds the generation took. A colocated engine wakes for them and sleeps again after, leaving its devices
+        to the trainer."""
+        t0, version = time.perf_counter(), self.version
         if colocated:
             self.generator.wake()
         outs = self.generator.generate(prompts, params)
         if colocated:
             self.generator.sleep()
+        for out in outs:
+            if not out.versions:
+                out.versions = [version] * len(out.token_ids)
         self.crash.check("generate")
-        return self.version, outs
+        return outs, time.perf_counter() - t0
 
     def arm_crash(self, method: str) -> None:
         self.crash.arm(method)
