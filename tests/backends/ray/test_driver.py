@@ -12,6 +12,7 @@ import torch
 from megatron_spec.backends.ray.driver import RayTrainer
 from megatron_spec.backends.ray.groups import TrainerDied
 from megatron_spec.rl import loop
+from megatron_spec.rl.config import RolloutCorrection
 from megatron_spec.rl.logging import read_metrics
 from tests.rl.test_loop import ckpts, shaped_reward, small_cfg  # noqa: F401  (fixtures)
 
@@ -66,17 +67,29 @@ def test_async_lag_is_bounded_and_corrected(ray_cluster, ckpts, tmp_path, shaped
     version max(0, s - lag), so policy_lag is exactly min(s, lag) per step, never above the bound; off-policy steps
     carry the behaviour log-probs into the loss (is_clip_frac is logged, which only the importance-weighted loss
     computes) and do not report a mismatch, on-policy ones report it ~0. Two engines, so each step's rollouts come
-    from both (their versions agree, since they are synced together)."""
+    from both (their versions agree, since they are synced together). Lagged steps log their importance ratios;
+    with lag 2 the correction is the geometric mean's with a rejection band (`grpo.rollout_correction`, the old
+    log-probs recomputed before the update), which logs what it masked."""
     cfg = ray_cfg(ckpts, tmp_path, "disaggregated", generators=2, lag=lag, steps=4)
+    if lag == 2:
+        cfg.grpo.fold_logprob = False
+        cfg.grpo.rollout_correction = RolloutCorrection(level="geometric", reject_low=0.9, reject_high=1.1)
     loop.train(cfg)
     metrics = read_metrics(tmp_path)
     assert [m["policy_lag"] for m in metrics] == [min(s, lag) for s in range(4)]
     for m in metrics:
         if m["policy_lag"]:
             assert m["logprob_mismatch"] is None and 0.0 <= m["is_clip_frac"] <= 1.0
+            assert 0 < m["is_ratio_min"] <= m["is_ratio_mean"] <= m["is_ratio_max"]
+            tokens, seqs = m["is_masked_tokens_frac"], m["is_masked_seqs_frac"]
+            assert (tokens, seqs) == (0.0, 0.0) if lag == 1 else (tokens > 0) == (seqs > 0)  # whole rows
+            if seqs == 1.0:  # every sequence rejected: nothing left in the loss
+                assert m["loss"] == 0.0
         else:
-            assert m["logprob_mismatch"] < 1e-4 and "is_clip_frac" not in m
+            assert m["logprob_mismatch"] < 1e-4 and "is_clip_frac" not in m and "is_ratio_mean" not in m
         assert not m["skipped"] and m["gen_tokens"] > 0
+    if lag == 2:  # two versions behind, the band around 1 rejects (seeded run: 1, 1 and 2/3 of the sequences)
+        assert any(m.get("is_masked_seqs_frac", 0) > 0 for m in metrics)
 
 
 def test_killed_engine_is_replaced_and_its_prompts_reissued(ray_cluster, ckpts, tmp_path, shaped_reward):
