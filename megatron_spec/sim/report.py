@@ -49,11 +49,16 @@ def validation_report() -> str:
         lines.append(f"{w:8} {p.mean_len:8.0f} {p.stages['gen']:8.1f} {ref['gen']:9.1f} "
                      f"{100 * (p.stages['gen'] / ref['gen'] - 1):5.1f}% {p.total:8.1f} {ref['total']:9.1f} "
                      f"{100 * (p.total / ref['total'] - 1):5.1f}%")
-    lines += ["", "k sweep, gen speedup (predicted / paper):"]
+    lines += ["", "k sweep, gen speedup (predicted / paper, error):"]
+    within = []
     for w in ("think", "zero"):
         sweep = k_sweep(w)
-        cells = "  ".join(f"k={k}: {s:.2f} / {PAPER_GEN_SPEEDUP[w][k]:.2f}" for k, s in sweep.items())
+        errors = {k: s / PAPER_GEN_SPEEDUP[w][k] - 1 for k, s in sweep.items()}
+        within += [f"{w} k={k}" for k, e in errors.items() if abs(e) <= 0.2]
+        cells = "  ".join(f"k={k}: {s:.2f} / {PAPER_GEN_SPEEDUP[w][k]:.2f} ({errors[k]:+.1%})"
+                          for k, s in sweep.items())
         lines.append(f"  {w:6} {cells}")
+    lines.append(f"  within 20 % of the paper: {len(within)} of 6 ({', '.join(within) or 'none'})")
     lines += ["", "per-position acceptance the paper's acceptance lengths imply (acceptance.per_position_from_taus):"]
     for w in ("think", "zero"):
         lines.append(f"  {w:6} " + " ".join(f"{a:.3f}" for a in drafter_profile(w)))
