@@ -82,6 +82,11 @@ def config_problems(cfg: RLConfig) -> list[str]:
         problems.append("grpo.routing_replay records the rollouts' MoE routing in the embedded engine; vLLM's "
                         "routed-experts output (enable_return_routed_experts, its GPU model runner only, not the CPU "
                         "one) is not wired to it: use backend.generator=embedded or set grpo.routing_replay=false")
+    m = cfg.backend.megatron
+    if cfg.grpo.routing_replay and cfg.backend.trainer == "megatron" and (m.recompute != "none" or m.sequence_parallel):
+        problems.append("grpo.routing_replay sets each micro-batch's experts in Megatron's routers as its forward "
+                        "starts, which a recompute in the backward or a sequence split over tensor-parallel ranks "
+                        "would not see: set backend.megatron.recompute=none and sequence_parallel=false")
     if cfg.backend.trainer == "megatron" and cfg.spec and cfg.spec.method == "eagle3":
         from ..layout import online_eagle3_problems
 

@@ -126,3 +126,13 @@ def test_routing_replay_refused_with_the_vllm_generator():
     cfg = RLConfig()
     cfg.grpo.routing_replay, cfg.backend.generator = True, "vllm"
     assert any("grpo.routing_replay" in p and "backend.generator=embedded" in p for p in config_problems(cfg))
+
+
+def test_routing_replay_refused_with_megatron_recompute_or_sequence_parallelism():
+    cfg = RLConfig()
+    cfg.grpo.routing_replay, cfg.backend.trainer = True, "megatron"
+    assert not config_problems(cfg)
+    for field, value in (("recompute", "full"), ("sequence_parallel", True)):
+        bad = copy.deepcopy(cfg)
+        setattr(bad.backend.megatron, field, value)
+        assert any("recompute=none and sequence_parallel=false" in p for p in config_problems(bad))

@@ -52,6 +52,7 @@ from .checks import Parallelism, check_parallelism
 from .importer import import_hf
 from .parallel import ensure_process_group, init_model_parallel
 from .provider import PORTABLE, Speed, build_model, speed_overrides
+from .routing import install
 from .step import device as _device
 from .step import (
     StepSpec, aux_loss_sum, clip, gather_rows, is_mtp, norm_owned, padded_tokens, plan, positions, reduce_grads,
@@ -122,6 +123,12 @@ class MegatronPolicy(ShardedCheckpoints):
         if mtp_num_layers and drafter_layers is not None and drafter_layers != mtp_num_layers:
             raise ValueError(f"the MTP drafter has {drafter_layers} layer(s), "
                              f"backend.megatron.mtp_num_layers={mtp_num_layers}")
+        if grpo.routing_replay:
+            if not cfg.is_moe:
+                raise ValueError("grpo.routing_replay replays the experts of an MoE policy; this one is dense")
+            if recompute != "none" or sequence_parallel:
+                raise ValueError("grpo.routing_replay sets each micro-batch's experts as its forward starts: "
+                                 "backend.megatron.recompute must be none and sequence_parallel false")
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_parallelism(cfg, par, world, sequence_parallel=sequence_parallel,  # before any rank allocates
                           on_gpus=torch.cuda.is_available())
@@ -152,6 +159,8 @@ class MegatronPolicy(ShardedCheckpoints):
                                  sequence_parallel=sequence_parallel, batch_p2p_comm=False, **speed_kw)
         if self.dtype != torch.float32:  # modules Megatron takes from torch (the RMSNorm without Apex / TE) too
             self.model.to(self.dtype)
+        self.routing = install(self.model, [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+                               ) if grpo.routing_replay else {}
         if from_files:  # every rank reads its own slices from the files; a new MTP head comes from memory
             sources = [model]
             if self.has_drafter:
@@ -192,6 +201,12 @@ class MegatronPolicy(ShardedCheckpoints):
         (`model.drafter` / `spec.model`) from the checkpoint files; `model` and `drafter` are not used for that
         (the loop passes None: it never loads the full policy for a Megatron trainer)."""
         m, g = cfg.backend.megatron, cfg.grpo
+        if grpo.routing_replay:
+            if not cfg.is_moe:
+                raise ValueError("grpo.routing_replay replays the experts of an MoE policy; this one is dense")
+            if recompute != "none" or sequence_parallel:
+                raise ValueError("grpo.routing_replay sets each micro-batch's experts as its forward starts: "
+                                 "backend.megatron.recompute must be none and sequence_parallel false")
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_parallelism(read_config(cfg.model.policy), Parallelism.from_section(m), world,
                           sequence_parallel=m.sequence_parallel, on_gpus=torch.cuda.is_available())
@@ -250,7 +265,7 @@ class MegatronPolicy(ShardedCheckpoints):
         mask = batch.mask
         counts = tuple(float(mask[:, k + 2 :].sum()) for k in range(self.model.config.mtp_num_layers or 0))
         return StepSpec(self.grpo, self.sampling, LossNorm.of(mask[:, 1:]), counts, self.mtp_weight,
-                        float(n_micro * ps.get_data_parallel_world_size()), fold)
+                        float(n_micro * ps.get_data_parallel_world_size()), fold, self.routing)
 
     def _micros(self, batch: Batch):
         return plan(batch, self.grpo.micro_batch_tokens, ps.get_data_parallel_world_size(),

@@ -18,7 +18,7 @@ gradient, while the router losses keep their 1 / (all micro-batches) weight.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -35,6 +35,7 @@ from .cpu import on_cpu
 from .forward import attention_mask, head
 from .importer import layer_offset
 from .mapping import REPLICATED, megatron_to_hf
+from .routing import force
 
 require_megatron()
 from megatron.core import parallel_state as ps  # noqa: E402
@@ -167,6 +168,9 @@ class StepSpec:
     """local micro-batches x data-parallel size: undoes the schedule's averaging (module docstring)."""
     fold: bool
     """The old log-probs are this forward's own (`grpo.fold_logprob`)."""
+    routing: dict = field(default_factory=dict)
+    """The policy's replaying routers by MoE layer (`routing.install`, `grpo.routing_replay`): each micro-batch's
+    forward routes as its rollouts did. Empty: the routers choose."""
 
 
 def mtp_terms(logits: Tensor, mtp_logits: list[Tensor], mask: Tensor, counts: tuple[float, ...]) -> list[Tensor]:
@@ -254,6 +258,8 @@ def _schedule_call(model, micros: list[Micro], spec: StepSpec, mtp: str | None, 
 
     def forward_step(data_iterator, model):
         micro = next(data_iterator)
+        if spec.routing:
+            force(spec.routing, micro.batch.routing)
         out, mtp_logits = stage_forward(model, micro.batch.input_ids, None if forward_only else mtp)
         if forward_only:
             return out, partial(forward_logprobs, spec, micro)
