@@ -12,8 +12,9 @@ the repeats (other processes only ever add time), and each round's paired ratio.
 
 PP1 runs (1 rank, before and after the pipelined ones; the faster counts) give the costs the simulator's
 pipeline model (`megatron_spec.sim.bubble.cpu_pipeline_s`: 1F1B over the micro-batches' tokens, the gloo exchanges
-between stages) turns into the PP2 predictions of both paths, printed beside the measurements. The prediction assumes each rank has a core to itself: on a loaded machine the measured PP2 times
-are longer by however long the ranks wait for a core.
+between stages) turns into the PP2 predictions of both paths, printed beside the measurements. The prediction
+assumes each rank has a core to itself: on a loaded machine the measured PP2 times are longer by however long the
+ranks wait for a core.
 """
 
 from __future__ import annotations

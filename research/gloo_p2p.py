@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     result = {
         "machine": f"{machine()}, {os.cpu_count()} cores, 2 gloo ranks of 1 thread",
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                 text=True).stdout.strip(),
         "command": f"flock /tmp/ms-timing.lock python research/gloo_p2p.py --rounds {args.rounds} "
                    "--out research/records/gloo_p2p.json",
         "load_average_before": load, "load_average_after": os.getloadavg(),

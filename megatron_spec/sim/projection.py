@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from .acceptance import rate_from_tau, tau_from_rate
+from .acceptance import tau_from_rate
 from .config import GenParallel, LengthDist, SimConfig, Speculation, TrainParallel, Workload
 from .pipeline import StepResult, simulate
 from .reference import PAPER_AR_STAGES, ReferenceSetup, infer_mean_length
