@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(),
               "command": f"flock /tmp/ms-timing.lock python research/pp_stage_busy.py --repeats {args.repeats} "
-                         "--out research/records/pp_stage_busy.json",
+                         f"--out {args.out}",
               "load_average_before": os.getloadavg(),
               "pp1": spawn(run, 1, {}, args.repeats)[0],
               "pp2_by_rank": spawn(run, 2, dict(pp=2), args.repeats)}
