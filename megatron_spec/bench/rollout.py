@@ -177,7 +177,7 @@ def peer_rows(args, target) -> list[dict]:
 
     from ..engine import SamplingParams
     from ..spec.config import SpecConfig
-    from ..spec.registry import drafter_method
+    from ..spec.registry import drafter_method, vllm_problem
     from ..spec.stats import speculation_summary
     from ..spec.train_drafter import task_prompts
     from .common import drafter_checkpoint, timed
@@ -191,8 +191,8 @@ def peer_rows(args, target) -> list[dict]:
     engines = {None: backend.VLLMGenerator(str(root / "policy"), max_model_len=max_len)}
     dirs = {None: None}
     for method in args.drafters:
-        if drafter_method(method).vllm_method is None:
-            print(f"  skip {method}: no vLLM counterpart")
+        if problem := vllm_problem(method):
+            print(f"  skip {method}: {problem}")
             continue
         ddir = drafter_checkpoint(args.target, method, args.draft_model)
         if ddir is not None and not ddir.exists():

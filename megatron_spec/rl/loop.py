@@ -87,6 +87,11 @@ def config_problems(cfg: RLConfig) -> list[str]:
         problems.append("grpo.routing_replay sets each micro-batch's experts in Megatron's routers as its forward "
                         "starts, which a recompute in the backward or a sequence split over tensor-parallel ranks "
                         "would not see: set backend.megatron.recompute=none and sequence_parallel=false")
+    if cfg.backend.generator == "vllm" and cfg.spec is not None:
+        from ..spec.registry import vllm_problem
+
+        if problem := vllm_problem(cfg.spec.method):
+            problems.append(problem)
     if cfg.backend.trainer == "megatron" and cfg.spec and cfg.spec.method == "eagle3":
         from ..layout import online_eagle3_problems
 

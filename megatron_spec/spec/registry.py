@@ -40,6 +40,8 @@ class DrafterMethod:
     """vLLM's `speculative_config["method"]` for this drafter; None: no vLLM counterpart (embedded generator only)."""
     vllm_options: Callable | None = None
     """spec -> extra `speculative_config` entries vLLM takes for this method."""
+    vllm_needs: tuple[str, str] | None = None
+    """(module, extra): a package vLLM imports to draft this way, and the megatron-spec extra that installs it."""
     sim_profile: str = "ngram"
     """The simulator's drafter cost profile (`sim.shapes.DRAFTER_KINDS`): what one draft step costs on a GPU."""
 
@@ -81,6 +83,22 @@ def method_names(*, weights: bool | None = None, trainable: bool = False, vllm: 
     return tuple(m.name for m in _METHODS.values()
                  if (weights is None or m.needs_weights == weights) and (not trainable or m.new is not None)
                  and (not vllm or m.vllm_method is not None))
+
+
+def vllm_problem(name: str) -> str | None:
+    """Why `name` cannot draft in vLLM on this machine (no vLLM counterpart, or the package its vLLM method imports
+    is not installed); None when it can. Read without importing anything, so a config check asks it."""
+    import importlib.util
+
+    method = drafter_method(name)
+    if method.vllm_method is None:
+        return (f"speculative method {name!r} has no vLLM counterpart: use one of "
+                f"{', '.join(method_names(vllm=True))} with backend.generator=vllm, or the embedded generator")
+    if method.vllm_needs is not None and importlib.util.find_spec(method.vllm_needs[0]) is None:
+        module, extra = method.vllm_needs
+        return (f"speculative method {name!r} drafts in vLLM through its {method.vllm_method!r} method, which needs "
+                f"{module}: `pip install 'megatron-spec[{extra}]'`")
+    return None
 
 
 def needs_weights(name: str) -> bool:
@@ -218,6 +236,13 @@ def _prompt_lookup(spec) -> dict:
     return {"prompt_lookup_min": spec.prompt_lookup_min, "prompt_lookup_max": spec.prompt_lookup_max}
 
 
+def _suffix(spec) -> dict:
+    """vLLM's suffix decoding drafts from a tree of the request's prompt and of earlier requests' completions (the
+    rollouts of one prompt repeat each other, across a step's group and across steps): its trees deep enough for
+    the longest n-gram matched plus the drafts."""
+    return {"suffix_decoding_max_tree_depth": spec.prompt_lookup_max + spec.num_speculative_tokens}
+
+
 register(DrafterMethod("draft_model", _draft_model, needs_weights=True, load=_load_causal_lm, new=_new_draft_model,
                        save=_save_causal_lm, online_loss=_draft_model_loss, vllm_method="draft_model",
                        sim_profile="model"))
@@ -227,5 +252,5 @@ register(DrafterMethod("eagle3", _hidden_state("Eagle3Head"), needs_weights=True
                        save=_save_head("eagle3"), online_loss=_eagle3_loss, draft_vocab=True, vllm_method="eagle3",
                        sim_profile="eagle3"))
 register(DrafterMethod("ngram", _ngram, vllm_method="ngram", vllm_options=_prompt_lookup, sim_profile="ngram"))
-# vLLM's suffix drafter keeps its own tree, not this per-prompt rollout history: no vLLM counterpart.
-register(DrafterMethod("history", _history, sim_profile="ngram"))
+register(DrafterMethod("history", _history, vllm_method="suffix", vllm_options=_suffix,
+                       vllm_needs=("arctic_inference", "suffix"), sim_profile="ngram"))

@@ -115,4 +115,33 @@ def test_every_method_list_is_the_registry():
         assert spec.vllm() == (None if m.vllm_method is None else {**spec.vllm(), "method": m.vllm_method})
     assert SpecConfig("ngram", 2).vllm() == {"method": "ngram", "num_speculative_tokens": 2,
                                             "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    assert method_names(vllm=True) == ("draft_model", "mtp", "eagle3", "ngram")
+    assert SpecConfig("history", 2, prompt_lookup_max=3).vllm() == {
+        "method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 5}
+    assert method_names(vllm=True) == ("draft_model", "mtp", "eagle3", "ngram", "history")
+
+
+def test_vllm_problem_names_the_missing_extra(monkeypatch):
+    """A method whose vLLM counterpart imports a package this machine lacks is refused by the config check with the
+    extra that installs it (the launch check asks the same); one without a counterpart says so; the others pass.
+    The package is hidden by making `find_spec` miss it, so the test holds whether or not it is installed."""
+    import importlib.util
+
+    from megatron_spec.rl.config import RLConfig
+    from megatron_spec.rl.loop import config_problems
+    from megatron_spec.rl.overrides import apply_overrides
+    from megatron_spec.spec.registry import vllm_problem
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "arctic_inference"
+                        else real(name, *a))
+    assert "pip install 'megatron-spec[suffix]'" in vllm_problem("history")
+    assert vllm_problem("ngram") is None and vllm_problem("mtp") is None
+    cfg = apply_overrides(RLConfig(), ["backend.generator=vllm", "spec.method=history", "spec.adaptive=false"])
+    assert any("megatron-spec[suffix]" in p for p in config_problems(cfg))
+    embedded = apply_overrides(RLConfig(), ["spec.method=history", "spec.adaptive=false"])
+    assert not any("suffix" in p for p in config_problems(embedded))
+    register(DrafterMethod("toy_plain", lambda spec, target, drafter: Proposer()))
+    try:
+        assert "'toy_plain' has no vLLM counterpart" in vllm_problem("toy_plain")
+    finally:
+        unregister("toy_plain")

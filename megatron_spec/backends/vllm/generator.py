@@ -5,8 +5,8 @@ log-probs under the *processed* target distribution, finish reason, per-request 
 `update_weights(stream)` (our bucketed `(hf_name, tensor)` refit stream, drafter tensors under `drafter.`),
 `sleep()` / `wake()`.
 
-- Speculation: `SpecConfig.vllm()` is vLLM's `speculative_config` (`ngram`, `draft_model`, `eagle3`, `mtp`).
-  `history` has no vLLM counterpart and raises at construction; `adaptive` is ours alone (vLLM drafts k on every
+- Speculation: `SpecConfig.vllm()` is vLLM's `speculative_config` (`ngram`, `draft_model`, `eagle3`, `mtp`, and
+  `history` as vLLM's suffix decoding, with the `suffix` extra); `adaptive` is ours alone (vLLM drafts k on every
   step) and is ignored with a warning.
 - Per-request statistics: vLLM reports acceptance only as engine-wide counters, so `generate` drives the engine step
   by step with delta outputs: every engine step after a request's prefill is one verify step for it, and the tokens
@@ -35,7 +35,7 @@ import torch
 from ...engine.params import Completion, SamplingParams
 from ...rl.refit import DRAFTER_PREFIX
 from ...spec.config import SpecConfig
-from ...spec.registry import drafter_method, method_names, needs_weights
+from ...spec.registry import needs_weights, vllm_problem
 from .export import drafter_form, export_drafter, export_drafter_files, export_target
 
 WORKER_EXTENSION = "megatron_spec.backends.vllm.worker.WorkerExtension"
@@ -65,9 +65,8 @@ def import_vllm():
 def check_spec(spec: SpecConfig | None) -> None:
     if spec is None:
         return
-    if drafter_method(spec.method).vllm_method is None:
-        raise ValueError(f"speculative method {spec.method!r} has no vLLM counterpart; use "
-                         f"{', '.join(method_names(vllm=True))} with backend.generator=vllm, or the embedded generator")
+    if problem := vllm_problem(spec.method):
+        raise ValueError(problem)
     if needs_weights(spec.method) and not spec.model:
         raise ValueError(f"speculative method {spec.method!r} in vLLM needs SpecConfig.model (the drafter directory)")
     if spec.adaptive:

