@@ -80,8 +80,9 @@ def config_problems(cfg: RLConfig) -> list[str]:
                         "neither grpo.drop_uniform_groups nor grpo.train_groups it leaves none out")
     if cfg.grpo.routing_replay and cfg.backend.generator == "vllm":
         problems.append("grpo.routing_replay records the rollouts' MoE routing in the embedded engine; vLLM's "
-                        "routed-experts output (enable_return_routed_experts, its GPU model runner only, not the CPU "
-                        "one) is not wired to it: use backend.generator=embedded or set grpo.routing_replay=false")
+                        "routed-experts output (enable_return_routed_experts: Model Runner V2 only, which its CPU "
+                        "worker does not run) is not wired to it: use backend.generator=embedded or set "
+                        "grpo.routing_replay=false")
     m = cfg.backend.megatron
     if cfg.grpo.routing_replay and cfg.backend.trainer == "megatron" and (m.recompute != "none" or m.sequence_parallel):
         problems.append("grpo.routing_replay sets each micro-batch's experts in Megatron's routers as its forward "

@@ -136,3 +136,30 @@ def test_routing_replay_refused_with_megatron_recompute_or_sequence_parallelism(
         bad = copy.deepcopy(cfg)
         setattr(bad.backend.megatron, field, value)
         assert any("recompute=none and sequence_parallel=false" in p for p in config_problems(bad))
+
+
+def test_a_loop_step_carries_the_rollouts_routing_into_the_update(tmp_path):
+    """One step of the loop on the trained tiny MoE with its MTP head (speculating k=3): the batch the trainer gets
+    holds the routing of every input position of every rollout (its prompt and all generated tokens but the last),
+    -1 elsewhere, and the step's engine-vs-trainer mismatch is fp32 rounding (< 1e-4: both sides compute in fp32 and
+    route alike)."""
+    from megatron_spec.rl import loop
+
+    cfg = RLConfig()
+    cfg.model.policy, cfg.model.drafter = "checkpoints/tiny-qwen3-moe", "checkpoints/tiny-qwen3-moe-mtp"
+    cfg.spec = SpecConfig("mtp", 3)
+    cfg.grpo = GRPOSection(prompts_per_step=2, group_size=2, max_tokens=12, routing_replay=True)
+    cfg.run.out_dir, cfg.run.steps, cfg.run.threads, cfg.run.eval_every, cfg.run.report = str(tmp_path), 1, 1, 0, False
+    loop.check_inputs(cfg)
+    trainer = loop.Trainer(cfg)
+    seen = []
+    train_step = trainer.policy.train_step
+    trainer.policy.train_step = lambda batch, **kw: seen.append(batch) or train_step(batch, **kw)
+    metrics = trainer.step(0)
+    [batch] = seen
+    B, T = batch.input_ids.shape
+    assert batch.routing.shape == (B, T, 4, 2)
+    last = batch.mask.int().cumsum(1).argmax(1)  # each row's last generated token
+    expected = torch.arange(T)[None] < last[:, None]
+    assert torch.equal(batch.routing[..., 0, 0] >= 0, expected)
+    assert metrics["logprob_mismatch"] < 1e-4
