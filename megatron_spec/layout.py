@@ -8,6 +8,8 @@ no torch.distributed, no Megatron import; the rules are Megatron-Core's (and vLL
   TP must divide both. A vLLM engine may instead replicate KV heads (`kv_replication`): TP a multiple of them.
 - TP splits the FFN columns of dense layers; ETP (expert TP, default TP) splits each expert's FFN; EP spreads the
   experts, so EP must divide the expert count (and needs an MoE model).
+- VP (virtual pipeline, Megatron-Core's interleaved 1F1B) gives each stage `vp` chunks of layers instead of one
+  run: chunk v of stage s holds the (v x pp + s)-th of pp x vp equal runs, so the layers must divide by pp x vp.
 - PP gives each stage consecutive layers. Megatron-Core splits them evenly, or, with
   `num_layers_in_first_pipeline_stage` / `..._last_...` set, gives those counts to the first / last stage and
   splits the rest evenly over the stages between (`stage_layers`). Every stage needs at least one layer.
@@ -15,8 +17,8 @@ no torch.distributed, no Megatron import; the rules are Megatron-Core's (and vLL
   so the world must be a multiple of TP x CP x PP and of ETP x EP x PP.
 
 Apart from what Megatron-Core accepts, `support_problems` says what this project's Megatron trainer runs: no
-context parallelism (CP > 1) yet. The config, the recipes, the launch checks, the backend and the tuner all refuse or
-skip such a layout through it, before anything is loaded; the simulator may still predict one when asked directly.
+context parallelism (CP > 1) yet, and virtual pipeline stages only over PP > 1 with even stages. The config, the
+recipes, the launch checks, the backend and the tuner all refuse or skip such a layout through it, before anything is loaded; the simulator may still predict one when asked directly.
 `sequence_parallel_problems` (MoE under TP needs sequence parallelism, CPUs cannot run it) and
 `colocation_problems` (colocated engines of one GPU each) are the other rules found only after the allocation starts.
 """
@@ -46,11 +48,16 @@ class Layout:
     """Decoder layers of the first stage; None: an even share [num_layers_in_first_pipeline_stage]."""
     last_stage_layers: int | None = None
     """Decoder layers of the last stage; None: an even share [num_layers_in_last_pipeline_stage]."""
+    vp: int = 1
+    """Model chunks per pipeline stage, run by the interleaved 1F1B schedule, which divides the pipeline bubble by
+    `vp`; 1: one run of consecutive layers per stage [virtual_pipeline_model_parallel_size]."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.vp < 1:
+            raise ValueError(f"virtual_pipeline must be >= 1, got {self.vp}")
         for name in ("etp", "first_stage_layers", "last_stage_layers"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
@@ -61,6 +68,8 @@ class Layout:
 
     def describe(self) -> str:
         text = f"TP={self.tp} PP={self.pp} EP={self.ep} ETP={self.expert_tp} CP={self.cp}"
+        if self.vp > 1:
+            text += f" VP={self.vp}"
         if self.first_stage_layers or self.last_stage_layers:
             text += f" (first stage {self.first_stage_layers}, last stage {self.last_stage_layers} layers)"
         return text
@@ -135,6 +144,10 @@ def layout_problems(m: ModelConfig, lay: Layout, *, kv_replication: bool = False
         stage_layers(m.num_hidden_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
     except ValueError as e:
         problems.append(f"{p}{e}")
+    if lay.vp > 1 and m.num_hidden_layers % (lay.pp * lay.vp):
+        problems.append(f"{p}virtual_pipeline={lay.vp}: pp x vp = {lay.pp * lay.vp} does not divide "
+                        f"num_hidden_layers={m.num_hidden_layers} (each stage's vp chunks hold equal runs of layers); "
+                        "pick virtual_pipeline so that pp x vp divides the layers, or virtual_pipeline=1")
     return problems
 
 
@@ -158,12 +171,20 @@ SUPPORTED_CP = 1
 def support_problems(lay: Layout, who: str = "") -> list[str]:
     """Every part of `lay` that Megatron-Core accepts but this project's Megatron trainer does not run (empty when it
     runs): context parallelism (`cp > 1`) is not wired into its forward, so such a run would fail after the model
-    loads. The message names the fix."""
+    loads; virtual pipeline stages (`vp > 1`) need PP > 1 and even stages. The message names the fix."""
     p = f"{who} " if who else ""
+    problems = []
     if lay.cp != SUPPORTED_CP:
-        return [f"{p}cp={lay.cp}: context parallelism is not implemented in the Megatron trainer (a run would stop "
-                f"after loading the model); use cp=1 and put those GPUs into tp, pp or data parallelism"]
-    return []
+        problems.append(f"{p}cp={lay.cp}: context parallelism is not implemented in the Megatron trainer (a run would "
+                        "stop after loading the model); use cp=1 and put those GPUs into tp, pp or data parallelism")
+    if lay.vp > 1 and lay.pp == 1:
+        problems.append(f"{p}virtual_pipeline={lay.vp} interleaves pipeline stages: it needs pp > 1 "
+                        "(or set virtual_pipeline=1)")
+    if lay.vp > 1 and (lay.first_stage_layers or lay.last_stage_layers):
+        problems.append(f"{p}virtual_pipeline={lay.vp} with uneven first / last stage layers: the trainer splits "
+                        "interleaved stages evenly only; unset first_stage_layers / last_stage_layers or set "
+                        "virtual_pipeline=1")
+    return problems
 
 
 def sequence_parallel_problems(m: ModelConfig | None, lay: Layout, sequence_parallel: bool, *, on_gpus: bool = True,
@@ -185,13 +206,18 @@ def sequence_parallel_problems(m: ModelConfig | None, lay: Layout, sequence_para
     return problems
 
 
-def online_eagle3_problems(mtp_num_layers: int) -> list[str]:
-    """Megatron trainer settings an online EAGLE-3 head does not support: MTP layers beside it (one drafter a run).
-    The run's input check and the Megatron policy both ask this."""
+def online_eagle3_problems(mtp_num_layers: int, vp: int = 1) -> list[str]:
+    """Megatron trainer settings an online EAGLE-3 head does not support: MTP layers beside it (one drafter a run),
+    and virtual pipeline stages (its layer hooks and gathers walk one run of layers per stage). The run's input
+    check and the Megatron policy both ask this."""
+    problems = []
     if mtp_num_layers:
-        return [f"spec.method=eagle3 trains an EAGLE-3 head; backend.megatron.mtp_num_layers={mtp_num_layers} "
-                "would build MTP layers beside it: set mtp_num_layers=0 (or use spec.method=mtp)"]
-    return []
+        problems.append(f"spec.method=eagle3 trains an EAGLE-3 head; backend.megatron.mtp_num_layers={mtp_num_layers} "
+                        "would build MTP layers beside it: set mtp_num_layers=0 (or use spec.method=mtp)")
+    if vp > 1:
+        problems.append(f"spec.method=eagle3 trains an EAGLE-3 head online, which does not run with "
+                        f"backend.megatron.virtual_pipeline={vp}: set virtual_pipeline=1")
+    return problems
 
 
 def colocation_problems(colocated: bool, engine_tp: int, *, on_gpus: bool = True, who: str = "") -> list[str]:

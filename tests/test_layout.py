@@ -227,3 +227,34 @@ def test_colocated_engines_must_be_one_gpu_each():
         "tensor_parallel_size=1"]
     assert colocation_problems(False, 8) == colocation_problems(True, 1) == []
     assert colocation_problems(True, 2, on_gpus=False) == []
+
+
+def test_virtual_pipeline_rules():
+    """Interleaved stages: pp x vp must divide the layers (Megatron-Core's rule), and the trainer runs them only over
+    pp > 1 with even stages, without MTP layers, an online EAGLE-3 head or Megatron's optimizer; each refusal names
+    `virtual_pipeline` and the fix, at config time."""
+    from megatron_spec.layout import online_eagle3_problems, support_problems
+    from megatron_spec.rl.backend_config import MegatronSection
+
+    four = ModelConfig(model_type="qwen3", vocab_size=96, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    assert layout_problems(four, Layout(pp=2, vp=2)) == []
+    assert layout_problems(four, Layout(pp=2, vp=4)) == [
+        "virtual_pipeline=4: pp x vp = 8 does not divide num_hidden_layers=4 (each stage's vp chunks hold equal runs "
+        "of layers); pick virtual_pipeline so that pp x vp divides the layers, or virtual_pipeline=1"]
+    assert support_problems(Layout(pp=2, vp=2)) == []
+    assert support_problems(Layout(vp=2)) == [
+        "virtual_pipeline=2 interleaves pipeline stages: it needs pp > 1 (or set virtual_pipeline=1)"]
+    assert MegatronSection(pp=2, virtual_pipeline=2).layout() == Layout(pp=2, vp=2)
+    assert Layout(pp=2, vp=2).describe() == "TP=1 PP=2 EP=1 ETP=1 CP=1 VP=2"
+    for kw, match in [(dict(virtual_pipeline=2), "needs pp > 1"),
+                      (dict(pp=2, virtual_pipeline=2, first_stage_layers=1, last_stage_layers=3), "evenly only"),
+                      (dict(pp=2, virtual_pipeline=2, mtp_num_layers=1), "set virtual_pipeline=1 or mtp_num_layers=0"),
+                      (dict(pp=2, virtual_pipeline=2, optimizer="megatron"), "use optimizer=torch"),
+                      (dict(pp=2, virtual_pipeline=0), "virtual_pipeline must be >= 1, got 0")]:
+        with pytest.raises(ValueError, match=f"backend.megatron.*{match}"):
+            MegatronSection(**kw)
+    assert online_eagle3_problems(0, 2) == [
+        "spec.method=eagle3 trains an EAGLE-3 head online, which does not run with backend.megatron.virtual_pipeline=2: "
+        "set virtual_pipeline=1"]
+    assert online_eagle3_problems(0, 1) == []

@@ -42,6 +42,12 @@ class MegatronSection:
     """Decoder layers of the first pipeline stage; None: an even share [num_layers_in_first_pipeline_stage]."""
     last_stage_layers: int | None = None
     """Decoder layers of the last pipeline stage; None: an even share [num_layers_in_last_pipeline_stage]."""
+    virtual_pipeline: int = 1
+    """Model chunks per pipeline stage (pp > 1, even stages): each stage holds `virtual_pipeline` non-contiguous
+    runs of layers and Megatron-Core's interleaved 1F1B schedule runs them, dividing the pipeline bubble by this
+    number at the cost of more stage-to-stage sends; 1: one run per stage [virtual_pipeline_model_parallel_size].
+    Needs pp x virtual_pipeline to divide the layers and at least pp micro-batches per data-parallel rank; not with
+    MTP layers, an online EAGLE-3 head or optimizer=megatron."""
     mtp_num_layers: int = 0
     """Megatron-Core MTP layers trained jointly with the policy (0: none; the drafter trains as on the embedded
     trainer). Loaded from `model.drafter` when it holds an MTP head, else initialised from the trunk's last layer."""
@@ -90,7 +96,8 @@ class MegatronSection:
     def layout(self) -> Layout:
         """The parallel split these sizes describe, for the shared validator (`megatron_spec/layout.py`)."""
         return Layout(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp,
-                      first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers)
+                      first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers,
+                      vp=self.virtual_pipeline)
 
     def __post_init__(self) -> None:
         try:
@@ -101,6 +108,14 @@ class MegatronSection:
             raise ValueError(f"backend.megatron.{problem}")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("backend.megatron.sequence_parallel needs tp > 1")
+        if self.virtual_pipeline > 1 and self.mtp_num_layers:
+            raise ValueError(f"backend.megatron.virtual_pipeline={self.virtual_pipeline} with mtp_num_layers="
+                             f"{self.mtp_num_layers}: the trainer does not run MTP layers on interleaved stages; "
+                             "set virtual_pipeline=1 or mtp_num_layers=0")
+        if self.virtual_pipeline > 1 and self.optimizer == "megatron":
+            raise ValueError(f"backend.megatron.virtual_pipeline={self.virtual_pipeline} with optimizer=megatron: "
+                             "the trainer wraps one model chunk per rank in Megatron's DDP; use optimizer=torch or "
+                             "virtual_pipeline=1")
         if self.mtp_coupling not in ("detached", "coupled"):
             raise ValueError(f"backend.megatron.mtp_coupling must be 'detached' or 'coupled', got {self.mtp_coupling!r}")
         if self.mtp_num_layers < 0:
@@ -184,7 +199,7 @@ class BackendSection:
     in_flight_updates: bool = False
     """With `async_lag` >= 1, engines take each refit between two decoding steps of the generation they are running
     (their running rollouts continue under the new weights, each token's policy version recorded) instead of after
-    it, so the trainer never waits for queued generation. Our engine (`generator=embedded`) only."""
+    it, so the trainer never waits for queued generation (our engine and vLLM engines alike)."""
     init_timeout_s: float = 1800.0
     """How long process groups (the trainer's, the weight-update group) wait for all their ranks at start-up,
     and for each later collective: long enough to cover model loading, since followers wait while rank 0 loads, and
@@ -216,10 +231,6 @@ class BackendSection:
         if self.in_flight_updates and not self.async_lag:
             raise ValueError("backend.in_flight_updates needs backend.async_lag >= 1: a synchronous step has no "
                              "generation running when its refit comes")
-        if self.in_flight_updates and self.generator != "embedded":
-            raise ValueError(f"backend.in_flight_updates takes refits between decoding steps of our engine only; "
-                             f"backend.generator={self.generator} engines take them between generate calls: set "
-                             "backend.generator=embedded or backend.in_flight_updates=false")
         if self.init_timeout_s <= 0:
             raise ValueError(f"backend.init_timeout_s must be > 0, got {self.init_timeout_s}")
         if self.refit_bucket_mb < 0:

@@ -96,7 +96,7 @@ def config_problems(cfg: RLConfig) -> list[str]:
     if cfg.backend.trainer == "megatron" and cfg.spec and cfg.spec.method == "eagle3":
         from ..layout import online_eagle3_problems
 
-        problems += online_eagle3_problems(cfg.backend.megatron.mtp_num_layers)
+        problems += online_eagle3_problems(m.mtp_num_layers, m.virtual_pipeline)
     return problems
 
 

@@ -21,6 +21,12 @@ log-probs under the *processed* target distribution, finish reason, per-request 
   refit at start-up (`check_refit`) refuses an engine vLLM cannot reload in place, before a run starts.
 - Seeds: request i of a call with `SamplingParams.seed = s` gets vLLM seed `s * 1_000_003 + i`, so a call is
   reproducible and requests draw independently (the draws are vLLM's, not our engine's).
+- In-flight refits (`refit_in_flight`, from another thread): taken between two engine steps of a running
+  `generate`. Its unfinished requests are aborted, the weights loaded, the prefix cache reset, and each request
+  continues as a new one whose prompt is its prompt and the tokens it has (vLLM computes their keys and values
+  again, under the new weights, as our engine does), so every later token is sampled, and every draft verified, by
+  the new policy; each token's policy version comes back in `Completion.versions`. Tokens the engine had sampled
+  but not yet returned when the requests were aborted are dropped, never returned.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from ...engine.inflight import RefitHandoff
 from ...engine.params import Completion, SamplingParams
 from ...rl.refit import DRAFTER_PREFIX
 from ...spec.config import SpecConfig
@@ -142,6 +149,9 @@ class VLLMGenerator:
             else:
                 os.environ["OMP_NUM_THREADS"] = saved
         self.next_id = 0
+        self.version = 0  # the policy version of the weights in place (set by a refit)
+        self.refits = RefitHandoff()  # refits handed in from another thread while a generation runs
+        self.running: _Requests | None = None  # the generate call in flight
         self.model, self.tensor_parallel_size, self.sleep_level = str(model), tensor_parallel_size, sleep_level
         self.awake = {"weights", "kv_cache"}  # vLLM sleep-mode tags whose memory is mapped (GPU)
         self.weights_dropped = False
@@ -200,12 +210,17 @@ class VLLMGenerator:
 
     # --- generation -------------------------------------------------------------------------------------------
 
-    def vllm_params(self, params: SamplingParams, i: int):
+    def vllm_params(self, params: SamplingParams, i: int, done: int = 0):
+        """vLLM's sampling parameters of request i; `done` > 0: of its continuation after that many tokens (after
+        an in-flight refit), for the rest of its tokens and on a stream of its own (a new seed)."""
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
 
+        seed = params.seed * 1_000_003 + i
+        if done:  # a stream of its own, never the one that drew the request's first tokens
+            seed += (self.version + 1) * 1_000_000_007
         return VSP(temperature=params.temperature, top_k=params.top_k if params.top_k > 0 else 0, top_p=params.top_p,
-                   max_tokens=params.max_tokens, seed=(params.seed * 1_000_003 + i) % (1 << 63),
+                   max_tokens=params.max_tokens - done, seed=seed % (1 << 63),
                    stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos)),
                    ignore_eos=params.ignore_eos, logprobs=0, detokenize=False, skip_special_tokens=False,
                    output_kind=RequestOutputKind.DELTA)
@@ -214,42 +229,45 @@ class VLLMGenerator:
         if not prompts or any(not p for p in prompts):
             raise ValueError("generate needs non-empty prompts")
         engine = self.llm.llm_engine
-        ids = {}
-        for i, p in enumerate(prompts):
-            rid = f"ms-{self.next_id}"
-            self.next_id += 1
-            ids[rid] = i
-            engine.add_request(rid, {"prompt_token_ids": list(p)}, self.vllm_params(params, i))
-        tokens = [[] for _ in prompts]
-        logprobs = [[] for _ in prompts]
-        steps = [0] * len(prompts)
-        per_pos = [[0] * self.k for _ in prompts]
-        finish = [None] * len(prompts)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                i = ids.get(out.request_id)
-                if i is None:
-                    continue
-                c = out.outputs[0]
-                new = list(c.token_ids)
-                if new:
-                    if tokens[i] and self.k:  # every step after the prefill verified drafts
-                        steps[i] += 1
-                        for pos in range(min(len(new) - 1, self.k)):
-                            per_pos[i][pos] += 1
-                    tokens[i] += new
-                    logprobs[i] += [lp[t].logprob for t, lp in zip(new, c.logprobs)]
-                if out.finished:
-                    finish[i] = "stop" if c.finish_reason == "stop" else "length"
-        return [self.completion(p, tokens[i], logprobs[i], finish[i], steps[i], per_pos[i])
-                for i, p in enumerate(prompts)]
+        with self.refits.generating_in(self):
+            requests = self.running = _Requests(self, prompts, params)
+            try:
+                for i in range(len(prompts)):
+                    requests.add(i)
+                while engine.has_unfinished_requests():
+                    if self.refits.due:
+                        self.refits.take(self)
+                    for out in engine.step():
+                        requests.take(out)
+            finally:
+                self.running = None
+        return requests.completions()
 
-    def completion(self, prompt, tokens, logprobs, finish, steps, per_pos) -> Completion:
+    def refit_in_flight(self, load, version: int):
+        """Run `load()` (a refit: `update_weights` or `receive_weights`) from another thread while this engine may
+        be generating: between two engine steps (at once when none runs), the unfinished requests continuing under
+        the new weights with their tokens recorded as `version`'s; returns what `load` returned."""
+        return self.refits.refit(self, load, version)
+
+    def refit(self, load, version: int):
+        """In the generating thread between two engine steps (or with no generation running): abort the unfinished
+        requests, `load()`, reset the prefix cache (its keys and values are the old weights'), and continue each
+        request from the tokens it has (`_Requests.add`)."""
+        requests = self.running
+        live = requests.abort() if requests is not None else []
+        loaded = load()
+        self.llm.reset_prefix_cache()
+        self.version = version
+        for i in live:
+            requests.add(i)
+        return loaded
+
+    def completion(self, prompt, tokens, logprobs, finish, steps, per_pos, versions=()) -> Completion:
         spec = {}
         if self.k:
             spec = {"drafted": self.k * steps, "accepted": sum(per_pos), "verify_steps": steps,
                     "accepted_per_pos": per_pos, "drafted_per_pos": [steps] * self.k}
-        return Completion(tokens, logprobs, finish or "length", len(prompt), spec)
+        return Completion(tokens, logprobs, finish or "length", len(prompt), spec, versions=list(versions))
 
     # --- refit ------------------------------------------------------------------------------------------------
 
@@ -375,3 +393,63 @@ class VLLMGenerator:
             shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
             if shutdown is not None:
                 shutdown()
+
+
+class _Requests:
+    """The requests of one `generate` call as vLLM runs them, each continued as a new request after an in-flight
+    refit. Speculation statistics: every engine step after a request's prefill is one verify step for it, and the
+    tokens it emitted in that step are the accepted drafts plus one."""
+
+    def __init__(self, gen: VLLMGenerator, prompts: list[list[int]], params: SamplingParams):
+        self.gen, self.prompts, self.params = gen, prompts, params
+        n = len(prompts)
+        self.ids: dict[str, int] = {}  # vLLM request id -> prompt index
+        self.prefilling: set[str] = set()  # requests whose first output (their prefill's) has not come yet
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.logprobs: list[list[float]] = [[] for _ in range(n)]
+        self.versions: list[list[int]] = [[] for _ in range(n)]  # each token's policy version
+        self.steps, self.per_pos = [0] * n, [[0] * gen.k for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+
+    def add(self, i: int) -> None:
+        """Request i, or its continuation: its prompt and the tokens it has, for the tokens it may still make."""
+        rid = f"ms-{self.gen.next_id}"
+        self.gen.next_id += 1
+        self.ids[rid] = i
+        self.prefilling.add(rid)
+        done = len(self.tokens[i])
+        self.gen.llm.llm_engine.add_request(rid, {"prompt_token_ids": list(self.prompts[i]) + self.tokens[i]},
+                                            self.gen.vllm_params(self.params, i, done))
+
+    def abort(self) -> list[int]:
+        """Abort the unfinished requests (what the engine sampled for them and did not return is dropped); their
+        prompt indices."""
+        live = {rid: i for rid, i in self.ids.items() if self.finish[i] is None}
+        if live:
+            self.gen.llm.llm_engine.abort_request(list(live))
+        self.ids = {rid: i for rid, i in self.ids.items() if rid not in live}
+        return sorted(live.values())
+
+    def take(self, out) -> None:
+        """One request's output of an engine step (its new tokens, as deltas)."""
+        i = self.ids.get(out.request_id)
+        if i is None:
+            return
+        c = out.outputs[0]
+        new = list(c.token_ids)
+        if new:
+            if out.request_id in self.prefilling:
+                self.prefilling.discard(out.request_id)
+            elif self.gen.k:  # every step after the prefill verified drafts
+                self.steps[i] += 1
+                for pos in range(min(len(new) - 1, self.gen.k)):
+                    self.per_pos[i][pos] += 1
+            self.tokens[i] += new
+            self.logprobs[i] += [lp[t].logprob for t, lp in zip(new, c.logprobs)]
+            self.versions[i] += [self.gen.version] * len(new)
+        if out.finished:
+            self.finish[i] = "stop" if c.finish_reason == "stop" else "length"
+
+    def completions(self) -> list[Completion]:
+        return [self.gen.completion(p, self.tokens[i], self.logprobs[i], self.finish[i], self.steps[i],
+                                    self.per_pos[i], self.versions[i]) for i, p in enumerate(self.prompts)]
