@@ -201,12 +201,6 @@ class MegatronPolicy(ShardedCheckpoints):
         (`model.drafter` / `spec.model`) from the checkpoint files; `model` and `drafter` are not used for that
         (the loop passes None: it never loads the full policy for a Megatron trainer)."""
         m, g = cfg.backend.megatron, cfg.grpo
-        if grpo.routing_replay:
-            if not cfg.is_moe:
-                raise ValueError("grpo.routing_replay replays the experts of an MoE policy; this one is dense")
-            if recompute != "none" or sequence_parallel:
-                raise ValueError("grpo.routing_replay sets each micro-batch's experts as its forward starts: "
-                                 "backend.megatron.recompute must be none and sequence_parallel false")
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_parallelism(read_config(cfg.model.policy), Parallelism.from_section(m), world,
                           sequence_parallel=m.sequence_parallel, on_gpus=torch.cuda.is_available())
