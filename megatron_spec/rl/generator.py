@@ -33,11 +33,12 @@ class EmbeddedGenerator:
         """Load a bucketed `(hf_name, tensor)` stream (policy and `drafter.` tensors); returns bytes loaded."""
         return load_buckets(self.model, self.drafter, stream)
 
-    def update_weights_in_flight(self, stream, version: int) -> int:
-        """`update_weights` from another thread while this engine may be generating: loaded between two of its
-        decoding steps (at once when none runs), the running rollouts continuing under the new weights with their
-        tokens recorded as `version`'s (`LLMEngine.refit`). `stream` is read in the thread that loads it."""
-        return self.engine.refits.refit(self.engine, lambda: self.update_weights(stream), version)
+    def refit_in_flight(self, load, version: int):
+        """Run `load()` (a refit of this generator's weights) from another thread while the engine may be
+        generating: between two of its decoding steps (at once when none runs), the running rollouts continuing
+        under the new weights with their tokens recorded as `version`'s (`LLMEngine.refit`); returns what `load`
+        returned."""
+        return self.engine.refits.refit(self.engine, load, version)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams):
         return self.engine.generate(prompts, params)

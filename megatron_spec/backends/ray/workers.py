@@ -234,16 +234,14 @@ class Engine:
         import ray
 
         t0 = time.perf_counter()
-        nbytes = self._load((ray.get(ref) for ref in refs), version)
+        nbytes = self._load(lambda: self.generator.update_weights(ray.get(ref) for ref in refs), version)
         return nbytes, time.perf_counter() - t0
 
-    def _load(self, stream, version: int) -> int:
-        """Load a refit stream of `version`: our engine between two decoding steps of a generation running in the
-        actor's other thread (in-flight updates; at once when none runs), other generators directly."""
-        if hasattr(self.generator, "update_weights_in_flight"):
-            nbytes = self.generator.update_weights_in_flight(stream, version)
-        else:
-            nbytes = self.generator.update_weights(stream)
+    def _load(self, load, version: int) -> int:
+        """Run `load()`, a refit of `version`, through the generator: between two decoding steps of a generation
+        running in the actor's other thread (in-flight updates), at once when none runs."""
+        refit = getattr(self.generator, "refit_in_flight", None)
+        nbytes = refit(load, version) if refit else load()
         self.version = version
         return nbytes
 
@@ -267,11 +265,10 @@ class Engine:
         drafter, one version for both, taken between two generate calls, or with in-flight updates between two
         decoding steps of the one running. Returns (bytes, seconds)."""
         t0 = time.perf_counter()
-        if hasattr(self.generator, "receive_weights"):
-            nbytes = self.generator.receive_weights()
-            self.version = version
+        if hasattr(self.generator, "receive_weights"):  # vLLM: its workers receive
+            nbytes = self._load(self.generator.receive_weights, version)
         else:  # our loader copies each bucket at once, so the receive buffers are reused
-            nbytes = self._load(self.weights.receive(reuse=True), version)
+            nbytes = self._load(lambda: self.generator.update_weights(self.weights.receive(reuse=True)), version)
         self.crash.check("receive_weights")
         return nbytes, time.perf_counter() - t0
 

@@ -44,13 +44,14 @@ def early_reward(monkeypatch):
     monkeypatch.setattr(PromptTask, "reward", lambda self, ids, problem: float(20 in ids[:12]))
 
 
-def test_in_flight_updates_are_refused_where_they_cannot_run():
-    """Before any compute: without a lag there is no generation in flight to update, and vLLM engines take refits
-    between generate calls only; each error names the fix."""
-    with pytest.raises(ValueError, match="needs backend.async_lag >= 1"):
-        BackendSection(placement="disaggregated", in_flight_updates=True)
-    with pytest.raises(ValueError, match="set backend.generator=embedded or backend.in_flight_updates=false"):
-        BackendSection(placement="disaggregated", generator="vllm", async_lag=1, in_flight_updates=True)
+def test_in_flight_updates_are_refused_without_a_lag():
+    """Before any compute: without a lag there is no generation in flight to update (and inline, no worker to run
+    one); the error names what to set. Both generators take them with a lag."""
+    for placement in ("disaggregated", "inline"):
+        with pytest.raises(ValueError, match="async_lag"):
+            BackendSection(placement=placement, in_flight_updates=True)
+    for generator in ("embedded", "vllm"):
+        assert BackendSection(placement="colocated", generator=generator, async_lag=1, in_flight_updates=True)
 
 
 def test_version_metrics():
