@@ -105,9 +105,10 @@ def cpu_pipeline_s(schedule_s: float, rest_s: float, micro_batches: Sequence[tup
                    pp: int, one_call: bool, dtype_bytes: int = 4, forward_share: float = 0.6) -> float:
     """A pipelined Megatron train step on the CPU host predicted from the same step on one stage: its schedule
     seconds (`schedule_s`, forward and backward of every micro-batch, `forward_share` of it forward: 0.6 measured
-    on the tiny MoE; the result moves under 1 % between 0.5 and 0.7) and the rest of the step (`rest_s`: gradient
-    reductions and the optimizer over the parameters, 1 / pp of them per stage). `micro_batches` are (rows, tokens)
-    in schedule order; `one_call`: one schedule call over all of them, sending each shape before its activation
+    on the tiny MoE; the result moves under 1 % between 0.5 and 0.7) and the rest of the step (`rest_s`, kept
+    whole: on the tiny MoE each PP2 rank spent 1.0-2.5x the PP1 run's time outside the schedule, not half, since
+    per-step bookkeeping outweighs its optimizer there and the stages add collectives). `micro_batches` are (rows,
+    tokens) in schedule order; `one_call`: one schedule call over all of them, sending each shape before its activation
     where the shapes differ (Megatron's `variable_seq_lengths`), else one call per run of equal shapes. Every
     exchange sends rows x tokens x hidden x dtype bytes over the host's measured gloo link."""
     from .hardware import CPU_GLOO_P2P_BW, CPU_GLOO_P2P_LATENCY_S
@@ -127,4 +128,4 @@ def cpu_pipeline_s(schedule_s: float, rest_s: float, micro_batches: Sequence[tup
                                messages) for rows, tokens in shapes]
     tokens = [rows * t for rows, t in shapes]
     return pipelined_from_one_stage(schedule_s * forward_share, schedule_s * (1 - forward_share), tokens, pp, calls,
-                                    exchange) + rest_s / pp
+                                    exchange) + rest_s
