@@ -124,9 +124,9 @@ def main(argv: list[str] | None = None) -> dict:
     result["pp1_runs"] = pp1
     result["pp1"] = pp1 = min(pp1, key=lambda r: r["one_call"]["min_s"])
     # The simulator: at PP1 one rank runs every layer of every micro-batch (its schedule time) and the rest of the
-    # step (gradient reductions, clipping, AdamW: proportional to the parameters it holds). At PP2 each stage holds
-    # half of both; the schedule's part runs as 1F1B over micro-batches costed by their tokens, with each
-    # stage-to-stage exchange over the host's measured gloo link (`bubble.cpu_pipeline_s`).
+    # step (gradient reductions, clipping, AdamW, bookkeeping). At PP2 each stage holds half the layers: the
+    # schedule's part runs as 1F1B over micro-batches costed by their tokens, with each stage-to-stage exchange over
+    # the host's measured gloo link; the rest stays whole (`bubble.cpu_pipeline_s`).
     pp2, one = result["pp2"], pp1["one_call"]
     m, rest = len(pp2["micro_batches"]), one["min_s"] - one["schedule_min_s"]
     with open(os.path.join(POLICY, "config.json")) as f:
