@@ -250,12 +250,15 @@ def spec_metrics(outs) -> dict:
 
 @dataclasses.dataclass
 class Rollouts:
-    """One step's completions (in prompt order) and the policy version that generated them."""
+    """One step's completions (in prompt order) and how old the policy that generated them is."""
 
     outs: list
-    """The generator's outputs, one per prompt (token ids, behaviour log-probs, speculation stats)."""
+    """The generator's outputs, one per prompt (token ids, behaviour log-probs, each token's policy version where
+    the generator records it, speculation stats)."""
     lag: int = 0
-    """Policy versions between the weights that generated them and the weights being trained (0: on-policy)."""
+    """Policy versions between the weights that generated the oldest token and the weights being trained (0:
+    on-policy). With in-flight updates a rollout's tokens may come from several versions; each token's behaviour
+    log-prob is its own version's, which is what the loss's importance ratios read."""
     metrics: dict = dataclasses.field(default_factory=dict)
     """What the producer adds to the step's metrics (weight sync bytes / seconds, policy version, restarts)."""
     ages: list[int] | None = None
