@@ -39,13 +39,26 @@ class _Entry:
 
 
 def export_hf(model, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[tuple[str, Tensor]]:
-    """Every HF-named full tensor of `model` (policy, then MTP layers with our drafter's names). Collective."""
+    """Every HF-named full tensor of `model` (policy, then MTP layers with our drafter's names; a list of model
+    chunks: chunk by chunk). Collective."""
     for bucket in export_buckets(model, bucket_bytes):
         yield from bucket
 
 
+def chunks_of(model) -> list:
+    """A model, or the list of a rank's virtual-pipeline chunks, as a list of chunks."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
 def export_buckets(model, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, Tensor]]]:
-    """Lists of `(hf_name, full_tensor)` of at most `bucket_bytes` each (a larger tensor goes alone). Collective."""
+    """Lists of `(hf_name, full_tensor)` of at most `bucket_bytes` each (a larger tensor goes alone); with virtual
+    pipeline stages chunk by chunk (every rank walks its chunk v together: each chunk's layers are global, so
+    the walk is the same per chunk). Collective."""
+    for chunk in chunks_of(model):
+        yield from _chunk_buckets(chunk, bucket_bytes)
+
+
+def _chunk_buckets(model, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
     r = ranks()
     entries = _entries(model, r)
     cfg, pool = model.hf_config, _Pool()
@@ -71,7 +84,7 @@ def _entries(model, r: Ranks) -> list[_Entry]:
     offset, tied = layer_offset(model), model.hf_config.tie_word_embeddings
     out = []
     for name, p in model.named_parameters():
-        spec = megatron_to_hf(name, offset, first_stage=r.first_stage, tied=tied)
+        spec = megatron_to_hf(name, offset, first_stage=model.pre_process, tied=tied)
         if not spec.export:
             continue
         split = 1 if spec.kind == "replicated" else (r.etp if spec.is_expert else r.tp)

@@ -77,6 +77,7 @@ def init_model_parallel(par: Parallelism, cfg=None) -> Ranks:
         context_parallel_size=par.cp,
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.expert_tp,
+        virtual_pipeline_model_parallel_size=par.vp if par.vp > 1 else None,
     )
     return ranks()
 

@@ -51,11 +51,12 @@ from .checkpoint import ShardedCheckpoints
 from .checks import Parallelism, check_parallelism
 from .importer import import_hf
 from .parallel import ensure_process_group, init_model_parallel
-from .provider import PORTABLE, Speed, build_model, speed_overrides
+from .provider import PORTABLE, Speed, build_chunks, speed_overrides
 from .routing import install
 from .step import device as _device
 from .step import (
-    StepSpec, aux_loss_sum, clip, gather_rows, is_mtp, norm_owned, padded_tokens, plan, positions, reduce_grads,
+    StepSpec, aux_loss_sum, clip, gather_rows, is_mtp, named_chunks, norm_owned, padded_tokens, plan, positions,
+    reduce_grads,
     reset_router_tracker, run_schedule, sum_metrics,
 )
 
@@ -123,6 +124,9 @@ class MegatronPolicy(ShardedCheckpoints):
         if mtp_num_layers and drafter_layers is not None and drafter_layers != mtp_num_layers:
             raise ValueError(f"the MTP drafter has {drafter_layers} layer(s), "
                              f"backend.megatron.mtp_num_layers={mtp_num_layers}")
+        if par.vp > 1 and (mtp_num_layers or optimizer == "megatron" or grpo.routing_replay):
+            raise ValueError(f"backend.megatron.virtual_pipeline={par.vp} runs without MTP layers, optimizer=megatron "
+                             "and grpo.routing_replay: set virtual_pipeline=1 or turn those off")
         if grpo.routing_replay:
             if not cfg.is_moe:
                 raise ValueError("grpo.routing_replay replays the experts of an MoE policy; this one is dense")
@@ -137,7 +141,7 @@ class MegatronPolicy(ShardedCheckpoints):
             from ...layout import online_eagle3_problems
             from .eagle3 import load_head
 
-            if problems := online_eagle3_problems(mtp_num_layers):
+            if problems := online_eagle3_problems(mtp_num_layers, par.vp):
                 raise ValueError("; ".join(problems))
             if drafter_cfg is None:
                 raise ValueError("an online EAGLE-3 head needs its drafter_train section (drafter_cfg)")
@@ -155,8 +159,11 @@ class MegatronPolicy(ShardedCheckpoints):
         self.has_drafter = drafter is not None and mtp_num_layers > 0
         init_model_parallel(par, cfg)
         reset_router_tracker()
-        self.model = build_model(cfg, par, mtp_num_layers=mtp_num_layers, init=False, dtype=self.dtype,
-                                 sequence_parallel=sequence_parallel, batch_p2p_comm=False, **speed_kw)
+        # This rank's model chunks: its stage, or with virtual pipeline stages its vp chunks (`provider.build_chunks`).
+        self.chunks = build_chunks(cfg, par, mtp_num_layers=mtp_num_layers, init=False, dtype=self.dtype,
+                                   sequence_parallel=sequence_parallel, batch_p2p_comm=False, **speed_kw)
+        self.model = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
+        self.config = self.chunks[0].config
         if self.dtype != torch.float32:  # modules Megatron takes from torch (the RMSNorm without Apex / TE) too
             self.model.to(self.dtype)
         self.routing = install(self.model, [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
@@ -165,17 +172,20 @@ class MegatronPolicy(ShardedCheckpoints):
             sources = [model]
             if self.has_drafter:
                 sources.append(drafter if not isinstance(drafter, MTP) else _drafter_tensors(drafter))
-            import_hf(self.model, sources if len(sources) > 1 else model)
+            for chunk in self.chunks:
+                import_hf(chunk, sources if len(sources) > 1 else model)
         else:
-            import_hf(self.model, hf_weights(model, drafter if self.has_drafter and isinstance(drafter, MTP) else None))
+            weights = hf_weights(model, drafter if self.has_drafter and isinstance(drafter, MTP) else None)
+            for chunk in self.chunks:
+                import_hf(chunk, weights)
         self.model.train()
-        named = list(self.model.named_parameters())
+        named = named_chunks(self.chunks)
         # fp32 master copies of low-precision shards: the optimizer updates these, the model gets them rounded.
         self.masters = {p: (p if p.dtype == torch.float32 or optimizer != "torch"
                             else torch.nn.Parameter(p.detach().float().clone())) for _, p in named}
         self.trunk = [(n, p) for n, p in named if not is_mtp(n)]
         self.mtp_layers = [(n, p) for n, p in named if is_mtp(n)]
-        self.owned = norm_owned(self.model)
+        self.owned = norm_owned(self.chunks)
         groups = [dict(params=[self.masters[p] for _, p in self.trunk], lr=grpo.lr, betas=(0.9, 0.99))]
         if self.mtp_layers:
             groups.append(dict(params=[self.masters[p] for _, p in self.mtp_layers], lr=drafter_lr))
@@ -257,7 +267,7 @@ class MegatronPolicy(ShardedCheckpoints):
 
     def _spec(self, batch: Batch, n_micro: int, fold: bool) -> StepSpec:
         mask = batch.mask
-        counts = tuple(float(mask[:, k + 2 :].sum()) for k in range(self.model.config.mtp_num_layers or 0))
+        counts = tuple(float(mask[:, k + 2 :].sum()) for k in range(self.config.mtp_num_layers or 0))
         return StepSpec(self.grpo, self.sampling, LossNorm.of(mask[:, 1:]), counts, self.mtp_weight,
                         float(n_micro * ps.get_data_parallel_world_size()), fold, self.routing)
 
@@ -274,10 +284,10 @@ class MegatronPolicy(ShardedCheckpoints):
         self._announce("logprobs", batch)
         micros = self._micros(batch)
         self.model.eval()
-        outs, _ = run_schedule(self.model, micros, self._spec(batch, len(micros), False), None, forward_only=True,
+        outs, _ = run_schedule(self.chunks, micros, self._spec(batch, len(micros), False), None, forward_only=True,
                                one_call=self.one_schedule)
         self.model.train()
-        aux_loss_sum(self.model, 1)  # clears Megatron's router-loss tracker
+        aux_loss_sum(self.config, 1)  # clears Megatron's router-loss tracker
         B, T = batch.mask.shape
         return gather_rows([(o["rows"], o["logprobs"]) for o in outs], (B, T - 1), self._contributes())
 
@@ -291,19 +301,19 @@ class MegatronPolicy(ShardedCheckpoints):
         spec = self._spec(batch, len(micros), fold)
         self._zero_grad()
         self.model.train()
-        aux_loss_sum(self.model, 1)  # start from an empty router-loss tracker
+        aux_loss_sum(self.config, 1)  # start from an empty router-loss tracker
         with self.eagle3.capture(micros, batch.mask) if self.eagle3 else contextlib.nullcontext():
-            outs, calls = run_schedule(self.model, micros, spec, self.mtp, forward_only=False,
+            outs, calls = run_schedule(self.chunks, micros, spec, self.mtp, forward_only=False,
                                        one_call=self.one_schedule)
         contributes = self._contributes()
         keys = ("policy_loss", "clip_frac", "is_clip_frac", "drafter_loss", "pad_tokens", "positions")
         sums = sum_metrics([*outs, {"pad_tokens": padded_tokens(micros), "positions": positions(micros)}],
                            contributes, keys)
         total_micro = len(micros) * ps.get_data_parallel_world_size()
-        aux = aux_loss_sum(self.model, total_micro)
+        aux = aux_loss_sum(self.config, total_micro)
         metrics = {"loss": sums["policy_loss"] + aux, "clip_frac": sums["clip_frac"], "pad_tokens": sums["pad_tokens"],
                    "train_schedule_calls": calls, "train_pad_fraction": sums["pad_tokens"] / max(sums["positions"], 1)}
-        if self.model.config.num_moe_experts:  # the two parts: the GRPO loss and Megatron's router losses
+        if self.config.num_moe_experts:  # the two parts: the GRPO loss and Megatron's router losses
             metrics.update(grpo_loss=sums["policy_loss"], moe_aux_loss=aux)
         if any("is_clip_frac" in o for o in outs) or batch.behaviour_logprobs is not None:
             metrics["is_clip_frac"] = sums["is_clip_frac"]
@@ -329,7 +339,8 @@ class MegatronPolicy(ShardedCheckpoints):
                 metrics["skipped"] = True
                 return metrics
         else:
-            reduce_grads(self.model)
+            for chunk in self.chunks:
+                reduce_grads(chunk)
             self._grads_to_masters()
             metrics["grad_norm"] = clip(self._master_named(self.trunk), self.owned, self.grpo.max_grad_norm)
             if self.mtp:  # collective: stages without MTP layers take part with nothing
@@ -482,7 +493,7 @@ class MegatronPolicy(ShardedCheckpoints):
 
         bucket_bytes = bucket_bytes or REFIT_BUCKET_BYTES
         self._announce("export_weights", bucket_bytes, dtype)
-        stream = refit_buckets(self.model, bucket_bytes, dtype_of(dtype) if dtype else None)
+        stream = refit_buckets(self.chunks, bucket_bytes, dtype_of(dtype) if dtype else None)
         yield from self._for_engines((item for bucket in stream for item in bucket), eagle3=True)
 
     def _for_engines(self, items, eagle3: bool, shared: bool = False):
@@ -515,7 +526,7 @@ class MegatronPolicy(ShardedCheckpoints):
 
         self._announce("send_weights", bucket_bytes, dtype)
         cast, received = dtype_of(dtype) if dtype else None, [0]
-        stream = stage_buckets(self.model, bucket_bytes, cast, received)
+        stream = stage_buckets(self.chunks, bucket_bytes, cast, received)
         group = getattr(self, "weight_group", None)
         if group is None and dist.get_rank() == 0:
             raise RuntimeError("send_weights before join_weights: the weight-update group is not formed")

@@ -156,6 +156,7 @@ def transformer_config(
         context_parallel_size=par.cp,
         num_layers_in_first_pipeline_stage=par.first_stage_layers,
         num_layers_in_last_pipeline_stage=par.last_stage_layers,
+        virtual_pipeline_model_parallel_size=par.vp if par.vp > 1 else None,
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.expert_tp,
         sequence_parallel=False,
@@ -185,12 +186,14 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def layer_specs(config: TransformerConfig, use_te: bool, pp_rank: int):
-    """(decoder block spec, MTP block spec or None) for one pipeline stage."""
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=pp_rank)
+def layer_specs(config: TransformerConfig, use_te: bool, pp_rank: int, vp_stage: int | None = None):
+    """(decoder block spec, MTP block spec or None) for one pipeline stage (its chunk `vp_stage` when interleaved)."""
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", pp_rank=pp_rank,
+                                       vp_stage=vp_stage)
     mtp = None
     if config.mtp_num_layers:
-        mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=use_te, pp_rank=pp_rank)
+        mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=use_te, pp_rank=pp_rank,
+                                     vp_stage=vp_stage)
     return block, mtp
 
 
@@ -204,9 +207,11 @@ def build_model(
     use_te: bool | None = None,
     vocab_divisible_by: int = DEFAULT_VOCAB_DIVISIBLE_BY,
     init: bool = True,
+    vp_stage: int | None = None,
     **overrides,
 ) -> GPTModel:
     """This rank's `GPTModel` (its pipeline stage) for `cfg`; model-parallel state must be initialised as `par`.
+    With `par.vp > 1`, the stage's chunk `vp_stage` (`build_chunks` builds them all).
 
     `seed` seeds Megatron-Core's initialisation (CPU: the full weights are drawn on every rank and split, so a
     given seed gives the same model for any TP); `init=False` skips it for models about to be loaded.
@@ -224,21 +229,25 @@ def build_model(
     if torch.cuda.is_available() and (seed is not None or not tensor_parallel.get_cuda_rng_tracker().get_states()):
         # Megatron-Core's attention forks the model-parallel CUDA RNG state, which must exist before a forward.
         tensor_parallel.model_parallel_cuda_manual_seed(0 if seed is None else seed)
+    if (par.vp > 1) != (vp_stage is not None) or (vp_stage is not None and not 0 <= vp_stage < par.vp):
+        raise ValueError(f"vp_stage={vp_stage} for {par.describe()}: give one chunk index below vp when vp > 1, "
+                         "else None")
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    block, mtp = layer_specs(config, use_te, pp_rank)
+    block, mtp = layer_specs(config, use_te, pp_rank, vp_stage)
     with on_cpu():  # no-op with CUDA; on CPU, lets PP > 1 sync the embedding copy of MTP / tied heads
         model = GPTModel(
             config=config,
             transformer_layer_spec=block,
             vocab_size=padded_vocab_size(cfg.vocab_size, vocab_divisible_by, par.tp),
             max_sequence_length=cfg.max_position_embeddings,
-            pre_process=ps.is_pipeline_first_stage(),
-            post_process=ps.is_pipeline_last_stage(),
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=cfg.tie_word_embeddings,
             position_embedding_type="rope",
             rotary_base=cfg.rope_theta,
             rotary_percent=1.0,
             mtp_block_spec=mtp,
+            vp_stage=vp_stage,
         )
     if torch.cuda.is_available():
         # Megatron-Core allocates its parallel linears on the current GPU, but a module it takes from torch (the
@@ -247,3 +256,12 @@ def build_model(
         model.cuda(torch.cuda.current_device())
     model.hf_config = cfg  # what the importer and exporter map against
     return model
+
+
+def build_chunks(cfg: ModelConfig, par: Parallelism, **kwargs) -> list[GPTModel]:
+    """This rank's model chunks: its one `GPTModel` stage, or with `par.vp > 1` its vp chunks in schedule order
+    (chunk v holds the (v x pp + pp_rank)-th run of layers, Megatron-Core's interleaved layout); `build_model`'s
+    keyword arguments."""
+    if par.vp == 1:
+        return [build_model(cfg, par, **kwargs)]
+    return [build_model(cfg, par, vp_stage=v, **kwargs) for v in range(par.vp)]

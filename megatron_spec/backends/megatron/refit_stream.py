@@ -33,15 +33,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .exporter import _broadcast, _buckets, _entries, _gather, _Pool
+from .exporter import _broadcast, _buckets, _entries, _gather, _Pool, chunks_of
 from .parallel import ranks
 
 
 def refit_buckets(model, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
     """Lists of `(hf_name, full tensor)` of at most `bucket_bytes` (in `dtype`; a larger tensor goes alone), every
-    floating tensor in `dtype` (None: the parameters' own). Every rank yields the same buckets. Collective."""
+    floating tensor in `dtype` (None: the parameters' own); `model` may be a list of virtual-pipeline chunks, walked
+    chunk by chunk. Every rank yields the same buckets. Collective."""
     if bucket_bytes <= 0:
         raise ValueError(f"refit bucket size must be positive, got {bucket_bytes}")
+    for chunk in chunks_of(model):
+        yield from _chunk_refit(chunk, bucket_bytes, dtype)
+
+
+def _chunk_refit(model, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[list[tuple[str, Tensor]]]:
     r = ranks()
     entries = [_in_dtype(e, dtype) for e in _entries(model, r)]
     cfg, pool = model.hf_config, _Pool()
@@ -86,12 +92,14 @@ def stage_buckets(model, bucket_bytes: int, dtype: torch.dtype | None = None,
                   received: list[int] | None = None) -> Iterator[list[tuple[str, Tensor]]]:
     """This rank's pipeline stage's buckets only, as `refit_buckets` gathers them (every rank of the stage yields
     them; no stage sees another's). `received[0]` counts the bytes this rank received while gathering: a
-    gathered tensor's bytes less this rank's own shard's. Collective over the stage's TP and expert groups."""
+    gathered tensor's bytes less this rank's own shard's. `model` may be a list of virtual-pipeline chunks.
+    Collective over the stage's TP and expert groups."""
     if bucket_bytes <= 0:
         raise ValueError(f"refit bucket size must be positive, got {bucket_bytes}")
     r = ranks()
-    entries = [_in_dtype(e, dtype) for e in _entries(model, r)]
-    cfg, pool = model.hf_config, _Pool()
+    chunks = chunks_of(model)
+    entries = [_in_dtype(e, dtype) for chunk in chunks for e in _entries(chunk, r)]
+    cfg, pool = chunks[0].hf_config, _Pool()
     for bucket in _buckets(entries, bucket_bytes):
         cast = [_cast(e, dtype) for e in bucket]
         if received is not None:

@@ -1,5 +1,6 @@
 """One GRPO step on a Megatron-Core `GPTModel`, run collectively by every rank through Megatron's own schedule
-(`get_forward_backward_func`: no pipelining, or 1F1B over the pipeline stages with micro-batches).
+(`get_forward_backward_func`: no pipelining, 1F1B over the pipeline stages with micro-batches, or interleaved 1F1B
+over each stage's model chunks with virtual pipeline stages).
 
     plan       the batch's micro-batches, and which data-parallel rank runs which
     forward    this stage's part of the model; on the last stage the policy logits and, with MTP, the MTP layers'
@@ -40,6 +41,8 @@ from .routing import force
 require_megatron()
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.transformer.moe import moe_utils  # noqa: E402
 
 
@@ -224,10 +227,10 @@ def schedule_groups(micros: list[Micro], one_call: bool) -> list[list[Micro]]:
     return groups
 
 
-def run_schedule(model, micros: list[Micro], spec: StepSpec, mtp: str | None, forward_only: bool,
+def run_schedule(chunks: list, micros: list[Micro], spec: StepSpec, mtp: str | None, forward_only: bool,
                  one_call: bool = True) -> tuple[list[dict], int]:
-    """Megatron's forward(-backward) over this rank's micro-batches: (the last stage's per-micro-batch outputs,
-    schedule calls made).
+    """Megatron's forward(-backward) over this rank's micro-batches through its model `chunks` (one, or the vp
+    chunks of interleaved stages): (the last stage's per-micro-batch outputs, schedule calls made).
 
     `one_call`: one call over all of them, whatever their shapes, with Megatron's `variable_seq_lengths` set when
     the pipeline has more than one stage and the shapes differ (each send is then preceded by its shape), so 1F1B
@@ -236,8 +239,9 @@ def run_schedule(model, micros: list[Micro], spec: StepSpec, mtp: str | None, fo
     during it, which restores the one-call weights of the GRPO loss and of the router losses (whose scale the
     schedule derives from the same function)."""
     groups = schedule_groups(micros, one_call)
-    config = model.config
+    config = chunks[0].config  # the schedule reads the first chunk's config
     base, variable, outs = config.grad_scale_func, config.variable_seq_lengths, []
+    group_size = config.microbatch_group_size_per_vp_stage
 
     def scaled(factor, t):
         return (base(t) if base is not None else t) * factor
@@ -247,15 +251,28 @@ def run_schedule(model, micros: list[Micro], spec: StepSpec, mtp: str | None, fo
         for group in groups:
             if len(groups) > 1:
                 config.grad_scale_func = partial(scaled, len(group) / len(micros))
-            outs += _schedule_call(model, group, spec, mtp, forward_only)
+            if len(chunks) > 1:
+                pp = ps.get_pipeline_model_parallel_world_size()
+                config.microbatch_group_size_per_vp_stage = interleave_group(len(group), pp)
+            outs += _schedule_call(chunks, group, spec, mtp, forward_only)
     finally:
         config.grad_scale_func, config.variable_seq_lengths = base, variable
+        config.microbatch_group_size_per_vp_stage = group_size
     return outs, len(groups)
 
 
-def _schedule_call(model, micros: list[Micro], spec: StepSpec, mtp: str | None, forward_only: bool) -> list[dict]:
-    it = iter(micros)
+def interleave_group(n_micro: int, pp: int) -> int:
+    """Micro-batches the interleaved schedule runs through one chunk before moving to the next: Megatron-Core
+    needs between pp and `n_micro`, and the last group empty or at least pp long. Its default, pp, takes a multiple
+    of pp micro-batches; the smallest group that fits `n_micro` keeps the fewest activations in flight."""
+    if n_micro < pp:
+        raise ValueError(f"interleaved pipeline stages need at least pp={pp} micro-batches per schedule call, got "
+                         f"{n_micro}: lower grpo.micro_batch_tokens, give each data-parallel rank more rows, or set "
+                         "backend.megatron.virtual_pipeline=1")
+    return next(g for g in range(pp, n_micro + 1) if n_micro % g == 0 or n_micro % g >= pp)
 
+
+def _schedule_call(chunks: list, micros: list[Micro], spec: StepSpec, mtp: str | None, forward_only: bool) -> list[dict]:
     def forward_step(data_iterator, model):
         micro = next(data_iterator)
         if spec.routing:
@@ -266,16 +283,62 @@ def _schedule_call(model, micros: list[Micro], spec: StepSpec, mtp: str | None, 
         return out, partial(loss_func, spec, micro, mtp_logits)
 
     B, T = micros[0].batch.input_ids.shape
+    # Every chunk runs every micro-batch in order: interleaved, each gets its own iterator.
+    data = iter(micros) if len(chunks) == 1 else [iter(micros) for _ in chunks]
     # The schedule sets the router losses' backward scale (a class attribute of Megatron-Core's
     # `MoEAuxLossAutoScaler`) by copying a 1-element tensor into whatever an earlier step left there. A backward
     # outside the schedule (a detached MTP step, another model in the same process) leaves a 0-dim tensor, maybe on
     # another device, and the copy then fails; cleared, the schedule's first micro-batch sets a fresh one.
     moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    groups = interleaved_groups(chunks[0].config) if len(chunks) > 1 else {}
     with on_cpu():
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=it, model=[model], num_microbatches=len(micros),
-            seq_length=T, micro_batch_size=B, forward_only=forward_only,
+            forward_step_func=forward_step, data_iterator=data, model=chunks, num_microbatches=len(micros),
+            seq_length=T, micro_batch_size=B, forward_only=forward_only, **groups,
         )
+
+
+class PairedShapes(P2PCommunicator):
+    """Megatron-Core's point-to-point exchange with the shapes of variable-length sends (`variable_seq_lengths`)
+    posted in the order its tensor exchange uses: on even ranks send-next, recv-prev, send-prev, recv-next, on odd
+    ranks recv-prev, send-next, recv-next, send-prev. Megatron-Core posts the shapes in one fixed order, which
+    pairs them crosswise when the previous and the next stage are the same rank (two stages with interleaving,
+    where the last stage's chunk sends on to the first stage's next chunk): an activation's shape then arrives as
+    a gradient's and the exchange of the tensors fails."""
+
+    def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+        if self.pp_group.size() != 2:
+            return super()._communicate_shapes(tensor_send_next, tensor_send_prev, recv_prev, recv_next)
+        dev = torch.cuda.current_device()
+        got = {k: torch.empty(3, dtype=torch.int64, device=dev) for k, on in (("prev", recv_prev),
+                                                                           ("next", recv_next)) if on}
+        sent = {k: torch.tensor(t.size(), dtype=torch.int64, device=dev)
+                for k, t in (("next", tensor_send_next), ("prev", tensor_send_prev)) if t is not None}
+        peer = {"next": self.next_rank, "prev": self.prev_rank}
+        order = (("send", "next"), ("recv", "prev"), ("send", "prev"), ("recv", "next"))
+        if self.pp_group.rank() % 2:
+            order = (("recv", "prev"), ("send", "next"), ("recv", "next"), ("send", "prev"))
+        reqs = []
+        for op, side in order:
+            if op == "send" and side in sent:
+                reqs.append(dist.isend(sent[side], dst=peer[side], group=self.pp_group))
+            elif op == "recv" and side in got:
+                reqs.append(dist.irecv(got[side], src=peer[side], group=self.pp_group))
+        for r in reqs:
+            r.wait()
+        return tuple(got[k].tolist() if k in got else [0, 0, 0] for k in ("prev", "next"))
+
+
+def interleaved_groups(config) -> dict:
+    """The interleaved schedule's `p2p_communicator` (`PairedShapes`) and the process groups it then needs
+    passed too: Megatron-Core's defaults, read from its parallel state."""
+    pg = ProcessGroupCollection()
+    pg.tp, pg.cp, pg.pp = (ps.get_tensor_model_parallel_group(), ps.get_context_parallel_group(),
+                           ps.get_pipeline_model_parallel_group())
+    pg.embd = ps.get_embedding_group(check_initialized=False)
+    pg.pos_embd = ps.get_position_embedding_group(check_initialized=False)
+    pg.dp_cp = ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=False)
+    return dict(p2p_communicator=PairedShapes(pp_group=pg.pp, config=config), pg_collection=pg)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -290,9 +353,9 @@ def is_expert(name: str) -> bool:
 
 @torch.no_grad()
 def reduce_grads(model) -> None:
-    """What Megatron's `finalize_model_grads` does, on plain `.grad`: average over data-parallel ranks (expert
-    parameters over their expert data-parallel group, with the same 1 / dp), sum the first and last stages'
-    embedding copies (PP with MTP or tied heads), and sum over TP the replicated parameters whose gradient each TP
+    """What Megatron's `finalize_model_grads` does, on plain `.grad`, for one model chunk: average over
+    data-parallel ranks (expert parameters over their expert data-parallel group, with the same 1 / dp), sum the
+    first and last stages' embedding copies (PP with MTP or tied heads), and sum over TP the replicated parameters whose gradient each TP
     rank only has part of."""
     dp = ps.get_data_parallel_world_size()
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -306,7 +369,8 @@ def reduce_grads(model) -> None:
                 dist.all_reduce(p.grad, group=group)
             p.grad.div_(dp)
     shared = model.share_embeddings_and_output_weights or model.config.mtp_num_layers
-    if shared and ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
+    holds_copy = model.pre_process or model.post_process  # with virtual stages, only the first / last chunk
+    if shared and holds_copy and ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
         # The first stage's embedding and the last stage's copy (for the MTP layers or a tied head) are one weight.
         dist.all_reduce(model.shared_embedding_or_output_weight().grad, group=ps.get_embedding_group())
     if ps.get_tensor_model_parallel_world_size() > 1:
@@ -320,13 +384,29 @@ def reduce_grads(model) -> None:
                 dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
 
 
-def norm_owned(model) -> dict[str, bool]:
-    """Whether this rank counts each parameter in the global gradient norm: every shard once. Read from the HF
-    mapping (Megatron's `tensor_model_parallel` attributes are only set when Megatron initialises the weights):
-    replicated tensors count on TP rank 0 only (expert ones on ETP rank 0), and a later stage's copy of the
-    embedding (MTP layers, tied head) not at all."""
+def named_chunks(chunks: list) -> list[tuple[str, Tensor]]:
+    """(name, parameter) of this rank's model chunks; with several, each name is prefixed `chunk{v}.` (their local
+    layer numbers repeat)."""
+    if len(chunks) == 1:
+        return list(chunks[0].named_parameters())
+    return [(f"chunk{v}.{n}", p) for v, c in enumerate(chunks) for n, p in c.named_parameters()]
+
+
+def norm_owned(chunks: list) -> dict[str, bool]:
+    """Whether this rank counts each parameter of its chunks in the global gradient norm (`named_chunks`'
+    names): every shard once. Read from the HF mapping (Megatron's `tensor_model_parallel` attributes are only
+    set when Megatron initialises the weights): replicated tensors count on TP rank 0 only (expert ones on ETP
+    rank 0), and a later stage's copy of the embedding (MTP layers, tied head) not at all."""
+    owned = {}
+    for v, model in enumerate(chunks):
+        prefix = f"chunk{v}." if len(chunks) > 1 else ""
+        owned.update({prefix + n: own for n, own in _chunk_owned(model).items()})
+    return owned
+
+
+def _chunk_owned(model) -> dict[str, bool]:
     offset, tied = layer_offset(model), model.hf_config.tie_word_embeddings
-    first = ps.is_pipeline_first_stage()
+    first = model.pre_process  # the chunk that embeds (with virtual stages, the first stage's first chunk)
     owned = {}
     for name, _ in model.named_parameters():
         spec = megatron_to_hf(name, offset, first_stage=first, tied=tied)
@@ -379,10 +459,10 @@ def sum_metrics(outputs: list[dict], contributes: bool, keys: tuple[str, ...]) -
     return dict(zip(keys, vals.tolist()))
 
 
-def aux_loss_sum(model, micro_total: int) -> float:
+def aux_loss_sum(cfg, micro_total: int) -> float:
     """The trunk's MoE load-balancing losses of this step as Megatron applied them (coefficient x mean over
-    micro-batches of each layer's Switch loss, summed over layers), from Megatron's tracker; 0 for dense models."""
-    cfg = model.config
+    micro-batches of each layer's Switch loss, summed over layers), from Megatron's tracker; 0 for dense models.
+    `cfg`: the model's `TransformerConfig`."""
     if not cfg.num_moe_experts:
         return 0.0
     tracker = moe_utils.get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
