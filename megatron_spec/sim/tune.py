@@ -9,8 +9,10 @@ trainer layout and its GPU count, generation only on the engine layout, the engi
 So each training layout and each generation variant is simulated once per GPU share and the two are combined
 with `pipeline.compose`, instead of simulating the full product.
 
-For k other than the one the user measured, acceptance follows the constant per-token model: the per-token rate
-is solved from the given acceptance length and re-expanded as (1 - a^(k+1)) / (1 - a) (acceptance.py).
+For k other than the one the user measured, acceptance follows the drafter's per-position profile where one is
+given (`--per-position`: the first k positions of it, for every k it covers), else the constant per-token model:
+the per-token rate is solved from the given acceptance length and re-expanded as (1 - a^(k+1)) / (1 - a)
+(acceptance.py).
 """
 
 from __future__ import annotations
@@ -133,9 +135,12 @@ def _spec_variants(space: TuneSpace, spec: Speculation | None):
     for method, k in itertools.product(space.methods or (spec.drafter,), space.ks):
         if k == 0:
             continue
-        tau = tau_from_rate(rate, k)
+        # A drafter's own per-position profile prices every k it covers (its acceptance decays with depth as
+        # measured); past it, or from one acceptance length, the constant per-token rate.
+        profile = spec.per_position[:k] if k <= len(spec.per_position) else ()
+        tau = 0.0 if profile else tau_from_rate(rate, k)
         for mode in space.adaptive:
-            yield replace(spec, drafter=method, k=k, acceptance_length=tau, per_position=(),
+            yield replace(spec, drafter=method, k=k, acceptance_length=tau, per_position=profile,
                           adaptive=mode != "off", adaptive_threshold=mode if isinstance(mode, int) else 0)
 
 

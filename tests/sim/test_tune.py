@@ -140,3 +140,24 @@ def test_best_layout_235b_passes_the_shared_validator():
         "allgather" if t.ep < 8 else "alltoall")  # Qwen3-235B-A22B routes to 8 experts
     again = simulate(cfg)
     assert stages == pytest.approx({**again.stages, "step": again.step_s}, rel=1e-12)
+
+
+def test_a_per_position_profile_prices_each_k():
+    """Given a drafter's per-position acceptance (the paper's RL-Think EAGLE-3 profile: 0.758 x3, 0.642 x2,
+    0.781 x2), the tuner drafts each k with that profile's first k positions, so its acceptance length at k is the
+    measured one (2.77 at 3, 3.23 at 5), not the constant-rate re-expansion of the profile's k=7 figure (which
+    would put k=3 at 2.68); past the profile it falls back to the constant rate."""
+    from megatron_spec.sim.acceptance import tau_from_rate
+    from megatron_spec.sim.reference import drafter_profile
+    from megatron_spec.sim.tune import _spec_variants
+
+    profile = drafter_profile("think")
+    spec = Speculation(k=7, per_position=profile)
+    space = TuneSpace(ks=(0, 3, 5, 7), adaptive=("off",))
+    taus = {s.k: s.tau(s.k) for s in _spec_variants(space, spec) if s is not None}
+    assert {k: round(t, 2) for k, t in taus.items()} == {3: 2.77, 5: 3.23, 7: 3.48}
+    assert round(tau_from_rate(spec.rate, 3), 2) == 2.68
+    wide = TuneSpace(ks=(8,), adaptive=("off",))
+    (deep,) = [s for s in _spec_variants(wide, Speculation(k=3, per_position=profile[:3])) if s is not None]
+    assert deep.per_position == () and deep.tau(8) == pytest.approx(tau_from_rate(Speculation(
+        k=3, per_position=profile[:3]).rate, 8))
