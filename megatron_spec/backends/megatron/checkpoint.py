@@ -153,10 +153,10 @@ class ShardedCheckpoints:
         self._torch_optimizer_only("state_dict")
         self._announce("state_dict")
         with self._params_as("master"):
-            state = {"weights": {n: t.cpu().clone() for n, t in export_hf(self.model)}}
+            state = {"weights": {n: t.cpu().clone() for n, t in export_hf(self.chunks)}}
         for key in OPT_STATES:
             with self._params_as(key):
-                state[key] = {n: t.cpu().clone() for n, t in export_hf(self.model)}
+                state[key] = {n: t.cpu().clone() for n, t in export_hf(self.chunks)}
         steps = [float(s["step"]) for s in self.opt.state.values() if "step" in s]
         state["step"] = max(steps, default=0.0)
         state["layout"] = self.par.describe()
@@ -172,11 +172,13 @@ class ShardedCheckpoints:
         self._torch_optimizer_only("load_state_dict")
         self._announce("load_state_dict", state)
         with self._params_as("master"):
-            import_hf(self.model, state["weights"])
+            for chunk in self.chunks:
+                import_hf(chunk, state["weights"])
         self._masters_to_params()
         for key in OPT_STATES:
             with self._params_as(key, create=True):
-                import_hf(self.model, state[key])
+                for chunk in self.chunks:
+                    import_hf(chunk, state[key])
         self._set_step(state["step"])
         if self.eagle3 and "eagle3" in state:
             self.eagle3.load_state_dict(state["eagle3"])
@@ -190,13 +192,18 @@ class ShardedCheckpoints:
 
     def _sharded(self, key: str) -> dict:
         """The model's sharded state dict under `key.` with `key`'s tensors (fp32 masters, an Adam moment) in
-        place of the weights, detached from the parameters so the swap can be undone before it is written."""
+        place of the weights, detached from the parameters so the swap can be undone before it is written. With
+        virtual pipeline stages each chunk's under `{key}.chunk{v}` (`_chunk_dicts`): the tensors' checkpoint keys
+        and offsets are global (layer numbers across the whole model), so the files are those of one chunk per
+        stage and load at any vp."""
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
         with self._params_as("master" if key == "weights" else key, create=True):
             # The metadata Megatron's training loop passes (the PP stage holding MTP layers ties its embedding copy).
             metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
-            sd = self.model.sharded_state_dict(prefix=f"{key}.", metadata=metadata)
+            sd = {k: c.sharded_state_dict(prefix=f"{key}.", metadata=metadata) for k, c in self._chunk_dicts(key)}
+            if len(self.chunks) == 1:
+                sd = sd[key]
 
             def detach(d):
                 for k, v in list(d.items()):
@@ -209,6 +216,12 @@ class ShardedCheckpoints:
                         v.data = v.data.detach()
             detach(sd)
         return sd
+
+    def _chunk_dicts(self, key: str) -> list[tuple[str, object]]:
+        """(where `_sharded` puts each chunk's state dict, the chunk): `key` itself for one chunk."""
+        if len(self.chunks) == 1:
+            return [(key, self.chunks[0])]
+        return [(f"{key}.chunk{v}", c) for v, c in enumerate(self.chunks)]
 
     def _megatron_sharded(self, is_loading: bool) -> dict:
         """Megatron-Core's checkpoint of the model and its distributed optimizer, as its training loop builds it:
@@ -307,9 +320,12 @@ class ShardedCheckpoints:
             sd = self._sharded(key)
             with on_cpu():
                 loaded = dist_checkpointing.load(sd, str(ckpt_dir))
-            values = {k[len(key) + 1 :]: v for k, v in loaded.items()}
-            with self._params_as("master" if key == "weights" else key, create=True):
-                missing, _ = self.model.load_state_dict(values, strict=False)
+            missing = []
+            for where, chunk in self._chunk_dicts(key):
+                values = loaded if len(self.chunks) == 1 else loaded[where]
+                values = {k[len(key) + 1 :]: v for k, v in values.items()}
+                with self._params_as("master" if key == "weights" else key, create=True):
+                    missing += chunk.load_state_dict(values, strict=False)[0]
             missing = [n for n in missing if not n.endswith("_extra_state")]
             if missing:
                 raise ValueError(f"checkpoint {ckpt_dir} has no {key} for {len(missing)} parameter(s), "

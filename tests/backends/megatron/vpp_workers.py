@@ -35,3 +35,32 @@ def two_steps(rank: int, world: int, kind: str, layout: dict) -> dict:
         weights.append({n: t.clone() for n, t in policy.export_weights()})
     layers = [[layer_offset(c) + j for j in range(len(c.decoder.layers))] for c in policy.chunks]
     return {"metrics": metrics, "weights": weights, "layers": layers}
+
+
+def resumed(rank: int, world: int, root: str, kind: str, saved_at: dict, loaded_at: dict) -> dict:
+    """3 steps straight at `saved_at`, against 1 step there, a sharded checkpoint (`save_sharded`), and 2 steps
+    of a policy at `loaded_at` that loads it: the last 2 steps' metrics and the weights after them."""
+    from pathlib import Path
+
+    from megatron_spec.backends.megatron.checks import Parallelism
+    from megatron_spec.backends.megatron.policy import MegatronPolicy
+
+    cfg = tiny(kind, num_hidden_layers=LAYERS)
+    batches = varied_batches(cfg, 8, n=3)
+
+    def make(layout):
+        return MegatronPolicy(our_model(cfg), grpo(micro_batch_tokens=BUDGET), SAMPLING, Parallelism(**layout))
+
+    def steps(policy, todo):
+        metrics = [policy.train_step(with_policy_old(b, policy.logprobs(b))) for b in todo]
+        return {"metrics": metrics, "weights": {n: t.clone() for n, t in policy.export_weights()}}
+
+    out = {"straight": steps(make(saved_at), batches)}
+    first = make(saved_at)
+    steps(first, batches[:1])
+    ckpt = Path(root) / "ckpt"
+    state = first.save_sharded(ckpt)
+    second = make(loaded_at)
+    second.load_state_dict({**state, "sharded_dir": str(ckpt)})
+    out["resumed"] = steps(second, batches[1:])
+    return out
