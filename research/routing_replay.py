@@ -1,8 +1,9 @@
 """How far apart are the engine's and the trainer's log-probs of a tiny MoE's rollouts with and without routing replay?
 
 The trained tiny MoE (`checkpoints/tiny-qwen3-moe`, 4 layers of 8 experts, top-2) generates a GRPO step's rollouts
-(8 task prompts x 8, temperature 1, up to 96 tokens) on our engine with its routing recorded; the embedded trainer
-(fp32) computes their log-probs twice, routing by itself and replaying the engine's routing (`grpo.routing_replay`).
+(8 task prompts x 8, temperature 1, up to 96 tokens) on our engine with its routing recorded; each trainer (the
+embedded one, and Megatron-Core's on one gloo rank; fp32) computes their log-probs twice, routing by itself and
+replaying the engine's routing (`grpo.routing_replay`).
 Per step: `logprob_mismatch` (the loop's metric: the largest |trainer - engine| over the generated tokens), the mean
 |trainer - engine|, and the share of (position, MoE layer) choices where the trainer's own top-k differs from the
 engine's (with replay it is 0 by construction: checked). Two engines: fp32 (the CPU default, the trainer's
@@ -37,26 +38,15 @@ POLICY = "checkpoints/tiny-qwen3-moe"
 SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)
 
 
-def one_step(engine_model, policy: EmbeddedPolicy, prompts: list[list[int]], seed: int) -> dict:
-    """One step's rollouts from `engine_model` and the trainer's log-probs of them, free and replayed."""
+GRPO = GRPOSection(micro_batch_tokens=0, routing_replay=True)
+"""One micro-batch per forward: the routers' last forward then covers the whole batch."""
+
+
+def rollouts(engine_model, prompts: list[list[int]], seed: int):
+    """One step's rollouts from `engine_model` with their routing: (batch, the engine's log-probs)."""
     outs = EmbeddedGenerator(engine_model, record_routing=True, own=True).generate(
         prompts, SamplingParams(max_tokens=96, seed=seed, **SAMPLING))
-    batch, behaviour = make_batch(prompts, outs)
-    recorded = batch.routing[..., 0, 0] >= 0
-    engine_choice = batch.routing.long().sort(-1).values
-    [(rows, _)] = policy.split(batch)
-    completion = batch.mask[:, 1:]
-    out = {"tokens": int(completion.sum())}
-    for name, routing in (("free", None), ("replay", batch.routing)):
-        lp = policy.logprobs(with_routing(batch, routing))
-        gap = (lp - behaviour).abs()[completion]
-        trainer = torch.empty_like(batch.routing)
-        trainer[rows] = choices(policy.model, len(rows), batch.routing.shape[1])
-        differ = (trainer.long().sort(-1).values != engine_choice).any(-1)[recorded]
-        out[name] = {"logprob_mismatch": float(gap.max()), "mean_abs": float(gap.mean()),
-                     "routing_differs": float(differ.float().mean())}
-    assert out["replay"]["routing_differs"] == 0.0
-    return out
+    return make_batch(prompts, outs)
 
 
 def with_routing(batch, routing):
@@ -66,7 +56,58 @@ def with_routing(batch, routing):
     return b
 
 
+def measure(run, batch, behaviour) -> dict:
+    """The trainer's log-probs of a step's rollouts, free and replayed (`run(batch, like)` -> log-probs and its
+    routers' choices, laid out as `like`: [B, T, layers, k]), against the engine's."""
+    recorded = batch.routing[..., 0, 0] >= 0
+    engine_choice = batch.routing.long().sort(-1).values
+    completion = batch.mask[:, 1:]
+    out = {"tokens": int(completion.sum())}
+    for name, routing in (("free", None), ("replay", batch.routing)):
+        lp, trainer = run(with_routing(batch, routing), batch.routing)
+        gap = (lp - behaviour).abs()[completion]
+        differ = (trainer.long().sort(-1).values != engine_choice).any(-1)[recorded]
+        out[name] = {"logprob_mismatch": float(gap.max()), "mean_abs": float(gap.mean()),
+                     "routing_differs": float(differ.float().mean())}
+    assert out["replay"]["routing_differs"] == 0.0
+    return out
+
+
+def embedded(model):
+    """The embedded trainer's `run` for `measure`."""
+    policy = EmbeddedPolicy(model, GRPO, SAMPLING)
+
+    def run(batch, like):
+        [(rows, mb)] = policy.split(batch)
+        lp = policy.logprobs(batch)
+        got = torch.full_like(like, -1)
+        got[rows, : mb.input_ids.shape[1]] = choices(policy.model, len(rows), mb.input_ids.shape[1])
+        return lp, got
+
+    return run
+
+
+def megatron_rank(rank: int, world: int, steps: list) -> list[dict]:
+    """On one gloo rank: Megatron-Core's trainer (TP1, fp32) measured on each step's (batch, engine log-probs)."""
+    from megatron_spec.backends.megatron.checks import Parallelism
+    from megatron_spec.backends.megatron.policy import MegatronPolicy
+    from megatron_spec.backends.megatron.routing import last_routing
+
+    policy = MegatronPolicy(from_pretrained(POLICY), GRPO, SAMPLING, Parallelism())
+
+    def run(batch, like):
+        [micro] = policy._micros(batch)
+        lp = policy.logprobs(batch)
+        got = torch.full_like(like, -1)
+        length = micro.batch.input_ids.shape[1]
+        got[micro.rows, :length] = last_routing(policy.routing, len(micro.rows), length).to(got.dtype)
+        return lp, got
+
+    return [measure(run, batch, behaviour) for batch, behaviour in steps]
+
+
 def summary(steps: list[dict]) -> dict:
+    """Median and largest per-step figure, free and replayed."""
     return {name: {k: {"median": statistics.median(s[name][k] for s in steps), "max": max(s[name][k] for s in steps)}
                    for k in ("logprob_mismatch", "mean_abs", "routing_differs")} for name in ("free", "replay")}
 
@@ -76,9 +117,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    from megatron_spec.backends.megatron.parallel import spawn
+
     torch.manual_seed(0)
     trainer_model = from_pretrained(POLICY)
-    policy = EmbeddedPolicy(trainer_model, GRPOSection(micro_batch_tokens=0, routing_replay=True), SAMPLING)
     record = {"question": __doc__.split("\n")[0], "machine": machine(), "policy": POLICY,
               "command": f"python research/routing_replay.py --steps {args.steps}"
                          + (f" --out {args.out}" if args.out else ""),
@@ -90,9 +132,13 @@ def main() -> None:
         for step in range(args.steps):
             prompts = [p for p in task_prompts(POLICY, 8, seed=step) for _ in range(8)]
             engine = copy.deepcopy(trainer_model).to(getattr(torch, dtype))
-            steps.append(one_step(engine, policy, prompts, seed=1000 + step))
-        record["engines"][dtype] = {"steps": steps, "summary": summary(steps)}
-        print(dtype, json.dumps(record["engines"][dtype]["summary"]))
+            steps.append(rollouts(engine, prompts, seed=1000 + step))
+        run = embedded(trainer_model)
+        trainers = {"embedded": [measure(run, batch, behaviour) for batch, behaviour in steps],
+                    "megatron": spawn(megatron_rank, 1, steps)[0]}
+        record["engines"][dtype] = {name: {"steps": got, "summary": summary(got)} for name, got in trainers.items()}
+        for name, got in trainers.items():
+            print(dtype, name, json.dumps(record["engines"][dtype][name]["summary"]))
     if args.out:
         args.out.write_text(json.dumps(record, indent=1) + "\n")
 
