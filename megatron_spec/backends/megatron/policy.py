@@ -273,7 +273,8 @@ class MegatronPolicy(ShardedCheckpoints):
 
     def _micros(self, batch: Batch):
         return plan(batch, self.grpo.micro_batch_tokens, ps.get_data_parallel_world_size(),
-                    ps.get_data_parallel_rank(), fixed=self.par.pp > 1, packed=self.packed)
+                    ps.get_data_parallel_rank(), fixed=self.par.pp > 1, packed=self.packed,
+                    min_micros=self.par.pp if self.par.vp > 1 else 1)
 
     def _contributes(self) -> bool:
         return ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0

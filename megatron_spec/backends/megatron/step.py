@@ -63,7 +63,8 @@ def on_device(batch: Batch) -> Batch:
     return batch.to(device())
 
 
-def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int, fixed: bool = False, packed: bool = True) -> list[Micro]:
+def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int, fixed: bool = False, packed: bool = True,
+         min_micros: int = 1) -> list[Micro]:
     """This data-parallel rank's micro-batches.
 
     One data-parallel rank and no pipeline (TP only): the embedded trainer's length buckets
@@ -76,6 +77,8 @@ def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int, fixed: bool = F
     order, so every layout of the same budget cuts them alike); `run_schedule` runs them all as one schedule
     call. `packed` False: consecutive rows in chunks of m (the largest divisor of
     B / dp with m x T within the budget), all padded to the batch's full length T, chunk j on rank j mod dp.
+    `min_micros`: packed slots are cut small enough that each rank gets at least that many micro-batches where it
+    has the rows (the interleaved schedule needs pp of them).
     """
     B, T = batch.input_ids.shape
     if dp == 1 and not fixed:
@@ -85,8 +88,8 @@ def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int, fixed: bool = F
     if B % dp:
         raise ValueError(f"a batch of {B} rollouts cannot be split evenly over {dp} data-parallel ranks")
     if packed:
-        return [Micro(rows, on_device(batch.select(rows, length))) for rows, length in slots(batch, token_budget, dp,
-                                                                                              dp_rank)]
+        return [Micro(rows, on_device(batch.select(rows, length)))
+                for rows, length in slots(batch, token_budget, dp, dp_rank, min_micros)]
     per_rank = B // dp
     m = max([d for d in range(1, per_rank + 1) if per_rank % d == 0 and (token_budget <= 0 or d * T <= token_budget)],
             default=1)
@@ -94,8 +97,9 @@ def plan(batch: Batch, token_budget: int, dp: int, dp_rank: int, fixed: bool = F
     return [Micro(rows, on_device(batch.select(rows, T))) for j, rows in enumerate(chunks) if j % dp == dp_rank]
 
 
-def slots(batch: Batch, token_budget: int, dp: int, dp_rank: int) -> list[tuple[list[int], int]]:
-    """`plan`'s packed cut: this rank's (rows, padded length) per slot, the same slot shapes on every rank."""
+def slots(batch: Batch, token_budget: int, dp: int, dp_rank: int, min_micros: int = 1) -> list[tuple[list[int], int]]:
+    """`plan`'s packed cut: this rank's (rows, padded length) per slot, the same slot shapes on every rank; at
+    least `min_micros` slots where each rank has that many rows."""
     B = batch.input_ids.shape[0]
     lengths = sequence_lengths(batch.mask)
     order = sorted(range(B), key=lambda i: (-lengths[i], i))
@@ -105,6 +109,8 @@ def slots(batch: Batch, token_budget: int, dp: int, dp_rank: int) -> list[tuple[
         m = (B - i) // dp
         if token_budget > 0:
             m = max(1, min(m, token_budget // max(longest, 1)))
+        if len(out) < min_micros:  # leave every slot still needed a row per rank
+            m = max(1, min(m, (B - i) // dp // (min_micros - len(out))))
         start = i + dp_rank * m
         out.append((sorted(order[start : start + m]), longest))
         i += dp * m

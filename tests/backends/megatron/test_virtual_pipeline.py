@@ -21,9 +21,39 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip
 from . import vpp_workers as w  # noqa: E402
 from .test_policy import close_weights, same_metrics  # noqa: E402
 
-pytestmark = pytest.mark.megatron_dist
 
 
+def test_interleaved_group_size():
+    """Megatron-Core's interleaved schedule runs groups of g micro-batches per chunk, pp <= g <= M, the last group
+    empty or at least pp long: the smallest such g (pp itself when pp divides M); fewer than pp micro-batches are
+    refused with the fix named."""
+    from megatron_spec.backends.megatron.step import interleave_group
+
+    assert [interleave_group(m, 2) for m in (2, 3, 4, 5, 7, 8)] == [2, 3, 2, 3, 4, 2]
+    assert [interleave_group(m, 4) for m in (4, 5, 6, 9, 12)] == [4, 5, 6, 5, 4]
+    with pytest.raises(ValueError, match="at least pp=4 micro-batches.*virtual_pipeline=1"):
+        interleave_group(3, 4)
+
+
+def test_packed_cut_leaves_pp_micro_batches_per_rank():
+    """With interleaved stages the policy asks `plan` for at least pp micro-batches per rank: 8 rows of 8 lengths
+    under a budget that would hold them all in one slot are cut into that many slots, longest rows first, each rank
+    with the same slot shapes; without the floor the cut is unchanged (one slot)."""
+    import torch
+
+    from megatron_spec.backends.megatron.step import slots
+    from megatron_spec.rl.policy import Batch
+
+    mask = torch.zeros(8, 16, dtype=torch.bool)
+    for i in range(8):
+        mask[i, 4 : 5 + i] = True  # row i holds 5 + i positions
+    batch = Batch(torch.zeros(8, 16, dtype=torch.long), mask, torch.zeros(8), None)
+    assert slots(batch, 0, 1, 0) == [(list(range(8)), 12)]
+    assert slots(batch, 0, 1, 0, 4) == [([6, 7], 12), ([4, 5], 10), ([2, 3], 8), ([0, 1], 6)]
+    assert [slots(batch, 0, 2, r, 2) for r in (0, 1)] == [[([6, 7], 12), ([2, 3], 8)], [([4, 5], 12), ([0, 1], 8)]]
+
+
+@pytest.mark.megatron_dist
 @pytest.mark.parametrize("kind", ["dense", "tied"])
 def test_interleaved_stages_train_as_one_stage_per_rank_and_one_rank(kind):
     """`tied`: the head shares the embedding, so the first stage's first chunk and the last stage's last chunk
@@ -47,6 +77,7 @@ def test_interleaved_stages_train_as_one_stage_per_rank_and_one_rank(kind):
             close_weights(b, c)
 
 
+@pytest.mark.megatron_dist
 @pytest.mark.parametrize("saved_at, loaded_at", [(dict(pp=2, vp=2), dict(pp=2)), (dict(pp=2), dict(pp=2, vp=2))])
 def test_sharded_checkpoint_moves_between_virtual_pipeline_layouts(tmp_path, saved_at, loaded_at):
     """A sharded checkpoint (fp32 masters, both Adam moments, the step) saved after step 1 at one layout and loaded
