@@ -8,8 +8,9 @@ no torch.distributed, no Megatron import; the rules are Megatron-Core's (and vLL
   TP must divide both. A vLLM engine may instead replicate KV heads (`kv_replication`): TP a multiple of them.
 - TP splits the FFN columns of dense layers; ETP (expert TP, default TP) splits each expert's FFN; EP spreads the
   experts, so EP must divide the expert count (and needs an MoE model).
-- VP (virtual pipeline, Megatron-Core's interleaved 1F1B) gives each stage `vp` chunks of layers instead of one
-  run: chunk v of stage s holds the (v x pp + s)-th of pp x vp equal runs, so the layers must divide by pp x vp.
+- VP (virtual pipeline, Megatron-Core's interleaved 1F1B) gives each stage `vp` equal chunks of its layers instead
+  of one run (chunk v of stage s is the (v x pp + s)-th run of the model), so every stage's layer count, even or
+  uneven, must divide by vp.
 - PP gives each stage consecutive layers. Megatron-Core splits them evenly, or, with
   `num_layers_in_first_pipeline_stage` / `..._last_...` set, gives those counts to the first / last stage and
   splits the rest evenly over the stages between (`stage_layers`). Every stage needs at least one layer.
@@ -17,7 +18,7 @@ no torch.distributed, no Megatron import; the rules are Megatron-Core's (and vLL
   so the world must be a multiple of TP x CP x PP and of ETP x EP x PP.
 
 Apart from what Megatron-Core accepts, `support_problems` says what this project's Megatron trainer runs: no
-context parallelism (CP > 1) yet, and virtual pipeline stages only over PP > 1 with even stages. The config, the
+context parallelism (CP > 1) yet, and virtual pipeline stages only over PP > 1. The config, the
 recipes, the launch checks, the backend and the tuner all refuse or skip such a layout through it, before anything is loaded; the simulator may still predict one when asked directly.
 `sequence_parallel_problems` (MoE under TP needs sequence parallelism, CPUs cannot run it) and
 `colocation_problems` (colocated engines of one GPU each) are the other rules found only after the allocation starts.
@@ -141,13 +142,15 @@ def layout_problems(m: ModelConfig, lay: Layout, *, kv_replication: bool = False
     elif lay.ep > 1:
         problems.append(f"{p}ep={lay.ep} needs an MoE model ({m.model_type} is dense)")
     try:
-        stage_layers(m.num_hidden_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
+        stages = stage_layers(m.num_hidden_layers, lay.pp, lay.first_stage_layers, lay.last_stage_layers)
     except ValueError as e:
         problems.append(f"{p}{e}")
-    if lay.vp > 1 and m.num_hidden_layers % (lay.pp * lay.vp):
-        problems.append(f"{p}virtual_pipeline={lay.vp}: pp x vp = {lay.pp * lay.vp} does not divide "
-                        f"num_hidden_layers={m.num_hidden_layers} (each stage's vp chunks hold equal runs of layers); "
-                        "pick virtual_pipeline so that pp x vp divides the layers, or virtual_pipeline=1")
+        stages = []
+    if lay.vp > 1 and any(n % lay.vp for n in stages):
+        problems.append(f"{p}virtual_pipeline={lay.vp} does not divide the stages' layers {stages} "
+                        f"(num_hidden_layers={m.num_hidden_layers}; each stage's chunks hold equal runs of layers): "
+                        "pick virtual_pipeline (and first / last stage layers) so that it divides every stage's, "
+                        "or virtual_pipeline=1")
     return problems
 
 
@@ -171,7 +174,7 @@ SUPPORTED_CP = 1
 def support_problems(lay: Layout, who: str = "") -> list[str]:
     """Every part of `lay` that Megatron-Core accepts but this project's Megatron trainer does not run (empty when it
     runs): context parallelism (`cp > 1`) is not wired into its forward, so such a run would fail after the model
-    loads; virtual pipeline stages (`vp > 1`) need PP > 1 and even stages. The message names the fix."""
+    loads; virtual pipeline stages (`vp > 1`) need PP > 1. The message names the fix."""
     p = f"{who} " if who else ""
     problems = []
     if lay.cp != SUPPORTED_CP:
@@ -180,10 +183,6 @@ def support_problems(lay: Layout, who: str = "") -> list[str]:
     if lay.vp > 1 and lay.pp == 1:
         problems.append(f"{p}virtual_pipeline={lay.vp} interleaves pipeline stages: it needs pp > 1 "
                         "(or set virtual_pipeline=1)")
-    if lay.vp > 1 and (lay.first_stage_layers or lay.last_stage_layers):
-        problems.append(f"{p}virtual_pipeline={lay.vp} with uneven first / last stage layers: the trainer splits "
-                        "interleaved stages evenly only; unset first_stage_layers / last_stage_layers or set "
-                        "virtual_pipeline=1")
     return problems
 
 

@@ -230,9 +230,9 @@ def test_colocated_engines_must_be_one_gpu_each():
 
 
 def test_virtual_pipeline_rules():
-    """Interleaved stages: pp x vp must divide the layers (Megatron-Core's rule), and the trainer runs them only over
-    pp > 1 with even stages, without MTP layers, an online EAGLE-3 head or Megatron's optimizer; each refusal names
-    `virtual_pipeline` and the fix, at config time."""
+    """Interleaved stages: vp must divide every stage's layers, uneven first / last stages included (Megatron-Core's
+    rule), and the trainer runs them only over pp > 1, without MTP layers, an online EAGLE-3 head or Megatron's
+    optimizer; each refusal names `virtual_pipeline` and the fix, at config time."""
     from megatron_spec.layout import online_eagle3_problems, support_problems
     from megatron_spec.rl.backend_config import MegatronSection
 
@@ -240,15 +240,22 @@ def test_virtual_pipeline_rules():
                        num_key_value_heads=2, head_dim=16, intermediate_size=128)
     assert layout_problems(four, Layout(pp=2, vp=2)) == []
     assert layout_problems(four, Layout(pp=2, vp=4)) == [
-        "virtual_pipeline=4: pp x vp = 8 does not divide num_hidden_layers=4 (each stage's vp chunks hold equal runs "
-        "of layers); pick virtual_pipeline so that pp x vp divides the layers, or virtual_pipeline=1"]
+        "virtual_pipeline=4 does not divide the stages' layers [2, 2] (num_hidden_layers=4; each stage's chunks hold "
+        "equal runs of layers): pick virtual_pipeline (and first / last stage layers) so that it divides every "
+        "stage's, or virtual_pipeline=1"]
+    assert layout_problems(four, Layout(pp=2, vp=2, first_stage_layers=3, last_stage_layers=1))[0].startswith(
+        "virtual_pipeline=2 does not divide the stages' layers [3, 1]")
+    qwen235 = moe(num_hidden_layers=94, num_experts=128, num_attention_heads=64, num_key_value_heads=4)
+    assert layout_problems(qwen235, Layout(pp=8, vp=2, first_stage_layers=12, last_stage_layers=10)) == []
+    assert layout_problems(qwen235, Layout(pp=8, vp=4, first_stage_layers=12, last_stage_layers=10))[0].startswith(
+        "virtual_pipeline=4 does not divide the stages' layers [12, 12, 12, 12, 12, 12, 12, 10]")
     assert support_problems(Layout(pp=2, vp=2)) == []
     assert support_problems(Layout(vp=2)) == [
         "virtual_pipeline=2 interleaves pipeline stages: it needs pp > 1 (or set virtual_pipeline=1)"]
     assert MegatronSection(pp=2, virtual_pipeline=2).layout() == Layout(pp=2, vp=2)
+    assert MegatronSection(pp=2, virtual_pipeline=2, first_stage_layers=4, last_stage_layers=2).layout().vp == 2
     assert Layout(pp=2, vp=2).describe() == "TP=1 PP=2 EP=1 ETP=1 CP=1 VP=2"
     for kw, match in [(dict(virtual_pipeline=2), "needs pp > 1"),
-                      (dict(pp=2, virtual_pipeline=2, first_stage_layers=1, last_stage_layers=3), "evenly only"),
                       (dict(pp=2, virtual_pipeline=2, mtp_num_layers=1), "set virtual_pipeline=1 or mtp_num_layers=0"),
                       (dict(pp=2, virtual_pipeline=2, optimizer="megatron"), "use optimizer=torch"),
                       (dict(pp=2, virtual_pipeline=0), "virtual_pipeline must be >= 1, got 0")]:

@@ -43,11 +43,12 @@ class MegatronSection:
     last_stage_layers: int | None = None
     """Decoder layers of the last pipeline stage; None: an even share [num_layers_in_last_pipeline_stage]."""
     virtual_pipeline: int = 1
-    """Model chunks per pipeline stage (pp > 1, even stages): each stage holds `virtual_pipeline` non-contiguous
-    runs of layers and Megatron-Core's interleaved 1F1B schedule runs them, dividing the pipeline bubble by this
+    """Model chunks per pipeline stage (pp > 1): each stage holds `virtual_pipeline` non-contiguous equal runs of
+    its layers and Megatron-Core's interleaved 1F1B schedule runs them, dividing the pipeline bubble by this
     number at the cost of more stage-to-stage sends; 1: one run per stage [virtual_pipeline_model_parallel_size].
-    Needs pp x virtual_pipeline to divide the layers and at least pp micro-batches per data-parallel rank; not with
-    MTP layers, an online EAGLE-3 head or optimizer=megatron."""
+    Needs it to divide every stage's layers (uneven first / last stages included) and at least pp rows per
+    data-parallel rank (each rank then gets pp micro-batches or more); not with MTP layers, an online EAGLE-3 head,
+    grpo.routing_replay or optimizer=megatron."""
     mtp_num_layers: int = 0
     """Megatron-Core MTP layers trained jointly with the policy (0: none; the drafter trains as on the embedded
     trainer). Loaded from `model.drafter` when it holds an MTP head, else initialised from the trunk's last layer."""
