@@ -272,7 +272,7 @@ class LLMEngine:
             spec = {"drafted": seq.drafted, "accepted": sum(seq.accepted_per_pos), "verify_steps": seq.verify_steps,
                     "accepted_per_pos": seq.accepted_per_pos, "drafted_per_pos": seq.drafted_per_pos}
         # A stop token among accepted drafts leaves rows past the completion: its last input is at length - 2.
-        routing = torch.cat(seq.routing)[: seq.length - 1] if seq.routing else None
+        routing = torch.cat(seq.routing)[: seq.length - 1].numpy() if seq.routing else None
         return Completion(seq.output, seq.logprobs, seq.finish_reason, len(seq.prompt), spec,
                           versions=token_versions(seq.versions, len(seq.output)), routing=routing)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torch import Tensor
+import numpy as np
 
 from ..spec.sampling import validate_sampling
 
@@ -52,9 +52,10 @@ class Completion:
     versions: list[int] = field(default_factory=list)
     """The policy version of the weights that sampled each generated token (in-flight refits switch versions
     between two tokens; a rollout may then span several); empty where the generator does not record it."""
-    routing: Tensor | None = None
+    routing: np.ndarray | None = None
     """MoE routing replay (`grpo.routing_replay`): [prompt_len + len(token_ids) - 1, MoE layers, top_k] int16, the
     experts each MoE layer routed each input position to (prompt and generated tokens; the last generated token is
     never an input), in the policy's forwards that produced the tokens (for a speculative step, the verification
     forward's rows of the accepted tokens; after an in-flight refit, the new weights' forward over the prefix, which
-    the later tokens read). None where not recorded."""
+    the later tokens read). None where not recorded. A numpy array: a completion crosses process pipes (the Megatron
+    recipe's generator process), where torch would send a tensor's storage as a shared file descriptor."""

@@ -26,6 +26,7 @@ import torch
 import yaml
 
 from ..engine import SamplingParams
+from ..models.routing import ROUTING_DTYPE
 from ..spec.adaptive import WholeStepGate
 from ..spec.registry import drafter_method, needs_weights
 from ..spec.stats import speculation_summary
@@ -181,9 +182,9 @@ def batch_routing(outs, T: int) -> torch.Tensor | None:
     each row's last token, which no rollout forward read); None unless every rollout carries its routing."""
     if not outs or any(getattr(o, "routing", None) is None for o in outs):
         return None
-    routing = torch.full((len(outs), T, *outs[0].routing.shape[1:]), -1, dtype=outs[0].routing.dtype)
+    routing = torch.full((len(outs), T, *outs[0].routing.shape[1:]), -1, dtype=ROUTING_DTYPE)
     for i, o in enumerate(outs):
-        routing[i, : len(o.routing)] = o.routing
+        routing[i, : len(o.routing)] = torch.from_numpy(o.routing)
     return routing
 
 
