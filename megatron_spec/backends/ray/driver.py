@@ -93,7 +93,7 @@ class RayTrainer(loop.Trainer):
             self.offload_info = self.policy.offload()
         t0 = time.perf_counter()
         pending = self.transport.start(self.version)
-        self.synced = self.version
+        self.synced = self.generator.sent = self.version
         if self.cfg.backend.async_lag == 0:
             metrics = sync_metrics(self.transport, resolve(pending))
             wall = time.perf_counter() - t0

@@ -182,6 +182,7 @@ class GeneratorGroup:
         self.engines = [self._start(j) for j in range(placement.generators)]
         require_ray().get([e.ready.remote() for e in self.engines])  # built, so the first sync times only the sync
         self.weights: tuple[int, list] | None = None  # the last synced (version, bucket references), object store
+        self.sent = -1  # the newest version sent to the engines: a generation submitted after it starts with it
         self.reconnect = None  # set by the collective transport: re-forms its group and resends the weights
         self.restarts = 0
 
@@ -214,7 +215,7 @@ class GeneratorGroup:
 
     def _generate(self, j: int, prompts: list, params):
         seeded = dataclasses.replace(params, seed=params.seed + j * SEED_STRIDE)
-        return self.engines[j].generate.remote(prompts, seeded, self.colocated)
+        return self.engines[j].generate.remote(prompts, seeded, self.colocated, self.sent)
 
     def collect(self, pending: Pending) -> tuple[list, list[float]]:
         """The rollouts in prompt order (each token's policy version in `Completion.versions`) and each engine's

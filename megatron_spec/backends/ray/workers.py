@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 import time
 
 
@@ -222,6 +223,8 @@ class Engine:
         run = dataclasses.replace(cfg.run, out_dir=f"{cfg.run.out_dir}/engines/{index}")
         self.generator = _build(dataclasses.replace(cfg, run=run), "generator")
         self.version = -1
+        self.loaded = threading.Condition()  # notified when `version` changes (`wait_for`)
+        self.in_flight = cfg.backend.in_flight_updates
         self.crash = CrashHook()
 
     def ready(self) -> int:
@@ -242,8 +245,19 @@ class Engine:
         running in the actor's other thread (in-flight updates), at once when none runs."""
         refit = getattr(self.generator, "refit_in_flight", None)
         nbytes = refit(load, version) if refit else load()
-        self.version = version
+        with self.loaded:
+            self.version = version
+            self.loaded.notify_all()
         return nbytes
+
+    def wait_for(self, version: int) -> None:
+        """With in-flight updates, hold a generation until the refit of `version` sent before it is in place: the
+        refit runs in the actor's other concurrency group, so the generation could otherwise start first, with
+        older weights than the driver counted on (a step's rollouts would then be more than `async_lag` old).
+        Without them the actor runs calls in the order they were sent, so the refit is already in place."""
+        if self.in_flight:
+            with self.loaded:
+                self.loaded.wait_for(lambda: self.version >= version)
 
     def weight_ranks(self) -> int:
         """Ranks this engine takes in a weight-update group: one per vLLM worker, one for our engine."""
@@ -285,11 +299,12 @@ class Engine:
     def sleep(self) -> None:
         self.generator.sleep()
 
-    def generate(self, prompts, params, colocated: bool) -> tuple[list, float]:
+    def generate(self, prompts, params, colocated: bool, after: int = -1) -> tuple[list, float]:
         """Rollouts of `prompts`, each token's policy version in `Completion.versions` (filled in with the engine's
         version where the generator does not record it: it takes refits between generate calls only), and the
-        seconds the generation took. A colocated engine wakes for them and sleeps again after, leaving its devices
-        to the trainer."""
+        seconds the generation took. `after`: the newest version sent before this call (`wait_for`). A colocated
+        engine wakes for them and sleeps again after, leaving its devices to the trainer."""
+        self.wait_for(after)
         t0, version = time.perf_counter(), self.version
         if colocated:
             self.generator.wake()
