@@ -146,6 +146,10 @@ def layout_problems(m: ModelConfig, lay: Layout, *, kv_replication: bool = False
     except ValueError as e:
         problems.append(f"{p}{e}")
         stages = []
+    if lay.vp > 1 and lay.pp == 2 and lay.first_stage_layers and lay.last_stage_layers:
+        problems.append(f"{p}virtual_pipeline={lay.vp} with both first and last stage layers set over pp=2: "
+                        "Megatron-Core's interleaved layer offsets need a stage that takes the even share; set only "
+                        "first_stage_layers (the last stage takes the rest), or virtual_pipeline=1")
     if lay.vp > 1 and any(n % lay.vp for n in stages):
         problems.append(f"{p}virtual_pipeline={lay.vp} does not divide the stages' layers {stages} "
                         f"(num_hidden_layers={m.num_hidden_layers}; each stage's chunks hold equal runs of layers): "

@@ -243,8 +243,14 @@ def test_virtual_pipeline_rules():
         "virtual_pipeline=4 does not divide the stages' layers [2, 2] (num_hidden_layers=4; each stage's chunks hold "
         "equal runs of layers): pick virtual_pipeline (and first / last stage layers) so that it divides every "
         "stage's, or virtual_pipeline=1"]
-    assert layout_problems(four, Layout(pp=2, vp=2, first_stage_layers=3, last_stage_layers=1))[0].startswith(
-        "virtual_pipeline=2 does not divide the stages' layers [3, 1]")
+    assert layout_problems(four, Layout(pp=2, vp=2, first_stage_layers=3)) == [
+        "virtual_pipeline=2 does not divide the stages' layers [3, 1] (num_hidden_layers=4; each stage's chunks hold "
+        "equal runs of layers): pick virtual_pipeline (and first / last stage layers) so that it divides every "
+        "stage's, or virtual_pipeline=1"]
+    assert layout_problems(four, Layout(pp=2, vp=2, first_stage_layers=2, last_stage_layers=2)) == [
+        "virtual_pipeline=2 with both first and last stage layers set over pp=2: Megatron-Core's interleaved layer "
+        "offsets need a stage that takes the even share; set only first_stage_layers (the last stage takes the "
+        "rest), or virtual_pipeline=1"]
     qwen235 = moe(num_hidden_layers=94, num_experts=128, num_attention_heads=64, num_key_value_heads=4)
     assert layout_problems(qwen235, Layout(pp=8, vp=2, first_stage_layers=12, last_stage_layers=10)) == []
     assert layout_problems(qwen235, Layout(pp=8, vp=4, first_stage_layers=12, last_stage_layers=10))[0].startswith(

@@ -1,6 +1,6 @@
 """Interleaved virtual pipeline stages (`backend.megatron.virtual_pipeline`): PP2 x VP2 on a 4-layer policy, each
-rank holding two chunks of one layer (rank 0 layers 0 and 2, rank 1 layers 1 and 3), trains as PP2 x VP1 and as
-one rank do.
+rank holding two chunks of one layer (rank 0 layers 0 and 2, rank 1 layers 1 and 3), and on 6 layers split 4 / 2,
+trains as PP2 x VP1 and as one rank do; a sharded checkpoint moves between VP2 and VP1.
 
 Tolerances are `test_policy.py`'s (fp32, any CPU, 1 or 2 threads). The three runs compute the same layers on the
 same micro-batches; what differs is only where the sums happen: the interleaved schedule runs the backward passes
@@ -53,25 +53,37 @@ def test_packed_cut_leaves_pp_micro_batches_per_rank():
     assert [slots(batch, 0, 2, r, 2) for r in (0, 1)] == [[([6, 7], 12), ([2, 3], 8)], [([4, 5], 12), ([0, 1], 8)]]
 
 
+UNEVEN = dict(pp=2, first_stage_layers=4)
+"""6 layers: 4 on the first stage, the even share (2) on the other."""
+
+
 @pytest.mark.megatron_dist
-@pytest.mark.parametrize("kind", ["dense", "tied"])
-def test_interleaved_stages_train_as_one_stage_per_rank_and_one_rank(kind):
-    """`tied`: the head shares the embedding, so the first stage's first chunk and the last stage's last chunk
-    hold the one weight and sum its gradient. Every run makes one schedule call per train pass (8 micro-batches
-    of 8 lengths); loss, grad norm, clip fraction and the exported weights after each step agree on every rank."""
+@pytest.mark.parametrize("kind, layers, layout, pp_layers, vp_layers", [
+    ("dense", 4, dict(pp=2), [[[0, 1]], [[2, 3]]], [[[0], [2]], [[1], [3]]]),
+    ("tied", 4, dict(pp=2), [[[0, 1]], [[2, 3]]], [[[0], [2]], [[1], [3]]]),
+    ("moe", 4, dict(pp=2), [[[0, 1]], [[2, 3]]], [[[0], [2]], [[1], [3]]]),
+    ("dense", 6, UNEVEN, [[[0, 1, 2, 3]], [[4, 5]]], [[[0, 1], [3, 4]], [[2], [5]]]),
+])
+def test_interleaved_stages_train_as_one_stage_per_rank_and_one_rank(kind, layers, layout, pp_layers, vp_layers):
+    """Each rank's chunks hold the layers Megatron-Core's interleaved layout gives them (uneven stages: each stage's
+    layers in vp equal runs). `tied`: the head shares the embedding, so the first stage's first chunk and the
+    last stage's last chunk hold the one weight and sum its gradient; `moe`: the router losses of layers on
+    different chunks. Every run makes one schedule call per train pass (8 micro-batches of 8 lengths); loss
+    (GRPO + router losses), grad norm, clip fraction and the exported weights after each step agree on every rank
+    with PP2 x VP1 and with one rank."""
     from megatron_spec.backends.megatron.parallel import spawn
 
-    one = spawn(w.two_steps, 1, kind, dict())[0]
-    pp = spawn(w.two_steps, 2, kind, dict(pp=2))
-    vp = spawn(w.two_steps, 2, kind, dict(pp=2, vp=2))
-    assert [r["layers"] for r in pp] == [[[0, 1]], [[2, 3]]]
-    assert [r["layers"] for r in vp] == [[[0], [2]], [[1], [3]]]
+    one = spawn(w.two_steps, 1, kind, dict(), layers)[0]
+    pp = spawn(w.two_steps, 2, kind, layout, layers)
+    vp = spawn(w.two_steps, 2, kind, dict(layout, vp=2), layers)
+    assert [r["layers"] for r in pp] == pp_layers
+    assert [r["layers"] for r in vp] == vp_layers
     for rank in range(2):
-        for a, b, c in zip(one["metrics"], pp[rank]["metrics"], vp[rank]["metrics"]):
+        for a, b, c in zip(one["metrics"], pp[rank]["metrics"], vp[rank]["metrics"], strict=True):
             same_metrics(a, c)
             same_metrics(b, c)
             assert b["train_schedule_calls"] == c["train_schedule_calls"] == 1
-        for a, b, c in zip(one["weights"], pp[rank]["weights"], vp[rank]["weights"]):
+        for a, b, c in zip(one["weights"], pp[rank]["weights"], vp[rank]["weights"], strict=True):
             assert set(c) == set(a)
             close_weights(a, c)
             close_weights(b, c)

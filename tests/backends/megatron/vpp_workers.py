@@ -21,13 +21,13 @@ def our_model(cfg) -> CausalLM:
     return model
 
 
-def two_steps(rank: int, world: int, kind: str, layout: dict) -> dict:
+def two_steps(rank: int, world: int, kind: str, layout: dict, layers: int = LAYERS) -> dict:
     """Each step's metrics and the exported weights after it; the chunks' global layer numbers."""
     from megatron_spec.backends.megatron.checks import Parallelism
     from megatron_spec.backends.megatron.importer import layer_offset
     from megatron_spec.backends.megatron.policy import MegatronPolicy
 
-    cfg = tiny(kind, num_hidden_layers=LAYERS)
+    cfg = tiny(kind, num_hidden_layers=layers)
     policy = MegatronPolicy(our_model(cfg), grpo(micro_batch_tokens=BUDGET), SAMPLING, Parallelism(**layout))
     metrics, weights = [], []
     for b in varied_batches(cfg, 8):
