@@ -25,6 +25,8 @@ class _Request:
 
 
 class RefitHandoff:
+    """One engine's refits asked for from other threads, and whether it is generating (see the module's text)."""
+
     def __init__(self):
         self.cond = threading.Condition()
         self.generating = False
