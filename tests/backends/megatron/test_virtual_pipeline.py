@@ -70,7 +70,8 @@ def test_interleaved_stages_train_as_one_stage_per_rank_and_one_rank(kind, layer
     last stage's last chunk hold the one weight and sum its gradient; `moe`: the router losses of layers on
     different chunks. Every run makes one schedule call per train pass (8 micro-batches of 8 lengths); loss
     (GRPO + router losses), grad norm, clip fraction and the exported weights after each step agree on every rank
-    with PP2 x VP1 and with one rank."""
+    with PP2 x VP1 and with one rank. The refit by stages (`stage_buckets`) sends each tensor of the export once,
+    from the rank whose chunk holds it."""
     from megatron_spec.backends.megatron.parallel import spawn
 
     one = spawn(w.two_steps, 1, kind, dict(), layers)[0]
@@ -87,6 +88,11 @@ def test_interleaved_stages_train_as_one_stage_per_rank_and_one_rank(kind, layer
             assert set(c) == set(a)
             close_weights(a, c)
             close_weights(b, c)
+    # The refit by stages: each rank sends its chunks' tensors, together the whole export, bit for bit.
+    stages = [r["stage"] for r in vp]
+    assert not set(stages[0]) & set(stages[1]) and set(stages[0]) | set(stages[1]) == set(vp[0]["weights"][-1])
+    for share in stages:
+        assert all(t.equal(vp[0]["weights"][-1][n]) for n, t in share.items())
 
 
 @pytest.mark.megatron_dist

@@ -22,10 +22,12 @@ def our_model(cfg) -> CausalLM:
 
 
 def two_steps(rank: int, world: int, kind: str, layout: dict, layers: int = LAYERS) -> dict:
-    """Each step's metrics and the exported weights after it; the chunks' global layer numbers."""
+    """Each step's metrics and the exported weights after it; the chunks' global layer numbers; this rank's
+    stage's share of the refit into engines (`stage_buckets`, 64 KiB buckets) after the last step."""
     from megatron_spec.backends.megatron.checks import Parallelism
     from megatron_spec.backends.megatron.importer import layer_offset
     from megatron_spec.backends.megatron.policy import MegatronPolicy
+    from megatron_spec.backends.megatron.refit_stream import stage_buckets
 
     cfg = tiny(kind, num_hidden_layers=layers)
     policy = MegatronPolicy(our_model(cfg), grpo(micro_batch_tokens=BUDGET), SAMPLING, Parallelism(**layout))
@@ -34,7 +36,8 @@ def two_steps(rank: int, world: int, kind: str, layout: dict, layers: int = LAYE
         metrics.append(policy.train_step(with_policy_old(b, policy.logprobs(b))))
         weights.append({n: t.clone() for n, t in policy.export_weights()})
     layers = [[layer_offset(c) + j for j in range(len(c.decoder.layers))] for c in policy.chunks]
-    return {"metrics": metrics, "weights": weights, "layers": layers}
+    stage = {n: t.clone() for bucket in stage_buckets(policy.chunks, 1 << 16) for n, t in bucket}
+    return {"metrics": metrics, "weights": weights, "layers": layers, "stage": stage}
 
 
 def resumed(rank: int, world: int, root: str, kind: str, saved_at: dict, loaded_at: dict) -> dict:
