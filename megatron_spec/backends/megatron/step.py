@@ -297,8 +297,11 @@ def _schedule_call(chunks: list, micros: list[Micro], spec: StepSpec, mtp: str |
     # another device, and the copy then fails; cleared, the schedule's first micro-batch sets a fresh one.
     moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
     groups = interleaved_groups(chunks[0].config) if len(chunks) > 1 else {}
+    # The schedule follows the chunks given, not whatever virtual size the process-global parallel state holds.
+    schedule = get_forward_backward_func(ps.get_pipeline_model_parallel_world_size(),
+                                         len(chunks) if len(chunks) > 1 else None)
     with on_cpu():
-        return get_forward_backward_func()(
+        return schedule(
             forward_step_func=forward_step, data_iterator=data, model=chunks, num_microbatches=len(micros),
             seq_length=T, micro_batch_size=B, forward_only=forward_only, **groups,
         )
