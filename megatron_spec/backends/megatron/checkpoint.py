@@ -118,7 +118,7 @@ def in_this_thread(transforms, use_msc: bool, rank: int, buckets: list, results)
 
 
 class ShardedCheckpoints:
-    """The checkpoint methods of `MegatronPolicy` (it provides `model`, `masters`, `opt`, `mopt`, `par`,
+    """The checkpoint methods of `MegatronPolicy` (it provides `model`, `chunks`, `masters`, `opt`, `mopt`, `par`,
     `optimizer`, `eagle3`, `_announce` and the optimizer helpers these call)."""
 
     _pending_save: BackgroundWrite | None = None

@@ -56,8 +56,7 @@ from .routing import install
 from .step import device as _device
 from .step import (
     StepSpec, aux_loss_sum, clip, gather_rows, is_mtp, named_chunks, norm_owned, padded_tokens, plan, positions,
-    reduce_grads,
-    reset_router_tracker, run_schedule, sum_metrics,
+    reduce_grads, reset_router_tracker, run_schedule, sum_metrics,
 )
 
 require_megatron()
@@ -162,6 +161,7 @@ class MegatronPolicy(ShardedCheckpoints):
         # This rank's model chunks: its stage, or with virtual pipeline stages its vp chunks (`provider.build_chunks`).
         self.chunks = build_chunks(cfg, par, mtp_num_layers=mtp_num_layers, init=False, dtype=self.dtype,
                                    sequence_parallel=sequence_parallel, batch_p2p_comm=False, **speed_kw)
+        # `model`: the one chunk, or all of them as one module (train / eval modes, dtype, offloading).
         self.model = self.chunks[0] if len(self.chunks) == 1 else torch.nn.ModuleList(self.chunks)
         self.config = self.chunks[0].config
         if self.dtype != torch.float32:  # modules Megatron takes from torch (the RMSNorm without Apex / TE) too
