@@ -268,6 +268,6 @@ def test_virtual_pipeline_rules():
         with pytest.raises(ValueError, match=f"backend.megatron.*{match}"):
             MegatronSection(**kw)
     assert online_eagle3_problems(0, 2) == [
-        "spec.method=eagle3 trains an EAGLE-3 head online, which does not run with backend.megatron.virtual_pipeline=2: "
-        "set virtual_pipeline=1"]
+        "spec.method=eagle3 trains an EAGLE-3 head online, which does not run with "
+        "backend.megatron.virtual_pipeline=2: set virtual_pipeline=1"]
     assert online_eagle3_problems(0, 1) == []

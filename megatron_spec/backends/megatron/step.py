@@ -278,7 +278,8 @@ def interleave_group(n_micro: int, pp: int) -> int:
     return next(g for g in range(pp, n_micro + 1) if n_micro % g == 0 or n_micro % g >= pp)
 
 
-def _schedule_call(chunks: list, micros: list[Micro], spec: StepSpec, mtp: str | None, forward_only: bool) -> list[dict]:
+def _schedule_call(chunks: list, micros: list[Micro], spec: StepSpec, mtp: str | None,
+                   forward_only: bool) -> list[dict]:
     def forward_step(data_iterator, model):
         micro = next(data_iterator)
         if spec.routing:
