@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    rounds = []
+    load_before, rounds = os.getloadavg(), []
     for r in range(args.rounds):
         order = (1, 2) if r % 2 == 0 else (2, 1)
         got = {vp: spawn(run, 2, vp, args.steps)[0] for vp in order}
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
                                        text=True).stdout.strip(),
               "command": f"flock /tmp/ms-timing.lock python research/vpp_train.py --rounds {args.rounds} "
                          f"--steps {args.steps} --out {args.out}",
-              "load_average_before": os.getloadavg(), "rounds": rounds,
+              "load_average_before": load_before, "rounds": rounds,
               "median_ratio_vp2_over_vp1": statistics.median(ratios),
               "fastest_step_s": {f"vp{v}": min(min(x[f"vp{v}"]["step_s"]) for x in rounds) for v in (1, 2)}}
     result["load_average_after"] = os.getloadavg()
