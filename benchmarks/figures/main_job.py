@@ -157,8 +157,6 @@ FIGURES += [
            lambda r: [r["summary_by_step"]["49"]["plain_mean"], r["summary_by_step"]["49"]["k3_mean"]]),
 ]
 
-VLLM_FP32 = ("research/records/bench_engine_vllm_compiled_smollm2_fp32_attention.json",
-             "research/records/bench_engine_vllm_compiled_smollm2_fp32_prefetch.json")
 FIGURES += [
     # The README's results
     Figure(README, "| 0.983x | 0.992-0.996x step-matched (0.986x wall clock) | per seed 0.32 -> 0.96, 0.32 -> 0.95, "
@@ -180,9 +178,6 @@ FIGURES += [
            lambda r: [r["main_job"]["gen_speedup"], gpu_whole_step(r), r["main_job"]["spec"]["eval_accuracy"][0][1],
                       gpu_accuracy(r, "spec"), gpu_accuracy(r, "plain")],
            where="a single run | one H100 |"),
-    Figure(README, "runs 1.2-2.1x", VLLM_FP32[0],
-           lambda r: span(row["speedup"] for rec in (r, load(VLLM_FP32[1])) for row in rec["rows"]),
-           where="Our engine's plain decoding of SmolLM2-135M", also=VLLM_FP32[1:]),
     Figure(README, "falls to 0.77 / 0.82 of its start, the online one holds 0.98 / 0.97 and ends 29 / 20 % higher",
            GATED,
            lambda r: F(r)["tau_last_over_first_frozen"] + F(r)["tau_last_over_first_online"]

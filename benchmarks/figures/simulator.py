@@ -63,8 +63,31 @@ def step_seconds(argv: list[str]) -> float:
     return json.loads(out.getvalue())["step_s"]
 
 
-LOW = 3.0
-"""The acceptance length the README's sensitivity names beside the projection's own."""
+SENSITIVITY = "research/records/projection_235b_sensitivity.json"
+"""`simulate --sensitivity` of the projection: the tuner's k and the speed-up at each per-position acceptance."""
+
+
+def sensitivity_range(r: dict) -> list[float]:
+    """The swept per-position acceptances' ends and the speed-up range with the tuner's k (one figure when equal)."""
+    rates = sorted(float(p) for p in r["tuner_k"])
+    low, high = r["speedup_range_with_tuner_k"]
+    return [*([low] if round(low, 2) == round(high, 2) else [low, high]), rates[0], rates[-1]]
+
+
+def tuner_k_at_assumption(r: dict) -> int:
+    """The projection's k, once the tuner picks the same at the assumed per-position acceptance."""
+    rate, k = r["assumed"]["per_position"], r["assumed"]["k"]
+    picked = next(v for p, v in r["tuner_k"].items() if abs(float(p) - rate) < 1e-5)
+    if picked != k:
+        raise ValueError(f"the tuner picks k={picked} at the assumption, the projection drafts {k}")
+    return k
+
+
+def fixed_k(r: dict, rate: float) -> list[float]:
+    """The assumption's k kept at a per-position acceptance: [k, the speed-up, the acceptance]."""
+    k = r["assumed"]["k"]
+    row = next(s for s in r["speedups"] if s["per_position"] == rate and s["k"] == k)
+    return [k, row["speedup"], rate]
 
 
 def flag(name: str) -> float:
@@ -172,12 +195,12 @@ def step_total(record: dict) -> float:
 
 FIGURES: list[Figure] = [
     # Validation (a)
-    Figure(R, "82.0 / 87.0 s (-5.7 %)", VALIDATE, lambda _: validation("think")["gen"]),
-    Figure(R, "133.8 / 137.4 s (-2.6 %)", VALIDATE, lambda _: validation("think")["total"]),
+    Figure(R, "82.1 / 87.0 s (-5.6 %)", VALIDATE, lambda _: validation("think")["gen"]),
+    Figure(R, "133.9 / 137.4 s (-2.5 %)", VALIDATE, lambda _: validation("think")["total"]),
     Figure(R, "1.63 / 1.46 / 1.28 vs 1.53 / 0.84 / 0.71", VALIDATE, lambda _: validation("think")["sweep"]),
     Figure(R, "56.7 / 56.6 s (+0.2 %)", VALIDATE, lambda _: validation("zero")["gen"]),
     Figure(R, "108.0 / 107.5 s (+0.5 %)", VALIDATE, lambda _: validation("zero")["total"]),
-    Figure(R, "1.76 / 1.74 / 1.61 vs 1.77 / 1.44 / 1.21", VALIDATE, lambda _: validation("zero")["sweep"]),
+    Figure(R, "1.76 / 1.73 / 1.61 vs 1.77 / 1.44 / 1.21", VALIDATE, lambda _: validation("zero")["sweep"]),
     # Validation (b): the measured steps
     Figure(R, "measured step 0.29 s plain", PLAIN_STEP, step_total),
     Figure(R, "0.32 s with MTP k = 3 at acceptance length 2.80", SPEC_STEP,
@@ -198,9 +221,11 @@ FIGURES: list[Figure] = [
            where="computed, not measured"),
     Figure(README, "acceptance length of 4 at\nk = 5", PROJECTION, lambda _: [flag("acceptance"), flag("k")],
            where="computed, not measured"),
-    Figure(README, "acceptance length of 3 gives 2.34x too", PROJECTION,
-           lambda _: [LOW, projection_speedup(acceptance=LOW)], where="computed, not measured"),
-    Figure(README, "async lag 2\nalone 1.78x", PROJECTION, lambda _: [flag("lag"), lag_alone_speedup()],
+    Figure(README, "k = 5 (the tuner's k there)", SENSITIVITY, tuner_k_at_assumption, where="computed, not measured"),
+    Figure(README, "stays 2.34x for any per-position\nacceptance from 0.5 to 0.9", SENSITIVITY, sensitivity_range,
+           where="computed, not measured"),
+    Figure(README, "k = 5 kept: 2.06x at 0.5", SENSITIVITY, lambda r: fixed_k(r, 0.5), where="computed, not measured"),
+    Figure(README, "async lag 2 alone 1.78x", PROJECTION, lambda _: [flag("lag"), lag_alone_speedup()],
            where="computed, not measured"),
 ]
 
