@@ -20,6 +20,7 @@ ranks wait for a core.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
