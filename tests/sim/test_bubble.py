@@ -100,11 +100,12 @@ def _pp2_from_pp1(pp1: dict, micro_batches: list, path: str) -> float:
 
 def test_pp2_train_stage_against_the_schedule_record():
     """The tiny MoE's PP2 train step (`benchmarks/megatron_schedule.py`, `research/records/megatron_schedule.json`:
-    17 micro-batches of 21-96 tokens) predicted from its PP1 run: 1F1B op by op over the micro-batches' tokens with
-    each gloo exchange (shape and activation, 146 us a message, 2.30 GB/s), and the step's time outside the schedule
-    kept whole, gives -16.5 % (one call) and -13.8 % (one call per shape) where the even-slot bubble alone gave
-    -21.1 % / -16.9 %. The one-call path stays outside 15 %: that record ran at load 4-6 on 2 cores, so its two
-    ranks waited for cores as well as for each other (`test_pp2_stages_are_even_and_the_gap_is_waiting`)."""
+    17 micro-batches of 21-96 tokens, timed with no other job) predicted from its PP1 run: 1F1B op by op over the
+    micro-batches' tokens with each gloo exchange (shape and activation, 146 us a message, 2.30 GB/s), and the
+    step's time outside the schedule kept whole, is within 15 % on both paths (-9.2 % one call, -8.0 % one call per
+    shape), and equals what the benchmark's own prediction recorded beside its measurement. (The same model was
+    -16.5 / -13.8 % on a run at load 4-6, where the two ranks also waited for cores:
+    `test_pp2_stages_are_even_and_the_gap_is_waiting`.)"""
     import json
 
     record = json.loads((RECORDS / "megatron_schedule.json").read_text())
@@ -112,8 +113,9 @@ def test_pp2_train_stage_against_the_schedule_record():
     pp1 = {"schedule": one["schedule_min_s"], "step": one["min_s"]}
     errors = {path: _pp2_from_pp1(pp1, record["pp2"]["micro_batches"], path) / record["pp2"][path]["min_s"] - 1
               for path in ("one_call", "per_shape")}
-    assert round(errors["one_call"], 3) == -0.165 and round(errors["per_shape"], 3) == -0.138
-    assert round(record["sim_pp2"]["one_call"]["error"], 3) == -0.211
+    assert all(abs(e) < 0.15 for e in errors.values()), errors
+    for path, error in errors.items():
+        assert error == pytest.approx(record["sim_pp2"][path]["error"], abs=1e-9), path
 
 
 def test_pp2_stages_are_even_and_the_gap_is_waiting():
