@@ -18,19 +18,10 @@ from megatron_spec.rl.refit import load_buckets, named_weights
 from megatron_spec.spec.config import SpecConfig
 from megatron_spec.spec.sampling import processed_logprobs
 
-from .conftest import naive_greedy
+from .conftest import naive_greedy, noisy_copy
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3], [20, 21], [30, 31, 32, 33], [40] * 9]
 MAX_TOKENS = 14
-
-
-def perturbed(model, scale, seed):
-    torch.manual_seed(seed)
-    out = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in out.parameters():
-            p.add_(torch.randn_like(p) * scale)
-    return out
 
 
 def engine_with(model, spec=None, drafter=None, max_num_seqs=4):
@@ -74,13 +65,13 @@ def continued(model_a, model_b, prompt, t):
 
 def drafters(target, target_b):
     torch.manual_seed(3)
-    draft = perturbed(target, 0.005, 2)
+    draft = noisy_copy(target, 0.005, 2)
     mtp, eagle = MTP(target.config, MTPConfig(1)), Eagle3Head.from_target(target)
     return {
         None: (None, None, None),
-        "draft_model": (SpecConfig("draft_model", 4), draft, perturbed(target_b, 0.005, 4)),
-        "mtp": (SpecConfig("mtp", 3), mtp, perturbed(mtp, 0.01, 5)),
-        "eagle3": (SpecConfig("eagle3", 3), eagle, perturbed(eagle, 0.01, 6)),
+        "draft_model": (SpecConfig("draft_model", 4), draft, noisy_copy(target_b, 0.005, 4)),
+        "mtp": (SpecConfig("mtp", 3), mtp, noisy_copy(mtp, 0.01, 5)),
+        "eagle3": (SpecConfig("eagle3", 3), eagle, noisy_copy(eagle, 0.01, 6)),
         "ngram": (SpecConfig("ngram", 3), None, None),
     }
 
@@ -94,7 +85,7 @@ def test_greedy_switch_equals_plain_engine_refit_at_the_same_boundary(tiny_model
     either weights; a drafter only changes how many forwards it takes). Its recorded versions are 0 up to that
     boundary and 1 after it, at the right positions. Speculation stays lossless across the switch: drafts after it
     are verified by B, whatever the drafter held before."""
-    target_b = perturbed(tiny_model, 0.05, 1)
+    target_b = noisy_copy(tiny_model, 0.05, 1)
     spec, drafter, drafter_b = drafters(tiny_model, target_b)[method]
     engine, copied = engine_with(tiny_model, spec, drafter)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -111,7 +102,7 @@ def test_drafter_switches_with_the_policy(tiny_model):
     """The first drafts after the switch are drafter B's greedy continuation of the sequence as it stands, computed
     from scratch: the draft model's weights and its cache both moved to B (a cache kept from A would draft
     otherwise: drafter B differs from A)."""
-    target_b = perturbed(tiny_model, 0.05, 1)
+    target_b = noisy_copy(tiny_model, 0.05, 1)
     spec, drafter, drafter_b = drafters(tiny_model, target_b)["draft_model"]
     engine, copied = engine_with(tiny_model, spec, drafter, max_num_seqs=6)
     seen = []
@@ -137,7 +128,7 @@ def test_sampled_logprobs_are_each_tokens_own_policy(tiny_model):
     and values are computed again under B, so no token reads A's cache. (1e-5: both are fp32 log-softmaxes of the
     same weights and tokens, differing only in summation order; a token sampled through A's cache would differ by
     the weights' difference, ~1e-2.)"""
-    target_b = perturbed(tiny_model, 0.05, 1)
+    target_b = noisy_copy(tiny_model, 0.05, 1)
     engine, _ = engine_with(tiny_model)
     kw = dict(temperature=0.8, top_k=20)
     outs, at = generate_with_refit(engine, None, PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, seed=5, ignore_eos=True,
@@ -158,7 +149,7 @@ def test_refit_without_a_generation_applies_at_once(tiny_model):
     """Asked for while nothing generates, a refit loads in the caller's thread and the next generation's tokens all
     carry its version."""
     engine = LLMEngine(copy.deepcopy(tiny_model), max_num_seqs=2)
-    target_b = perturbed(tiny_model, 0.05, 1)
+    target_b = noisy_copy(tiny_model, 0.05, 1)
     loaded = engine.refits.refit(engine, lambda: load_buckets(engine.model, None, [list(named_weights(target_b))]),
                                  7)
     assert loaded > 0 and engine.version == 7

@@ -2,8 +2,6 @@
 decoding, exact logprobs, KV rollback, MTP/EAGLE-3 incremental drafting equal to drafting from scratch, and
 bad input."""
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -15,6 +13,7 @@ from megatron_spec.spec.config import SpecConfig
 from megatron_spec.spec.proposers import HiddenStateProposer
 from megatron_spec.spec.sampling import processed_logprobs
 
+from ..engine.conftest import noisy_copy
 from .hidden_reference import reference_hidden_drafts
 from .stats import assert_rejects, chi2_quantile_999, homogeneity, noncentrality_homogeneity
 
@@ -24,16 +23,6 @@ PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [8, 9, 10, 11, 12], [3], [20, 21, 20, 21, 2
 @pytest.fixture(scope="module")
 def target(tiny_model):
     return tiny_model
-
-
-def noisy_copy(model, scale, seed):
-    """A draft model that agrees with the target often but not always (partial acceptance exercises rollback)."""
-    torch.manual_seed(seed)
-    draft = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn_like(p) * scale)
-    return draft
 
 
 def drafters(target):
