@@ -14,7 +14,6 @@ bandwidth separate (least squares of seconds on bytes). Rounds alternate the siz
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_spec.bench.common import machine  # noqa: E402
+from megatron_spec.bench.common import emit, machine  # noqa: E402
 
 SIZES = (24, 128 * 50 * 4, 128 * 100 * 4, 128 * 300 * 4, 1 << 20, 4 << 20)
 
@@ -73,12 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
         "one_way_median_s_by_bytes": medians,
         "latency_s": my - slope * mx, "bandwidth_bytes_per_s": 1 / slope,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_spec.bench.common import machine  # noqa: E402
+from megatron_spec.bench.common import emit, machine  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("megatron_schedule", os.path.join(ROOT, "benchmarks",
                                                                                  "megatron_schedule.py"))
@@ -104,12 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
               "pp1": spawn(run, 1, {}, args.repeats)[0],
               "pp2_by_rank": spawn(run, 2, dict(pp=2), args.repeats)}
     result["load_average_after"] = os.getloadavg()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

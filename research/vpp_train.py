@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import statistics
 import subprocess
@@ -28,7 +27,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_spec.bench.common import machine  # noqa: E402
+from megatron_spec.bench.common import emit, machine  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("megatron_schedule", os.path.join(ROOT, "benchmarks",
                                                                                  "megatron_schedule.py"))
@@ -85,12 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
               "median_ratio_vp2_over_vp1": statistics.median(ratios),
               "fastest_step_s": {f"vp{v}": min(min(x[f"vp{v}"]["step_s"]) for x in rounds) for v in (1, 2)}}
     result["load_average_after"] = os.getloadavg()
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    return result
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

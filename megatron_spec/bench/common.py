@@ -71,11 +71,13 @@ def write_json(path: str | os.PathLike, payload: dict) -> Path:
 
 
 def emit(record: dict, out: str | os.PathLike | None) -> dict:
-    """A benchmark's record printed, and written to `out` when given (its JSON record); returns it."""
+    """A benchmark's record printed, and the same text written to `out` when given (its JSON record); returns it."""
     text = json.dumps(record, indent=2)
     print(text)
     if out:
-        write_json(out, record)
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
     return record
 
 
