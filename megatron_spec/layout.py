@@ -224,6 +224,22 @@ def online_eagle3_problems(mtp_num_layers: int, vp: int = 1) -> list[str]:
     return problems
 
 
+def routing_replay_problems(recompute: str, sequence_parallel: bool, vp: int = 1) -> list[str]:
+    """Megatron trainer settings MoE routing replay (`grpo.routing_replay`) does not run with: it sets each
+    micro-batch's experts in the routers as its forward starts, which a recompute in the backward or a sequence
+    split over tensor-parallel ranks would not see, and its routers are wired for one run of layers per stage. The
+    run's input check and the Megatron policy both ask this."""
+    problems = []
+    if recompute != "none" or sequence_parallel:
+        problems.append("grpo.routing_replay sets each micro-batch's experts in Megatron's routers as its forward "
+                        "starts, which a recompute in the backward or a sequence split over tensor-parallel ranks "
+                        "would not see: set backend.megatron.recompute=none and sequence_parallel=false")
+    if vp > 1:
+        problems.append(f"grpo.routing_replay does not run with backend.megatron.virtual_pipeline={vp}: set "
+                        "virtual_pipeline=1 (or grpo.routing_replay=false)")
+    return problems
+
+
 def colocation_problems(colocated: bool, engine_tp: int, *, on_gpus: bool = True, who: str = "") -> list[str]:
     """Every way a placement's engines cannot share devices with the trainer: colocated on GPUs, each trainer rank
     and engine share one one-GPU Ray bundle, so an engine of vLLM tensor parallel > 1 (a multi-GPU bundle group)

@@ -85,10 +85,10 @@ def config_problems(cfg: RLConfig) -> list[str]:
                         "worker does not run) is not wired to it: use backend.generator=embedded or set "
                         "grpo.routing_replay=false")
     m = cfg.backend.megatron
-    if cfg.grpo.routing_replay and cfg.backend.trainer == "megatron" and (m.recompute != "none" or m.sequence_parallel):
-        problems.append("grpo.routing_replay sets each micro-batch's experts in Megatron's routers as its forward "
-                        "starts, which a recompute in the backward or a sequence split over tensor-parallel ranks "
-                        "would not see: set backend.megatron.recompute=none and sequence_parallel=false")
+    if cfg.grpo.routing_replay and cfg.backend.trainer == "megatron":
+        from ..layout import routing_replay_problems
+
+        problems += routing_replay_problems(m.recompute, m.sequence_parallel, m.virtual_pipeline)
     if cfg.backend.generator == "vllm" and cfg.spec is not None:
         from ..spec.registry import vllm_problem
 

@@ -136,6 +136,9 @@ def test_routing_replay_refused_with_megatron_recompute_or_sequence_parallelism(
         bad = copy.deepcopy(cfg)
         setattr(bad.backend.megatron, field, value)
         assert any("recompute=none and sequence_parallel=false" in p for p in config_problems(bad))
+    interleaved = copy.deepcopy(cfg)
+    interleaved.backend.megatron.pp, interleaved.backend.megatron.virtual_pipeline = 2, 2
+    assert any("virtual_pipeline=2" in p and "grpo.routing_replay" in p for p in config_problems(interleaved))
 
 
 def test_a_loop_step_carries_the_rollouts_routing_into_the_update(tmp_path):

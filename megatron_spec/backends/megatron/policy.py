@@ -123,15 +123,16 @@ class MegatronPolicy(ShardedCheckpoints):
         if mtp_num_layers and drafter_layers is not None and drafter_layers != mtp_num_layers:
             raise ValueError(f"the MTP drafter has {drafter_layers} layer(s), "
                              f"backend.megatron.mtp_num_layers={mtp_num_layers}")
-        if par.vp > 1 and (mtp_num_layers or optimizer == "megatron" or grpo.routing_replay):
-            raise ValueError(f"backend.megatron.virtual_pipeline={par.vp} runs without MTP layers, optimizer=megatron "
-                             "and grpo.routing_replay: set virtual_pipeline=1 or turn those off")
+        if par.vp > 1 and (mtp_num_layers or optimizer == "megatron"):
+            raise ValueError(f"backend.megatron.virtual_pipeline={par.vp} runs without MTP layers and "
+                             "optimizer=megatron: set virtual_pipeline=1 or turn those off")
         if grpo.routing_replay:
+            from ...layout import routing_replay_problems
+
             if not cfg.is_moe:
                 raise ValueError("grpo.routing_replay replays the experts of an MoE policy; this one is dense")
-            if recompute != "none" or sequence_parallel:
-                raise ValueError("grpo.routing_replay sets each micro-batch's experts as its forward starts: "
-                                 "backend.megatron.recompute must be none and sequence_parallel false")
+            if problems := routing_replay_problems(recompute, sequence_parallel, par.vp):
+                raise ValueError("; ".join(problems))
         world = dist.get_world_size() if dist.is_initialized() else 1
         check_parallelism(cfg, par, world, sequence_parallel=sequence_parallel,  # before any rank allocates
                           on_gpus=torch.cuda.is_available())

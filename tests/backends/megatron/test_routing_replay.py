@@ -51,7 +51,7 @@ def test_megatron_routers_replay_the_engines_experts(two, kind, layout):
 
 @pytest.mark.parametrize("kind, kw, match", [
     ("dense", {}, "MoE policy; this one is dense"),
-    ("moe", {"recompute": "full"}, "recompute must be none and sequence_parallel false"),
+    ("moe", {"recompute": "full"}, "recompute=none and sequence_parallel=false"),
 ])
 def test_megatron_policy_refuses_replay_it_cannot_honour(kind, kw, match):
     """Refused in the constructor, before any rank builds or allocates anything (no process group needed)."""
