@@ -172,13 +172,11 @@ class ShardedCheckpoints:
         self._torch_optimizer_only("load_state_dict")
         self._announce("load_state_dict", state)
         with self._params_as("master"):
-            for chunk in self.chunks:
-                import_hf(chunk, state["weights"])
+            import_hf(self.chunks, state["weights"])
         self._masters_to_params()
         for key in OPT_STATES:
             with self._params_as(key, create=True):
-                for chunk in self.chunks:
-                    import_hf(chunk, state[key])
+                import_hf(self.chunks, state[key])
         self._set_step(state["step"])
         if self.eagle3 and "eagle3" in state:
             self.eagle3.load_state_dict(state["eagle3"])

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import require_megatron
-from .importer import layer_offset
+from .importer import chunks_of, layer_offset
 from .mapping import (
     ParamSpec, from_megatron, from_megatron_shards, global_expert, megatron_to_hf, unshard,
 )
@@ -43,11 +43,6 @@ def export_hf(model, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[tuple
     chunks: chunk by chunk). Collective."""
     for bucket in export_buckets(model, bucket_bytes):
         yield from bucket
-
-
-def chunks_of(model) -> list:
-    """A model, or the list of a rank's virtual-pipeline chunks, as a list of chunks."""
-    return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
 def export_buckets(model, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[list[tuple[str, Tensor]]]:

@@ -99,14 +99,24 @@ def _check_names(ckpt: _Checkpoint, model, where: str) -> None:
         raise ValueError(f"checkpoint {where} does not hold the tensors of {what}: " + "; ".join(problems))
 
 
+def chunks_of(model) -> list:
+    """A model, or the list of a rank's virtual-pipeline chunks, as a list of chunks."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
 @torch.no_grad()
 def import_hf(model, source: Source, *, check_config: bool = True) -> None:
     """Load an HF checkpoint directory (a list: the policy's, then a drafter's; or a dict of HF-named tensors) into
-    this rank's `model` (from `build_model`), reading from files only the slices this rank owns.
+    this rank's `model` (from `build_model`; a list of its virtual-pipeline chunks: each in turn), reading from files
+    only the slices this rank owns.
 
     Raises ValueError, before copying anything, when the checkpoint's config.json describes another architecture,
     when tensors are missing or unknown, or when a tensor's shape does not fit the parameter it feeds.
     """
+    if isinstance(model, (list, tuple)):
+        for chunk in model:
+            import_hf(chunk, source, check_config=check_config)
+        return
     cfg = model.hf_config
     where = "<tensors>" if isinstance(source, Mapping) else (
         str(source) if isinstance(source, (str, os.PathLike)) else " + ".join(map(str, source)))

@@ -173,12 +173,10 @@ class MegatronPolicy(ShardedCheckpoints):
             sources = [model]
             if self.has_drafter:
                 sources.append(drafter if not isinstance(drafter, MTP) else _drafter_tensors(drafter))
-            for chunk in self.chunks:
-                import_hf(chunk, sources if len(sources) > 1 else model)
+            import_hf(self.chunks, sources if len(sources) > 1 else model)
         else:
-            weights = hf_weights(model, drafter if self.has_drafter and isinstance(drafter, MTP) else None)
-            for chunk in self.chunks:
-                import_hf(chunk, weights)
+            mtp_head = drafter if self.has_drafter and isinstance(drafter, MTP) else None
+            import_hf(self.chunks, hf_weights(model, mtp_head))
         self.model.train()
         named = named_chunks(self.chunks)
         # fp32 master copies of low-precision shards: the optimizer updates these, the model gets them rounded.

@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .exporter import _broadcast, _buckets, _entries, _gather, _Pool, chunks_of
+from .exporter import _broadcast, _buckets, _entries, _gather, _Pool
+from .importer import chunks_of
 from .parallel import ranks
 
 
