@@ -53,7 +53,7 @@ def model_config(args):
 
 
 def batch(vocab: int, rows: int, prompt: int, completion: int, seed: int):
-    from megatron_spec.rl.policy import Batch
+    from megatron_spec.trainers.embedded import Batch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (rows, prompt + completion), generator=g)
@@ -63,8 +63,8 @@ def batch(vocab: int, rows: int, prompt: int, completion: int, seed: int):
 
 
 def bench(rank: int, world: int, args) -> dict:
-    from megatron_spec.backends.megatron.checks import Parallelism
-    from megatron_spec.backends.megatron.policy import MegatronPolicy
+    from megatron_spec.trainers.megatron.checks import Parallelism
+    from megatron_spec.trainers.megatron.policy import MegatronPolicy
     from megatron_spec.models import CausalLM
     from megatron_spec.rl.checkpoint import Saver
     from megatron_spec.rl.config import GRPOSection, RLConfig
@@ -124,7 +124,7 @@ def summarize(rounds: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from megatron_spec.backends.megatron.parallel import spawn
+    from megatron_spec.trainers.megatron.parallel import spawn
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=1024)

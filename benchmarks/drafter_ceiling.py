@@ -35,8 +35,8 @@ K, MAX_TOKENS = 3, 160  # the main job's draft length and rollout length
 def acceptance(policy, head, prompts, seed: int) -> dict:
     """Acceptance length and per-position acceptance of `head` drafting k=K for `policy` on `prompts` at T=1."""
     from megatron_spec.engine import LLMEngine, SamplingParams
-    from megatron_spec.spec.config import SpecConfig
-    from megatron_spec.spec.stats import speculation_summary
+    from megatron_spec.drafters.config import SpecConfig
+    from megatron_spec.speculative.stats import speculation_summary
 
     engine = LLMEngine(policy, max_num_seqs=64, spec=SpecConfig("mtp", K, adaptive=False), drafter=head)
     s = speculation_summary(engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=seed)))
@@ -45,8 +45,8 @@ def acceptance(policy, head, prompts, seed: int) -> dict:
 
 def refit(policy, seed: int):
     """The shipped head trained offline on `policy`'s own rollouts (`megatron-spec train-drafter`'s defaults)."""
-    from megatron_spec.models import load_drafter
-    from megatron_spec.spec.train_drafter import capture_layers, rollouts, task_prompts, train
+    from megatron_spec.drafters.files import load_drafter
+    from megatron_spec.drafters.train import capture_layers, rollouts, task_prompts, train
 
     head = load_drafter(HEAD, policy.config)
     prompts = task_prompts(str(POLICY), 512, seed)
@@ -64,9 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import torch
 
-    from megatron_spec.models import from_pretrained, load_drafter
+    from megatron_spec.models import from_pretrained
+    from megatron_spec.drafters.files import load_drafter
     from megatron_spec.rl.checkpoint import load_latest
-    from megatron_spec.spec.train_drafter import task_prompts
+    from megatron_spec.drafters.train import task_prompts
 
     torch.set_num_threads(2)
     prompts = task_prompts(str(POLICY), args.prompts, args.seed)

@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_spec.engine import LLMEngine
     from megatron_spec.rl import loop
     from megatron_spec.rl.overrides import apply_overrides
-    from megatron_spec.spec.adaptive import octave
-    from megatron_spec.spec.config import SpecConfig
+    from megatron_spec.speculative.adaptive import octave
+    from megatron_spec.drafters.config import SpecConfig
     from recipes.tiny_grpo_spec import tiny_grpo_spec
 
     defaults = ["run.out_dir=runs/loop_pairs", "run.resume=false", "run.report=false", "run.eval_every=0"]

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_spec.bench.common import emit, machine  # noqa: E402
 from megatron_spec.models import from_pretrained  # noqa: E402
 from megatron_spec.rl.config import GRPOSection  # noqa: E402
-from megatron_spec.rl.policy import Batch  # noqa: E402
+from megatron_spec.trainers.embedded import Batch  # noqa: E402
 
 POLICY = "checkpoints/tiny-qwen3-moe"
 SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)
@@ -55,10 +55,10 @@ def batch(vocab: int, seed: int = 0) -> Batch:
 def run(rank: int, world: int, layout: dict, repeats: int) -> dict:
     import torch.distributed as dist
 
-    from megatron_spec.backends.megatron.checks import Parallelism
-    from megatron_spec.backends.megatron.policy import MegatronPolicy
+    from megatron_spec.trainers.megatron.checks import Parallelism
+    from megatron_spec.trainers.megatron.policy import MegatronPolicy
 
-    from megatron_spec.backends.megatron import policy as policy_module
+    from megatron_spec.trainers.megatron import policy as policy_module
 
     model = from_pretrained(POLICY)
     b = batch(model.config.vocab_size)
@@ -101,7 +101,7 @@ def run(rank: int, world: int, layout: dict, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from megatron_spec.backends.megatron.parallel import spawn
+    from megatron_spec.trainers.megatron.parallel import spawn
     from megatron_spec.sim.bubble import bubble_factor, cpu_pipeline_s
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

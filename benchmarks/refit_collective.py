@@ -47,9 +47,9 @@ def measure(cfg, transport: str, rounds: int) -> dict:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from megatron_spec.backends.ray.groups import GeneratorGroup, TrainerGroup
-    from megatron_spec.backends.ray.placement import Placement
-    from megatron_spec.backends.ray.transport import TRANSPORTS, resolve
+    from megatron_spec.placement.groups import GeneratorGroup, TrainerGroup
+    from megatron_spec.placement.bundles import Placement
+    from megatron_spec.placement.transport import TRANSPORTS, resolve
 
     cfg.backend.refit_transport = transport
     placement = Placement("disaggregated", 1, 1, {"CPU": 1.0})
@@ -98,9 +98,9 @@ def measure_link(cfg, bucket_mb: int, rounds: int) -> dict:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from megatron_spec.backends.ray.groups import GeneratorGroup, TrainerGroup
-    from megatron_spec.backends.ray.placement import Placement
-    from megatron_spec.backends.ray.transport import CollectiveRefit, resolve
+    from megatron_spec.placement.groups import GeneratorGroup, TrainerGroup
+    from megatron_spec.placement.bundles import Placement
+    from megatron_spec.placement.transport import CollectiveRefit, resolve
 
     cfg.backend.refit_transport, cfg.backend.refit_bucket_mb = "collective", bucket_mb
     placement = Placement("disaggregated", 1, 1, {"CPU": 1.0})

@@ -30,7 +30,7 @@ def weights(n_bytes: int, seed: int, device) -> dict[str, torch.Tensor]:
 
 
 def _member(rank: int, transport: str, port: int, n_bytes: int, result) -> None:
-    from megatron_spec.backends.weight_group import open_weight_group
+    from megatron_spec.distributed.weight_group import open_weight_group
     from megatron_spec.rl.memory import peak_rss_bytes
     from megatron_spec.rl.refit import buckets
 
@@ -71,7 +71,7 @@ def refit(transport: str, n_bytes: int) -> dict:
     """One refit of `n_bytes` from a sender process to a receiver process on GPU 0; both sides' figures."""
     import torch.multiprocessing as mp
 
-    from megatron_spec.backends.process_groups import free_port
+    from megatron_spec.distributed.process_groups import free_port
 
     ctx = mp.get_context("spawn")
     result = ctx.Queue()

@@ -40,7 +40,7 @@ from megatron_spec.engine import SamplingParams
 from megatron_spec.rl.config import RLConfig
 from megatron_spec.rl.loop import Trainer, make_batch
 from megatron_spec.rl.overrides import apply_overrides, load_yaml, to_dict
-from megatron_spec.spec.sampling import processed_logprobs
+from megatron_spec.speculative.sampling import processed_logprobs
 
 warnings.filterwarnings("ignore", message="TRL currently supports vLLM")  # TRL's import notice; vLLM is unused
 

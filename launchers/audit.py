@@ -14,7 +14,7 @@ Rank kinds: each trainer pipeline stage (its ranks differ by layers, embedding /
   largest micro-batch under its recompute setting, refit buffers, the engines' weights, workspace and KV cache
   (vLLM reserves `gpu_memory_utilization` of the device), host memory per process and per node.
 
-The optimizer rules (Megatron-Core 0.16, `backends/megatron/policy.py`): `torch` keeps bf16 parameters, fp32
+The optimizer rules (Megatron-Core 0.16, `trainers/megatron/policy.py`): `torch` keeps bf16 parameters, fp32
 gradients on the fp32 masters and AdamW's two fp32 moments on every rank, nothing sharded (18 B a parameter);
 `megatron` (the distributed optimizer) keeps bf16 parameters, an fp32 gradient buffer (`grad_reduce_in_fp32`) and
 shards the fp32 masters and moments (12 B) over the data-parallel ranks, expert parameters over the expert
@@ -189,7 +189,7 @@ def shell_params(model: ModelConfig) -> dict[str, int]:
 
 def eagle3_params(model: ModelConfig, draft_vocab: int = EAGLE3_DRAFT_VOCAB) -> int:
     """Parameters of an EAGLE-3 head for `model` (the project's `Eagle3Head`, on fake tensors)."""
-    from megatron_spec.models.eagle3 import Eagle3Config, Eagle3Head
+    from megatron_spec.drafters.eagle3.model import Eagle3Config, Eagle3Head
 
     inner = model.intermediate_size
     with _fake_mode():
@@ -299,7 +299,7 @@ def stage_activation_bytes(model: ModelConfig, layers: range, meg, tp: int, act:
 
 
 def eagle3_head_bytes(cfg, model: ModelConfig, rollouts: int, prompt_tokens: int) -> tuple[int, int]:
-    """What the online EAGLE-3 head's rank holds (`backends/megatron/eagle3.py`), (during the policy's forward and
+    """What the online EAGLE-3 head's rank holds (`drafters/eagle3/megatron.py`), (during the policy's forward and
     backward, after the policy's update). During: the fused states and logits its hooks keep for the positions it
     trains on (`drafter_train.max_tokens`, at least one row; else every row at its longest; the logits over the
     draft vocabulary without `drafter_train.agreement`), fp32. After (the policy's activations freed): those as
@@ -322,7 +322,7 @@ def eagle3_head_bytes(cfg, model: ModelConfig, rollouts: int, prompt_tokens: int
 
 
 def save_host_bytes(cfg, n: int, act: int) -> int:
-    """Host memory a trainer rank holding `n` parameters takes while it saves (`backends/megatron/checkpoint.py`):
+    """Host memory a trainer rank holding `n` parameters takes while it saves (`trainers/megatron/checkpoint.py`):
     the fp32 masters and both Adam moments of its model-parallel part (12 B a parameter; the distributed optimizer's
     reshardable form gathers them over data parallelism, the torch optimizer's live there already on a CPU but are
     copied off a GPU), and with `run.async_save` a copy of its weights (`act` B) for the background writer."""
@@ -331,7 +331,7 @@ def save_host_bytes(cfg, n: int, act: int) -> int:
 
 def micro_batch_tokens(cfg, prompt_tokens: int) -> int:
     """Tokens of the recipe's largest micro-batch: as many rows of the longest rollout (prompt plus
-    `grpo.max_tokens`) as `grpo.micro_batch_tokens` allows, at least one (`backends/megatron/step.plan`)."""
+    `grpo.max_tokens`) as `grpo.micro_batch_tokens` allows, at least one (`trainers/megatron/step.plan`)."""
     row = prompt_tokens + cfg.grpo.max_tokens
     budget = cfg.grpo.micro_batch_tokens
     return max(1, budget // row if budget else cfg.grpo.prompts_per_step * cfg.grpo.group_size) * row
@@ -344,7 +344,7 @@ def audit(cfg, layout: dict, model: ModelConfig, *, prompt_tokens: int, gpu: str
     """The audit of `cfg` on `layout` (`Scale.layout`: the split, engines and placement on the allocation) for the
     policy architecture `model`, on GPUs of kind `gpu` (or "cpu": the trainer ranks of a CPU run, whose device memory
     is their resident memory); the policy's checkpoint files hold `checkpoint_dtype_bytes` a parameter."""
-    from megatron_spec.backends.ray.workers import loads_whole_policy
+    from megatron_spec.placement.workers import loads_whole_policy
     from megatron_spec.rl.loop import REFIT_BUCKET_BYTES
     from megatron_spec.sim.hardware import hardware
     from megatron_spec.sim.memory import ENGINE_WORKSPACE_BYTES
@@ -425,7 +425,7 @@ def audit(cfg, layout: dict, model: ModelConfig, *, prompt_tokens: int, gpu: str
                                src, limit, host, note=why, parameters=n))
     if gpu == "cpu":  # a CPU run's trainer ranks: their resident memory is what the audit counts
         return Audit(ranks, problems, {})
-    # a process that loads the whole policy holds it in float32 on the host (`backends/ray/workers._build`)
+    # a process that loads the whole policy holds it in float32 on the host (`placement/workers._build`)
     total = model_params(model)
     whole = total * 4
     rank0_policy = whole if loads_whole_policy(cfg, "policy") else 0  # on top of what rank 0 holds as a rank

@@ -28,7 +28,7 @@ from megatron_spec.models import ModelConfig, hub
 from megatron_spec.models.presets import PRESETS, preset
 from megatron_spec.rl.config import RLConfig
 from megatron_spec.rl.loop import config_problems
-from megatron_spec.spec.registry import needs_weights
+from megatron_spec.drafters.registry import needs_weights
 
 from .extras import EXTRAS, missing_extras
 from .plans import node_group_problems

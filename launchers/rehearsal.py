@@ -148,21 +148,21 @@ def problems(cfg, arch: dict) -> list[str]:
     """What the recipe's config (with the toy of architecture `arch`) asks for that its code path would skip, or
     fail at after the allocation starts, so that a rehearsal could not show it working: each names its stage, in
     the order the run meets them. Each is read from the code it is about, so it clears when that code can."""
-    from megatron_spec.spec.registry import method_names
+    from megatron_spec.drafters.registry import method_names
 
     out = []
     method = cfg.spec.method if cfg.spec else None
     if cfg.backend.generator == "vllm" and method == "eagle3":
-        from megatron_spec.backends.vllm.export import EAGLE3_ARCHITECTURES
+        from megatron_spec.generators.vllm.export import EAGLE3_ARCHITECTURES
 
         if arch["model_type"] not in EAGLE3_ARCHITECTURES:
             out.append(f"vLLM engine start-up: the EAGLE-3 export for vLLM has no class for a {arch['model_type']} "
-                       f"target (megatron_spec.backends.vllm.export.EAGLE3_ARCHITECTURES: "
+                       f"target (megatron_spec.generators.vllm.export.EAGLE3_ARCHITECTURES: "
                        f"{', '.join(EAGLE3_ARCHITECTURES)})")
     if cfg.backend.trainer == "megatron" and cfg.drafter_train.online and method in method_names(weights=True):
         # what the Megatron trainer trains online: MTP heads as Megatron-Core MTP layers, EAGLE-3 heads beside it
         trained = {"mtp": cfg.backend.megatron.mtp_num_layers > 0,
-                   "eagle3": importlib.util.find_spec("megatron_spec.backends.megatron.eagle3") is not None}
+                   "eagle3": importlib.util.find_spec("megatron_spec.drafters.eagle3.megatron") is not None}
         if not trained.get(method, False):
             how = " unless backend.megatron.mtp_num_layers > 0" if method == "mtp" else ""
             out.append(f"online drafter training: the Megatron trainer does not train a {method} drafter{how}; it "
@@ -179,7 +179,7 @@ def build_toy(cfg, arch: dict, seed: int = 0) -> Path:
 
     from megatron_spec.models import CausalLM, ModelConfig, save_pretrained
     from megatron_spec.models.gguf import load_tokenizer
-    from megatron_spec.spec.registry import drafter_method, needs_weights
+    from megatron_spec.drafters.registry import drafter_method, needs_weights
 
     policy = Path(cfg.model.policy)
     made = policy / "config.json"
@@ -230,7 +230,7 @@ def shape_drafter(drafter):
     left as the registry made them."""
     import torch
 
-    from megatron_spec.models.eagle3 import Eagle3Head
+    from megatron_spec.drafters.eagle3.model import Eagle3Head
 
     if isinstance(drafter, Eagle3Head):
         with torch.no_grad():

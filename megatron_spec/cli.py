@@ -14,12 +14,12 @@ import sys
 # Modules that contribute sub-commands, in the order `--help` lists them.
 COMMAND_MODULES = (
     "megatron_spec.tasks.cli",  # pretrain
-    "megatron_spec.spec.train_drafter",  # train-drafter
+    "megatron_spec.drafters.train",  # train-drafter
     "megatron_spec.bench.cli",  # bench engine | rollout | step
     "megatron_spec.sim.cli",  # simulate, tune
     "megatron_spec.rl.report",  # report
     "megatron_spec.rl.cli",  # train
-    "megatron_spec.backends.megatron.export_cli",  # export-hf
+    "megatron_spec.trainers.megatron.export_cli",  # export-hf
     "megatron_spec.stage",  # stage
 )
 

@@ -1,6 +1,6 @@
 """One validator for parallel layouts: does a (TP, PP, EP, ETP, CP) split fit a model and a number of devices?
 
-The Megatron backend (`backends/megatron/checks.py`), the simulator (`sim/config.py`) and the recipes
+The Megatron backend (`trainers/megatron/checks.py`), the simulator (`sim/config.py`) and the recipes
 (`recipes/_common.py::Scale`) all ask this module, so a layout one of them accepts the others accept too. Pure:
 no torch.distributed, no Megatron import; the rules are Megatron-Core's (and vLLM's for a generation engine):
 
@@ -244,7 +244,7 @@ def colocation_problems(colocated: bool, engine_tp: int, *, on_gpus: bool = True
     """Every way a placement's engines cannot share devices with the trainer: colocated on GPUs, each trainer rank
     and engine share one one-GPU Ray bundle, so an engine of vLLM tensor parallel > 1 (a multi-GPU bundle group)
     cannot be split GPU by GPU between the trainer's and the engine's actors. CPU bundles have no such limit. The
-    Ray placement (`backends/ray/placement.py`), the launch checks and the tuner all ask this."""
+    Ray placement (`placement/bundles.py`), the launch checks and the tuner all ask this."""
     p = f"{who} " if who else ""
     if colocated and on_gpus and engine_tp > 1:
         return [f"{p}colocated placement of vLLM engines with tensor_parallel_size={engine_tp} on GPUs is not "

@@ -43,7 +43,7 @@ from megatron_spec.rl.overrides import apply_overrides, dump_yaml, load_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
-SCALE_DRIVER = "megatron_spec.backends.ray.driver"
+SCALE_DRIVER = "megatron_spec.placement.driver"
 """Module whose `train(cfg, layout)` runs a Ray placement (every at-scale recipe) on the Ray cluster it joins."""
 
 TUNE_GPU_MEMORY = 0.85

@@ -36,7 +36,7 @@ from megatron_spec.layout import check_layout
 from megatron_spec.models.presets import preset
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection, ModelSection, RLConfig, RunSection
 from megatron_spec.rl.data_config import DataSection
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.drafters.config import SpecConfig
 from recipes._common import Scale, recipe_main
 
 SCALE = Scale(nodes=16, gpus_per_node=8, tp=2, pp=8, cp=1, ep=8, vllm_tp=8, colocated=False, gen_gpus=64,

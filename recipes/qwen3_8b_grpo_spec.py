@@ -18,7 +18,7 @@ import sys
 
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection, ModelSection, RLConfig, RunSection
 from megatron_spec.rl.data_config import DataSection
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.drafters.config import SpecConfig
 from recipes._common import Scale, recipe_main
 
 SCALE = Scale(nodes=4, gpus_per_node=8, tp=2, pp=1, cp=1, ep=1, vllm_tp=1, time="04:00:00")

@@ -10,7 +10,7 @@ import sys
 from megatron_spec.rl.config import (
     DrafterTrainSection, GRPOSection, ModelSection, RLConfig, RunSection,
 )
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.drafters.config import SpecConfig
 from recipes._common import recipe_main
 
 

@@ -8,7 +8,7 @@ the generator every step) at toy size, on this CPU.
 Needs checkpoints/tiny-qwen3-moe and its MTP head checkpoints/tiny-qwen3-moe-mtp (`megatron-spec train-drafter
 --target checkpoints/tiny-qwen3-moe --method mtp --out checkpoints/tiny-qwen3-moe-mtp --save-dtype bfloat16`).
 Under torchrun rank 0 generates, trains its shard and logs; the other ranks train theirs
-(`megatron_spec.backends.megatron.launch`). Speculation runs on every step (`spec.adaptive=false`) so each step
+(`megatron_spec.trainers.megatron.launch`). Speculation runs on every step (`spec.adaptive=false`) so each step
 measures the MTP head's acceptance length.
 """
 
@@ -17,7 +17,7 @@ import sys
 
 from megatron_spec.rl.backend_config import BackendSection, MegatronSection
 from megatron_spec.rl.config import GRPOSection, ModelSection, RLConfig, RunSection
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.drafters.config import SpecConfig
 from recipes._common import recipe_main
 
 DRAFTER = "checkpoints/tiny-qwen3-moe-mtp"
@@ -37,7 +37,7 @@ def tiny_moe_grpo_spec() -> RLConfig:
 
 def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: rank 0 runs the loop, the other ranks follow it
-        from megatron_spec.backends.megatron.launch import recipe_main as ranks_main
+        from megatron_spec.trainers.megatron.launch import recipe_main as ranks_main
 
         return ranks_main(lambda: recipe_main(tiny_moe_grpo_spec, argv), argv)
     return recipe_main(tiny_moe_grpo_spec, argv)

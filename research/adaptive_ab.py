@@ -8,8 +8,8 @@ k = 3 on every step, no controller (`k3`). One untimed round, then `--rounds` ro
 shape (8 prompts x 8 samples, T = 1, up to 160 tokens, stopping at EOS, new prompts each round; `--prompts`,
 `--samples`, `--max-tokens` and `--ignore-eos` change it), every engine once a round, the order reversing each
 round. `--device cuda` runs it on a GPU (`benchmarks/gpu_checks.sh`, part `trace`). `--baseline-controller FILE`
-adds a fifth engine, `baseline`, under the `AdaptiveController` of another version of `megatron_spec/spec/adaptive.py`
-(`git show REF:megatron_spec/spec/adaptive.py > FILE`), so a change to the controller is timed against the one before
+adds a fifth engine, `baseline`, under the `AdaptiveController` of another version of `megatron_spec/speculative/adaptive.py`
+(`git show REF:megatron_spec/speculative/adaptive.py > FILE`), so a change to the controller is timed against the one before
 it in the same rounds.
 
 For the adaptive engine every step is also timed by kind: plain, speculative, and the first drafting step after
@@ -34,8 +34,8 @@ from pathlib import Path
 from megatron_spec.bench.common import (MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, alternating_rounds, machine,
                                         main_job_models, main_job_parser, record_choices)
 from megatron_spec.engine import LLMEngine
-from megatron_spec.spec.adaptive import octave
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.speculative.adaptive import octave
+from megatron_spec.drafters.config import SpecConfig
 
 TARGET, DRAFTER = MAIN_JOB_POLICY, MAIN_JOB_DRAFTER
 ENGINES = ("plain", "held_plain", "adaptive", "k3")

@@ -30,8 +30,8 @@ from statistics import mean, median
 from megatron_spec.bench.common import (alternating_rounds, main_job_models, main_job_parser, main_job_record,
                                         record_choices, time_step_parts)
 from megatron_spec.engine import LLMEngine
-from megatron_spec.spec.adaptive import octave
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.speculative.adaptive import octave
+from megatron_spec.drafters.config import SpecConfig
 
 
 def summary(controller, plain_steps: list, adaptive_steps: list, chosen: list) -> dict:

@@ -31,8 +31,8 @@ from megatron_spec.models.layers import attend
 from megatron_spec.models.masks import causal_mask
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
 from megatron_spec.rl.microbatch import micro_batches
-from megatron_spec.rl.policy import DrafterInputs, EmbeddedPolicy, minibatches
-from megatron_spec.spec import drafter_loss
+from megatron_spec.trainers.embedded import DrafterInputs, EmbeddedPolicy, minibatches
+from megatron_spec.drafters import loss as drafter_loss
 
 BUDGET = 1024
 """The main job's `grpo.micro_batch_tokens`; a budget of 1 makes `pack` join nothing (the path before it)."""

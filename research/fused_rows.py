@@ -22,9 +22,9 @@ from pathlib import Path
 from megatron_spec.bench.common import MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, machine, main_job_models
 from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.models import decoder
-from megatron_spec.models.mtp import MTPLayer
-from megatron_spec.spec.config import SpecConfig
-from megatron_spec.spec.train_drafter import task_prompts
+from megatron_spec.drafters.mtp.model import MTPLayer
+from megatron_spec.drafters.config import SpecConfig
+from megatron_spec.drafters.train import task_prompts
 
 TARGET, DRAFTER = MAIN_JOB_POLICY, MAIN_JOB_DRAFTER
 KINDS = {"plain": None, "k3": SpecConfig("mtp", 3, adaptive=False), "adaptive": SpecConfig("mtp", 3, adaptive=True)}

@@ -50,7 +50,7 @@ def pingpong(rank: int, world: int, rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from megatron_spec.backends.megatron.parallel import spawn
+    from megatron_spec.trainers.megatron.parallel import spawn
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=200)

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["run.threads=1", "run.steps=50", "run.eval_every=0", "run.report=false", "run.resume=false"]
 # The main job with its gate held plain: every step runs as `spec=null` runs it, in the spec run's process.
-HELD_PLAIN = ("import runpy, sys; from megatron_spec.spec import adaptive; "
+HELD_PLAIN = ("import runpy, sys; from megatron_spec.speculative import adaptive; "
               "adaptive.WholeStepGate.speculate = lambda self: False; sys.argv = ['tiny_grpo_spec'] + sys.argv[1:]; "
               "runpy.run_path('recipes/tiny_grpo_spec.py', run_name='__main__')")
 PAIRS = {"twins": (["spec=null"], ["spec=null"], False), "gated_plain": ([], ["spec=null"], True)}

@@ -10,21 +10,21 @@ import subprocess
 
 import torch
 
-import megatron_spec.spec.proposers.ngram as ngram
+import megatron_spec.drafters.ngram.proposer as ngram
 from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.models import from_pretrained
 from megatron_spec.rl.task import PromptTask
-from megatron_spec.spec.config import SpecConfig
-from megatron_spec.spec.stats import speculation_summary
+from megatron_spec.drafters.config import SpecConfig
+from megatron_spec.speculative.stats import speculation_summary
 
 BEFORE = "5a97003"
 
 
 def index_before():
-    src = subprocess.run(["git", "show", f"{BEFORE}:megatron_spec/spec/proposers/ngram.py"], capture_output=True,
+    src = subprocess.run(["git", "show", f"{BEFORE}:megatron_spec/drafters/ngram/proposer.py"], capture_output=True,
                          text=True, check=True).stdout
     ns: dict = {}
-    exec(compile(src.replace("from .base import", "from megatron_spec.spec.proposers.base import"), "ngram_before",
+    exec(compile(src.replace("from .base import", "from megatron_spec.drafters.proposer import"), "ngram_before",
                  "exec"), ns)
     return ns["SuffixIndex"]
 

@@ -25,8 +25,8 @@ from statistics import median
 from megatron_spec.bench.common import (STEP_PARTS as PARTS, alternating_rounds, main_job_models, main_job_parser,
                                         main_job_record, time_step_parts)
 from megatron_spec.engine import LLMEngine
-from megatron_spec.spec.adaptive import octave
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.speculative.adaptive import octave
+from megatron_spec.drafters.config import SpecConfig
 
 
 def summary(plain: list, spec: list) -> dict:

@@ -37,12 +37,12 @@ def run(rank: int, world: int, layout: dict, repeats: int) -> dict:
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import schedules
 
-    from megatron_spec.backends.megatron import policy as policy_module
-    from megatron_spec.backends.megatron.checks import Parallelism
-    from megatron_spec.backends.megatron.policy import MegatronPolicy
+    from megatron_spec.trainers.megatron import policy as policy_module
+    from megatron_spec.trainers.megatron.checks import Parallelism
+    from megatron_spec.trainers.megatron.policy import MegatronPolicy
     from megatron_spec.models import from_pretrained
     from megatron_spec.rl.config import GRPOSection
-    from megatron_spec.rl.policy import Batch
+    from megatron_spec.trainers.embedded import Batch
 
     model = from_pretrained(bench.POLICY)
     b = bench.batch(model.config.vocab_size)
@@ -87,7 +87,7 @@ def run(rank: int, world: int, layout: dict, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from megatron_spec.backends.megatron.parallel import spawn
+    from megatron_spec.trainers.megatron.parallel import spawn
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=8)

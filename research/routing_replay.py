@@ -29,10 +29,10 @@ from megatron_spec.engine import SamplingParams
 from megatron_spec.models import from_pretrained
 from megatron_spec.models.routing import choices
 from megatron_spec.rl.config import GRPOSection
-from megatron_spec.rl.generator import EmbeddedGenerator
+from megatron_spec.generators.embedded import EmbeddedGenerator
 from megatron_spec.rl.loop import make_batch
-from megatron_spec.rl.policy import EmbeddedPolicy
-from megatron_spec.spec.train_drafter import task_prompts
+from megatron_spec.trainers.embedded import EmbeddedPolicy
+from megatron_spec.drafters.train import task_prompts
 
 POLICY = "checkpoints/tiny-qwen3-moe"
 SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)
@@ -89,9 +89,9 @@ def embedded(model):
 
 def megatron_rank(rank: int, world: int, steps: list) -> list[dict]:
     """On one gloo rank: Megatron-Core's trainer (TP1, fp32) measured on each step's (batch, engine log-probs)."""
-    from megatron_spec.backends.megatron.checks import Parallelism
-    from megatron_spec.backends.megatron.policy import MegatronPolicy
-    from megatron_spec.backends.megatron.routing import last_routing
+    from megatron_spec.trainers.megatron.checks import Parallelism
+    from megatron_spec.trainers.megatron.policy import MegatronPolicy
+    from megatron_spec.trainers.megatron.routing import last_routing
 
     policy = MegatronPolicy(from_pretrained(POLICY), GRPO, SAMPLING, Parallelism())
 
@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    from megatron_spec.backends.megatron.parallel import spawn
+    from megatron_spec.trainers.megatron.parallel import spawn
 
     torch.manual_seed(0)
     trainer_model = from_pretrained(POLICY)

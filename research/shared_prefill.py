@@ -23,7 +23,7 @@ import torch
 from megatron_spec.bench.common import (MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, alternating_rounds, machine,
                                         main_job_models, main_job_parser)
 from megatron_spec.engine import LLMEngine
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.drafters.config import SpecConfig
 
 MODES = ("plain", "k3", "adaptive")
 

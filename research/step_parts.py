@@ -23,8 +23,8 @@ from pathlib import Path
 from megatron_spec.bench.common import (MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, STEP_PARTS as PARTS, machine,
                                         main_job_models, time_step_parts)
 from megatron_spec.engine import LLMEngine, SamplingParams
-from megatron_spec.spec.config import SpecConfig
-from megatron_spec.spec.train_drafter import task_prompts
+from megatron_spec.drafters.config import SpecConfig
+from megatron_spec.drafters.train import task_prompts
 
 TARGET, DRAFTER = MAIN_JOB_POLICY, MAIN_JOB_DRAFTER
 def measure(policy, head, batch: int, k: int, tokens: int, repeats: int) -> dict:

@@ -33,7 +33,7 @@ from kernel_ab import git, ops_of  # noqa: E402
 
 from megatron_spec import kernels  # noqa: E402
 from megatron_spec.bench.common import machine, write_json  # noqa: E402
-from megatron_spec.spec.sampling import processed_logprobs  # noqa: E402
+from megatron_spec.speculative.sampling import processed_logprobs  # noqa: E402
 
 
 def timed(fn) -> float:
@@ -78,10 +78,10 @@ def kernel_cells(old, batches: list[int], rounds: int, vocab: int = 49152, k: in
 
 def engine_cells(old, batches: list[int], rounds: int) -> list[dict]:
     from megatron_spec.engine import LLMEngine, SamplingParams
-    from megatron_spec.models.drafters import load_drafter
+    from megatron_spec.drafters.files import load_drafter
     from megatron_spec.models.hf_io import from_pretrained, smollm2_dir
-    from megatron_spec.spec.config import SpecConfig
-    from megatron_spec.spec.train_drafter import task_prompts
+    from megatron_spec.drafters.config import SpecConfig
+    from megatron_spec.drafters.train import task_prompts
 
     root = Path(__file__).resolve().parents[1]
     target = from_pretrained(smollm2_dir())

@@ -18,7 +18,8 @@ import dataclasses
 
 import torch
 
-from megatron_spec.models import MTP, CausalLM, preset
+from megatron_spec.drafters.mtp.model import MTP
+from megatron_spec.models import CausalLM, preset
 
 # research/ is the script's directory
 from verify_width import add_row, k3_row, parse_args, synthetic_prompts, write_record  # noqa: E402

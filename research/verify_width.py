@@ -30,8 +30,9 @@ import torch
 
 from megatron_spec.bench.common import machine, set_threads, time_step_parts
 from megatron_spec.engine import LLMEngine, SamplingParams
-from megatron_spec.models import MTP, CausalLM, preset
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.drafters.mtp.model import MTP
+from megatron_spec.models import CausalLM, preset
+from megatron_spec.drafters.config import SpecConfig
 
 WIDTHS = {96: 3, 192: 6, 256: 8, 384: 12}  # hidden size -> query heads (head dim 32, 3 per KV head)
 BATCHES = (1, 4, 16, 64)

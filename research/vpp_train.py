@@ -38,8 +38,8 @@ _spec.loader.exec_module(bench)
 def run(rank: int, world: int, vp: int, steps: int) -> dict:
     import torch.distributed as dist
 
-    from megatron_spec.backends.megatron.checks import Parallelism
-    from megatron_spec.backends.megatron.policy import MegatronPolicy
+    from megatron_spec.trainers.megatron.checks import Parallelism
+    from megatron_spec.trainers.megatron.policy import MegatronPolicy
     from megatron_spec.models import from_pretrained
     from megatron_spec.rl.config import GRPOSection
 
@@ -60,7 +60,7 @@ def run(rank: int, world: int, vp: int, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from megatron_spec.backends.megatron.parallel import spawn
+    from megatron_spec.trainers.megatron.parallel import spawn
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=4)

@@ -231,7 +231,7 @@ def test_the_run_resolves_hub_names_into_its_cache_without_a_network(tmp_path, m
     config's cache dir); a local path and a name missing offline are left / refused with the fix."""
     from megatron_spec.models import hub
     from megatron_spec.rl.config import ModelSection, RLConfig
-    from megatron_spec.spec.config import SpecConfig
+    from megatron_spec.drafters.config import SpecConfig
 
     snap = hub_cache(tmp_path, "org/drafter", {"speculators_model_type": "eagle3"})
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

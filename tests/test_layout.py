@@ -112,7 +112,7 @@ def test_the_235b_recipe_layout_is_one_megatron_accepts():
 
 def test_the_three_callers_agree():
     """Backend checks, simulator and recipe Scale reject the same bad layout with the same sentence."""
-    from megatron_spec.backends.megatron.checks import Parallelism, check_parallelism
+    from megatron_spec.trainers.megatron.checks import Parallelism, check_parallelism
     from megatron_spec.sim.config import TrainParallel
     from recipes._common import Scale
 
@@ -131,7 +131,7 @@ def test_context_parallelism_is_refused_where_a_layout_is_chosen_or_accepted():
     """Megatron-Core takes CP2 and the grids fit, but the trainer does not run it: the shared rule names the fix; the
     config section, the recipe Scale and the backend check refuse it before anything loads; the simulator may still
     predict it; the tuner never picks it and counts why (cp=2 at tp 1 and tp 2: two layouts)."""
-    from megatron_spec.backends.megatron.checks import Parallelism, check_parallelism
+    from megatron_spec.trainers.megatron.checks import Parallelism, check_parallelism
     from megatron_spec.layout import support_problems
     from megatron_spec.rl.backend_config import MegatronSection
     from megatron_spec.sim import LengthDist, SimConfig, Speculation, TrainParallel, Workload
@@ -172,7 +172,7 @@ def test_moe_under_tensor_parallelism_needs_sequence_parallelism():
     the shared rule refuses exactly that case (an MoE model, TP 2, SP off) and names the fix; TP 1, SP on, or a
     dense model pass. The backend check refuses it before any rank builds a parameter, and so does the local run's
     check, before any model is built."""
-    from megatron_spec.backends.megatron.checks import Parallelism, check_parallelism
+    from megatron_spec.trainers.megatron.checks import Parallelism, check_parallelism
     from megatron_spec.layout import sequence_parallel_problems
     from megatron_spec.rl.config import RLConfig
     from megatron_spec.rl.loop import check_inputs

@@ -267,7 +267,7 @@ def test_launch_checks_name_the_driver_the_extras_and_the_drafter(tmp_path, caps
     import launchers.checks as checks
 
     common = importlib.import_module("recipes._common")
-    monkeypatch.setattr(common, "SCALE_DRIVER", "megatron_spec.backends.ray.no_such_driver")
+    monkeypatch.setattr(common, "SCALE_DRIVER", "megatron_spec.placement.no_such_driver")
     monkeypatch.setattr(checks, "missing_extras", lambda extras: [e for e in extras if e in ("ray", "nemo")])
     drafter = tmp_path / "drafter"
     drafter.mkdir()
@@ -276,7 +276,7 @@ def test_launch_checks_name_the_driver_the_extras_and_the_drafter(tmp_path, caps
             f"model.drafter={drafter}", "model.terms_weights=[1,1]", "--executor", "ray-slurm", "--account", "acct"]
     assert recipe("tiny_grpo_spec").main(argv) == 2
     err = capsys.readouterr().err
-    assert "the driver module megatron_spec.backends.ray.no_such_driver is not in this version" in err
+    assert "the driver module megatron_spec.placement.no_such_driver is not in this version" in err
     assert "pip install -e .[ray,nemo]" in err
     assert "terms_weights needs 7 non-negative weights (one per chain length 2..8)" in err
     assert (f"the drafter {drafter} drafts in a vocabulary of 99 tokens, the policy checkpoints/tiny-qwen3-deep-careful "

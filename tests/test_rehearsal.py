@@ -198,7 +198,8 @@ def test_shaped_toy_repeats_its_token_and_its_eagle3_head_fuses_evenly():
     target's."""
     import torch
 
-    from megatron_spec.models import CausalLM, Eagle3Head, ModelConfig
+    from megatron_spec.models import CausalLM, ModelConfig
+    from megatron_spec.drafters.eagle3.model import Eagle3Head
 
     torch.manual_seed(0)
     model = rehearsal.shape_policy(CausalLM(ModelConfig(**rehearsal.toy_architecture("Qwen/Qwen3-8B")))).eval()
@@ -219,7 +220,7 @@ def test_build_toy_writes_a_loadable_policy_drafter_and_data(tmp_path):
     import torch
 
     from megatron_spec.models import from_pretrained
-    from megatron_spec.models.drafters import load_drafter
+    from megatron_spec.drafters.files import load_drafter
     from megatron_spec.models.gguf import load_tokenizer
     from megatron_spec.rl.overrides import apply_overrides
 

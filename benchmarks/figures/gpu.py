@@ -98,5 +98,5 @@ FIGURES: list[Figure] = [
 
 GIVEN: list[Given] = [
     Given(R, "(bound 0.05)", "the GPU test's bound on the log-prob difference of Megatron-Core in bf16 against the "
-          "fp32 step (tests/backends/megatron/test_gpu.py: 8 significant bits per op, O(1) logits, tens of ops)"),
+          "fp32 step (tests/trainers/megatron/test_gpu.py: 8 significant bits per op, O(1) logits, tens of ops)"),
 ]

@@ -9,7 +9,7 @@ import platform
 import time
 from pathlib import Path
 
-from ..spec.adaptive import octave
+from ..speculative.adaptive import octave
 
 
 def machine(device: str = "cpu") -> str:
@@ -85,7 +85,7 @@ def drafter_checkpoint(target: str, method: str, draft_model: str) -> Path | Non
     """Where the trained drafter for `method` lives: the draft model given, or the head that `train-drafter` saved
     beside the target as `<target>-<method>` (beside `checkpoints/` for a preset name such as smollm2-135m).
     None for the lookup drafters, which have no weights."""
-    from megatron_spec.spec.registry import needs_weights
+    from megatron_spec.drafters.registry import needs_weights
 
     if not needs_weights(method):
         return None
@@ -106,7 +106,8 @@ def main_job_models(threads: int | None, checkpoint: str | None = None):
     (a run's `state.pt`) holds."""
     import torch
 
-    from megatron_spec.models import from_pretrained, load_drafter
+    from megatron_spec.models import from_pretrained
+    from megatron_spec.drafters.files import load_drafter
 
     set_threads(threads)
     policy = from_pretrained(MAIN_JOB_POLICY)
@@ -148,7 +149,7 @@ def alternating_rounds(runs: dict, rounds: int, prompts: int = 8, samples: int =
     first on a host whose speed drifts. Round 0 is the untimed warm-up. Yields (round, {name: seconds}) after
     each round, round 0 included, so a caller can set up its timers between rounds."""
     from megatron_spec.engine import SamplingParams
-    from megatron_spec.spec.train_drafter import task_prompts
+    from megatron_spec.drafters.train import task_prompts
 
     names = list(runs)
     for r in range(rounds + 1):

@@ -45,8 +45,8 @@ def vllm_twin(model, max_len: int, compiled: bool = False):
     import tempfile
     from pathlib import Path
 
-    export = importlib.import_module("megatron_spec.backends.vllm.export")
-    backend = importlib.import_module("megatron_spec.backends.vllm")
+    export = importlib.import_module("megatron_spec.generators.vllm.export")
+    backend = importlib.import_module("megatron_spec.generators.vllm")
     path = export.export_target(model, Path(tempfile.mkdtemp(prefix="bench-engine-vllm-")) / "model")
     return backend.VLLMGenerator(str(path), max_model_len=max_len, enforce_eager=not compiled)
 

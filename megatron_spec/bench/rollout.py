@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..spec.registry import method_names
+from ..drafters.registry import method_names
 
 CONTROL = "plain"
 """`--drafters plain`: a plain engine measured against a plain engine, the same way as a drafter: the benchmark's own
@@ -31,7 +31,7 @@ def spec_method(drafter: str) -> str | None:
 def make_engine(target, method: str | None, k: int | str, drafter_dir: str | None, max_num_seqs: int,
                 draft_sampling: bool = False):
     from ..engine import LLMEngine
-    from ..spec.config import SpecConfig
+    from ..drafters.config import SpecConfig
 
     if method is None:
         return LLMEngine(target, max_num_seqs=max_num_seqs)
@@ -57,7 +57,7 @@ def measure(make_engine, make_plain, prompts, params, repeats: int, warm: list[t
     repeat's."""
     from statistics import median
 
-    from ..spec.stats import speculation_summary
+    from ..speculative.stats import speculation_summary
 
     t_plain = t_spec = float("inf")
     ratios, drafted = [], []
@@ -114,7 +114,7 @@ def run(args) -> dict:
 
     from ..engine import SamplingParams
     from ..models import from_pretrained
-    from ..spec.train_drafter import task_prompts
+    from ..drafters.train import task_prompts
     from .common import drafter_checkpoint, machine
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
@@ -176,14 +176,14 @@ def peer_rows(args, target) -> list[dict]:
     import tempfile
 
     from ..engine import SamplingParams
-    from ..spec.config import SpecConfig
-    from ..spec.registry import drafter_method, vllm_problem
-    from ..spec.stats import speculation_summary
-    from ..spec.train_drafter import task_prompts
+    from ..drafters.config import SpecConfig
+    from ..drafters.registry import drafter_method, vllm_problem
+    from ..speculative.stats import speculation_summary
+    from ..drafters.train import task_prompts
     from .common import drafter_checkpoint, timed
 
-    backend = importlib.import_module("megatron_spec.backends.vllm")
-    export = importlib.import_module("megatron_spec.backends.vllm.export")
+    backend = importlib.import_module("megatron_spec.generators.vllm")
+    export = importlib.import_module("megatron_spec.generators.vllm.export")
     k = next(int(x) for x in args.k if x != "adaptive")
     root = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     export.export_target(target, root / "policy")

@@ -25,14 +25,14 @@ import copy
 import math
 from pathlib import Path
 
-from ..spec.registry import method_names
+from ..drafters.registry import method_names
 
 STAGES = ("data", "prepare", "gen", "logprob", "train")
 
 
 def variants(args) -> list[tuple[str, object]]:
     from ..rl.config import RLConfig
-    from ..spec.config import SpecConfig
+    from ..drafters.config import SpecConfig
     from .common import drafter_checkpoint
 
     base = RLConfig()

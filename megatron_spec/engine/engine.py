@@ -21,12 +21,12 @@ from .. import kernels
 from ..models.config import token_id_tuple
 from ..models.decoder import CausalLM, weights_fixed
 from ..models.host import float_tensor, long_tensor
-from ..spec.adaptive import AdaptiveController
-from ..spec.config import SpecConfig
-from ..spec.proposers import Drafts, Proposer
-from ..spec.registry import build_proposer
-from ..spec.sampling import PositionUniforms, UniformStreams, position_uniforms, processed_logprobs, uniforms
-from ..spec.verify import Verdict, emitted_logprobs, verify_coupled, verify_greedy, verify_sampled
+from ..speculative.adaptive import AdaptiveController
+from ..drafters.config import SpecConfig
+from ..drafters.proposer import Drafts, Proposer
+from ..drafters.registry import build_proposer
+from ..speculative.sampling import PositionUniforms, UniformStreams, position_uniforms, processed_logprobs, uniforms
+from ..speculative.verify import Verdict, emitted_logprobs, verify_coupled, verify_greedy, verify_sampled
 from ..models.kv_cache import KVCache
 from .inflight import RefitHandoff
 from .params import Completion, SamplingParams

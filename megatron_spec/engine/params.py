@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..spec.sampling import validate_sampling
+from ..speculative.sampling import validate_sampling
 
 
 @dataclass

@@ -11,7 +11,7 @@ from ..models.host import long_tensor
 from ..models.kv_cache import KVCache
 from ..models.packed import linears
 from ..models.routing import choices
-from ..spec.proposers import Drafts
+from ..drafters.proposer import Drafts
 from .sequence import Sequence
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..spec.sampling import PositionUniforms, UniformStreams
+from ..speculative.sampling import PositionUniforms, UniformStreams
 
 
 def draw_seed(seed: int) -> int:

@@ -2,7 +2,7 @@
 
 Our attention (`layers.attend`, the KV cache's masks, the shared-prompt passes of `rl/prefix.py`) reads masks this
 way. Megatron-Core reads the opposite (True = masked out); the Megatron backend passes `~causal_mask(...)` at the
-one place it hands a mask over (`backends/megatron/forward.py`), so the inversion is written once, where it is due.
+one place it hands a mask over (`trainers/megatron/forward.py`), so the inversion is written once, where it is due.
 """
 
 from __future__ import annotations

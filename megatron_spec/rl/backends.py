@@ -4,7 +4,7 @@ imported only when chosen.
 Every trainer implements the Policy interface (`logprobs`, `train_step`, `export_weights`, `state_dict` /
 `load_state_dict`) and every generator the Generator interface (`generate`, `update_weights`, `sleep`, `wake`);
 both are built by `cls.from_rl(cfg, model, drafter)` from the run's config and the loaded policy model and drafter.
-The at-scale classes live under `megatron_spec.backends`, which this module names as strings so that the core
+The at-scale classes live under `megatron_spec.distributed`, which this module names as strings so that the core
 never imports Megatron, vLLM or Ray: a missing extra is reported when that backend is chosen, before any compute.
 """
 
@@ -13,22 +13,22 @@ from __future__ import annotations
 import importlib
 
 POLICIES = {
-    "embedded": ("megatron_spec.rl.policy:EmbeddedPolicy", None),
-    "megatron": ("megatron_spec.backends.megatron.policy:MegatronPolicy", "megatron"),
+    "embedded": ("megatron_spec.trainers.embedded:EmbeddedPolicy", None),
+    "megatron": ("megatron_spec.trainers.megatron.policy:MegatronPolicy", "megatron"),
 }
 GENERATORS = {
-    "embedded": ("megatron_spec.rl.generator:EmbeddedGenerator", None),
-    "vllm": ("megatron_spec.backends.vllm:VLLMGenerator", "vllm"),
+    "embedded": ("megatron_spec.generators.embedded:EmbeddedGenerator", None),
+    "vllm": ("megatron_spec.generators.vllm:VLLMGenerator", "vllm"),
 }
 GENERATORS_FROM_FILES = {
-    "embedded": ("megatron_spec.backends.megatron.generator:ProcessGenerator", "megatron"),
-    "vllm": ("megatron_spec.backends.megatron.generator:vllm_from_files", "vllm"),
+    "embedded": ("megatron_spec.generators.process:ProcessGenerator", "megatron"),
+    "vllm": ("megatron_spec.generators.process:vllm_from_files", "vllm"),
 }
 """`(cfg) -> generator` for a run whose loop holds no policy model (a sharded trainer's): each generator reads the
 checkpoint files in processes of its own."""
 DRIVERS = {
-    "colocated": ("megatron_spec.backends.ray.driver:train", "ray"),
-    "disaggregated": ("megatron_spec.backends.ray.driver:train", "ray"),
+    "colocated": ("megatron_spec.placement.driver:train", "ray"),
+    "disaggregated": ("megatron_spec.placement.driver:train", "ray"),
 }
 """`train(cfg)` of each placement other than `inline` (which is `rl.loop.run` in this process)."""
 

@@ -81,7 +81,7 @@ def export_drafter(out: Path, policy_state: dict, cfg) -> None:
     source = cfg.model.drafter or (cfg.spec.model if cfg.spec else None)
     if tensors is None or not source or not cfg.drafter_train.online:
         return
-    from ..models.drafters import export_trained_drafter
+    from ..drafters.files import export_trained_drafter
     from ..models.hf_io import read_config, smollm2_dir
 
     policy = cfg.model.policy

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..spec.config import SpecConfig
+from ..drafters.config import SpecConfig
 from .backend_config import BackendSection
 from .data_config import DataSection
 

@@ -8,7 +8,7 @@ step, and the `logprob` stage only assembles the batch and the mismatch metric.
 `train(cfg)` validates everything it will need before computing anything, resumes from the run directory's last
 checkpoint when it holds one for the same config, and logs one metrics line per step. `Trainer.step` is written as
 stage methods (`draw`, `refit`, `rollouts`, `score`, `learn`, `metrics`) so that the Ray driver
-(`megatron_spec.backends.ray.driver`, `backend.placement` colocated / disaggregated) runs this very loop with the
+(`megatron_spec.placement.driver`, `backend.placement` colocated / disaggregated) runs this very loop with the
 trainer and the generators in worker groups: it overrides where the pieces live (`build_backends`), how weights
 reach the engines (`refit`) and how rollouts are produced (`rollouts`, which may run ahead with `async_lag`), and
 `run(cfg, make_trainer)` is the one outer loop (resume, logging, NaN stop, checkpoints) for both.
@@ -27,13 +27,13 @@ import yaml
 
 from ..engine import SamplingParams
 from ..models.routing import ROUTING_DTYPE
-from ..spec.adaptive import WholeStepGate
-from ..spec.registry import drafter_method, needs_weights
-from ..spec.stats import speculation_summary
+from ..speculative.adaptive import WholeStepGate
+from ..drafters.registry import drafter_method, needs_weights
+from ..speculative.stats import speculation_summary
 from . import checkpoint, memory
 from .config import RLConfig
 from .grpo import correction_stats, group_advantages, overlong_penalty, rejection_mask, uniform_groups
-from .policy import Batch
+from ..trainers.embedded import Batch
 from .refit import buckets
 from .stop import SaveClock, StopRequest, save_due
 
@@ -90,7 +90,7 @@ def config_problems(cfg: RLConfig) -> list[str]:
 
         problems += routing_replay_problems(m.recompute, m.sequence_parallel, m.virtual_pipeline)
     if cfg.backend.generator == "vllm" and cfg.spec is not None:
-        from ..spec.registry import vllm_problem
+        from ..drafters.registry import vllm_problem
 
         if problem := vllm_problem(cfg.spec.method):
             problems.append(problem)
@@ -318,8 +318,8 @@ class Trainer:
     def gated(self) -> bool:
         """Whether the whole-step gate (`spec.adaptive.WholeStepGate`) decides each step's mode: an adaptive spec with
         a drafter that trains online (`drafter_train.gate`), on the in-process generator and trainer."""
-        from .generator import EmbeddedGenerator
-        from .policy import EmbeddedPolicy
+        from ..generators.embedded import EmbeddedGenerator
+        from ..trainers.embedded import EmbeddedPolicy
 
         spec, d = self.cfg.spec, self.cfg.drafter_train
         return bool(spec and spec.adaptive and d.gate and d.online and isinstance(self.generator, EmbeddedGenerator)
@@ -333,7 +333,7 @@ class Trainer:
         if on is None or on:
             yield
             return
-        from ..spec.proposers import Proposer
+        from ..drafters.proposer import Proposer
 
         gen, policy = self.generator.engine, self.policy
         saved = gen.proposer, gen.controller, gen.k_max, policy.drafter_reads

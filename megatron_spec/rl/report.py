@@ -77,7 +77,7 @@ def load_run(path: str | Path) -> Run:
         kind, desc = "plain", "plain"
     else:
         # Only drafters with weights train online; for the lookup drafters "online" means nothing, so it is not shown.
-        from ..spec.registry import method_names
+        from ..drafters.registry import method_names
 
         if spec.get("method") not in method_names(weights=False):
             online = (cfg.get("drafter_train") or {}).get("online")

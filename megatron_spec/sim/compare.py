@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..spec.registry import drafter_method
+from ..drafters.registry import drafter_method
 from .config import GenParallel, LengthDist, SimConfig, Speculation, TrainParallel, Workload, resolve_model
 from .pipeline import STAGES, simulate
 

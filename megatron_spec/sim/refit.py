@@ -1,6 +1,6 @@
 """The refit as the collective transport implements it, projected for a GPU cluster.
 
-Topology (`backends/weight_group.py`, `backends/megatron/refit_stream.py`): one sender per trainer pipeline stage,
+Topology (`distributed/weight_group.py`, `trainers/megatron/refit_stream.py`): one sender per trainer pipeline stage,
 each holding only its own stage's weights, which the stage gathers bucket by bucket from its tensor- and
 expert-parallel ranks inside its scale-up domain; every engine worker receives whole tensors (vLLM keeps its own
 tensor-parallel part of each), the senders' refits one after another; each sender packs bucket n + 1 while bucket

@@ -108,7 +108,7 @@ def encode_messages(tokenizer, messages, template_kwargs: dict) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-RAY_SCORER = "megatron_spec.backends.ray.scoring:RayRewardScorer"
+RAY_SCORER = "megatron_spec.placement.scoring:RayRewardScorer"
 """The scorer of runs placed on Ray, named (not imported) here: the core never imports Ray."""
 
 

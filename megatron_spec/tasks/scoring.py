@@ -5,7 +5,7 @@ float`), so spawned workers import it themselves. Each call runs under a timer o
 (`signal.setitimer`: a symbolic comparison that runs away is interrupted and scores 0, and is counted); a worker
 stuck where the timer cannot reach it is caught by a deadline on the whole batch, after which the pool is
 replaced. Workers are spawned (not forked): the trainer's process holds torch's threads. Runs placed on Ray score
-with the same contract in Ray actors (`backends/ray/scoring.py`, chosen by `tasks.dataset.make_scorer`).
+with the same contract in Ray actors (`placement/scoring.py`, chosen by `tasks.dataset.make_scorer`).
 """
 
 from __future__ import annotations

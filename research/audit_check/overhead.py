@@ -21,7 +21,7 @@ CHILD = r"""
 import os
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29611"), RANK="0", WORLD_SIZE="1")
 import torch, torch.distributed as dist
-import megatron_spec.backends.megatron.policy  # noqa: F401  what a rank imports
+import megatron_spec.trainers.megatron.policy  # noqa: F401  what a rank imports
 from megatron.core import parallel_state as ps
 dist.init_process_group("gloo")
 ps.initialize_model_parallel(1, 1)

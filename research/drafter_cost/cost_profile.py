@@ -27,7 +27,7 @@ def profile(overrides: list[str], steps: int) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from megatron_spec.rl import policy as policy_mod
+    from megatron_spec.trainers import embedded as policy_mod
     from megatron_spec.rl.loop import Trainer
     from megatron_spec.rl.overrides import apply_overrides
     from recipes.tiny_grpo_spec import tiny_grpo_spec

@@ -21,7 +21,7 @@ import torch
 
 from megatron_spec.bench.common import machine, main_job_models, write_json
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
-from megatron_spec.rl.policy import EmbeddedPolicy, minibatches
+from megatron_spec.trainers.embedded import EmbeddedPolicy, minibatches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # research/: the synthetic drafter inputs
 from drafter_update import step_inputs  # noqa: E402

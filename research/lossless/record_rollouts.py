@@ -35,7 +35,7 @@ def out_dir(argv: list[str]) -> Path:
 
 
 def main(argv: list[str]) -> int:
-    from megatron_spec.rl import generator as gen_mod
+    from megatron_spec.generators import embedded as gen_mod
     from megatron_spec.rl import loop
     from recipes import tiny_grpo_spec
 

@@ -27,7 +27,7 @@ def megatron_memory() -> RLConfig:
 
 def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from megatron_spec.backends.megatron.launch import recipe_main as ranks_main
+        from megatron_spec.trainers.megatron.launch import recipe_main as ranks_main
 
         return ranks_main(lambda: recipe_main(megatron_memory, argv), argv)
     return recipe_main(megatron_memory, argv)

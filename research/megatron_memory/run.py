@@ -78,7 +78,7 @@ def rank_params(cfg: dict, ep: int, pp: int) -> list[int]:
     return out
 
 
-GENERATOR = "megatron_spec.backends.megatron.generator"
+GENERATOR = "megatron_spec.generators.process"
 """The module the embedded generator's own process runs (a child of rank 0, without torchrun's RANK)."""
 
 

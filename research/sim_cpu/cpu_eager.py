@@ -220,14 +220,14 @@ def measure_eager(clock, min_time, cache_flops: float) -> dict[str, float]:
 
 
 def trainer_step_seconds(model: ModelConfig, workload: dict, budget: int, clock, min_time, hw):
-    """One `train_step` of the embedded trainer (`rl/policy.py`: shared prompts, folded recompute, micro-batches
+    """One `train_step` of the embedded trainer (`trainers/embedded.py`: shared prompts, folded recompute, micro-batches
     of `budget`) on random ids shaped like `workload`'s rollouts (`cpu_train.row_lengths`), timed; with the
     SimConfig that describes it."""
     import torch
 
     from megatron_spec.models import CausalLM
     from megatron_spec.rl.config import GRPOSection
-    from megatron_spec.rl.policy import Batch, EmbeddedPolicy
+    from megatron_spec.trainers.embedded import Batch, EmbeddedPolicy
 
     from . import cpu_train
     from .model import cpu_config

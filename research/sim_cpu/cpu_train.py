@@ -1,7 +1,7 @@
 """The embedded trainer's `logprob` and `train` stages on the CPU: eager passes over length-bucketed micro-batches.
 
 The GPU model of these stages (`megatron_spec/sim/stages.py`: FLOPs at a training MFU over packed sequences) does
-not describe our embedded trainer (`rl/policy.py`) on a CPU, which differs in ways that each matter for a small
+not describe our embedded trainer (`trainers/embedded.py`) on a CPU, which differs in ways that each matter for a small
 model:
 
 - it sorts the rollouts longest first and cuts them greedily into micro-batches whose padded size (rows x the

@@ -60,7 +60,9 @@ class StepCensus:
 def make_drafter(cfg: ModelConfig, method: str | None):
     """A random-weight drafter for a target of `cfg`: an MTP module, an EAGLE-3 head, the `tiny-draft` preset with
     `cfg`'s vocabulary for draft_model; None for lookup drafters and plain decoding."""
-    from megatron_spec.models import MTP, CausalLM, Eagle3Config, Eagle3Head, preset
+    from megatron_spec.drafters.mtp.model import MTP
+    from megatron_spec.models import CausalLM, preset
+    from megatron_spec.drafters.eagle3.model import Eagle3Config, Eagle3Head
 
     if method == "mtp":
         return MTP(cfg)
@@ -78,7 +80,7 @@ def build_engine(cfg: ModelConfig, method: str | None, k: int = 3, max_num_seqs:
 
     from megatron_spec.engine import LLMEngine
     from megatron_spec.models import CausalLM
-    from megatron_spec.spec.config import SpecConfig
+    from megatron_spec.drafters.config import SpecConfig
 
     torch.manual_seed(0)
     model = CausalLM(cfg)
@@ -155,7 +157,7 @@ def trainer_pass(cfg: ModelConfig, batch: int = 4, tokens: int = 16, budget: int
 
     from megatron_spec.models import CausalLM
     from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
-    from megatron_spec.rl.policy import Batch, EmbeddedPolicy
+    from megatron_spec.trainers.embedded import Batch, EmbeddedPolicy
 
     torch.manual_seed(0)
     model = CausalLM(cfg)

@@ -6,7 +6,7 @@ import torch
 
 from megatron_spec.bench.rollout import interleaved
 from megatron_spec.engine import LLMEngine, SamplingParams
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.drafters.config import SpecConfig
 
 
 def test_interleaved_rollouts_are_each_engines_own_generate(tiny_model):

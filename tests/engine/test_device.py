@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from megatron_spec.engine import LLMEngine, SamplingParams
-from megatron_spec.models import MTP, CausalLM, MTPConfig, preset
-from megatron_spec.spec import verify
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.drafters.mtp.model import MTP, MTPConfig
+from megatron_spec.models import CausalLM, preset
+from megatron_spec.speculative import verify
+from megatron_spec.drafters.config import SpecConfig
 
 from ..device_guard import DeviceGuard
 

@@ -6,9 +6,9 @@ import torch
 
 from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.models.decoder import weights_fixed
-from megatron_spec.spec import processed_logprobs
+from megatron_spec.speculative.sampling import processed_logprobs
 
-from ..spec.stats import assert_rejects, chi2_quantile_999, goodness_of_fit, noncentrality_gof
+from ..speculative.stats import assert_rejects, chi2_quantile_999, goodness_of_fit, noncentrality_gof
 from .conftest import naive_greedy
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [3], [20, 21], [30, 31, 32, 33], [40] * 9]

@@ -13,10 +13,11 @@ import torch
 
 from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.engine.engine import token_versions
-from megatron_spec.models import MTP, Eagle3Head, MTPConfig
+from megatron_spec.drafters.mtp.model import MTP, MTPConfig
+from megatron_spec.drafters.eagle3.model import Eagle3Head
 from megatron_spec.rl.refit import load_buckets, named_weights
-from megatron_spec.spec.config import SpecConfig
-from megatron_spec.spec.sampling import processed_logprobs
+from megatron_spec.drafters.config import SpecConfig
+from megatron_spec.speculative.sampling import processed_logprobs
 
 from .conftest import naive_greedy, noisy_copy
 

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from megatron_spec.engine.sequence import Sequence, draw_seed
-from megatron_spec.spec.sampling import UNIFORM_BLOCK, PositionUniforms, UniformStreams, position_uniforms, uniforms
+from megatron_spec.speculative.sampling import UNIFORM_BLOCK, PositionUniforms, UniformStreams, position_uniforms, uniforms
 
 
 class Reference:

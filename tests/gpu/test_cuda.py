@@ -20,11 +20,10 @@ from megatron_spec.models import from_pretrained
 from megatron_spec.rl import checkpoint, loop
 from megatron_spec.rl.logging import read_metrics
 from megatron_spec.rl.overrides import apply_overrides
-from megatron_spec.rl.policy import EmbeddedPolicy
+from megatron_spec.trainers.embedded import EmbeddedPolicy
 
 from ..rl.test_loop import ckpts, small_cfg  # noqa: F401  (fixture)
-from ..spec.test_engine_spec import (PROMPTS, SAMPLED, assert_logprobs_equal_full_forward, assert_sampled_matches_plain,
-                                    drafters)
+from ..speculative.test_engine_spec import PROMPTS, SAMPLED, assert_logprobs_equal_full_forward, assert_sampled_matches_plain, drafters
 
 ATOL = 1e-4
 """Log-prob agreement across devices and kernels (module docstring)."""
@@ -79,7 +78,7 @@ def test_greedy_identity_on_cuda(cuda_target, name):
 
 @pytest.mark.parametrize("kw", SAMPLED)
 def test_sampled_speculation_is_lossless_on_cuda(cuda_target, kw):
-    """The CPU suite's chi-square test (tests/spec: 2000 completions, 99.9 % threshold per position, false alarm
+    """The CPU suite's chi-square test (tests/speculative: 2000 completions, 99.9 % threshold per position, false alarm
     0.001 each) with the target, the drafter and the verifier on the GPU, beside its power control (plain decoding
     at 0.75 times the temperature rejected at each position; power >= 0.997, `assert_matches_plain`)."""
     assert_sampled_matches_plain(cuda_target, kw)

@@ -13,11 +13,11 @@ from safetensors import safe_open
 from megatron_spec import kernels
 from megatron_spec.models.config import ModelConfig
 from megatron_spec.models.decoder import CausalLM
-from megatron_spec.models.drafters import check_draft_model, load_drafter, save_drafter
-from megatron_spec.models.eagle3 import Eagle3Config, Eagle3Head, default_capture_layers
+from megatron_spec.drafters.files import check_draft_model, load_drafter, save_drafter
+from megatron_spec.drafters.eagle3.model import Eagle3Config, Eagle3Head, default_capture_layers
 from megatron_spec.models.kv_cache import KVCache
 from megatron_spec.models.layers import MLP, MoE
-from megatron_spec.models.mtp import MTP, MTPConfig
+from megatron_spec.drafters.mtp.model import MTP, MTPConfig
 
 B, T, H = 2, 7, 32
 

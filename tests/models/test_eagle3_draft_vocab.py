@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megatron_spec.models.drafters import load_drafter, save_drafter
-from megatron_spec.models.eagle3 import Eagle3Config, Eagle3Head
+from megatron_spec.drafters.files import load_drafter, save_drafter
+from megatron_spec.drafters.eagle3.model import Eagle3Config, Eagle3Head
 
 from .test_drafters import B, T, make_target, tiny, token_ids
 

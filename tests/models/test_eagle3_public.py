@@ -13,10 +13,11 @@ from safetensors.torch import load_file, save_file
 
 from launchers.checks import drafter_kind, drafter_vocab
 from megatron_spec.engine import LLMEngine, SamplingParams
-from megatron_spec.models import from_pretrained, load_drafter
-from megatron_spec.models.eagle3 import Eagle3Config, Eagle3Head
-from megatron_spec.models.eagle3_public import SPECFORGE, SPECULATORS, load_public_eagle3, save_public_eagle3
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.models import from_pretrained
+from megatron_spec.drafters.files import load_drafter
+from megatron_spec.drafters.eagle3.model import Eagle3Config, Eagle3Head
+from megatron_spec.drafters.eagle3.public import SPECFORGE, SPECULATORS, load_public_eagle3, save_public_eagle3
+from megatron_spec.drafters.config import SpecConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [8, 9, 10, 11, 12], [3, 4], [20, 21, 20, 21, 20], [40] * 6, [33, 34]]
@@ -168,7 +169,7 @@ def test_one_online_update_then_export_carries_the_trained_weights(tmp_path, tar
     (AdamW's first step moves every entry with a nonzero gradient by ~lr), d2t and t2d unchanged; loading the export
     gives the trained head's weights exactly (fp32 file, so no rounding)."""
     from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
-    from megatron_spec.rl.policy import Batch, EmbeddedPolicy
+    from megatron_spec.trainers.embedded import Batch, EmbeddedPolicy
 
     path = write_public(distinct_head(target), tmp_path / layout, layout, dtype=torch.float32)
     head = load_public_eagle3(path, target.config)
@@ -245,7 +246,7 @@ def test_a_llama_type_layer_on_a_qwen3_target(tmp_path, target, layout):
     """Public heads for Qwen3 targets often have a Llama-type draft layer (no query / key norms): it loads as such
     (no q_norm tensors expected), drafts what its source drafts and round-trips bit for bit; our vLLM export of it
     names vLLM's Llama EAGLE-3 class."""
-    from megatron_spec.backends.vllm.export import export_eagle3
+    from megatron_spec.generators.vllm.export import export_eagle3
 
     src = distinct_head(target, qk_norm=False)
     assert src.midlayer.self_attn.q_norm is None and target.config.qk_norm

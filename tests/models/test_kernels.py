@@ -12,10 +12,10 @@ from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.models import CausalLM, decoder, packed, preset
 from megatron_spec.models.decoder import DecoderLayer
 from megatron_spec.models.kv_cache import KVCache
-from megatron_spec.models.mtp import MTP, MTPConfig, MTPLayer
+from megatron_spec.drafters.mtp.model import MTP, MTPConfig, MTPLayer
 from megatron_spec.models.layers import RMSNorm, attend, rope_cos_sin
-from megatron_spec.spec.sampling import processed_logprobs
-from megatron_spec.spec.verify import emitted_logprobs, verify_coupled
+from megatron_spec.speculative.sampling import processed_logprobs
+from megatron_spec.speculative.verify import emitted_logprobs, verify_coupled
 
 DTYPES = [torch.float32, torch.bfloat16]
 BF16_STEP = 2.0**-7

@@ -13,7 +13,7 @@ from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.models.decoder import CausalLM
 from megatron_spec.models.presets import preset
 from megatron_spec.models.routing import choices, moe_layers, replayed
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.drafters.config import SpecConfig
 
 MARGIN = 1e-2
 """A position is compared only where the reference forward's k-th and (k+1)-th router logits are at least this far

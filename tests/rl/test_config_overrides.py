@@ -14,7 +14,7 @@ import yaml
 from megatron_spec.rl import cli as train_cli
 from megatron_spec.rl.config import GRPOSection, ModelSection, RLConfig
 from megatron_spec.rl.overrides import apply_overrides, dump_yaml, from_dict, load_yaml, to_dict
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.drafters.config import SpecConfig
 
 
 def test_values_are_coerced_from_the_annotations():

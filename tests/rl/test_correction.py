@@ -296,7 +296,7 @@ def test_learn_drops_stale_groups_and_rejects_out_of_band_tokens(trainer_kind):
 
 def test_dynamic_sampling_keeps_the_megatron_trainers_rows():
     """`drop_uniform_groups` with the Megatron trainer: the uniform group 1 keeps its rows, with an empty mask and
-    advantage 0 (`leave_out_rows`, whose update equals the one without the rows: tests/backends/megatron's
+    advantage 0 (`leave_out_rows`, whose update equals the one without the rows: tests/trainers/megatron's
     `test_corrected_step_with_left_out_rows_equals_the_embedded_step_without_them`); the embedded trainer gets
     the 4 other rows."""
     rewards = (1.0, 0.0, 1.0, 1.0, 0.0, 1.0)

@@ -7,7 +7,7 @@ import torch
 from megatron_spec.rl import checkpoint, loop
 from megatron_spec.rl.config import RunSection
 from megatron_spec.rl.overrides import apply_overrides
-from megatron_spec.rl.policy import Batch
+from megatron_spec.trainers.embedded import Batch
 
 from ..device_guard import DeviceGuard
 from .test_loop import ckpts, shaped_reward, small_cfg  # noqa: F401  (fixtures)
@@ -62,4 +62,4 @@ def test_guard_catches_a_trainer_that_forgets_to_move_its_batch(ckpts, tmp_path,
         trainer = loop.Trainer(small_cfg(ckpts, tmp_path))
         with pytest.raises(AssertionError, match="host tensor"):
             trainer.step(0)
-    assert "rl/policy.py" in guard.violations[0]
+    assert "trainers/embedded.py" in guard.violations[0]

@@ -6,12 +6,13 @@ import copy
 import pytest
 import torch
 
-from megatron_spec.models import Eagle3Head, preset
-from megatron_spec.models.eagle3 import Eagle3Config
+from megatron_spec.drafters.eagle3.model import Eagle3Head
+from megatron_spec.models import preset
+from megatron_spec.drafters.eagle3.model import Eagle3Config
 from megatron_spec.rl import loop
 from megatron_spec.rl.config import RLConfig
-from megatron_spec.spec.config import SpecConfig
-from megatron_spec.spec.drafter_loss import DepthPair, agreement
+from megatron_spec.drafters.config import SpecConfig
+from megatron_spec.drafters.loss import DepthPair, agreement
 
 
 def test_agreement_is_the_target_probability_of_the_greedy_draft():

@@ -9,13 +9,15 @@ import re
 import pytest
 import torch
 
-from megatron_spec.models import MTP, CausalLM, preset, save_drafter, save_pretrained
+from megatron_spec.drafters.mtp.model import MTP
+from megatron_spec.models import CausalLM, preset, save_pretrained
+from megatron_spec.drafters.files import save_drafter
 from megatron_spec.rl import loop
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection, RLConfig
 from megatron_spec.rl.logging import read_metrics
 from megatron_spec.rl.refit import buckets
 from megatron_spec.rl.task import PromptTask
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.drafters.config import SpecConfig
 
 
 @pytest.fixture(scope="module")
@@ -230,7 +232,7 @@ def test_nan_loss_skips_updates_then_stops_and_keeps_checkpoint(ckpts, tmp_path,
     loop.train(cfg)
     saved = (tmp_path / "checkpoints" / "latest").read_text()
     before = torch.load(tmp_path / "checkpoints" / saved / "state.pt", weights_only=False)["state"]["model"]
-    import megatron_spec.rl.policy as policy_mod
+    import megatron_spec.trainers.embedded as policy_mod
 
     monkeypatch.setattr(policy_mod, "policy_loss", lambda *a, **k: (torch.tensor(float("nan"), requires_grad=True), {"clip_frac": 0.0}))
     cfg.run.steps = 10
@@ -308,7 +310,7 @@ def test_every_run_leaves_its_report(ckpts, tmp_path, shaped_reward, monkeypatch
     assert 'src="report_plots/reward_accuracy.png"' in page and 'src="report_plots/acceptance.png"' in page
     assert {p.name for p in (tmp_path / "ok" / "report_plots").iterdir()} >= {"reward_accuracy.png", "stage_times.png",
                                                                               "acceptance.png"}
-    import megatron_spec.rl.policy as policy_mod
+    import megatron_spec.trainers.embedded as policy_mod
 
     def boom(*a, **k):
         raise RuntimeError("trainer died")

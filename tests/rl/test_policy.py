@@ -7,12 +7,14 @@ import copy
 import pytest
 import torch
 
-import megatron_spec.rl.policy as policy_mod
-from megatron_spec.models import MTP, CausalLM, Eagle3Head, preset
+import megatron_spec.trainers.embedded as policy_mod
+from megatron_spec.drafters.mtp.model import MTP
+from megatron_spec.models import CausalLM, preset
+from megatron_spec.drafters.eagle3.model import Eagle3Head
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
-from megatron_spec.rl.policy import Batch, EmbeddedPolicy
-from megatron_spec.spec.drafter_loss import depth_pairs, pairs_loss
-from megatron_spec.spec.registry import drafter_method
+from megatron_spec.trainers.embedded import Batch, EmbeddedPolicy
+from megatron_spec.drafters.loss import depth_pairs, pairs_loss
+from megatron_spec.drafters.registry import drafter_method
 
 SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)
 

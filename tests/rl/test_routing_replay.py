@@ -14,10 +14,10 @@ from megatron_spec.models.decoder import CausalLM
 from megatron_spec.models.presets import preset
 from megatron_spec.models.routing import choices, moe_layers
 from megatron_spec.rl.config import GRPOSection, RLConfig
-from megatron_spec.rl.generator import EmbeddedGenerator
+from megatron_spec.generators.embedded import EmbeddedGenerator
 from megatron_spec.rl.loop import check_inputs, config_problems, logprob_mismatch, make_batch
-from megatron_spec.rl.policy import EmbeddedPolicy
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.trainers.embedded import EmbeddedPolicy
+from megatron_spec.drafters.config import SpecConfig
 
 SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)
 

@@ -6,8 +6,8 @@ import torch
 
 from megatron_spec.rl import loop
 from megatron_spec.rl.report import stage_ratios
-from megatron_spec.spec.adaptive import GATE_FIRST, GATE_MAX, WholeStepGate
-from megatron_spec.spec.config import SpecConfig
+from megatron_spec.speculative.adaptive import GATE_FIRST, GATE_MAX, WholeStepGate
+from megatron_spec.drafters.config import SpecConfig
 
 from .test_loop import ckpts, shaped_reward, small_cfg  # noqa: F401  (fixtures)
 

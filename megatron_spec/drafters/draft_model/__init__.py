@@ -1,0 +1,1 @@
+"""A smaller causal LM of the target's tokenizer as the drafter."""

@@ -1,0 +1,1 @@
+"""Drafting by n-gram lookup: in the sequence itself (ngram) and in earlier rollouts (history)."""

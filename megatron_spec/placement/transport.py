@@ -1,0 +1,156 @@
+"""How a refit travels from the trainer group to the engines (`backend.refit_transport`).
+
+- `collective` (default): one weight-update group (`distributed/weight_group.py`) whose senders are the trainer's
+  pipeline stages (one rank each, holding only its own stage's gathered weights: a Megatron trainer of PP size P
+  has P senders, the embedded trainer one) and whose receivers are every engine worker (an engine of vLLM tensor
+  parallel size N takes N ranks). Buckets of `backend.refit_bucket_mb` are packed and stream in the dtype the
+  engines serve, the layout sent once per group; no file, no object store. gloo on CPUs and for colocated GPUs
+  (two ranks on one GPU cannot share an NCCL group), CUDA IPC handles when the trainer and a single engine share
+  one GPU, NCCL between separate GPUs (`weight_backend`). The group is formed once; when an engine is replaced it
+  is formed again and the current weights resent.
+- `object_store` (fallback): rank 0 puts size-bounded buckets in Ray's object store, every engine fetches them.
+
+Both answer `start(version)` with [senders' result, engine 0, ...] results or futures: the senders' (bytes,
+seconds, `SendInfo`), each engine's (bytes, seconds); `sync_metrics` turns them into the step's `weight_sync_*`
+metrics: bytes, seconds, GB/s, transport, senders, the busiest sender's bytes, the most any trainer rank received
+while gathering, and how long the senders waited for the engines (`weight_sync_wait_s`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..rl.loop import REFIT_BUCKET_BYTES
+from . import require_ray
+
+GPU_BUCKET_MB = 512
+"""Refit bucket on GPUs: large enough that NCCL runs at the link's bandwidth, two of them a small part of a GPU."""
+CPU_BUCKET_MB = 64
+"""Refit bucket on CPUs: what `benchmarks/refit_collective.py` measured best on gloo (its sweep is in its record)."""
+
+
+@dataclass
+class SendInfo:
+    """What the trainer side of one refit did: pipeline-stage senders, the bytes of the busiest, the most any
+    trainer rank received while the stages gathered their buckets, and the longest a sender waited at the opening
+    of the refit for every engine worker to arrive."""
+
+    senders: int
+    sender_bytes_max: int
+    received_bytes_max: int
+    wait_s: float
+
+
+def bucket_bytes(cfg, placement) -> int:
+    """The refit bucket in bytes: `backend.refit_bucket_mb`, or the default for the engines' devices."""
+    mb = cfg.backend.refit_bucket_mb or (GPU_BUCKET_MB if placement.bundle.get("GPU", 0) else CPU_BUCKET_MB)
+    return mb << 20
+
+
+def weight_senders(cfg) -> int:
+    """Senders of the collective refit: one per pipeline stage of a Megatron trainer, else one."""
+    return cfg.backend.megatron.pp if cfg.backend.trainer == "megatron" else 1
+
+
+def resolve(pending: list) -> list[tuple]:
+    ray = require_ray()
+    return [ray.get(p) if isinstance(p, ray.ObjectRef) else p for p in pending]
+
+
+def weight_backend(placement, senders: int = 1) -> str:
+    """The one place the collective refit's transport is chosen (a name of `weight_group.GROUPS`): NCCL between
+    separate GPUs; CUDA IPC when the one engine worker shares the one sender's GPU (colocated on one GPU: the
+    buckets never leave the device); gloo on CPUs and for the other colocated layouts (two ranks on one GPU cannot
+    share an NCCL group, and an IPC handle only opens on the GPU it was made on, so a second stage's sender, on
+    another GPU, rules it out)."""
+    gpus = placement.bundle.get("GPU", 0)
+    if gpus and placement.kind == "disaggregated":
+        return "nccl"
+    if gpus and placement.generators * placement.engine_tp == 1 and senders == 1:
+        return "cuda_ipc"
+    return "gloo"
+
+
+class ObjectStoreRefit:
+    name = "object_store"
+
+    def __init__(self, cfg, trainer, generator):
+        self.trainer, self.generator = trainer, generator
+
+    def start(self, version: int) -> list:
+        refs, nbytes, export_s = self.trainer.export(REFIT_BUCKET_BYTES)
+        return [(nbytes, export_s, SendInfo(1, nbytes, 0, 0.0)), *self.generator.sync(version, refs)]
+
+    def seconds(self, results: list[tuple]) -> float:
+        """Export, then the slowest engine's fetch and load."""
+        return results[0][1] + max((r[1] for r in results[1:]), default=0.0)
+
+
+class CollectiveRefit:
+    name = "collective"
+
+    def __init__(self, cfg, trainer, generator):
+        self.cfg, self.trainer, self.generator = cfg, trainer, generator
+        self.senders = weight_senders(cfg)
+        self.backend = weight_backend(generator.placement, self.senders)
+        self.bucket_bytes = bucket_bytes(cfg, generator.placement)
+        self.dtype: str | None = None
+        self.version: int | None = None
+        generator.reconnect = self.reconnect
+        self.connect()
+
+    def connect(self) -> None:
+        """Form the weight-update group: the senders (trainer rank 0, which hosts the rendezvous, announces the
+        join to the other stages' senders), then each engine's workers in engine order. Fails naming the engines
+        that did not join within `backend.init_timeout_s`."""
+        ray = require_ray()
+        timeout = self.cfg.backend.init_timeout_s
+        sender = self.trainer.ranks[0]
+        host, port, _ = ray.get(sender.address.remote())
+        sizes = ray.get([e.weight_ranks.remote() for e in self.generator.engines])
+        world = self.senders + sum(sizes)
+        joins = [sender.join_weights.remote(host, port, world, timeout, self.backend, self.senders)]
+        base = self.senders
+        for engine, n in zip(self.generator.engines, sizes):
+            joins.append(engine.join_weights.remote(host, port, world, base, timeout, self.backend, self.senders))
+            base += n
+        ready, _ = ray.wait(joins, num_returns=len(joins), timeout=timeout + 30)
+        if len(ready) < len(joins):
+            late = [i - 1 for i, ref in enumerate(joins) if ref not in ready]
+            raise RuntimeError(f"weight-update group: {'the trainer' if -1 in late else f'engine(s) {late}'} did not "
+                               f"join within backend.init_timeout_s={timeout:g} s")
+        dtypes = set(ray.get(joins)[1:])
+        if len(dtypes) != 1:
+            raise RuntimeError(f"engines serve different dtypes {sorted(dtypes)}: one refit stream cannot feed them")
+        self.dtype = dtypes.pop()
+
+    def start(self, version: int) -> list:
+        """Stream the weights of `version` to every engine; the futures of the sender and each engine."""
+        self.version = version
+        send = self.trainer.ranks[0].send_weights.remote(self.bucket_bytes, self.dtype)
+        return [send, *[self.generator.beside(e, "receive_weights").remote(version)
+                        for e in self.generator.engines]]
+
+    def reconnect(self) -> None:
+        """After an engine was replaced: form the group again and resend the last sent version (the trainer holds
+        it: refits happen only when the driver is about to generate, before the next update)."""
+        self.connect()
+        if self.version is not None:
+            resolve(self.start(self.version))
+
+    def seconds(self, results: list[tuple]) -> float:
+        """Sending and loading overlap: the slowest side."""
+        return max(r[1] for r in results)
+
+
+TRANSPORTS = {"collective": CollectiveRefit, "object_store": ObjectStoreRefit}
+
+
+def sync_metrics(transport, results: list[tuple]) -> dict:
+    """The step's `weight_sync_*` metrics from the senders' result (first) and the engines'."""
+    nbytes, seconds = results[0][0], transport.seconds(results)
+    info = results[0][2] if len(results[0]) > 2 else SendInfo(1, nbytes, 0, 0.0)
+    return {"weight_sync_bytes": nbytes, "weight_sync_s": seconds,
+            "weight_sync_gbps": nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+            "weight_sync_transport": transport.name,
+            **{f"weight_sync_{k}": v for k, v in asdict(info).items()}}

@@ -1,0 +1,157 @@
+"""The refit stream of a sharded Megatron model: HF-named full tensors, one bucket at a time, in the engine's dtype.
+
+The same walk as `exporter.export_buckets` (each pipeline stage in turn; per bucket one gather over TP, ETP then EP
+among the stage's ranks, then a broadcast to the other stages), with two differences that bound what a refit
+costs the ranks:
+
+- Buckets are sized for the refit (`bucket_bytes`, the weight-update group's bucket), not for a checkpoint export
+  (512 MiB, which on a small model is the whole model), so a rank holds a few buckets beyond its shards.
+- Each bucket's shards are cast to `dtype` (the dtype the engines serve) *before* they are gathered: an fp32
+  trainer refitting a bf16 engine moves and holds half the bytes. Gathering is copying and the HF conversion only
+  slices and concatenates, so casting first gives bit for bit the tensors of casting the gathered ones.
+
+What a sending rank holds at once beyond its shards, for buckets of B bytes in `dtype`: this rank's shards of the
+bucket being gathered, cast (at most B), the gather buffers (about B: the exporter's pooled send / receive bytes,
+or the fresh expert buffers), the HF tensors made from them (at most B; views where nothing was split), what the
+caller still holds of the previous bucket (at most B: the trainer re-buckets the stream, so one of its buckets may
+end in the next gathered one) and the weight-update group's payload (B): at most about 5 B (5 times the largest
+tensor where that is bigger), against the whole model for an export in one bucket. Collective: every rank of
+the model's groups must drain the generator.
+
+The refit into engines does not need every stage's weights on one rank: `send_stages` has each pipeline stage
+gather only its own buckets (`stage_buckets`: the same gathers, no broadcast between stages) and its first rank
+send them into the weight-update group as that stage's sender (`join_stage_sender`), so no rank receives another
+stage's weights and the stages send at once, each its own share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .exporter import _broadcast, _buckets, _entries, _gather, _Pool
+from .importer import chunks_of
+from .parallel import ranks
+
+
+def refit_buckets(model, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
+    """Lists of `(hf_name, full tensor)` of at most `bucket_bytes` (in `dtype`; a larger tensor goes alone), every
+    floating tensor in `dtype` (None: the parameters' own); `model` may be a list of virtual-pipeline chunks, walked
+    chunk by chunk. Every rank yields the same buckets. Collective."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"refit bucket size must be positive, got {bucket_bytes}")
+    for chunk in chunks_of(model):
+        yield from _chunk_refit(chunk, bucket_bytes, dtype)
+
+
+def _chunk_refit(model, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[list[tuple[str, Tensor]]]:
+    r = ranks()
+    entries = [_in_dtype(e, dtype) for e in _entries(model, r)]
+    cfg, pool = model.hf_config, _Pool()
+    for stage in range(r.pp):
+        src = dist.get_global_rank(r.pp_group, stage) if r.pp > 1 else None
+        if r.pp_rank == stage:
+            for bucket in _buckets(entries, bucket_bytes):
+                items = _gather([_cast(e, dtype) for e in bucket], cfg, r, pool)
+                if r.pp > 1:
+                    _broadcast(items, src, r.pp_group, model, pool)
+                yield items
+                items = None  # the next bucket is gathered without this one held here
+            if r.pp > 1:
+                _broadcast(None, src, r.pp_group, model, pool)
+        else:
+            while (items := _broadcast(None, src, r.pp_group, model, pool, receive=True)) is not None:
+                yield items
+                items = None
+
+
+def _casts(param: Tensor, dtype: torch.dtype | None) -> bool:
+    return dtype is not None and param.is_floating_point() and param.dtype != dtype
+
+
+def _in_dtype(entry, dtype: torch.dtype | None):
+    """The entry with its gathered size counted in `dtype`, so buckets are cut by the bytes that travel."""
+    if not _casts(entry.param, dtype):
+        return entry
+    size = torch.empty((), dtype=dtype).element_size()
+    return dataclasses.replace(entry, out_bytes=entry.out_bytes // entry.param.element_size() * size)
+
+
+@torch.no_grad()
+def _cast(entry, dtype: torch.dtype | None):
+    """The entry with this rank's shard as a `dtype` copy (made per bucket: only one bucket's copies live)."""
+    if not _casts(entry.param, dtype):
+        return entry
+    return dataclasses.replace(entry, param=entry.param.detach().to(dtype))
+
+
+def stage_buckets(model, bucket_bytes: int, dtype: torch.dtype | None = None,
+                  received: list[int] | None = None) -> Iterator[list[tuple[str, Tensor]]]:
+    """This rank's pipeline stage's buckets only, as `refit_buckets` gathers them (every rank of the stage yields
+    them; no stage sees another's). `received[0]` counts the bytes this rank received while gathering: a
+    gathered tensor's bytes less this rank's own shard's. `model` may be a list of virtual-pipeline chunks.
+    Collective over the stage's TP and expert groups."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"refit bucket size must be positive, got {bucket_bytes}")
+    r = ranks()
+    chunks = chunks_of(model)
+    entries = [_in_dtype(e, dtype) for chunk in chunks for e in _entries(chunk, r)]
+    cfg, pool = chunks[0].hf_config, _Pool()
+    for bucket in _buckets(entries, bucket_bytes):
+        cast = [_cast(e, dtype) for e in bucket]
+        if received is not None:
+            received[0] += sum(e.out_bytes - c.param.numel() * c.param.element_size() for e, c in zip(bucket, cast))
+        items = _gather(cast, cfg, r, pool)
+        yield items
+        items = None
+
+
+def stage_senders() -> list[int]:
+    """The global rank that sends each pipeline stage's weights, by stage: the stage's first rank (its TP, EP and
+    data-parallel rank 0, which the stage's gathers reach). Collective over the default group."""
+    stages = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, ranks().pp_rank)
+    return [stages.index(s) for s in range(max(stages) + 1)]
+
+
+def join_stage_sender(host: str, port: int, world: int, timeout_s: float, backend: str, senders: int):
+    """Every trainer rank: a stage's sender joins the weight-update group as member `pp_rank` (stage 0's, global
+    rank 0, hosts the rendezvous at `host:port`); returns its group, None on the other ranks. Collective."""
+    from ...distributed.weight_group import open_weight_group
+
+    by_stage = stage_senders()
+    if len(by_stage) != senders or by_stage[0] != 0:
+        raise RuntimeError(f"weight group: {senders} sender(s) expected, the trainer has stages sent by ranks "
+                           f"{by_stage} (stage 0's sender must be rank 0, which hosts the rendezvous)")
+    me = dist.get_rank()
+    if me not in by_stage:
+        return None
+    local = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return open_weight_group(host, port, by_stage.index(me), world, timeout_s, backend, local_rank=local,
+                             senders=senders)
+
+
+def send_stages(group, stream: Iterator[tuple[str, Tensor]], received: list[int], bucket_bytes: int,
+                dtype: torch.dtype | None) -> dict:
+    """Drain `stream` (this rank's stage's tensors, named for the engines) into `group` in `bucket_bytes` buckets
+    (None on a rank that does not send, which still takes part in its stage's gathers); then every rank's
+    figures, on every rank: the senders' bytes and waits, and what each rank received while gathering
+    (`received[0]`). Collective."""
+    from ...rl.refit import buckets
+
+    if group is not None:
+        sent = group.send(buckets(stream, bucket_bytes), dtype)
+        wait = group.wait_s
+    else:
+        for _ in stream:
+            pass
+        sent, wait = 0, 0.0
+    stats = [None] * dist.get_world_size()
+    dist.all_gather_object(stats, (group is not None, sent, received[0], wait))
+    return {"sender_bytes": [b for is_sender, b, _, _ in stats if is_sender],
+            "wait_s": [w for is_sender, _, _, w in stats if is_sender],
+            "received_bytes": [r for _, _, r, _ in stats]}

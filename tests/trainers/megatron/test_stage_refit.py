@@ -1,0 +1,53 @@
+"""A sender per pipeline stage (`refit_stream.send_stages`), Megatron PP2 x EP2 on 4 gloo ranks and one receiver:
+the receiver gets bit for bit the whole model in the engines' bf16 (the export every rank used to gather, cast),
+each stage's first rank sends exactly its own stage's tensors, and no rank receives more than its own stage's
+expert shards while gathering (nothing from the other stage)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed: pip install -e .[megatron]")
+pytestmark = pytest.mark.megatron_dist
+
+
+@pytest.fixture(scope="module")
+def runs():
+    from megatron_spec.trainers.megatron.parallel import spawn
+
+    from .stage_refit_workers import run
+
+    return spawn(run, 4)
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_the_receiver_gets_the_whole_model_from_two_senders(runs):
+    """Both refits (FRAMED, then PACKED) deliver every tensor of the bf16 export, bitwise, MTP layers included, and
+    the receiver counts exactly the model's bytes (for the last refit: each refit starts the count again)."""
+    assert "error" not in runs[0], runs[0].get("error")
+    whole = runs[0]["whole"]
+    for got in runs[0]["got"]:
+        assert sorted(got) == sorted(whole)
+        assert all(got[n].dtype == torch.bfloat16 and torch.equal(got[n], whole[n]) for n in whole)
+    assert runs[0]["received"] == _bytes(whole.values())
+
+
+def test_each_stage_sends_its_own_share_and_receives_nothing_of_the_other(runs):
+    """Two senders (ranks 0 and 2, the stages' first ranks), each sending exactly the bytes of the tensors its
+    stage owns (the stages partition the model); each rank received while gathering at most the bytes of its own
+    stage's tensors that it did not hold, which is below its stage's share, and the other stage's tensors never
+    appear in a stage's stream."""
+    whole = runs[0]["whole"]
+    assert [r["sender"] for r in runs] == [True, False, True, False]
+    by_stage = {r["pp_rank"]: set(r["own"]) for r in runs}
+    assert by_stage[0] | by_stage[1] == set(whole) and not by_stage[0] & by_stage[1]
+    share = {s: _bytes(whole[n] for n in names) for s, names in by_stage.items()}
+    for stats in runs[0]["stats"]:
+        assert stats["sender_bytes"] == [share[0], share[1]]
+        for r, received in zip(runs, stats["received_bytes"]):
+            assert 0 < received < share[r["pp_rank"]]
+        assert all(r["stats"] == runs[0]["stats"] for r in runs)
