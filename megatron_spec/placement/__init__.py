@@ -1,7 +1,7 @@
-"""Ray backend: the one RL loop (`megatron_spec.rl.loop`) over two worker groups placed with Ray placement groups.
+"""Placement with Ray: the one RL loop (`megatron_spec.rl.loop`) over two worker groups placed with Ray placement groups.
 
 Files, in reading order:
-    placement.py  who runs in which bundle, colocated or disaggregated, and the resource checks     pure
+    bundles.py    who runs in which bundle, colocated or disaggregated, and the resource checks     pure
     workers.py    the Ray actors: a trainer rank (a torch.distributed group of them) and an engine
     groups.py     the groups as the loop sees them: a Policy proxy and a Generator that splits prompts
                   over N engines (GRPO groups whole), restarts dead engines and re-issues their prompts
@@ -9,7 +9,7 @@ Files, in reading order:
                   engine worker, or Ray's object store as the fallback
     driver.py     `train(cfg, layout=None)`: the loop's Trainer with its stages on the groups, async GRPO
 
-`placement` never imports Ray; everything else needs `pip install 'megatron-spec[ray]'`.
+`bundles` never imports Ray; everything else needs `pip install 'megatron-spec[ray]'`.
 """
 
 from __future__ import annotations
