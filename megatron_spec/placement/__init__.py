@@ -1,4 +1,4 @@
-"""Placement with Ray: the one RL loop (`megatron_spec.rl.loop`) over two worker groups placed with Ray placement groups.
+"""Ray placement: the one RL loop (`megatron_spec.rl.loop`) over two worker groups in Ray placement groups.
 
 Files, in reading order:
     bundles.py    who runs in which bundle, colocated or disaggregated, and the resource checks     pure
