@@ -37,7 +37,7 @@ from megatron_spec.rl.refit import DRAFTER_PREFIX
 
 from . import require_megatron
 from .checkpoint import ShardedCheckpoints
-from .checks import Parallelism, check_parallelism
+from .checks import Parallelism, check_parallelism, check_trainer_settings
 from .importer import import_hf
 from .optimizer import ShardOptimizer
 from .parallel import ensure_process_group, init_model_parallel
@@ -81,19 +81,7 @@ class MegatronPolicy(Followers, RefitSource, ShardedCheckpoints):
         (`provider.Speed`, its `recompute` replaced by `recompute`; None: `provider.PORTABLE`)."""
         from_files = not isinstance(model, CausalLM)
         cfg = read_config(model) if from_files else model.config
-        if grpo.kl_coef > 0:
-            raise NotImplementedError("the Megatron trainer has no reference model yet: use grpo.kl_coef=0")
-        if par.cp > 1:
-            raise NotImplementedError("context parallelism (cp > 1) is not wired into the Megatron trainer yet")
-        if params_dtype not in DTYPES:
-            raise ValueError(f"params_dtype must be one of {', '.join(DTYPES)}, got {params_dtype!r}")
-        if recompute not in ("none", "selective", "full"):
-            raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
-        if optimizer == "megatron" and not torch.cuda.is_available():
-            raise NotImplementedError("backend.megatron.optimizer=megatron (Megatron-Core's distributed optimizer) "
-                                      "needs CUDA; on the CPU use optimizer=torch (AdamW per shard, fp32 masters)")
-        if optimizer not in ("torch", "megatron"):
-            raise ValueError(f"optimizer must be torch or megatron, got {optimizer!r}")
+        check_trainer_settings(grpo, par, params_dtype, recompute, optimizer, on_gpus=torch.cuda.is_available())
         drafter_layers = None
         if isinstance(drafter, MTP):
             drafter_layers = drafter.mtp_config.num_layers
@@ -211,7 +199,7 @@ class MegatronPolicy(Followers, RefitSource, ShardedCheckpoints):
     def mopt(self):
         return self.optimizer.mopt
 
-    # -- colocated: the optimizer's state off the devices while the engine generates ------------------------
+    # -- colocated: the optimizer's state off the devices while the engine generates --------------------------
 
     def offload(self) -> dict:
         """Colocated: optimizer states and fp32 masters to host memory, gradients freed, caches emptied, on every
@@ -301,6 +289,8 @@ class MegatronPolicy(Followers, RefitSource, ShardedCheckpoints):
         metrics["skipped"] = False
         metrics["memory"] = rank_memory()
         return metrics
+
+    # -- the drafters under the engines' names (the refit's streams, `refit.py`) ------------------------------
 
     def _for_engines(self, items, eagle3: bool, shared: bool = False):
         """The engines' names: MTP layers as the drafter (`drafter.mtp.*`, dropped without one), then, when
