@@ -1,4 +1,4 @@
-"""The online drafter update with a minibatch's rows joined (`rl.policy.pack`) against one pass per micro-batch
+"""The online drafter update with a minibatch's rows joined (`trainers.embedded.pack`) against one pass per micro-batch
 slice (how it ran before), side by side in one process.
 
 The main job's policy and MTP head (`checkpoints/tiny-qwen3-deep-careful`, drafts 3, 4 minibatches): one RL step's

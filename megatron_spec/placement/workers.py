@@ -109,7 +109,7 @@ class TrainerRank:
 
     def offload(self) -> dict:
         """Colocated: release the optimizer states, masters and gradients while the engines generate (a sharded
-        policy on every rank); the memory metrics (`backends.offload`)."""
+        policy on every rank); the memory metrics (`distributed.offload`)."""
         from ..distributed import offload
 
         return self.policy.offload() if hasattr(self.policy, "offload") else offload.offload(self.policy)

@@ -310,7 +310,7 @@ def _export_ours(path: Path, target: ModelConfig, out_dir, dtype: torch.dtype, m
 
 
 def _export_public(path: Path, target: ModelConfig, out_dir, dtype: torch.dtype) -> DrafterExport:
-    """A public EAGLE-3 head (speculators / SpecForge layout): checked as `models.eagle3_public.load_public_eagle3`
+    """A public EAGLE-3 head (speculators / SpecForge layout): checked as `drafters.eagle3.public.load_public_eagle3`
     checks it, then written tensor by tensor the way that head's module would be exported (its fc padded to three
     blocks with zeros and folded back, its offsets turned into our d2t and back), so the bytes are the same."""
     from ...drafters.eagle3 import public as pub

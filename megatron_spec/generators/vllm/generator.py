@@ -1,6 +1,6 @@
 """`VLLMGenerator`: the RL loop's generator interface on a real vLLM engine.
 
-Same interface as `rl.generator.EmbeddedGenerator`: `generate(prompts, params) -> list[Completion]` (token ids,
+Same interface as `generators.embedded.EmbeddedGenerator`: `generate(prompts, params) -> list[Completion]` (token ids,
 log-probs under the *processed* target distribution, finish reason, per-request speculation statistics),
 `update_weights(stream)` (our bucketed `(hf_name, tensor)` refit stream, drafter tensors under `drafter.`),
 `sleep()` / `wake()`.
@@ -164,7 +164,7 @@ class VLLMGenerator:
     def from_rl(cls, cfg, model, drafter=None) -> "VLLMGenerator":
         """Export the loaded policy (and drafter, in the layout vLLM loads) under `<run.out_dir>/vllm/` and start an
         engine on them; the loop then refits it every step from the trainer's stream. `model` None: the policy's
-        files are already linked there (`backends.megatron.generator.vllm_from_files`, a sharded trainer's run),
+        files are already linked there (`generators.process.vllm_from_files`, a sharded trainer's run),
         and the drafter (`drafter` None) is exported from its checkpoint files (`model.drafter`, else
         `spec.model`) against the policy's config, without loading it in this process."""
         out = Path(cfg.run.out_dir) / "vllm"

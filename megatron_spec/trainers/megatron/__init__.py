@@ -12,9 +12,14 @@ Files, in reading order:
     forward.py    policy logits; MTP logits and loss with the trunk detached (only the MTP layers learn)
     step.py       one GRPO step through Megatron's schedule: micro-batch plan, stage forward (MTP detached or
                   coupled), the rl/grpo loss, gradient reductions and clipping
+    optimizer.py  this rank's optimizer: AdamW per shard with fp32 masters of bf16 shards, or Megatron-Core's
+                  distributed optimizer (CUDA); the policy and the MTP layers clipped apart
+    protocol.py   rank 0 announcing its calls (method name and arguments) to follower ranks, which make them
+    refit.py      the policy's refit methods: the weights streamed to the loop or sent into the engines' group
+    rank_memory.py  every rank's memory peaks, gathered for the step's metrics
     policy.py     MegatronPolicy: the Policy interface on a GPTModel (train_step, logprobs, export_weights),
-                  bf16 with fp32 masters, recompute, distributed checkpoints that reshard (save_sharded /
-                  load_sharded), per-rank memory peaks, rank 0 announcing its calls to follower ranks
+                  built from the files above, recompute, distributed checkpoints that reshard (save_sharded /
+                  load_sharded, checkpoint.py)
     launch.py     torchrun entry of a recipe: rank 0 runs the RL loop, the other ranks follow it
     cpu.py        lets megatron-core 0.16 build PP models, run forward and its schedules on a machine without CUDA
     hf_export.py  a distributed checkpoint -> HF safetensors, streamed (`megatron-spec export-hf`, export_cli.py)

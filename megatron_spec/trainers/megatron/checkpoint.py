@@ -118,8 +118,8 @@ def in_this_thread(transforms, use_msc: bool, rank: int, buckets: list, results)
 
 
 class ShardedCheckpoints:
-    """The checkpoint methods of `MegatronPolicy` (it provides `model`, `chunks`, `masters`, `opt`, `mopt`, `par`,
-    `optimizer`, `eagle3`, `_announce` and the optimizer helpers these call)."""
+    """The checkpoint methods of `MegatronPolicy` (it provides `model`, `chunks`, `par`, `eagle3`, `_announce`,
+    its `optimizer` (`optimizer.ShardOptimizer`) and that optimizer's `masters`, `opt` and `mopt`)."""
 
     _pending_save: BackgroundWrite | None = None
 
@@ -150,15 +150,14 @@ class ShardedCheckpoints:
 
     def state_dict(self) -> dict:
         """Full HF-named weights and Adam moments (layout-independent), the Adam step and the learning rates."""
-        self._torch_optimizer_only("state_dict")
+        self.optimizer.torch_only("state_dict")
         self._announce("state_dict")
         with self._params_as("master"):
             state = {"weights": {n: t.cpu().clone() for n, t in export_hf(self.chunks)}}
         for key in OPT_STATES:
             with self._params_as(key):
                 state[key] = {n: t.cpu().clone() for n, t in export_hf(self.chunks)}
-        steps = [float(s["step"]) for s in self.opt.state.values() if "step" in s]
-        state["step"] = max(steps, default=0.0)
+        state["step"] = self.optimizer.adam_step()
         state["layout"] = self.par.describe()
         if self.eagle3:
             state["eagle3"] = self.eagle3.state_dict()
@@ -169,11 +168,11 @@ class ShardedCheckpoints:
         if "sharded_dir" in state:  # a run checkpoint of `save_sharded`
             self.load_sharded(state["sharded_dir"], state)
             return
-        self._torch_optimizer_only("load_state_dict")
+        self.optimizer.torch_only("load_state_dict")
         self._announce("load_state_dict", state)
         with self._params_as("master"):
             import_hf(self.chunks, state["weights"])
-        self._masters_to_params()
+        self.optimizer.masters_to_params()
         for key in OPT_STATES:
             with self._params_as(key, create=True):
                 import_hf(self.chunks, state[key])
@@ -233,7 +232,7 @@ class ShardedCheckpoints:
             # torch's Adam (no TE / Apex) keeps its step per parameter, and building the state dict to load into
             # reads it: a fresh optimizer first takes Megatron's own zero-gradient step (its update is 0; the load
             # overwrites states and step). TE's and Apex's FusedAdam keep the step per group and need none.
-            for sub in self._megatron_subs():
+            for sub in self.optimizer.subs():
                 inner = None if getattr(sub, "is_stub_optimizer", False) else getattr(sub, "optimizer", None)
                 if inner is not None and len(inner.state) == 0:
                     sub._init_optimizer_states_with_dummy_values()
@@ -262,10 +261,9 @@ class ShardedCheckpoints:
         dist.barrier()
         if self.mopt is not None:
             sd = self._megatron_sharded(is_loading=False)
-            step = self._megatron_adam_step()
         else:
             sd = {k: v for key in ("weights", *OPT_STATES) for k, v in self._sharded(key).items()}
-            step = max((float(s["step"]) for s in self.opt.state.values() if "step" in s), default=0.0)
+        step = self.optimizer.adam_step()
         if background:
             snapshot(sd)
             with on_cpu():
@@ -276,7 +274,8 @@ class ShardedCheckpoints:
             with on_cpu():
                 dist_checkpointing.save(sd, str(out_dir))
             dist.barrier()  # every rank's files are on disk before the caller renames the directory into place
-        out = {"sharded_dir": out_dir.name, "step": step, "layout": self.par.describe(), "optimizer": self.optimizer}
+        out = {"sharded_dir": out_dir.name, "step": step, "layout": self.par.describe(),
+               "optimizer": self.optimizer.kind}
         if self.eagle3:  # small and replicated: kept beside the shards
             out["eagle3"] = self.eagle3.state_dict()
         return out
@@ -305,9 +304,9 @@ class ShardedCheckpoints:
         from megatron.core import dist_checkpointing
 
         saved_by = (state or {}).get("optimizer", "torch")
-        if saved_by != self.optimizer:
+        if saved_by != self.optimizer.kind:
             raise ValueError(f"checkpoint {ckpt_dir} holds optimizer={saved_by} state; this policy has "
-                             f"backend.megatron.optimizer={self.optimizer}")
+                             f"backend.megatron.optimizer={self.optimizer.kind}")
         self._announce("load_sharded", str(ckpt_dir), state)
         if self.mopt is not None:
             self._load_megatron(ckpt_dir)
@@ -328,7 +327,7 @@ class ShardedCheckpoints:
             if missing:
                 raise ValueError(f"checkpoint {ckpt_dir} has no {key} for {len(missing)} parameter(s), "
                                  f"e.g. {missing[:3]}")
-        self._masters_to_params()
+        self.optimizer.masters_to_params()
         self._set_step((state or {}).get("step", 0.0))
         if self.eagle3 and state and "eagle3" in state:
             self.eagle3.load_state_dict(state["eagle3"])

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from megatron_spec.layout import Layout, layout_problems, sequence_parallel_problems, support_problems, world_problems
 from megatron_spec.models import ModelConfig
+from megatron_spec.rl.backend_config import OPTIMIZERS, PARAMS_DTYPES, RECOMPUTE
 
 # Fields that define the parameter shapes and the function the model computes. A checkpoint that differs in any
 # of them is a different model, even when some shapes happen to agree.
@@ -55,3 +56,22 @@ def check_config_match(checkpoint: ModelConfig, requested: ModelConfig, where: s
     ]
     if diffs:
         raise ValueError(f"{where} config does not match the requested architecture: " + "; ".join(diffs))
+
+
+def check_trainer_settings(grpo, par: Layout, params_dtype: str, recompute: str, optimizer: str, *,
+                           on_gpus: bool) -> None:
+    """Raise on a trainer setting the Megatron policy does not know or does not implement (`grpo`: the GRPO
+    section; `on_gpus`: CUDA is available), before anything is built: the policy is also built without a config."""
+    if grpo.kl_coef > 0:
+        raise NotImplementedError("the Megatron trainer has no reference model yet: use grpo.kl_coef=0")
+    if par.cp > 1:
+        raise NotImplementedError("context parallelism (cp > 1) is not wired into the Megatron trainer yet")
+    if params_dtype not in PARAMS_DTYPES:
+        raise ValueError(f"params_dtype must be one of {', '.join(PARAMS_DTYPES)}, got {params_dtype!r}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    if optimizer == "megatron" and not on_gpus:
+        raise NotImplementedError("backend.megatron.optimizer=megatron (Megatron-Core's distributed optimizer) "
+                                  "needs CUDA; on the CPU use optimizer=torch (AdamW per shard, fp32 masters)")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be torch or megatron, got {optimizer!r}")

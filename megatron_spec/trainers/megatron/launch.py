@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from . import require_megatron
 from .parallel import destroy_model_parallel
+from .protocol import BUILD, STOP, announce, receive
 
 require_megatron()
 
@@ -28,11 +29,9 @@ require_megatron()
 def follow_run() -> None:
     """Ranks > 0: wait for rank 0's policy config, build the same policy (each rank reading only its own slices of
     the checkpoint files), follow it until told to stop."""
-    from .policy import BUILD, STOP, MegatronPolicy
+    from .policy import MegatronPolicy
 
-    box = [None]
-    dist.broadcast_object_list(box, src=0)
-    name, args = box[0]
+    name, args = receive()
     if name == STOP:
         return
     if name != BUILD:
@@ -88,12 +87,10 @@ def recipe_main(run_recipe: Callable[[], int], argv: list[str] | None = None) ->
     join_torchrun_group(init_timeout_s(argv))
     try:
         if dist.get_rank() == 0:
-            from .policy import STOP
-
             try:
                 return run_recipe()
             finally:
-                dist.broadcast_object_list([(STOP, ())], src=0)
+                announce(STOP)
         follow_run()
         return 0
     finally:

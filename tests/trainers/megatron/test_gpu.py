@@ -417,7 +417,7 @@ def test_megatron_optimizer_checkpoint_resumes_the_next_step(kind, tmp_path):
     assert [(n, k) for n, s in saved_states.items() for k, t in s.items()
             if not torch.equal(loaded_states[n][k], t)] == []
     assert all(sorted(s) == ["exp_avg", "exp_avg_sq", "param"] for s in loaded_states.values())
-    assert resumed._megatron_adam_step() == 1.0
+    assert resumed.optimizer.adam_step() == 1.0
     groups = [g for sub in resumed.mopt.chained_optimizers for g in sub.optimizer.param_groups]
     assert all(g["lr"] == (DRAFTER_LR if g.get("is_decoupled_lr") else lr) for g in groups)
     got = megatron_step(resumed, next_batch)
