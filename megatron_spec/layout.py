@@ -327,14 +327,15 @@ def colocation_problems(colocated: bool, engine_tp: int, *, on_gpus: bool = True
 
 
 def check_layout(m: ModelConfig | None, lay: Layout, world: int | None = None, *, kv_replication: bool = False,
-                 who: str = "", runnable: bool = False) -> None:
+                 who: str = "", runnable: bool = False, on_gpus: bool = True) -> None:
     """Raise one ValueError listing every problem of `lay` for model `m` (None: devices only) on `world` devices
-    (`Layout.problems`, with `runnable` what this project does not run too); `kv_replication` checks `lay` as one
+    (`Layout.problems`, with `runnable` what this project does not run on GPUs, or CPUs with `on_gpus=False`, too);
+    `kv_replication` checks `lay` as one
     vLLM engine's split instead."""
     if kv_replication:
         problems = engine_problems(m, lay, who=who)
     else:
-        problems = lay.problems(m, world, runnable=runnable, who=who)
+        problems = lay.problems(m, world, runnable=runnable, on_gpus=on_gpus, who=who)
     if problems:
         what = f"{m.model_type} with {m.num_hidden_layers} layers" if m is not None else f"{world} devices"
         raise ValueError(f"cannot split {what} as {lay.describe()}: " + "; ".join(problems))
