@@ -18,9 +18,9 @@ no torch.distributed, no Megatron import; the rules are Megatron-Core's (and vLL
   so the world must be a multiple of TP x CP x PP and of ETP x EP x PP.
 
 Apart from what Megatron-Core accepts, `support_problems` says what this project's Megatron trainer runs: no
-context parallelism (CP > 1) yet (virtual pipeline stages over PP = 1 interleave nothing: `Layout` refuses them). The config, the recipes, the
-launch checks, the backend and the tuner all refuse or skip such a layout through it, before anything is loaded;
-the simulator may still predict one when asked directly.
+context parallelism (CP > 1) yet (virtual pipeline stages over PP = 1 interleave nothing: `Layout` refuses them).
+The config, the recipes, the launch checks, the backend and the tuner all refuse or skip such a layout through it,
+before anything is loaded; the simulator may still predict one when asked directly.
 `sequence_parallel_problems` (MoE under TP needs sequence parallelism, CPUs cannot run it) and
 `colocation_problems` (colocated engines of one GPU each) are the other rules found only after the allocation starts.
 

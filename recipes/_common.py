@@ -126,7 +126,8 @@ class Scale:
             split.update(first_stage_layers=lay.first_stage_layers, last_stage_layers=lay.last_stage_layers)
         placement = cfg.backend.placement
         colocated = placement != "disaggregated" if placement != "inline" else self.parallel.colocated
-        engine_tp = cfg.backend.vllm.tensor_parallel_size if cfg.backend.generator == "vllm" else self.parallel.engine.tp
+        vllm = cfg.backend.generator == "vllm"
+        engine_tp = cfg.backend.vllm.tensor_parallel_size if vllm else self.parallel.engine.tp
         engines = world // engine_tp if colocated else cfg.backend.generators
         train_gpus = world if colocated else world - engines * engine_tp
         return {
