@@ -22,8 +22,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from megatron_spec.layout import (Layout, colocation_problems, layout_problems, sequence_parallel_problems,
-                                  support_problems, world_problems)
+from megatron_spec.layout import Layout
 from megatron_spec.models import ModelConfig, hub
 from megatron_spec.models.presets import PRESETS, preset
 from megatron_spec.rl.config import RLConfig
@@ -134,24 +133,23 @@ def import_check(extras: tuple[str, ...]) -> str:
 
 
 def layout_fit_problems(cfg: RLConfig, layout: dict) -> list[str]:
-    """The trainer layout (`Scale.layout`: the split the job will use on the allocation asked for) must fit the
-    model and the allocation's GPUs, with sequence parallelism where Megatron-Core needs it and none where it cannot
-    run; the engines must fit the allocation and, colocated on GPUs, be one GPU each (the Ray placement's rule)."""
+    """The plan's layout (`Scale.layout`: the split the job will use on the allocation asked for, its engines and
+    placement) as one `Layout`, checked by `Layout.problems`: the split fits the model and the trainer's GPUs, with
+    sequence parallelism where Megatron-Core needs it and none where it cannot run, the engines fit the model and,
+    colocated on GPUs, are one GPU each (the Ray placement's rule); and the engines fit the allocation."""
     world, meg = layout["gpus"], layout["megatron"]
-    lay = Layout(tp=meg["tp"], pp=meg["pp"], ep=meg["ep"], etp=meg["etp"], cp=meg["cp"],
-                 first_stage_layers=meg.get("first_stage_layers"), last_stage_layers=meg.get("last_stage_layers"))
-    model = policy_config(cfg.model.policy, cfg.model.hub_cache)
-    problems = layout_problems(model, lay, who="train") if model is not None else []
     engines, engine_tp = layout["vllm"]["engines"], layout["vllm"]["tensor_parallel_size"]
-    gen_gpus = engines * engine_tp if layout["ray"]["placement"] == "disaggregated" else 0
-    if world > gen_gpus:  # a disaggregated trainer gets the rest (none left: the engines' problem below)
-        problems += world_problems(world - gen_gpus, lay, who="train")
-    problems += support_problems(lay, who="train")
+    colocated = layout["ray"]["placement"] == "colocated"
+    gen_gpus = 0 if colocated else engines * engine_tp
+    lay = Layout(tp=meg["tp"], pp=meg["pp"], ep=meg["ep"], etp=meg["etp"], cp=meg["cp"],
+                 first_stage_layers=meg.get("first_stage_layers"), last_stage_layers=meg.get("last_stage_layers"),
+                 sequence_parallel=cfg.backend.megatron.sequence_parallel, engine=Layout(tp=engine_tp, etp=1),
+                 engines=engines, colocated=colocated)
+    model = policy_config(cfg.model.policy, cfg.model.hub_cache)
     on_gpus = "GPU" in layout["ray"].get("bundle", {"GPU": 1})  # a --rehearsal's bundles are CPUs
-    if cfg.backend.trainer == "megatron":
-        problems += sequence_parallel_problems(model, lay, cfg.backend.megatron.sequence_parallel, on_gpus=on_gpus,
-                                               who="train")
-    problems += colocation_problems(layout["ray"]["placement"] == "colocated", engine_tp, on_gpus=on_gpus)
+    # a disaggregated trainer gets the rest (none left: the engines' problem below)
+    problems = lay.problems(model, world - gen_gpus if world > gen_gpus else None, runnable=True, on_gpus=on_gpus,
+                            who="train")
     if engines * engine_tp > world:
         problems.append(f"{engines} generation engines x TP {engine_tp} = {engines * engine_tp} GPUs, more than the "
                         f"allocation's {world} (nodes x GPUs per node)")
@@ -332,7 +330,7 @@ def length_problems(cfg: RLConfig) -> list[str]:
 def plan_problems(cfg: RLConfig, recommended: dict) -> list[str]:
     """What the job resolves must be what the plan prints (a Megatron trainer and vLLM engines; the split, engine TP
     and placement are the config's by construction, `Scale.layout`), and the engines' tensor parallel size must fit
-    the allocation, its nodes and the model's heads."""
+    the allocation and its nodes."""
     problems = []
     if cfg.backend.trainer != "megatron":
         problems.append(f"the plan prints a Megatron trainer but backend.trainer={cfg.backend.trainer}: set "
@@ -349,10 +347,7 @@ def plan_problems(cfg: RLConfig, recommended: dict) -> list[str]:
                         f"TP that divides {gpn} or a multiple of it")
     elif gpn and tp < gpn and gpn % tp:
         problems.append(f"vLLM TP {tp} does not divide the {gpn} GPUs of a node: an engine would straddle two nodes")
-    model = policy_config(cfg.model.policy, cfg.model.hub_cache)
-    if model is not None:
-        problems += layout_problems(model, Layout(tp=tp), kv_replication=True, who="vLLM")
-    return problems
+    return problems  # the engine's split of the model's heads: `layout_fit_problems`
 
 
 def task_problems(cfg: RLConfig) -> list[str]:

@@ -37,6 +37,9 @@ import json
 import random
 from pathlib import Path
 
+from megatron_spec.layout import Layout
+from megatron_spec.rl.overrides import override_args
+
 WORLD = 4
 """Trainer ranks of a rehearsal (and CPU bundles of its Ray placement)."""
 
@@ -74,7 +77,7 @@ def megatron_split(scale) -> dict:
     recipe uses (> 1) becomes 2, except TP beside EP (Megatron-Core trains MoE layers under TP only with sequence
     parallelism, whose norms need Transformer Engine or Apex, absent on the CPU); CP stays 1 (the trainer does not
     run it); data parallelism takes the rest."""
-    tp, pp, ep = (2 if getattr(scale, k) > 1 else 1 for k in ("tp", "pp", "ep"))
+    tp, pp, ep = (2 if getattr(scale.parallel, k) > 1 else 1 for k in ("tp", "pp", "ep"))
     if ep > 1:
         tp = 1
     if WORLD % (tp * pp):
@@ -86,11 +89,11 @@ def scale(recipe_scale):
     """The recipe's Scale on the rehearsal's allocation: one node of CPU bundles, `WORLD` for the trainer (with
     the split of `megatron_split`) and, when the recipe's placement is disaggregated, one engine of `ENGINE_TP`
     more; colocated, engines of `ENGINE_TP` share the trainer's. Placement, async lag and time as the recipe's."""
-    split = megatron_split(recipe_scale)
-    gen = 0 if recipe_scale.colocated else ENGINE_TP
-    return dataclasses.replace(recipe_scale, nodes=1, gpus_per_node=WORLD + gen, gen_gpus=gen, cp=1,
-                               vllm_tp=ENGINE_TP, first_stage_layers=None, last_stage_layers=None, cpu_bundles=True,
-                               **split)
+    lay = recipe_scale.parallel
+    parallel = dataclasses.replace(lay, cp=1, first_stage_layers=None, last_stage_layers=None, sequence_parallel=False,
+                                   engine=Layout(tp=ENGINE_TP, etp=1), engines=1, **megatron_split(recipe_scale))
+    gen = 0 if lay.colocated else ENGINE_TP
+    return dataclasses.replace(recipe_scale, nodes=1, gpus_per_node=WORLD + gen, parallel=parallel, cpu_bundles=True)
 
 
 def home(name: str) -> Path:
@@ -101,7 +104,6 @@ def home(name: str) -> Path:
 
 def overrides(name: str, cfg, recipe_scale) -> list[str]:
     """The override set of a rehearsal of recipe `name` (config `cfg`, cluster `recipe_scale`), as key=value."""
-    split = megatron_split(recipe_scale)
     out, toy = home(name) / "run", home(name) / "toy"
     sets = {
         "run.out_dir": out, "run.steps": STEPS, "run.eval_prompts": 2, "run.threads": 1, "run.report": "false",
@@ -112,17 +114,14 @@ def overrides(name: str, cfg, recipe_scale) -> list[str]:
         "data.path": toy / "data.parquet", "data.format": "dapo", "data.max_prompt_tokens": PROMPT_TOKENS,
         "data.reward_workers": 1,
         "grpo.prompts_per_step": PROMPTS, "grpo.group_size": GROUP, "grpo.max_tokens": MAX_TOKENS,
-        "backend.megatron.tp": split["tp"], "backend.megatron.pp": split["pp"], "backend.megatron.ep": split["ep"],
-        "backend.megatron.etp": 1, "backend.megatron.cp": 1,
+        **scale(recipe_scale).parallel.overrides(),  # the split, the engine and the placement of `scale`
         "backend.megatron.optimizer": "megatron" if _cuda() else "torch",
-        "backend.megatron.sequence_parallel": "false",
-        "backend.megatron.first_stage_layers": "null", "backend.megatron.last_stage_layers": "null",
-        "backend.vllm.tensor_parallel_size": ENGINE_TP, "backend.vllm.max_model_len": PROMPT_TOKENS + MAX_TOKENS,
-        "backend.vllm.threads": 1, "backend.init_timeout_s": 600, "backend.generators": 1,
+        "backend.vllm.max_model_len": PROMPT_TOKENS + MAX_TOKENS, "backend.vllm.threads": 1,
+        "backend.init_timeout_s": 600,
     }
     if cfg.spec is not None:
         sets["spec.model"] = toy / "drafter"
-    return [f"{k}={v}" for k, v in sets.items()]
+    return override_args(sets)
 
 
 def full_size_audit(cfg, recipe_scale, gpu: str) -> dict:

@@ -18,11 +18,16 @@ no torch.distributed, no Megatron import; the rules are Megatron-Core's (and vLL
   so the world must be a multiple of TP x CP x PP and of ETP x EP x PP.
 
 Apart from what Megatron-Core accepts, `support_problems` says what this project's Megatron trainer runs: no
-context parallelism (CP > 1) yet, and virtual pipeline stages only over PP > 1. The config, the recipes, the
-launch checks, the backend and the tuner all refuse or skip such a layout through it, before anything is loaded;
-the simulator may still predict one when asked directly.
+context parallelism (CP > 1) yet (virtual pipeline stages over PP = 1 interleave nothing: `Layout` refuses them).
+The config, the recipes, the launch checks, the backend and the tuner all refuse or skip such a layout through it,
+before anything is loaded; the simulator may still predict one when asked directly.
 `sequence_parallel_problems` (MoE under TP needs sequence parallelism, CPUs cannot run it) and
 `colocation_problems` (colocated engines of one GPU each) are the other rules found only after the allocation starts.
+
+`Layout` is the one description of a run's parallel layout, used by the config (`backend.megatron`), the recipes,
+the simulator and the tuner: the trainer's degrees and, where the run has engines, one engine's split, their
+count and whether they share the trainer's devices. `Layout.problems` is the one check that composes the rules
+above, and `Layout.overrides` the one conversion to the config keys users write.
 """
 
 from __future__ import annotations
@@ -53,20 +58,42 @@ class Layout:
     vp: int = 1
     """Model chunks per pipeline stage, run by the interleaved 1F1B schedule, which divides the pipeline bubble by
     `vp`; 1: one run of consecutive layers per stage [virtual_pipeline_model_parallel_size]."""
+    dp: int | None = None
+    """Data-parallel replicas of the trainer; None: whatever the devices leave, world / (tp x cp x pp) (a config
+    does not name it; the simulator and the tuner do)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism over the TP ranks (needs tp > 1) [sequence_parallel]."""
+    engine: Layout | None = None
+    """One generation engine's split: its GPUs as `tp` (vLLM tensor_parallel_size) and, of those, the ranks its
+    experts spread over as `ep`; None: the layout describes no engines (a trainer alone, or an engine itself)."""
+    engines: int = 1
+    """Generation engines (`backend.generators`)."""
+    colocated: bool = True
+    """The engines time-share the trainer's devices; False: they have devices of their own (disaggregated)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep", "cp"):
+        for name in ("tp", "pp", "ep", "cp", "engines"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.vp < 1:
             raise ValueError(f"virtual_pipeline must be >= 1, got {self.vp}")
-        for name in ("etp", "first_stage_layers", "last_stage_layers"):
+        if self.vp > 1 and self.pp == 1:
+            raise ValueError(f"virtual_pipeline={self.vp} interleaves pipeline stages: it needs pp > 1 "
+                             "(or set virtual_pipeline=1)")
+        for name in ("etp", "first_stage_layers", "last_stage_layers", "dp"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
+        if self.engine is not None and self.engine.engine is not None:
+            raise ValueError("an engine's layout describes one engine: it has no engines of its own")
 
     @property
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
+
+    @property
+    def gpus(self) -> int:
+        """Devices of the trainer, tp x pp x cp x dp (dp None counts one replica)."""
+        return self.tp * self.pp * self.cp * (self.dp or 1)
 
     def describe(self) -> str:
         text = f"TP={self.tp} PP={self.pp} EP={self.ep} ETP={self.expert_tp} CP={self.cp}"
@@ -75,6 +102,45 @@ class Layout:
         if self.first_stage_layers or self.last_stage_layers:
             text += f" (first stage {self.first_stage_layers}, last stage {self.last_stage_layers} layers)"
         return text
+
+    def problems(self, m: ModelConfig | None = None, world: int | None = None, *, runnable: bool = False,
+                 on_gpus: bool = True, who: str = "") -> list[str]:
+        """Every reason this layout cannot run (empty when it can), the one check every caller asks: the trainer's
+        split of model `m` (None: skipped) as Megatron-Core takes it, its grids on `world` trainer devices (None:
+        skipped), and the engine's split as vLLM takes it; with `runnable`, also what this project does not run
+        (`support_problems`, sequence parallelism, colocated multi-GPU engines; `on_gpus` False: CPU devices).
+        `who` prefixes the trainer's sizes; the engine's are prefixed "generation"."""
+        p = f"{who} " if who else ""
+        problems = []
+        if runnable:
+            problems += support_problems(self, who)
+            if self.sequence_parallel and self.tp == 1:
+                problems.append(f"{p}sequence_parallel needs tp > 1")
+            problems += sequence_parallel_problems(m, self, self.sequence_parallel, on_gpus=on_gpus, who=who)
+        if m is not None:
+            problems += layout_problems(m, self, who=who)
+        if world is not None:
+            problems += world_problems(world, self, who)
+        if self.engine is not None:
+            problems += engine_problems(m, self.engine)
+            if runnable:
+                problems += colocation_problems(self.colocated, self.engine.tp, on_gpus=on_gpus)
+        return problems
+
+    def overrides(self) -> dict[str, object]:
+        """This layout as dotted `RLConfig` overrides under the keys users write (`backend.megatron.*`, and with an
+        engine `backend.vllm.tensor_parallel_size`, `backend.generators`, `backend.placement`): the one conversion
+        from a layout to a config."""
+        out: dict[str, object] = {
+            "backend.megatron.tp": self.tp, "backend.megatron.pp": self.pp, "backend.megatron.ep": self.ep,
+            "backend.megatron.etp": self.etp, "backend.megatron.cp": self.cp,
+            "backend.megatron.first_stage_layers": self.first_stage_layers,
+            "backend.megatron.last_stage_layers": self.last_stage_layers,
+            "backend.megatron.virtual_pipeline": self.vp, "backend.megatron.sequence_parallel": self.sequence_parallel}
+        if self.engine is not None:
+            out.update({"backend.vllm.tensor_parallel_size": self.engine.tp, "backend.generators": self.engines,
+                        "backend.placement": "colocated" if self.colocated else "disaggregated"})
+        return out
 
 
 def stage_layers(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
@@ -179,16 +245,12 @@ SUPPORTED_CP = 1
 def support_problems(lay: Layout, who: str = "") -> list[str]:
     """Every part of `lay` that Megatron-Core accepts but this project's Megatron trainer does not run (empty when it
     runs): context parallelism (`cp > 1`) is not wired into its forward, so such a run would fail after the model
-    loads; virtual pipeline stages (`vp > 1`) need PP > 1. The message names the fix."""
+    loads. The message names the fix."""
     p = f"{who} " if who else ""
-    problems = []
     if lay.cp != SUPPORTED_CP:
-        problems.append(f"{p}cp={lay.cp}: context parallelism is not implemented in the Megatron trainer (a run would "
-                        "stop after loading the model); use cp=1 and put those GPUs into tp, pp or data parallelism")
-    if lay.vp > 1 and lay.pp == 1:
-        problems.append(f"{p}virtual_pipeline={lay.vp} interleaves pipeline stages: it needs pp > 1 "
-                        "(or set virtual_pipeline=1)")
-    return problems
+        return [f"{p}cp={lay.cp}: context parallelism is not implemented in the Megatron trainer (a run would stop "
+                "after loading the model); use cp=1 and put those GPUs into tp, pp or data parallelism"]
+    return []
 
 
 def sequence_parallel_problems(m: ModelConfig | None, lay: Layout, sequence_parallel: bool, *, on_gpus: bool = True,
@@ -240,6 +302,17 @@ def routing_replay_problems(recompute: str, sequence_parallel: bool, vp: int = 1
     return problems
 
 
+def engine_problems(m: ModelConfig | None, engine: Layout, who: str = "generation") -> list[str]:
+    """Every way `engine` cannot split model `m` (None: its sizes alone) as one vLLM engine: its experts live inside
+    the engine (EP divides its TP), and its KV heads are split or replicated over TP."""
+    problems = []
+    if engine.tp % engine.ep:
+        problems.append(f"{who} ep={engine.ep} must divide tp={engine.tp} (experts live inside one engine)")
+    if m is not None:
+        problems += layout_problems(m, engine, kv_replication=True, who=who)
+    return problems
+
+
 def colocation_problems(colocated: bool, engine_tp: int, *, on_gpus: bool = True, who: str = "") -> list[str]:
     """Every way a placement's engines cannot share devices with the trainer: colocated on GPUs, each trainer rank
     and engine share one one-GPU Ray bundle, so an engine of vLLM tensor parallel > 1 (a multi-GPU bundle group)
@@ -254,14 +327,15 @@ def colocation_problems(colocated: bool, engine_tp: int, *, on_gpus: bool = True
 
 
 def check_layout(m: ModelConfig | None, lay: Layout, world: int | None = None, *, kv_replication: bool = False,
-                 who: str = "", runnable: bool = False) -> None:
-    """Raise one ValueError listing every problem of `lay` for model `m` (None: devices only) on `world` devices;
-    with `runnable`, also what the Megatron trainer does not run (`support_problems`)."""
-    problems = layout_problems(m, lay, kv_replication=kv_replication, who=who) if m is not None else []
-    if world is not None:
-        problems += world_problems(world, lay, who)
-    if runnable:
-        problems += support_problems(lay, who)
+                 who: str = "", runnable: bool = False, on_gpus: bool = True) -> None:
+    """Raise one ValueError listing every problem of `lay` for model `m` (None: devices only) on `world` devices
+    (`Layout.problems`, with `runnable` what this project does not run on GPUs, or CPUs with `on_gpus=False`, too);
+    `kv_replication` checks `lay` as one
+    vLLM engine's split instead."""
+    if kv_replication:
+        problems = engine_problems(m, lay, who=who)
+    else:
+        problems = lay.problems(m, world, runnable=runnable, on_gpus=on_gpus, who=who)
     if problems:
         what = f"{m.model_type} with {m.num_hidden_layers} layers" if m is not None else f"{world} devices"
         raise ValueError(f"cannot split {what} as {lay.describe()}: " + "; ".join(problems))

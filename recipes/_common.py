@@ -39,7 +39,7 @@ from launchers.render import TEMPLATES, render_sbatch, sbatch_command
 from megatron_spec.layout import Layout, check_layout
 from megatron_spec.rl.backend_config import BackendSection, MegatronSection, VLLMSection
 from megatron_spec.rl.config import RLConfig
-from megatron_spec.rl.overrides import apply_overrides, dump_yaml, load_yaml
+from megatron_spec.rl.overrides import apply_overrides, dump_yaml, load_yaml, override_args
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,38 +58,21 @@ and the reference projection use); the tuner re-expands it for other k."""
 
 @dataclass(frozen=True)
 class Scale:
-    """Recommended cluster and parallelism of an at-scale recipe (Megatron-Core names in brackets)."""
+    """Recommended cluster and parallel layout of an at-scale recipe."""
 
     nodes: int
     """SLURM nodes."""
     gpus_per_node: int
     """GPUs per node; the policy trains on all of them and, colocated, vLLM generates on all of them in turn."""
-    tp: int = 1
-    """Megatron tensor parallel size [tensor_model_parallel_size] (`backend.megatron.tp` wins when the recipe's
-    trainer is Megatron)."""
-    pp: int = 1
-    """Megatron pipeline parallel size [pipeline_model_parallel_size]."""
-    cp: int = 1
-    """Megatron context parallel size: long rollouts split over ranks [context_parallel_size]."""
-    ep: int = 1
-    """Megatron expert parallel size, expert tensor parallel 1 [expert_model_parallel_size]."""
-    vllm_tp: int = 1
-    """vLLM tensor parallel size of one generation engine; world / vllm_tp engines run data parallel."""
-    colocated: bool = True
-    """Training and generation share the GPUs (vLLM sleeps while Megatron trains) instead of separate pools."""
-    gen_gpus: int = 0
-    """GPUs of the generation pool when not colocated (engines of `vllm_tp` GPUs each); the trainer gets the rest."""
+    parallel: Layout = Layout(etp=1, engine=Layout(etp=1))
+    """The layout (`megatron_spec.layout.Layout`): the Megatron trainer's split and sequence parallelism
+    (`backend.megatron.*` win when the recipe's trainer is Megatron), one vLLM engine's split (`engine.tp`), and the
+    placement: colocated, engines of `engine.tp` GPUs take turns with the trainer on every GPU; disaggregated,
+    `engines` of them form a generation pool and the trainer gets the rest."""
     async_lag: int = 0
     """Policy versions the engines may run ahead of the trainer (`backend.async_lag`; 0: synchronous GRPO)."""
     time: str = "04:00:00"
     """SLURM time limit of one job; runs longer than that resume from their last checkpoint."""
-    first_stage_layers: int | None = None
-    """Decoder layers of the first pipeline stage; None: an even share [num_layers_in_first_pipeline_stage]."""
-    last_stage_layers: int | None = None
-    """Decoder layers of the last pipeline stage; None: an even share [num_layers_in_last_pipeline_stage]."""
-    sequence_parallel: bool = False
-    """Megatron sequence parallelism where TP > 1 [sequence_parallel]; Megatron-Core refuses to train MoE layers
-    with tensor parallelism without it."""
     recompute: str = "selective"
     """Activation recompute of the trainer (`backend.megatron.recompute`): `selective` (core attention) or `full`
     (each decoder layer), whichever the memory audit (`--audit`) needs."""
@@ -97,37 +80,38 @@ class Scale:
     """Ray bundles are equal shares of the cluster's CPUs, not GPUs (a `--rehearsal` on a CPU allocation)."""
 
     def __post_init__(self) -> None:
-        # The device grid, by the one layout validator the backend and the simulator use, including what the
-        # trainer does not run (context parallelism); the recipe checks its model against the same validator.
-        world = self.nodes * self.gpus_per_node
-        if self.colocated == bool(self.gen_gpus) or not 0 <= self.gen_gpus < world:
-            raise ValueError(f"a disaggregated Scale needs 0 < gen_gpus < {world} (a generation pool), a colocated "
-                             f"one gen_gpus=0; got gen_gpus={self.gen_gpus}, colocated={self.colocated}")
-        check_layout(None, self.train_layout(), world - self.gen_gpus, runnable=True)
-        if (self.gen_gpus or world) % self.vllm_tp:
-            raise ValueError(f"vLLM TP={self.vllm_tp} does not divide the {self.gen_gpus or world} generation GPUs")
+        # The one layout check the backend, the simulator and the tuner use, including what the trainer does not run
+        # (context parallelism); the recipe checks its model against the same check.
+        world, lay = self.nodes * self.gpus_per_node, self.parallel
+        if lay.engine is None:
+            raise ValueError("a Scale's layout names its vLLM engine's split: Layout(..., engine=Layout(tp=...))")
+        if not lay.colocated and not 0 < self.gen_gpus < world:
+            raise ValueError(f"a disaggregated Scale needs a generation pool of 0 < engines x engine TP < {world} "
+                             f"GPUs; got {lay.engines} x {lay.engine.tp}")
+        if lay.colocated and world % lay.engine.tp:
+            raise ValueError(f"vLLM TP={lay.engine.tp} does not divide the {world} generation GPUs")
+        check_layout(None, lay, world - self.gen_gpus, runnable=True, on_gpus=not self.cpu_bundles)
 
-    def train_layout(self) -> Layout:
-        """The trainer's split (expert tensor parallel 1)."""
-        return Layout(tp=self.tp, pp=self.pp, ep=self.ep, etp=1, cp=self.cp,
-                      first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers)
+    @property
+    def gen_gpus(self) -> int:
+        """GPUs of the generation pool: 0 colocated (the engines share every GPU), engines x engine TP otherwise."""
+        return 0 if self.parallel.colocated else self.parallel.engines * self.parallel.engine.tp
 
     def backend(self, max_model_len: int, init_timeout_s: float = BackendSection.init_timeout_s) -> BackendSection:
         """The backends this Scale describes, as the recipe's `backend` section: the Megatron trainer with this split,
         vLLM engines serving `max_model_len` tokens (prompt plus completion), the placement, and the process groups'
-        timeout `init_timeout_s` (`backend.init_timeout_s`); so the run is what `--dryrun` prints."""
+        timeout `init_timeout_s` (`backend.init_timeout_s`); so the run is what `--dryrun` prints. The layout's
+        keys are `Layout.overrides`'."""
+        sets = self.parallel.overrides()
+        meg, vllm = (section_fields(sets, f"backend.{name}.") for name in ("megatron", "vllm"))
         return BackendSection(
-            trainer="megatron", generator="vllm", placement="colocated" if self.colocated else "disaggregated",
-            generators=self.gen_gpus // self.vllm_tp or 1, async_lag=self.async_lag, init_timeout_s=init_timeout_s,
-            megatron=MegatronSection(tp=self.tp, pp=self.pp, ep=self.ep, etp=1, cp=self.cp,
-                                     sequence_parallel=self.sequence_parallel and self.tp > 1,
-                                     first_stage_layers=self.first_stage_layers,
-                                     last_stage_layers=self.last_stage_layers,
-                                     # bf16 with Megatron-Core's distributed optimizer: fp32 masters and
-                                     # Adam moments sharded over data parallelism (experts over expert-DP)
-                                     params_dtype="bfloat16", recompute=self.recompute, optimizer="megatron"),
-            vllm=VLLMSection(max_model_len=max_model_len, tensor_parallel_size=self.vllm_tp,
-                             gpu_memory_utilization=0.5 if self.colocated else 0.85))  # own GPUs: as simulated
+            trainer="megatron", generator="vllm", placement=sets["backend.placement"],
+            generators=sets["backend.generators"], async_lag=self.async_lag, init_timeout_s=init_timeout_s,
+            # bf16 with Megatron-Core's distributed optimizer: fp32 masters and Adam moments sharded over data
+            # parallelism (experts over expert-DP)
+            megatron=MegatronSection(**meg, params_dtype="bfloat16", recompute=self.recompute, optimizer="megatron"),
+            vllm=VLLMSection(**vllm, max_model_len=max_model_len,
+                             gpu_memory_utilization=0.5 if self.parallel.colocated else 0.85))  # own GPUs: as simulated
 
     def layout(self, cfg: RLConfig, nodes: int | None = None, gpus_per_node: int | None = None) -> dict:
         """Plain data for --dryrun and for the at-scale driver: who runs where on `nodes` x `gpus_per_node` (the
@@ -135,14 +119,15 @@ class Scale:
         `cfg.backend.megatron` when the trainer is Megatron and the engine TP `cfg.backend.vllm.tensor_parallel_size`
         when the generator is vLLM (so overrides and --tune reach them), else this Scale's."""
         world = (nodes or self.nodes) * (gpus_per_node or self.gpus_per_node)
-        meg = cfg.backend.megatron
-        if cfg.backend.trainer == "megatron":
-            split = {"tp": meg.tp, "pp": meg.pp, "cp": meg.cp, "ep": meg.ep, "etp": meg.etp or meg.tp,
-                     "first_stage_layers": meg.first_stage_layers, "last_stage_layers": meg.last_stage_layers}
-        else:
-            split = {"tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep, "etp": 1}
-        colocated = cfg.backend.placement != "disaggregated" if cfg.backend.placement != "inline" else self.colocated
-        engine_tp = cfg.backend.vllm.tensor_parallel_size if cfg.backend.generator == "vllm" else self.vllm_tp
+        megatron = cfg.backend.trainer == "megatron"
+        lay = cfg.backend.megatron.layout() if megatron else self.parallel
+        split = {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "etp": lay.expert_tp}
+        if megatron:
+            split.update(first_stage_layers=lay.first_stage_layers, last_stage_layers=lay.last_stage_layers)
+        placement = cfg.backend.placement
+        colocated = placement != "disaggregated" if placement != "inline" else self.parallel.colocated
+        vllm = cfg.backend.generator == "vllm"
+        engine_tp = cfg.backend.vllm.tensor_parallel_size if vllm else self.parallel.engine.tp
         engines = world // engine_tp if colocated else cfg.backend.generators
         train_gpus = world if colocated else world - engines * engine_tp
         return {
@@ -318,24 +303,24 @@ def tune_recipe(name: str, cfg: RLConfig, scale: Scale | None, args: argparse.Na
     layout, stages = best_layout(model, gpus, args.gpu, spec=spec, space=tune_space(cfg),
                                  gpu_memory_utilization=TUNE_GPU_MEMORY)
     overrides = {**layout.backend_overrides(), "backend.trainer": "megatron", "backend.generator": "vllm",
-                 "backend.vllm.tensor_parallel_size": layout.gen_tp,
                  "backend.vllm.gpu_memory_utilization": TUNE_GPU_MEMORY}
     if spec is not None and layout.method == cfg.spec.method and layout.k > 0:  # the k it ranked best, same drafter
         overrides.update({"spec.num_speculative_tokens": layout.k, "spec.adaptive": layout.adaptive})
-    cfg = apply_overrides(cfg, [f"{k}={'null' if v is None else v}" for k, v in overrides.items()])
-    scale = dataclasses.replace(scale, nodes=args.nodes, gpus_per_node=args.gpus_per_node, tp=layout.train.tp,
-                                pp=layout.train.pp, cp=layout.train.cp, ep=layout.train.ep, vllm_tp=layout.gen_tp,
-                                colocated=layout.placement == "colocated", async_lag=layout.async_lag,
-                                gen_gpus=0 if layout.placement == "colocated" else layout.engines * layout.gen_tp,
-                                first_stage_layers=layout.train.first_stage_layers,
-                                last_stage_layers=layout.train.last_stage_layers,
-                                sequence_parallel=layout.train.tp > 1)
+    cfg = apply_overrides(cfg, override_args(overrides))
+    scale = dataclasses.replace(scale, nodes=args.nodes, gpus_per_node=args.gpus_per_node, parallel=layout.layout,
+                                async_lag=layout.async_lag)
     chosen = {"gpus": gpus, "gpu": args.gpu, "train": layout.train.describe(), "train_dp": layout.train_dp,
               "gen_tp": layout.gen_tp, "engines": layout.engines, "placement": layout.placement,
               "async_lag": layout.async_lag, "spec": f"{layout.method} k={layout.k}" + (" adaptive" if
                                                                                        layout.adaptive else ""),
               "predicted_stage_s": {k: round(v, 2) for k, v in stages.items()}}
     return cfg, scale, chosen
+
+
+def section_fields(sets: dict[str, object], prefix: str) -> dict[str, object]:
+    """The fields of one config section among dotted overrides: {"backend.vllm.threads": 1} under "backend.vllm."
+    is {"threads": 1}."""
+    return {key[len(prefix):]: value for key, value in sets.items() if key.startswith(prefix)}
 
 
 def run_local(name: str, cfg: RLConfig, scale: Scale | None) -> dict:

@@ -32,17 +32,17 @@ Running needs `pip install -e .[megatron,vllm,ray]` on the cluster: submit with 
 
 import sys
 
-from megatron_spec.layout import check_layout
+from megatron_spec.layout import Layout, check_layout
 from megatron_spec.models.presets import preset
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection, ModelSection, RLConfig, RunSection
 from megatron_spec.rl.data_config import DataSection
 from megatron_spec.drafters.config import SpecConfig
 from recipes._common import Scale, recipe_main
 
-SCALE = Scale(nodes=16, gpus_per_node=8, tp=2, pp=8, cp=1, ep=8, vllm_tp=8, colocated=False, gen_gpus=64,
-              async_lag=2, sequence_parallel=True, time="04:00:00", first_stage_layers=12, last_stage_layers=10,
-              recompute="full")
-check_layout(preset("qwen3-235b-a22b"), SCALE.train_layout(), SCALE.nodes * SCALE.gpus_per_node - SCALE.gen_gpus,
+SCALE = Scale(nodes=16, gpus_per_node=8, async_lag=2, time="04:00:00", recompute="full",
+              parallel=Layout(tp=2, pp=8, cp=1, ep=8, etp=1, sequence_parallel=True, first_stage_layers=12,
+                              last_stage_layers=10, engine=Layout(tp=8, etp=1), engines=8, colocated=False))
+check_layout(preset("qwen3-235b-a22b"), SCALE.parallel, SCALE.nodes * SCALE.gpus_per_node - SCALE.gen_gpus,
              runnable=True)
 
 DRAFTER = "nvidia/Qwen3-235B-A22B-Eagle3"

@@ -16,12 +16,13 @@ GPUs of kind `--gpu` (`megatron-spec tune`), and prints it with the predicted st
 
 import sys
 
+from megatron_spec.layout import Layout
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection, ModelSection, RLConfig, RunSection
 from megatron_spec.rl.data_config import DataSection
 from megatron_spec.drafters.config import SpecConfig
 from recipes._common import Scale, recipe_main
 
-SCALE = Scale(nodes=4, gpus_per_node=8, tp=2, pp=1, cp=1, ep=1, vllm_tp=1, time="04:00:00")
+SCALE = Scale(nodes=4, gpus_per_node=8, parallel=Layout(tp=2, etp=1, engine=Layout(tp=1, etp=1)), time="04:00:00")
 
 DRAFTER = "RedHatAI/Qwen3-8B-speculator.eagle3"
 """A public EAGLE-3 head for the policy, by hub name (resolved into `model.hub_cache` where the job runs), trained

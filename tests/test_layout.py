@@ -100,10 +100,9 @@ def test_the_235b_recipe_layout_is_one_megatron_accepts():
 
     mod = importlib.import_module("recipes.qwen3_235b_grpo_spec")
     section = mod.qwen3_235b_grpo_spec().backend.megatron
-    lay = Layout(tp=section.tp, pp=section.pp, ep=section.ep, etp=section.etp, cp=section.cp,
-                 first_stage_layers=section.first_stage_layers, last_stage_layers=section.last_stage_layers)
+    lay = section.layout()
     s = mod.SCALE
-    assert (lay.tp, lay.pp, lay.cp, lay.ep) == (s.tp, s.pp, s.cp, s.ep)
+    assert (lay.tp, lay.pp, lay.cp, lay.ep) == (s.parallel.tp, s.parallel.pp, s.parallel.cp, s.parallel.ep)
     check_layout(preset("qwen3-235b-a22b"), lay, s.nodes * s.gpus_per_node, runnable=True)
     assert stage_layers(94, 8, lay.first_stage_layers, lay.last_stage_layers) == [12, *[12] * 6, 10]
     with pytest.raises(ValueError, match="pp=8 does not divide the 94"):  # without the uneven split
@@ -112,17 +111,19 @@ def test_the_235b_recipe_layout_is_one_megatron_accepts():
 
 def test_the_three_callers_agree():
     """Backend checks, simulator and recipe Scale reject the same bad layout with the same sentence."""
-    from megatron_spec.trainers.megatron.checks import Parallelism, check_parallelism
-    from megatron_spec.sim.config import TrainParallel
+    from megatron_spec.backends.megatron.checks import Parallelism, check_parallelism
+    from megatron_spec.sim.config import LengthDist, SimConfig, TrainParallel, Workload
     from recipes._common import Scale
+
+    work = Workload(prompts_per_step=8, group_size=8, prompt_len=200, response=LengthDist(mean=500, max_tokens=1024))
 
     m = preset("qwen3-30b-a3b")
     with pytest.raises(ValueError, match="ep=3 does not divide num_experts=128"):
         check_parallelism(m, Parallelism(ep=3, etp=1))
     with pytest.raises(ValueError, match="train ep=3 does not divide num_experts=128"):
-        TrainParallel(ep=3, dp=3).check(m)
+        SimConfig(model=m, hardware="h100", gpus=3, workload=work, train=TrainParallel(ep=3, dp=3))
     with pytest.raises(ValueError, match=r"EP\*PP = 3 \(x ETP 1\) does not divide the 8 devices"):
-        Scale(nodes=1, gpus_per_node=8, ep=3)
+        Scale(nodes=1, gpus_per_node=8, parallel=Layout(ep=3, etp=1, engine=Layout()))
     with pytest.raises(ValueError, match=r"EP\*PP = 3 \(x ETP 1\) does not divide the 8 devices"):
         check_parallelism(m, Parallelism(ep=3, etp=1, cp=1), world_size=8)
 
@@ -149,11 +150,12 @@ def test_context_parallelism_is_refused_where_a_layout_is_chosen_or_accepted():
     with pytest.raises(ValueError, match="backend.megatron.cp=2: context parallelism is not implemented"):
         MegatronSection(tp=2, pp=8, ep=16, cp=2, first_stage_layers=11, last_stage_layers=11)
     with pytest.raises(ValueError, match="use cp=1"):
-        Scale(nodes=16, gpus_per_node=8, tp=2, pp=8, cp=2, ep=16)
+        Scale(nodes=16, gpus_per_node=8, parallel=Layout(tp=2, pp=8, cp=2, ep=16, etp=1, engine=Layout()))
     with pytest.raises(ValueError, match="cp=2: context parallelism"):
         check_parallelism(m, Parallelism(tp=2, pp=8, cp=2, ep=16, etp=1, first_stage_layers=11, last_stage_layers=11))
-    TrainParallel(tp=2, pp=8, cp=2, ep=16, dp=4).check(m)  # a prediction of it is still allowed
     work = Workload(prompts_per_step=64, group_size=8, prompt_len=200, response=LengthDist(mean=1500, max_tokens=8192))
+    SimConfig(model=m, hardware="h100", gpus=128, workload=work,
+              train=TrainParallel(tp=2, pp=8, cp=2, ep=16, dp=4))  # a prediction of it is still allowed
     base = SimConfig(model="qwen3-8b", hardware="h100", gpus=8, workload=work, train=TrainParallel(dp=8),
                      spec=Speculation(k=3, acceptance_length=2.8))
     result = search(base, TuneSpace(gen_tp=(1,), train_tp=(1, 2), train_pp=(1,), train_cp=(1, 2), ks=(3,),
@@ -256,8 +258,9 @@ def test_virtual_pipeline_rules():
     assert layout_problems(qwen235, Layout(pp=8, vp=4, first_stage_layers=12, last_stage_layers=10))[0].startswith(
         "virtual_pipeline=4 does not divide the stages' layers [12, 12, 12, 12, 12, 12, 12, 10]")
     assert support_problems(Layout(pp=2, vp=2)) == []
-    assert support_problems(Layout(vp=2)) == [
-        "virtual_pipeline=2 interleaves pipeline stages: it needs pp > 1 (or set virtual_pipeline=1)"]
+    with pytest.raises(ValueError, match=r"^virtual_pipeline=2 interleaves pipeline stages: it needs pp > 1 \(or set "
+                       r"virtual_pipeline=1\)$"):
+        Layout(vp=2)
     assert MegatronSection(pp=2, virtual_pipeline=2).layout() == Layout(pp=2, vp=2)
     assert MegatronSection(pp=2, virtual_pipeline=2, first_stage_layers=4, last_stage_layers=2).layout().vp == 2
     assert Layout(pp=2, vp=2).describe() == "TP=1 PP=2 EP=1 ETP=1 CP=1 VP=2"

@@ -17,7 +17,8 @@ import pytest
 
 from launchers import ray_slurm_plan, render_sbatch
 from launchers.plans import RAY_PORTS, node_group_problems, ranks_by_node, ray_ports
-from megatron_spec.distributed.process_groups import straddling_groups
+from megatron_spec.backends.process_groups import straddling_groups
+from megatron_spec.layout import Layout
 from megatron_spec.rl.overrides import apply_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +49,8 @@ def tiny_moe_layout(placement: str) -> dict:
         return Scale(nodes=2, gpus_per_node=4).layout(apply_overrides(cfg, over))
     over += ["backend.generator=vllm", "backend.placement=disaggregated", "backend.generators=2",
              "backend.vllm.tensor_parallel_size=2"]
-    return Scale(nodes=2, gpus_per_node=4, colocated=False, gen_gpus=4, vllm_tp=2).layout(apply_overrides(cfg, over))
+    disaggregated = Layout(etp=1, engine=Layout(tp=2, etp=1), engines=2, colocated=False)
+    return Scale(nodes=2, gpus_per_node=4, parallel=disaggregated).layout(apply_overrides(cfg, over))
 
 
 def two_node_plan(placement: str, **ray) -> dict:

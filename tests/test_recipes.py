@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -75,8 +76,9 @@ def test_reference_recipes_are_what_the_docs_say():
     assert smol.model.policy == "smollm2-135m" and smol.model.task == "natural"
     assert smol.spec.method in ("ngram", "history") and smol.model.drafter is None
     big = recipe("qwen3_235b_grpo_spec").SCALE  # 128 H100 at lag 2, k=5, within 80 GB a GPU (its docstring)
-    assert (big.nodes, big.gpus_per_node, big.tp, big.pp, big.cp, big.ep, big.vllm_tp) == (16, 8, 2, 8, 1, 8, 8)
-    assert (big.colocated, big.gen_gpus, big.async_lag, big.recompute) == (False, 64, 2, "full")
+    lay = big.parallel
+    assert (big.nodes, big.gpus_per_node, lay.tp, lay.pp, lay.cp, lay.ep, lay.engine.tp) == (16, 8, 2, 8, 1, 8, 8)
+    assert (lay.colocated, big.gen_gpus, big.async_lag, big.recompute) == (False, 64, 2, "full")
 
 
 @pytest.mark.parametrize("name", AT_SCALE)
@@ -89,11 +91,13 @@ def test_at_scale_recipes_run_what_their_plan_prints(name, capsys):
     mod = recipe(name)
     cfg, scale = getattr(mod, name)(), mod.SCALE
     b, meg = cfg.backend, cfg.backend.megatron
-    assert (b.trainer, b.generator, b.placement) == ("megatron", "vllm", "colocated" if scale.colocated else
+    lay = scale.parallel
+    assert (b.trainer, b.generator, b.placement) == ("megatron", "vllm", "colocated" if lay.colocated else
                                                      "disaggregated")
-    assert (meg.tp, meg.pp, meg.cp, meg.ep, meg.etp) == (scale.tp, scale.pp, scale.cp, scale.ep, 1)
-    assert (meg.first_stage_layers, meg.last_stage_layers) == (scale.first_stage_layers, scale.last_stage_layers)
-    assert b.vllm.tensor_parallel_size == scale.vllm_tp
+    assert (meg.tp, meg.pp, meg.cp, meg.ep, meg.etp) == (lay.tp, lay.pp, lay.cp, lay.ep, 1)
+    assert (meg.first_stage_layers, meg.last_stage_layers) == (lay.first_stage_layers, lay.last_stage_layers)
+    assert meg.layout() == replace(lay, engine=None, engines=1, colocated=True)  # the one conversion, both ways
+    assert b.vllm.tensor_parallel_size == lay.engine.tp
     assert b.vllm.max_model_len >= cfg.grpo.max_tokens + mod.PROMPT_TOKENS > cfg.grpo.max_tokens
     assert support_problems(meg.layout()) == []
     assert mod.main(["--dryrun"]) == 0
@@ -104,8 +108,8 @@ def test_at_scale_recipes_run_what_their_plan_prints(name, capsys):
     assert {k: rec["megatron"][k] for k in ("tp", "pp", "cp", "ep", "etp")} == {
         "tp": meg.tp, "pp": meg.pp, "cp": meg.cp, "ep": meg.ep, "etp": 1}
     assert rec["megatron"]["dp"] * meg.tp * meg.pp * meg.cp == world - scale.gen_gpus  # disaggregated: the rest
-    assert rec["vllm"]["tensor_parallel_size"] == scale.vllm_tp
-    assert rec["vllm"]["engines"] * scale.vllm_tp == (scale.gen_gpus or world) and b.async_lag == scale.async_lag
+    assert rec["vllm"]["tensor_parallel_size"] == lay.engine.tp
+    assert rec["vllm"]["engines"] * lay.engine.tp == (scale.gen_gpus or world) and b.async_lag == scale.async_lag
     assert rec["ray"]["placement"] == b.placement and rec["ray"]["bundles"] == world
 
 
@@ -217,13 +221,17 @@ def test_submitting_without_an_account_is_refused(capsys, monkeypatch):
 
 
 def test_scale_layout_is_checked():
+    from megatron_spec.layout import Layout
+
     scale_cls = type(recipe("qwen3_8b_grpo_spec").SCALE)
     with pytest.raises(ValueError, match="does not divide"):
-        scale_cls(nodes=1, gpus_per_node=8, tp=3)
+        scale_cls(nodes=1, gpus_per_node=8, parallel=Layout(tp=3, etp=1, engine=Layout()))
     with pytest.raises(ValueError, match="EP\\*PP"):
-        scale_cls(nodes=1, gpus_per_node=8, pp=2, ep=8)
+        scale_cls(nodes=1, gpus_per_node=8, parallel=Layout(pp=2, ep=8, etp=1, engine=Layout()))
     with pytest.raises(ValueError, match="vLLM TP"):
-        scale_cls(nodes=1, gpus_per_node=8, vllm_tp=16)
+        scale_cls(nodes=1, gpus_per_node=8, parallel=Layout(etp=1, engine=Layout(tp=16)))
+    with pytest.raises(ValueError, match="names its vLLM engine"):
+        scale_cls(nodes=1, gpus_per_node=8, parallel=Layout(etp=1))
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..layout import Layout, support_problems
+from ..layout import Layout
 
 TRAINERS = ("embedded", "megatron")
 GENERATORS = ("embedded", "vllm")
@@ -95,20 +95,18 @@ class MegatronSection:
     checkpoint loads only under the optimizer that saved it."""
 
     def layout(self) -> Layout:
-        """The parallel split these sizes describe, for the shared validator (`megatron_spec/layout.py`)."""
+        """The trainer's split these keys spell (`megatron_spec.layout.Layout`; `Layout.overrides` is the way back)."""
         return Layout(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp,
                       first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers,
-                      vp=self.virtual_pipeline)
+                      vp=self.virtual_pipeline, sequence_parallel=self.sequence_parallel)
 
     def __post_init__(self) -> None:
         try:
-            self.layout()  # the sizes themselves; whether they fit a model is checked where the model is known
+            layout = self.layout()  # the sizes themselves; whether they fit a model is checked where it is known
         except ValueError as err:
             raise ValueError(f"backend.megatron.{err}") from None
-        for problem in support_problems(self.layout()):  # accepted by Megatron-Core, not run by our trainer
+        for problem in layout.problems(runnable=True):  # accepted by Megatron-Core, not run by our trainer
             raise ValueError(f"backend.megatron.{problem}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("backend.megatron.sequence_parallel needs tp > 1")
         if self.virtual_pipeline > 1 and self.mtp_num_layers:
             raise ValueError(f"backend.megatron.virtual_pipeline={self.virtual_pipeline} with mtp_num_layers="
                              f"{self.mtp_num_layers}: the trainer does not run MTP layers on interleaved stages; "

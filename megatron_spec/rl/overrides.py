@@ -78,6 +78,12 @@ def apply_overrides(cfg: RLConfig, overrides: Iterable[str]) -> RLConfig:
     return from_dict(data, type(cfg))
 
 
+def override_args(sets: dict[str, object]) -> list[str]:
+    """Dotted overrides held as values (`Layout.overrides`) as the `key=value` text `apply_overrides` reads; None is
+    `null`."""
+    return [f"{key}={'null' if value is None else value}" for key, value in sets.items()]
+
+
 def load_yaml(path: str | Path, base: RLConfig | None = None) -> RLConfig:
     """Read a YAML config. Keys it leaves out keep their value in `base` (default: the RLConfig defaults)."""
     path = Path(path)

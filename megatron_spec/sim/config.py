@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import NormalDist
 
-from megatron_spec.layout import Layout, check_layout, suggest_split
+from dataclasses import replace
+
+from megatron_spec.layout import Layout, suggest_split
 from megatron_spec.models.config import ModelConfig
 from megatron_spec.models.presets import PRESETS, preset
 
@@ -204,60 +206,20 @@ class Speculation:
         return tau_from_rate(rate_from_tau(self.acceptance_length, self.k), k)
 
 
-@dataclass
-class TrainParallel:
-    tp: int = 1
-    """Tensor parallel size of the trainer."""
-    pp: int = 1
-    """Pipeline parallel stages."""
-    ep: int = 1
-    """Expert parallel size (MoE only; carved out of dp * cp * tp, expert tensor parallelism 1)."""
-    cp: int = 1
-    """Context parallel size."""
-    dp: int = 1
-    """Data parallel replicas."""
-    vpp: int = 1
-    """Virtual pipeline stages per rank (interleaved 1F1B: each rank holds vpp chunks of its layers, which divides
-    the pipeline's fill and drain by vpp; `bubble.bubble_factor`)."""
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep", "cp", "dp", "vpp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainParallel.{name} must be >= 1, got {getattr(self, name)}")
-        if self.vpp > 1 and self.pp == 1:
-            raise ValueError(f"TrainParallel.vpp={self.vpp} interleaves pipeline stages: it needs pp > 1")
-
-    @property
-    def gpus(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
-
-    def check(self, m: ModelConfig) -> None:
-        """The layout must fit the model as Megatron-Core splits it (`megatron_spec.layout`, the one validator the
-        backend and the recipes use too): heads, query groups and FFN over TP, experts over EP (ETP 1), the expert
-        grid inside the devices, at least one layer per pipeline stage. Uneven stages are allowed as Megatron's
-        first/last-stage layer counts express them (`layout.suggest_split`); the slowest stage sets the pace, see
-        `stages.stage_imbalance`."""
-        first, last = suggest_split(m.num_hidden_layers, self.pp) if self.pp <= m.num_hidden_layers else (None, None)
-        check_layout(m, Layout(tp=self.tp, pp=self.pp, ep=self.ep, etp=1, cp=self.cp, first_stage_layers=first,
-                               last_stage_layers=last), world=self.gpus, who="train")
+def TrainParallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, dp: int = 1, vpp: int = 1) -> Layout:
+    """The simulator's trainer layout, a `Layout`: experts carved out of dp x cp x tp (expert tensor parallel 1),
+    `dp` replicas and `vpp` virtual pipeline stages (interleaved 1F1B divides the pipeline's fill and drain by
+    vpp; `bubble.bubble_factor`). Its fit to the model is checked by `SimConfig` (`Layout.problems`)."""
+    try:
+        return Layout(tp=tp, pp=pp, ep=ep, etp=1, cp=cp, dp=dp, vp=vpp)
+    except ValueError as err:  # Layout's names, in the simulator's
+        raise ValueError(f"TrainParallel.{err}".replace("virtual_pipeline", "vpp")) from None
 
 
-@dataclass
-class GenParallel:
-    tp: int = 1
-    """GPUs per generation engine (tensor parallel)."""
-    ep: int = 1
-    """Of those, how many the experts are spread over (expert parallel, must divide tp; MoE only)."""
-
-    def __post_init__(self) -> None:
-        if self.tp < 1 or self.ep < 1:
-            raise ValueError(f"GenParallel tp and ep must be >= 1, got tp={self.tp}, ep={self.ep}")
-        if self.tp % self.ep:
-            raise ValueError(f"generation ep={self.ep} must divide tp={self.tp} (experts live inside one engine)")
-
-    def check(self, m: ModelConfig) -> None:
-        """`megatron_spec.layout` with vLLM's rule for KV heads (split, or replicated when TP exceeds them)."""
-        check_layout(m, Layout(tp=self.tp, ep=self.ep, etp=1), kv_replication=True, who="generation")
+def GenParallel(tp: int = 1, ep: int = 1) -> Layout:
+    """One generation engine's split, a `Layout`: `tp` GPUs, of which `ep` hold the experts (expert tensor
+    parallel 1). Checked with vLLM's rules by `SimConfig` (`layout.engine_problems`)."""
+    return Layout(tp=tp, ep=ep, etp=1)
 
 
 RECOMPUTE = ("none", "selective", "full")
@@ -276,10 +238,10 @@ class SimConfig:
     """Devices in the job."""
     workload: Workload
     """Prompts, group size, lengths."""
-    train: TrainParallel = field(default_factory=TrainParallel)
-    """Trainer layout; its gpus must equal the training share."""
-    gen: GenParallel = field(default_factory=GenParallel)
-    """Layout of one generation engine; engines = generation GPUs / gen.tp."""
+    train: Layout = field(default_factory=TrainParallel)
+    """Trainer layout (`TrainParallel`); its gpus must equal the training share."""
+    gen: Layout = field(default_factory=GenParallel)
+    """Layout of one generation engine (`GenParallel`); engines = generation GPUs / gen.tp."""
     colocated: bool = True
     """Generation and training time-share all GPUs (engines sleep during training)."""
     gen_gpus: int = 0
@@ -400,8 +362,22 @@ class SimConfig:
         if self.train.gpus != self.train_gpus:
             raise ValueError(f"train layout tp*pp*cp*dp = {self.train.gpus} GPUs, but the placement gives training "
                              f"{self.train_gpus}")
-        self.train.check(self.model_config)
-        self.gen.check(self.model_config)
+        # Interleaving is priced as a divisor of the pipeline bubble, with no layers placed into chunks: the
+        # split is checked as one run of layers per stage.
+        if problems := replace(self.layout, vp=1).problems(self.model_config, self.train_gpus, who="train"):
+            raise ValueError(f"cannot split {self.model_config.model_type} with {self.model_config.num_hidden_layers} "
+                             f"layers as {self.layout.describe()}: " + "; ".join(problems))
+
+    @property
+    def layout(self) -> Layout:
+        """The whole job's layout: the trainer's split with Megatron-Core's uneven first / last stages where pp does
+        not divide the layers (`layout.suggest_split`; the slowest stage sets the pace, `stages.stage_imbalance`),
+        and the engines. Checked against Megatron-Core's and vLLM's rules, not against what this project's trainer
+        runs: the simulator may predict a layout the trainer refuses (context parallelism)."""
+        m, t = self.model_config, self.train
+        first, last = suggest_split(m.num_hidden_layers, t.pp) if t.pp <= m.num_hidden_layers else (None, None)
+        return replace(t, first_stage_layers=first, last_stage_layers=last, engine=self.gen, engines=self.engines,
+                       colocated=self.colocated)
 
     @property
     def packed_micro_batches(self) -> int:

@@ -107,7 +107,7 @@ def _forward_flops(cfg: SimConfig, shape: CostShape, lengths: list[float]) -> tu
 def bubble_factor(cfg: SimConfig) -> float:
     """The pipeline's fill and drain (`bubble.bubble_factor`): (m + (pp - 1) / vpp) / m for m micro-batches per
     data-parallel rank and optimizer step, all in one schedule call (each optimizer step fills and drains)."""
-    return pipeline_bubble(cfg.packed_micro_batches, cfg.train.pp, cfg.train.vpp)
+    return pipeline_bubble(cfg.packed_micro_batches, cfg.train.pp, cfg.train.vp)
 
 
 def stage_imbalance(cfg: SimConfig) -> float:

@@ -26,7 +26,7 @@ def variants(cfg: SimConfig) -> list[tuple[str, float, float]]:
                                                                                cfg.workload.response.quantiles())))
     one = bubble_factor(m, pp)
     per_micro = bubble_factor(m, pp, calls=m)
-    interleaved = replace(cfg, train=replace(cfg.train, vpp=2))
+    interleaved = replace(cfg, train=replace(cfg.train, vp=2))
     gather = replace(cfg, moe_dispatcher="allgather")
     return [
         ("one schedule call per step, alltoall (the trainer)", base, one),

@@ -22,7 +22,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from megatron_spec.layout import Layout, check_layout, colocation_problems, suggest_split, support_problems
+from megatron_spec.layout import Layout, check_layout, colocation_problems, suggest_split
 from megatron_spec.models.config import ModelConfig
 
 from .acceptance import tau_from_rate
@@ -114,15 +114,15 @@ def _train_layouts(base: SimConfig, space: TuneSpace, train_gpus: int, rejected:
         if train_gpus % (tp * pp * cp):
             rejected.add(f"train tp*pp*cp={tp * pp * cp} does not divide the {train_gpus} training GPUs")
             continue
-        unsupported = support_problems(Layout(tp=tp, pp=pp, ep=ep, etp=1, cp=cp), who="train")
-        if unsupported:  # Megatron-Core would take it, the trainer does not run it: never chosen, reason counted
-            rejected.add(unsupported[0])
-            continue
-        layout = TrainParallel(tp=tp, pp=pp, cp=cp, ep=ep, dp=train_gpus // (tp * pp * cp))
-        try:
-            layout.check(m)
-        except ValueError as err:  # "cannot split <model> as <layout>: <first problem>; <more>": grouped by problem
-            rejected.add(str(err).split("): ", 1)[-1].split(": ", 1)[-1].split(";")[0])
+        # Sequence parallelism goes with TP > 1: the simulator's activation memory assumes it (split over TP), and
+        # Megatron-Core needs it to train MoE layers under TP.
+        layout = replace(TrainParallel(tp=tp, pp=pp, cp=cp, ep=ep, dp=train_gpus // (tp * pp * cp)),
+                         sequence_parallel=tp > 1)
+        first, last = suggest_split(m.num_hidden_layers, pp) if pp <= m.num_hidden_layers else (None, None)
+        problems = replace(layout, first_stage_layers=first, last_stage_layers=last).problems(
+            m, train_gpus, runnable=True, who="train")
+        if problems:  # what the trainer does not run first: never chosen, grouped by the reason counted
+            rejected.add(problems[0].split(";")[0])
             continue
         yield layout
 
@@ -228,13 +228,13 @@ def fits_train(cfg: SimConfig, hw: Hardware, target: CostShape) -> bool:
     return rep.train_total <= rep.device_bytes
 
 
-def cheaper_dispatcher(base: SimConfig, layout: TrainParallel) -> str:
+def cheaper_dispatcher(base: SimConfig, layout: Layout) -> str:
     """The MoE dispatcher that moves fewer bytes at this EP: allgather sends each token to the ep - 1 other EP
     ranks, alltoall its top-k copies to (ep - 1) / ep of them, so allgather wins while ep < top_k."""
     return "allgather" if layout.ep < base.model_config.num_experts_per_tok else "alltoall"
 
 
-def _evaluate(base: SimConfig, layout: TrainParallel, gen: GenParallel, colocated: bool, gen_gpus: int, lag: int,
+def _evaluate(base: SimConfig, layout: Layout, gen: Layout, colocated: bool, gen_gpus: int, lag: int,
               spec: Speculation | None, rejected: Rejections) -> Candidate | None:
     try:
         cfg = replace(base, train=layout, gen=gen, colocated=colocated, gen_gpus=0 if colocated else gen_gpus,
@@ -268,22 +268,11 @@ def recipe_defaults(base: SimConfig, space: TuneSpace = TuneSpace()) -> dict:
 
 @dataclass(frozen=True)
 class TunedLayout:
-    """The tuner's best layout in the terms a recipe sets (`RLConfig.backend`)."""
+    """The tuner's best configuration in the terms a recipe sets (`RLConfig.backend` and `spec`)."""
 
-    train: Layout
-    """The trainer's split (Megatron-Core's TP/PP/EP/ETP/CP and uneven first/last stages), `megatron_spec.layout`."""
-    train_dp: int
-    """Data-parallel replicas of the trainer."""
-    gen_tp: int
-    """GPUs per generation engine (vLLM tensor_parallel_size)."""
-    gen_ep: int
-    """Of those, the expert-parallel ranks (MoE only)."""
-    engines: int
-    """Generation engines (`backend.generators`)."""
-    placement: str
-    """colocated (time-share every GPU) or disaggregated (`gen_gpus` generate, the rest train)."""
-    gen_gpus: int
-    """GPUs that generate."""
+    layout: Layout
+    """The whole layout: the trainer's split (Megatron-Core's uneven first / last stages, sequence parallelism with
+    TP > 1, data-parallel replicas), one engine's split, the engine count and the placement."""
     async_lag: int
     """Policy lag (`backend.async_lag`; 0 = synchronous)."""
     method: str
@@ -295,16 +284,39 @@ class TunedLayout:
     moe_dispatcher: str = "alltoall"
     """The trainer's MoE token dispatcher the ranking assumed (`cheaper_dispatcher`)."""
 
+    @property
+    def train(self) -> Layout:
+        """The trainer's split (the whole layout; `describe` names the trainer's part)."""
+        return self.layout
+
+    @property
+    def train_dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def gen_tp(self) -> int:
+        return self.layout.engine.tp
+
+    @property
+    def gen_ep(self) -> int:
+        return self.layout.engine.ep
+
+    @property
+    def engines(self) -> int:
+        return self.layout.engines
+
+    @property
+    def gen_gpus(self) -> int:
+        return self.layout.engines * self.layout.engine.tp
+
+    @property
+    def placement(self) -> str:
+        return "colocated" if self.layout.colocated else "disaggregated"
+
     def backend_overrides(self) -> dict[str, object]:
-        """Dotted `RLConfig` overrides of the backend section this layout sets. Sequence parallelism goes with
-        TP > 1: the simulator's activation memory assumes it (split over TP), and Megatron-Core needs it to train
-        MoE layers under TP (`megatron_spec.layout.sequence_parallel_problems`)."""
-        t = self.train
-        return {"backend.megatron.tp": t.tp, "backend.megatron.pp": t.pp, "backend.megatron.ep": t.ep,
-                "backend.megatron.cp": t.cp, "backend.megatron.first_stage_layers": t.first_stage_layers,
-                "backend.megatron.last_stage_layers": t.last_stage_layers, "backend.generators": self.engines,
-                "backend.placement": self.placement, "backend.async_lag": self.async_lag,
-                "backend.megatron.sequence_parallel": t.tp > 1,
+        """Dotted `RLConfig` overrides of the backend section: the layout's (`Layout.overrides`), the policy lag and
+        the MoE dispatcher the ranking assumed."""
+        return {**self.layout.overrides(), "backend.async_lag": self.async_lag,
                 "backend.megatron.moe_token_dispatcher": self.moe_dispatcher}
 
 
@@ -314,8 +326,8 @@ def best_layout(model: str | ModelConfig, gpus: int, gpu: str = "h100", workload
     """The best layout for `model` on `gpus` GPUs of kind `gpu` and its predicted stage times (seconds, under the
     RL loop's stage names, plus `step`). `workload` defaults to the projection's (4096 rollouts, a 16k cap);
     `spec` is the speculation to assume (method and acceptance; None: plain decoding only); `config` passes other
-    `SimConfig` fields (gen_dtype_bytes, gpu_memory_utilization, ...). The trainer layout is the one
-    `megatron_spec.layout.check_layout` accepts for this model on the training GPUs (checked again here)."""
+    `SimConfig` fields (gen_dtype_bytes, gpu_memory_utilization, ...). The layout is checked again here with what
+    this project runs (`Layout.problems`)."""
     if workload is None:
         from .projection import projection_workload
 
@@ -324,15 +336,9 @@ def best_layout(model: str | ModelConfig, gpus: int, gpu: str = "h100", workload
                      spec=spec, **config)
     best = tune(base, space, top=1)[0]
     c, s = best.cfg, best.cfg.spec
-    m = c.model_config
-    first, last = suggest_split(m.num_hidden_layers, c.train.pp)
-    train = Layout(tp=c.train.tp, pp=c.train.pp, ep=c.train.ep, etp=1, cp=c.train.cp, first_stage_layers=first,
-                   last_stage_layers=last)
-    check_layout(m, train, world=c.train_gpus, who="tuned train", runnable=True)
-    tuned = TunedLayout(train=train, train_dp=c.train.dp, gen_tp=c.gen.tp, gen_ep=c.gen.ep, engines=c.engines,
-                        placement="colocated" if c.colocated else "disaggregated", gen_gpus=c.gen_gpus,
-                        async_lag=c.policy_lag, method=s.drafter if s else "none", k=s.k if s else 0,
-                        adaptive=bool(s and s.adaptive), moe_dispatcher=c.moe_dispatcher)
+    check_layout(c.model_config, c.layout, world=c.train_gpus, who="tuned train", runnable=True)
+    tuned = TunedLayout(layout=c.layout, async_lag=c.policy_lag, method=s.drafter if s else "none",
+                        k=s.k if s else 0, adaptive=bool(s and s.adaptive), moe_dispatcher=c.moe_dispatcher)
     return tuned, {**best.result.stages, "step": best.result.step_s}
 
 
