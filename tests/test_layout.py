@@ -111,7 +111,7 @@ def test_the_235b_recipe_layout_is_one_megatron_accepts():
 
 def test_the_three_callers_agree():
     """Backend checks, simulator and recipe Scale reject the same bad layout with the same sentence."""
-    from megatron_spec.backends.megatron.checks import Parallelism, check_parallelism
+    from megatron_spec.trainers.megatron.checks import Parallelism, check_parallelism
     from megatron_spec.sim.config import LengthDist, SimConfig, TrainParallel, Workload
     from recipes._common import Scale
 

@@ -17,7 +17,7 @@ import pytest
 
 from launchers import ray_slurm_plan, render_sbatch
 from launchers.plans import RAY_PORTS, node_group_problems, ranks_by_node, ray_ports
-from megatron_spec.backends.process_groups import straddling_groups
+from megatron_spec.distributed.process_groups import straddling_groups
 from megatron_spec.layout import Layout
 from megatron_spec.rl.overrides import apply_overrides
 
