@@ -14,7 +14,7 @@ Rank kinds: each trainer pipeline stage (its ranks differ by layers, embedding /
   largest micro-batch under its recompute setting, refit buffers, the engines' weights, workspace and KV cache
   (vLLM reserves `gpu_memory_utilization` of the device), host memory per process and per node.
 
-The optimizer rules (Megatron-Core 0.16, `trainers/megatron/policy.py`): `torch` keeps bf16 parameters, fp32
+The optimizer rules (Megatron-Core 0.16, `trainers/megatron/optimizer.py`): `torch` keeps bf16 parameters, fp32
 gradients on the fp32 masters and AdamW's two fp32 moments on every rank, nothing sharded (18 B a parameter);
 `megatron` (the distributed optimizer) keeps bf16 parameters, an fp32 gradient buffer (`grad_reduce_in_fp32`) and
 shards the fp32 masters and moments (12 B) over the data-parallel ranks, expert parameters over the expert
