@@ -84,6 +84,8 @@ class TrainerGroup:
     """The trainer ranks behind the Policy interface. The driver calls rank 0; a sharded (Megatron) trainer's
     rank 0 announces each call to the other ranks, which follow it (`TrainerRank.follow`)."""
 
+    supports_step_gate = False
+
     def __init__(self, cfg, placement: Placement, pg):
         ray = require_ray()
         self.cfg = cfg
@@ -104,8 +106,6 @@ class TrainerGroup:
             late = [i for i, ref in enumerate(setups) if ref not in ready]
             raise RuntimeError(f"trainer rank(s) {late} did not start within backend.init_timeout_s={timeout:g} s")
         self.joined = ray.get(setups)[0]  # a rank that failed to join raises here, naming the missing ranks
-
-    supports_step_gate = False
 
     def speculation(self, enabled: bool):
         return no_step_gate(self, enabled)
@@ -192,6 +192,8 @@ class Pending:
 
 
 class GeneratorGroup:
+    supports_step_gate = False
+
     def __init__(self, cfg, placement: Placement, pg):
         self.cfg, self.placement, self.pg = cfg, placement, pg
         self.colocated = placement.kind == "colocated"
@@ -201,8 +203,6 @@ class GeneratorGroup:
         self.sent = -1  # the newest version sent to the engines: a generation submitted after it starts with it
         self.reconnect = None  # set by the collective transport: re-forms its group and resends the weights
         self.restarts = 0
-
-    supports_step_gate = False
 
     def speculation(self, enabled: bool):
         return no_step_gate(self, enabled)
