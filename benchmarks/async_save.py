@@ -53,7 +53,7 @@ def model_config(args):
 
 
 def batch(vocab: int, rows: int, prompt: int, completion: int, seed: int):
-    from megatron_spec.trainers.embedded import Batch
+    from megatron_spec.interfaces import Batch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (rows, prompt + completion), generator=g)

@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_spec.bench.common import emit, machine  # noqa: E402
 from megatron_spec.models import from_pretrained  # noqa: E402
 from megatron_spec.rl.config import GRPOSection  # noqa: E402
-from megatron_spec.trainers.embedded import Batch  # noqa: E402
+from megatron_spec.interfaces import Batch  # noqa: E402
 
 POLICY = "checkpoints/tiny-qwen3-moe"
 SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)

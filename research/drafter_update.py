@@ -31,7 +31,8 @@ from megatron_spec.models.layers import attend
 from megatron_spec.models.masks import causal_mask
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
 from megatron_spec.rl.microbatch import micro_batches
-from megatron_spec.trainers.embedded import DrafterInputs, EmbeddedPolicy, minibatches
+from megatron_spec.interfaces import DrafterInputs
+from megatron_spec.trainers.embedded import EmbeddedPolicy, minibatches
 from megatron_spec.drafters import loss as drafter_loss
 
 BUDGET = 1024

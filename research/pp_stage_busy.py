@@ -42,7 +42,7 @@ def run(rank: int, world: int, layout: dict, repeats: int) -> dict:
     from megatron_spec.trainers.megatron.policy import MegatronPolicy
     from megatron_spec.models import from_pretrained
     from megatron_spec.rl.config import GRPOSection
-    from megatron_spec.trainers.embedded import Batch
+    from megatron_spec.interfaces import Batch
 
     model = from_pretrained(bench.POLICY)
     b = bench.batch(model.config.vocab_size)

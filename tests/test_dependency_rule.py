@@ -8,7 +8,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "megatron_spec"
 CORE = ["models", "kernels", "speculative", "drafters", "engine", "rl", "tasks", "sim", "bench",
-        "trainers/embedded.py", "generators/embedded.py"]
+        "trainers/embedded.py", "generators/embedded.py", "interfaces.py"]
 ADAPTERS = {"megatron.py", "vllm.py"}  # a drafter's format adapters to the distributed stacks
 FORBIDDEN = ("torch.distributed", "megatron", "vllm", "ray", "nemo_run")
 

@@ -7,13 +7,20 @@ can prove that after a refit the engine's weights equal the trainer's.
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 
-from ..engine import LLMEngine, SamplingParams
 from ..drafters.config import SpecConfig
+from ..drafters.proposer import Proposer
+from ..engine import LLMEngine
+from ..interfaces import Completion, SamplingParams
 from ..rl.refit import load_buckets
 
 
 class EmbeddedGenerator:
+    """The `Generator` of one process (`megatron_spec.interfaces`), the one that runs the whole-step gate."""
+
+    supports_step_gate = True
+
     def __init__(self, policy_model, drafter=None, spec: SpecConfig | None = None, max_num_seqs: int = 256,
                  own: bool = False, record_routing: bool = False):
         """`own`: keep `policy_model` and `drafter` themselves instead of copies (they were loaded for it alone);
@@ -40,8 +47,23 @@ class EmbeddedGenerator:
         returned."""
         return self.engine.refits.refit(self.engine, load, version)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         return self.engine.generate(prompts, params)
+
+    @contextmanager
+    def speculation(self, enabled: bool):
+        """With `enabled` False, the engine inside the block generates as `spec=null` runs it (no proposer,
+        controller or drafts); the configured one is back after it."""
+        if enabled:
+            yield
+            return
+        e = self.engine
+        saved = e.proposer, e.controller, e.k_max
+        e.proposer, e.controller, e.k_max = Proposer(), None, 0
+        try:
+            yield
+        finally:
+            e.proposer, e.controller, e.k_max = saved
 
     def sleep(self) -> None:
         """Free the KV cache between rollouts (weights stay: a drafter is never lost across sleep)."""

@@ -5,10 +5,11 @@ That process loads the policy (and drafter) from the checkpoint files itself and
 stream every step, so the loop's process (Megatron's rank 0) never holds a full copy of the model. It is not a
 trainer rank: it runs without torchrun's rank variables, and the loop reports its peak RSS among its children.
 
-Calls cross a socket pair: `generate`, `update_weights`, `sleep`, `wake`, `close`. A refit sends one bucket at a
-time (serialised by `torch.save`), so either side stages one bucket, not the model. An error in the generator's
-process comes back with its traceback and is raised here; a generator process that dies (e.g. killed for memory)
-is reported with its exit code.
+Calls cross a socket pair: `generate`, `update_weights`, `sleep`, `wake`, `close` (the `Generator` of
+`megatron_spec.interfaces`, without the whole-step gate). A refit sends one bucket at a time (serialised by
+`torch.save`), so either side stages one bucket, not the model. An error in the generator's process comes back
+with its traceback and is raised here; a generator process that dies (e.g. killed for memory) is reported with its
+exit code.
 
     python -m megatron_spec.generators.process FD    (started by `ProcessGenerator`, never by hand)
 """
@@ -24,6 +25,8 @@ import traceback
 from multiprocessing.connection import Connection
 
 import torch
+
+from megatron_spec.interfaces import no_step_gate
 
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME",
                  "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
@@ -52,6 +55,8 @@ def _unpack(data: bytes):
 class ProcessGenerator:
     """The Generator interface (`generate`, `update_weights`, `sleep`, `wake`, `close`) of an `EmbeddedGenerator`
     that lives in a child process started with the run's config."""
+
+    supports_step_gate = False
 
     def __init__(self, cfg):
         parent, child = socket.socketpair()
@@ -111,6 +116,9 @@ class ProcessGenerator:
 
     def wake(self) -> None:
         self._call("wake")
+
+    def speculation(self, enabled: bool):
+        return no_step_gate(self, enabled)
 
     def close(self) -> None:
         """Stop the generator's process (waits for it)."""

@@ -33,7 +33,7 @@ import sys
 import time
 
 from ..rl import loop
-from ..rl.loop import Rollouts
+from ..interfaces import Rollouts
 from . import require_ray
 from .groups import GeneratorGroup, TrainerDied, TrainerGroup
 from .bundles import plan
@@ -93,7 +93,8 @@ class RayTrainer(loop.Trainer):
             self.offload_info = self.policy.offload()
         t0 = time.perf_counter()
         pending = self.transport.start(self.version)
-        self.synced = self.generator.sent = self.version
+        self.synced = self.version
+        self.generator.sent_weights(self.version)
         if self.cfg.backend.async_lag == 0:
             metrics = sync_metrics(self.transport, resolve(pending))
             wall = time.perf_counter() - t0

@@ -1,4 +1,7 @@
-"""The two worker groups as the RL loop sees them: `TrainerGroup` is a Policy, `GeneratorGroup` a Generator.
+"""The two worker groups as the RL loop sees them: `TrainerGroup` is a Policy, `GeneratorGroup` a Generator
+(`megatron_spec.interfaces`), less what the Ray driver does its own way: the trainer's weights reach the engines
+through a transport (`transport.py`) instead of `export_weights` / `update_weights`, and the engines wake and
+sleep in their actors. Neither group runs the whole-step gate (`supports_step_gate` False).
 
 The generator group splits a step's prompts over its engines with every GRPO group whole (one engine sees all of
 a prompt's rollouts), gives engine j the seed offset j * SEED_STRIDE (engine 0 draws exactly what a single engine
@@ -12,6 +15,7 @@ import dataclasses
 from pathlib import Path
 
 from . import require_ray
+from ..interfaces import no_step_gate
 from ..distributed.process_groups import local_ranks, straddling_groups
 from .bundles import Placement, Slot
 from .workers import Engine, TrainerRank
@@ -80,6 +84,8 @@ class TrainerGroup:
     """The trainer ranks behind the Policy interface. The driver calls rank 0; a sharded (Megatron) trainer's
     rank 0 announces each call to the other ranks, which follow it (`TrainerRank.follow`)."""
 
+    supports_step_gate = False
+
     def __init__(self, cfg, placement: Placement, pg):
         ray = require_ray()
         self.cfg = cfg
@@ -100,6 +106,16 @@ class TrainerGroup:
             late = [i for i, ref in enumerate(setups) if ref not in ready]
             raise RuntimeError(f"trainer rank(s) {late} did not start within backend.init_timeout_s={timeout:g} s")
         self.joined = ray.get(setups)[0]  # a rank that failed to join raises here, naming the missing ranks
+
+    def speculation(self, enabled: bool):
+        return no_step_gate(self, enabled)
+
+    @property
+    def trains_drafter_online(self) -> bool:
+        """Rank 0's policy's answer (fixed for a group, which never pauses its drafter), asked once."""
+        if not hasattr(self, "_trains_drafter_online"):
+            self._trains_drafter_online = self.call("trains_drafter_online")
+        return self._trains_drafter_online
 
     def call(self, method: str, *args):
         """`method(*args)` on rank 0. A dead rank raises TrainerDied: rank 0's own death directly; a follower's
@@ -176,6 +192,8 @@ class Pending:
 
 
 class GeneratorGroup:
+    supports_step_gate = False
+
     def __init__(self, cfg, placement: Placement, pg):
         self.cfg, self.placement, self.pg = cfg, placement, pg
         self.colocated = placement.kind == "colocated"
@@ -185,6 +203,13 @@ class GeneratorGroup:
         self.sent = -1  # the newest version sent to the engines: a generation submitted after it starts with it
         self.reconnect = None  # set by the collective transport: re-forms its group and resends the weights
         self.restarts = 0
+
+    def speculation(self, enabled: bool):
+        return no_step_gate(self, enabled)
+
+    def sent_weights(self, version: int) -> None:
+        """`version` is the newest sent to the engines: a generation submitted from now on waits for it."""
+        self.sent = version
 
     def _start(self, j: int):
         slot = self.placement.generator(j)

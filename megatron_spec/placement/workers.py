@@ -133,6 +133,9 @@ class TrainerRank:
     def logprobs(self, batch):
         return self.policy.logprobs(batch)
 
+    def trains_drafter_online(self) -> bool:
+        return self.policy.trains_drafter_online
+
     def export(self, bucket_bytes: int) -> tuple[list, int, float]:
         """The policy and drafter weights as object-store buckets: (references, bytes, seconds). Every rank runs the
         export (a sharded trainer gathers collectively); rank 0's buckets are the ones published."""

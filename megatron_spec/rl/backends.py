@@ -1,11 +1,10 @@
 """Backend names of `RLConfig.backend` -> the classes the loop drives (and the driver of each Ray placement),
 imported only when chosen.
 
-Every trainer implements the Policy interface (`logprobs`, `train_step`, `export_weights`, `state_dict` /
-`load_state_dict`) and every generator the Generator interface (`generate`, `update_weights`, `sleep`, `wake`);
-both are built by `cls.from_rl(cfg, model, drafter)` from the run's config and the loaded policy model and drafter.
-The at-scale classes live under `megatron_spec.distributed`, which this module names as strings so that the core
-never imports Megatron, vLLM or Ray: a missing extra is reported when that backend is chosen, before any compute.
+Every trainer implements `megatron_spec.interfaces.Policy` and every generator `megatron_spec.interfaces.Generator`
+(`tests/test_interfaces.py` checks each entry); both are built by `cls.from_rl(cfg, model, drafter)` from the run's
+config and the loaded policy model and drafter. This module names the classes as strings so that the core never
+imports Megatron, vLLM or Ray: a missing extra is reported when that backend is chosen, before any compute.
 """
 
 from __future__ import annotations

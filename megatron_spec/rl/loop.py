@@ -19,21 +19,20 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
 import yaml
 
-from ..engine import SamplingParams
 from ..models.routing import ROUTING_DTYPE
 from ..speculative.adaptive import WholeStepGate
 from ..drafters.registry import drafter_method, needs_weights
+from ..interfaces import Batch, Generator, Policy, Rollouts, SamplingParams
 from ..speculative.stats import speculation_summary
 from . import checkpoint, memory
 from .config import RLConfig
 from .grpo import correction_stats, group_advantages, overlong_penalty, rejection_mask, uniform_groups
-from ..trainers.embedded import Batch
 from .refit import buckets
 from .stop import SaveClock, StopRequest, save_due
 
@@ -249,24 +248,6 @@ def spec_metrics(outs) -> dict:
     return {"acceptance_length": summary["acceptance_length"], "accepted_per_pos": summary["per_position"] or None}
 
 
-@dataclasses.dataclass
-class Rollouts:
-    """One step's completions (in prompt order) and how old the policy that generated them is."""
-
-    outs: list
-    """The generator's outputs, one per prompt (token ids, behaviour log-probs, each token's policy version where
-    the generator records it, speculation stats)."""
-    lag: int = 0
-    """Policy versions between the weights that generated the oldest token and the weights being trained (0:
-    on-policy). With in-flight updates a rollout's tokens may come from several versions; each token's behaviour
-    log-prob is its own version's, which is what the loss's importance ratios read."""
-    metrics: dict = dataclasses.field(default_factory=dict)
-    """What the producer adds to the step's metrics (weight sync bytes / seconds, policy version, restarts)."""
-    ages: list[int] | None = None
-    """Per rollout, policy versions between the weights that generated its oldest token and the weights being
-    trained (`grpo.max_trajectory_age` drops groups by them); None: every rollout is `lag` old."""
-
-
 class Trainer:
     """Holds the run's pieces; `step()` is one RL step, its stages are the methods below it."""
 
@@ -280,7 +261,7 @@ class Trainer:
         self.policy, self.generator = self.build_backends()
         self.gate = WholeStepGate() if self.gated() else None
 
-    def build_backends(self):
+    def build_backends(self) -> tuple[Policy, Generator]:
         """The trainer and the generator, in this process."""
         from ..models import from_pretrained
         from .backends import build_generator, build_policy
@@ -316,34 +297,26 @@ class Trainer:
                 **self.task.reward_stats, **gate}
 
     def gated(self) -> bool:
-        """Whether the whole-step gate (`spec.adaptive.WholeStepGate`) decides each step's mode: an adaptive spec with
-        a drafter that trains online (`drafter_train.gate`), on the in-process generator and trainer."""
-        from ..generators.embedded import EmbeddedGenerator
-        from ..trainers.embedded import EmbeddedPolicy
-
+        """Whether the whole-step gate (`speculative.adaptive.WholeStepGate`) decides each step's mode: an adaptive
+        spec with a drafter that trains online (`drafter_train.gate`), on a generator and a trainer that can both
+        run a plain step (`supports_step_gate`: the in-process pair)."""
         spec, d = self.cfg.spec, self.cfg.drafter_train
-        return bool(spec and spec.adaptive and d.gate and d.online and isinstance(self.generator, EmbeddedGenerator)
-                    and isinstance(self.policy, EmbeddedPolicy) and self.policy.drafter_opt is not None)
+        return bool(spec and spec.adaptive and d.gate and d.online and self.generator.supports_step_gate
+                    and self.policy.supports_step_gate and self.policy.trains_drafter_online)
 
     @contextmanager
     def speculation(self, on: bool | None, engine: bool = True):
-        """The step's mode: None or True as configured; False a plain step, as `spec=null` runs it (the engine without
-        drafter, controller or drafts; the trainer without the drafter's training or agreement). `engine` False
-        leaves the engine as it is (the trainer's part only)."""
+        """The step's mode: None or True as configured; False a plain step, as `spec=null` runs it (the generator
+        without drafts, the trainer without the drafter's training or agreement). `engine` False leaves the
+        generator as it is (the trainer's part only)."""
         if on is None or on:
             yield
             return
-        from ..drafters.proposer import Proposer
-
-        gen, policy = self.generator.engine, self.policy
-        saved = gen.proposer, gen.controller, gen.k_max, policy.drafter_reads
-        if engine:
-            gen.proposer, gen.controller, gen.k_max = Proposer(), None, 0
-        policy.drafter_reads = False
-        try:
+        with ExitStack() as stack:
+            if engine:
+                stack.enter_context(self.generator.speculation(False))
+            stack.enter_context(self.policy.speculation(False))
             yield
-        finally:
-            gen.proposer, gen.controller, gen.k_max, policy.drafter_reads = saved
 
     def draw(self, step: int) -> tuple[list, list[list[int]]]:
         """This step's problems and prompts, each prompt repeated `group_size` times (its GRPO group)."""
@@ -418,9 +391,8 @@ class Trainer:
         """The batch of the first `drafter_train.extra_groups` groups the policy leaves out this step, for the
         drafter to learn from as well; None when there are none or the drafter does not train this step."""
         d, size = self.cfg.drafter_train, self.cfg.grpo.group_size
-        # Not on a step the gate runs plainly (the in-process policy then reads no drafter states), nor for a
-        # frozen drafter; a Ray trainer group has no such flag and its drafter trains every step.
-        if not d.extra_groups or not d.online or not getattr(self.policy, "drafter_reads", True):
+        # Not on a step the gate runs plainly, nor for a drafter that does not train online.
+        if not d.extra_groups or not d.online or not self.policy.trains_drafter_online:
             return None
         n = d.extra_groups
         left = [i for i in range(0, len(outs), size) if not keep[i]][:n]

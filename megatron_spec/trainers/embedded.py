@@ -1,5 +1,4 @@
-"""The embedded trainer: our model + AdamW, behind the same interface the Megatron backend will offer
-(`logprobs`, `train_step`, `export_weights`, `state_dict` / `load_state_dict`).
+"""The embedded trainer: our model + AdamW, a `megatron_spec.interfaces.Policy` as the Megatron trainer is.
 
 Online drafter training rides on the policy's own forward in `train_step`: the drafter reads the trunk's hidden
 states and logits *detached*, and has its own optimizer and its own backward, so its loss cannot send gradient
@@ -16,8 +15,7 @@ from __future__ import annotations
 import copy
 import time
 from collections import deque
-from dataclasses import dataclass, replace
-from typing import NamedTuple
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -27,6 +25,7 @@ from ..drafters.eagle3.model import captured_layers
 from ..models.routing import replayed
 from ..drafters.loss import agreement, depth_pairs, pairs_loss
 from ..drafters.registry import drafter_method
+from ..interfaces import Batch, DrafterInputs
 from ..speculative.sampling import processed_logprobs
 from ..rl.grpo import LossNorm, aggregate, kl_penalty, policy_loss, truncated_is_weights
 from ..rl.microbatch import micro_batches, sequence_lengths
@@ -47,65 +46,6 @@ class Deadline:
         """Whether the next piece of the training is left out (the deadline has passed)."""
         self.stopped = self.stopped or (self.end is not None and time.perf_counter() >= self.end)
         return self.stopped
-
-
-@dataclass
-class Batch:
-    input_ids: Tensor
-    """[B, T] prompt + completion, right-padded."""
-    mask: Tensor
-    """[B, T] True at completion tokens (what the loss and the drafter learn)."""
-    advantages: Tensor | None = None
-    """[B] per-sequence advantage."""
-    old_logprobs: Tensor | None = None
-    """[B, T-1] log-probs of token t+1 under the policy before this update (from the logprob stage). None:
-    `train_step` takes them from its own forward, detached, and fills them in (`grpo.fold_logprob`)."""
-    behaviour_logprobs: Tensor | None = None
-    """[B, T-1] the engine's log-probs of the sampled tokens when the rollouts came from an older policy version
-    than the one being trained (async GRPO): the loss then weighs each token by the importance ratio old /
-    behaviour as `grpo.rollout_correction` says (`grpo.truncated_is_weights`). None: the rollouts are on-policy,
-    no correction."""
-    routing: Tensor | None = None
-    """[B, T, MoE layers, top_k] the experts the rollouts routed each position to (-1: route freely), which the
-    trainer's forwards replay (`grpo.routing_replay`, `models.routing`); None: each forward routes by itself."""
-
-    def to(self, device: torch.device) -> "Batch":
-        """This batch with every tensor on `device` (itself where they already are)."""
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return replace(self, input_ids=move(self.input_ids), mask=move(self.mask), advantages=move(self.advantages),
-                       old_logprobs=move(self.old_logprobs), behaviour_logprobs=move(self.behaviour_logprobs),
-                       routing=move(self.routing))
-
-    def select(self, rows: list[int], length: int) -> "Batch":
-        """The micro-batch of `rows`, cropped to its first `length` positions."""
-        idx = torch.tensor(rows, device=self.input_ids.device)
-        per_token = lambda t: None if t is None else t[idx, : length - 1]  # noqa: E731  ([B, T-1] fields)
-        return Batch(self.input_ids[idx, :length], self.mask[idx, :length],
-                     None if self.advantages is None else self.advantages[idx],
-                     per_token(self.old_logprobs), per_token(self.behaviour_logprobs),
-                     routing=None if self.routing is None else self.routing[idx, :length])
-
-
-class DrafterInputs(NamedTuple):
-    """What the drafter update needs from one micro-batch's policy forward, all detached."""
-
-    input_ids: Tensor
-    mask: Tensor
-    out: TrunkOutput
-    logits: Tensor
-
-    def rows(self, index: slice) -> "DrafterInputs":
-        """The rows `index` selects (a view, no copy)."""
-        out = TrunkOutput(self.out.hidden[index], {i: h[index] for i, h in self.out.layers.items()})
-        return DrafterInputs(self.input_ids[index], self.mask[index], out, self.logits[index])
-
-    def copy_to(self, device) -> "DrafterInputs":
-        """A copy on `device` that shares no storage with this one (a checkpoint then holds just these tensors)."""
-        def copy(t: Tensor) -> Tensor:
-            return t.to(device, copy=True)
-
-        out = TrunkOutput(copy(self.out.hidden), {i: copy(h) for i, h in self.out.layers.items()})
-        return DrafterInputs(copy(self.input_ids), copy(self.mask), out, copy(self.logits))
 
 
 def join(parts: list[DrafterInputs]) -> DrafterInputs:
@@ -199,6 +139,8 @@ def grpo_micro_loss(logits: Tensor, mb: Batch, old_logprobs: Tensor | None, samp
 
 
 class EmbeddedPolicy:
+    """The `Policy` of one process: the policy model, its AdamW, and the drafter's online training."""
+
     def __init__(self, model: CausalLM, grpo, sampling: dict, drafter=None, drafter_method: str | None = None,
                  drafter_cfg=None):
         self.model = model.train()
@@ -221,6 +163,25 @@ class EmbeddedPolicy:
         # The drafter reads this step's forwards to train (online) and/or to measure its agreement.
         self.drafter_reads = self.drafter_opt is not None or (
             drafter is not None and drafter_cfg is not None and drafter_cfg.agreement)
+
+    supports_step_gate = True
+
+    @property
+    def trains_drafter_online(self) -> bool:
+        return self.drafter_opt is not None and self.drafter_reads
+
+    @contextmanager
+    def speculation(self, enabled: bool):
+        """With `enabled` False, `train_step` inside the block leaves the drafter out (no update, no agreement), as
+        a run without speculation trains: the whole-step gate's plain steps."""
+        if enabled:
+            yield
+            return
+        saved, self.drafter_reads = self.drafter_reads, False
+        try:
+            yield
+        finally:
+            self.drafter_reads = saved
 
     @classmethod
     def from_rl(cls, cfg, model: CausalLM, drafter=None) -> "EmbeddedPolicy":

@@ -227,7 +227,8 @@ def trainer_step_seconds(model: ModelConfig, workload: dict, budget: int, clock,
 
     from megatron_spec.models import CausalLM
     from megatron_spec.rl.config import GRPOSection
-    from megatron_spec.trainers.embedded import Batch, EmbeddedPolicy
+    from megatron_spec.interfaces import Batch
+    from megatron_spec.trainers.embedded import EmbeddedPolicy
 
     from . import cpu_train
     from .model import cpu_config

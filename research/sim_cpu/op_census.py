@@ -157,7 +157,8 @@ def trainer_pass(cfg: ModelConfig, batch: int = 4, tokens: int = 16, budget: int
 
     from megatron_spec.models import CausalLM
     from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
-    from megatron_spec.trainers.embedded import Batch, EmbeddedPolicy
+    from megatron_spec.interfaces import Batch
+    from megatron_spec.trainers.embedded import EmbeddedPolicy
 
     torch.manual_seed(0)
     model = CausalLM(cfg)

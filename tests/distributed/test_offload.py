@@ -13,7 +13,8 @@ import torch
 from megatron_spec.distributed.offload import device_bytes, offload, onload, release_caches
 from megatron_spec.models import CausalLM, preset
 from megatron_spec.rl.config import GRPOSection
-from megatron_spec.trainers.embedded import Batch, EmbeddedPolicy
+from megatron_spec.interfaces import Batch
+from megatron_spec.trainers.embedded import EmbeddedPolicy
 
 SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)
 

@@ -169,7 +169,8 @@ def test_one_online_update_then_export_carries_the_trained_weights(tmp_path, tar
     (AdamW's first step moves every entry with a nonzero gradient by ~lr), d2t and t2d unchanged; loading the export
     gives the trained head's weights exactly (fp32 file, so no rounding)."""
     from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
-    from megatron_spec.trainers.embedded import Batch, EmbeddedPolicy
+    from megatron_spec.interfaces import Batch
+    from megatron_spec.trainers.embedded import EmbeddedPolicy
 
     path = write_public(distinct_head(target), tmp_path / layout, layout, dtype=torch.float32)
     head = load_public_eagle3(path, target.config)

@@ -7,7 +7,7 @@ import math
 import torch
 
 from megatron_spec.rl.grpo import policy_loss, truncated_is_weights
-from megatron_spec.trainers.embedded import Batch
+from megatron_spec.interfaces import Batch
 from tests.rl.test_policy import make_policy, rollout_batch
 
 PI = torch.tensor([0.1, 0.2, 0.3, 0.4])

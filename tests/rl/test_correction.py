@@ -16,10 +16,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from megatron_spec.interfaces import Rollouts
 from megatron_spec.rl.config import GRPOSection, RLConfig, RolloutCorrection
 from megatron_spec.rl.grpo import (LossNorm, correction_stats, log_is_ratios, policy_loss, rejection_mask,
                                    truncated_is_weights)
-from megatron_spec.rl.loop import Rollouts, StageTimer, Trainer, config_problems, fresh_groups, step_advantages
+from megatron_spec.rl.loop import StageTimer, Trainer, config_problems, fresh_groups, step_advantages
 
 RATIOS = [[3.0, 0.5, 1.2, None],
           [0.1, 0.9, None, None],

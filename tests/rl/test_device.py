@@ -7,7 +7,7 @@ import torch
 from megatron_spec.rl import checkpoint, loop
 from megatron_spec.rl.config import RunSection
 from megatron_spec.rl.overrides import apply_overrides
-from megatron_spec.trainers.embedded import Batch
+from megatron_spec.interfaces import Batch
 
 from ..device_guard import DeviceGuard
 from .test_loop import ckpts, shaped_reward, small_cfg  # noqa: F401  (fixtures)

@@ -12,7 +12,8 @@ from megatron_spec.drafters.mtp.model import MTP
 from megatron_spec.models import CausalLM, preset
 from megatron_spec.drafters.eagle3.model import Eagle3Head
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
-from megatron_spec.trainers.embedded import Batch, EmbeddedPolicy
+from megatron_spec.interfaces import Batch
+from megatron_spec.trainers.embedded import EmbeddedPolicy
 from megatron_spec.drafters.loss import depth_pairs, pairs_loss
 from megatron_spec.drafters.registry import drafter_method
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import megatron_spec.rl.prefix as prefix_mod
-from megatron_spec.trainers.embedded import Batch, EmbeddedPolicy
+from megatron_spec.interfaces import Batch
+from megatron_spec.trainers.embedded import EmbeddedPolicy
 from megatron_spec.rl.prefix import prompt_groups
 from tests.rl.test_policy import assert_same_update, make_policy, off_policy, rollout_batch, run_step
 

@@ -43,7 +43,8 @@ from megatron_spec.drafters.eagle3.model import Eagle3Head
 from megatron_spec.models.config import ModelConfig
 from megatron_spec.models.decoder import TrunkOutput
 from megatron_spec.rl.microbatch import micro_batches, sequence_lengths, spread_rows
-from megatron_spec.trainers.embedded import Batch, DrafterInputs, EmbeddedPolicy
+from megatron_spec.interfaces import Batch, DrafterInputs
+from megatron_spec.trainers.embedded import EmbeddedPolicy
 from megatron_spec.rl.refit import DRAFTER_PREFIX
 
 from ...trainers.megatron import require_megatron

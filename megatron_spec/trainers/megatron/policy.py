@@ -33,7 +33,7 @@ from megatron_spec.models import CausalLM
 from megatron_spec.drafters.files import read_drafter_config
 from megatron_spec.models.hf_io import read_config
 from megatron_spec.rl.grpo import LossNorm
-from megatron_spec.trainers.embedded import Batch
+from megatron_spec.interfaces import Batch, no_step_gate
 from megatron_spec.rl.refit import DRAFTER_PREFIX
 
 from . import require_megatron
@@ -69,6 +69,18 @@ def hf_weights(model: CausalLM, drafter) -> dict[str, torch.Tensor]:
 
 
 class MegatronPolicy(Followers, RefitSource, ShardedCheckpoints):
+    """The `Policy` (`megatron_spec.interfaces`) on Megatron-Core; its drafter trains in the policy's own schedule,
+    so it has no whole-step gate (`supports_step_gate` False)."""
+
+    supports_step_gate = False
+
+    def speculation(self, enabled: bool):
+        return no_step_gate(self, enabled)
+
+    @property
+    def trains_drafter_online(self) -> bool:
+        return self.mtp is not None or self.eagle3 is not None
+
     def __init__(self, model: CausalLM | str | os.PathLike, grpo, sampling: dict, par: Parallelism, *,
                  drafter: MTP | str | os.PathLike | None = None, mtp_num_layers: int = 0,
                  mtp_coupling: str = "detached", mtp_loss_scaling_factor: float = 0.1, drafter_lr: float = 3e-4,

@@ -135,7 +135,8 @@ def trunk_positions(cfg: SimConfig, share: bool) -> int:
     """Positions the real trainer's trunk computes in one `logprobs` pass over a batch with the workload's row
     lengths (rounded), each group of 8 rollouts holding one prompt."""
     from megatron_spec.models import CausalLM
-    from megatron_spec.trainers.embedded import Batch, EmbeddedPolicy
+    from megatron_spec.interfaces import Batch
+    from megatron_spec.trainers.embedded import EmbeddedPolicy
 
     w = cfg.workload
     lengths = [round(n) for n in cpu_train.row_lengths(cfg)]

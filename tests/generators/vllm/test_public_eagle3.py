@@ -31,7 +31,8 @@ def test_vllm_serves_the_exported_speculators_head(tmp_path):
     from megatron_spec.generators.vllm import VLLMGenerator
     from megatron_spec.generators.vllm.export import export_target
     from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
-    from megatron_spec.trainers.embedded import Batch, EmbeddedPolicy
+    from megatron_spec.interfaces import Batch
+    from megatron_spec.trainers.embedded import EmbeddedPolicy
 
     target = from_pretrained(POLICY)
     task = PromptTask.build("tiny", POLICY, 64, 0, "eval")

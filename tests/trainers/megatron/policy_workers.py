@@ -9,7 +9,8 @@ import torch
 from megatron_spec.drafters.mtp.model import MTP, MTPConfig
 from megatron_spec.models import CausalLM
 from megatron_spec.rl.config import GRPOSection, RolloutCorrection
-from megatron_spec.trainers.embedded import Batch, EmbeddedPolicy
+from megatron_spec.interfaces import Batch
+from megatron_spec.trainers.embedded import EmbeddedPolicy
 
 from .common import hf_tensors, policy_part, tiny
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_spec.trainers.embedded import Batch
+from megatron_spec.interfaces import Batch
 
 from .common import hf_tensors, policy_part, save_hf_dir, tiny
 from .policy_workers import SAMPLING, batches, grpo, megatron_steps, our_drafter, our_model, with_policy_old

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_spec.trainers.embedded import Batch
+from megatron_spec.interfaces import Batch
 
 from .common import tiny
 from .policy_workers import SAMPLING, grpo, our_model, with_policy_old

@@ -42,7 +42,7 @@ def test_packed_cut_leaves_pp_micro_batches_per_rank():
     import torch
 
     from megatron_spec.trainers.megatron.step import slots
-    from megatron_spec.trainers.embedded import Batch
+    from megatron_spec.interfaces import Batch
 
     mask = torch.zeros(8, 16, dtype=torch.bool)
     for i in range(8):
