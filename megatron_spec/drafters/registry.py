@@ -94,6 +94,7 @@ class DrafterMethod:
 
     @property
     def sim_label(self) -> str:
+        """The simulator's name for it: `sim_name`, else the method's."""
         return self.sim_name or self.name
 
     @property
@@ -173,7 +174,7 @@ def method_of(drafter) -> DrafterMethod:
 
 
 def method_names(*, weights: bool | None = None, trainable: bool = False, vllm: bool = False) -> tuple[str, ...]:
-    """Registered names in registration order; `weights` True/False keeps those that do / do not need weights,
+    """Registered names in `listing` order; `weights` True/False keeps those that do / do not need weights,
     `trainable` those `train-drafter` can make, `vllm` those with a vLLM counterpart."""
     ordered = sorted(_methods().values(), key=lambda m: (m.listing, m.name))
     return tuple(m.name for m in ordered
