@@ -152,11 +152,11 @@ def problems(cfg, arch: dict) -> list[str]:
     out = []
     method = cfg.spec.method if cfg.spec else None
     if cfg.backend.generator == "vllm" and method == "eagle3":
-        from megatron_spec.generators.vllm.export import EAGLE3_ARCHITECTURES
+        from megatron_spec.drafters.eagle3.export import EAGLE3_ARCHITECTURES
 
         if arch["model_type"] not in EAGLE3_ARCHITECTURES:
             out.append(f"vLLM engine start-up: the EAGLE-3 export for vLLM has no class for a {arch['model_type']} "
-                       f"target (megatron_spec.generators.vllm.export.EAGLE3_ARCHITECTURES: "
+                       f"target (megatron_spec.drafters.eagle3.export.EAGLE3_ARCHITECTURES: "
                        f"{', '.join(EAGLE3_ARCHITECTURES)})")
     if cfg.backend.trainer == "megatron" and cfg.drafter_train.online and method in method_names(weights=True):
         # what the Megatron trainer trains online: MTP heads as Megatron-Core MTP layers, EAGLE-3 heads beside it

@@ -85,11 +85,11 @@ def drafter_checkpoint(target: str, method: str, draft_model: str) -> Path | Non
     """Where the trained drafter for `method` lives: the draft model given, or the head that `train-drafter` saved
     beside the target as `<target>-<method>` (beside `checkpoints/` for a preset name such as smollm2-135m).
     None for the lookup drafters, which have no weights."""
-    from megatron_spec.drafters.registry import needs_weights
+    from megatron_spec.drafters.registry import drafter_method
 
-    if not needs_weights(method):
+    if not drafter_method(method).needs_weights:
         return None
-    if method == "draft_model":  # the one drafter given by its own flag, `--draft-model`
+    if drafter_method(method).standalone:  # a whole model, given by its own flag, `--draft-model`
         return Path(draft_model)
     target = Path(target)
     parent = target.parent if target.exists() else Path("checkpoints")

@@ -25,7 +25,7 @@ import copy
 import math
 from pathlib import Path
 
-from ..drafters.registry import method_names
+from ..drafters.registry import drafter_method, method_names
 
 STAGES = ("data", "prepare", "gen", "logprob", "train")
 
@@ -131,8 +131,9 @@ def main(args: argparse.Namespace) -> int:
         spec = None
         if label != "plain":
             method = label.split()[0]
-            spec = {"k": args.k, "acceptance_length": r["acceptance_length"], "drafter": method,
-                    "draft_model": "tiny-draft" if method == "draft_model" else "", "online": label.endswith("online")}
+            spec = dict(k=args.k, acceptance_length=r["acceptance_length"], drafter=method,
+                        draft_model="tiny-draft" if drafter_method(method).standalone else "",
+                        online=label.endswith("online"))
         lengths = LengthDist.fit(r["response_len_mean"], r["response_len_max"], args.prompts * args.group,
                                  args.max_tokens)
         write_json(Path(args.sim_out).with_name(Path(args.sim_out).stem + ("" if key == "plain" else "_spec") + ".json"), {

@@ -9,7 +9,7 @@ reads them and the log-prob pass uses them. `onload(policy)` moves the states an
 came from, bit for bit. On a CPU the states already live in host memory, so only the gradients and the trimmed
 heap are released.
 
-Found on the policy: its optimizers (`opt`, `drafter_opt`, an online EAGLE-3 head's `eagle3.trainer.drafter_opt`)
+Found on the policy: its optimizers (`opt`, `drafter_opt`, the `drafter_opt` of a part trained beside it, an online EAGLE-3 head)
 and its model parameters (`model`, `drafter`). A policy whose optimizer keeps its own buffers (Megatron-Core's
 distributed optimizer, `mopt`) is refused: its buffers are not reachable this way.
 """
@@ -37,9 +37,11 @@ class Offloaded:
 
 
 def optimizers(policy) -> list:
-    eagle3 = getattr(getattr(policy, "eagle3", None), "trainer", None)
-    found = [getattr(policy, "opt", None), getattr(policy, "drafter_opt", None), getattr(eagle3, "drafter_opt", None)]
-    return [o for o in found if isinstance(o, torch.optim.Optimizer)]
+    """The policy's optimizers (`opt`, `drafter_opt`) and the `drafter_opt` of each part it holds that trains
+    beside it (an online drafter head's trainer), each once."""
+    found = [getattr(policy, "opt", None)] + [getattr(p, "drafter_opt", None) for p in (policy, *vars(policy).values())]
+    found = [o for o in found if isinstance(o, torch.optim.Optimizer)]
+    return list({id(o): o for o in found}.values())
 
 
 def _model_params(policy) -> list:

@@ -2,7 +2,7 @@
 
 A drafter directory holds `drafter_config.json` and `model.safetensors`:
 
-    {"kind": "mtp" | "eagle3", "config": {...the drafter's own dataclass...}, "target": {...fingerprint...}}
+    {"kind": <method name>, "config": {...the drafter's own dataclass...}, "target": {...fingerprint...}}
 
 An EAGLE-3 head with a draft vocabulary (`draft_vocab_size` > 0) also saves its `d2t` buffer (draft id -> target id,
 int64) in `model.safetensors`: the map belongs to the weights (row i of its `lm_head` means target id d2t[i]), so
@@ -12,7 +12,7 @@ The fingerprint records the target architecture the weights were made for. Loadi
 at hand and raises one ValueError naming every mismatch before a single tensor is read, because a drafter for
 another architecture either fails on shapes deep inside load_state_dict or, worse, loads and drafts garbage.
 
-A "draft_model" drafter is an ordinary `CausalLM` (`hf_io.from_pretrained`); `check_draft_model` is its guard.
+A draft model drafter is an ordinary `CausalLM` (`hf_io.from_pretrained`); `check_draft_model` is its guard.
 
 `export_trained_drafter` writes a drafter trained elsewhere (online, in a run) back in the layout its starting
 checkpoint has: ours, a public EAGLE-3 layout (`eagle3_public`), or an HF model directory for a draft model.
@@ -29,14 +29,17 @@ import torch
 from torch import nn
 
 from ..models.config import ModelConfig
-from .eagle3.model import Eagle3Config, Eagle3Head, check_d2t
+from .eagle3.model import check_d2t
 from ..models.hf_io import check_state, load_tensors, save_tensors, write_atomically
-from .mtp.model import MTP, MTPConfig
+from .registry import saved_kinds
 
 DRAFTER_CONFIG = "drafter_config.json"
 
-# kind -> (module class, its config dataclass, the attribute holding that config)
-_KINDS = {"mtp": (MTP, MTPConfig, "mtp_config"), "eagle3": (Eagle3Head, Eagle3Config, "eagle_config")}
+
+def head_classes(kind: str) -> tuple[type, type, str]:
+    """(module class, its config dataclass, the attribute holding that config) of a head saved as `kind`."""
+    method = saved_kinds()[kind]
+    return (method.module(), *method.saved_config())
 
 FINGERPRINT_FIELDS = (
     "model_type", "hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -61,10 +64,10 @@ def _check_fingerprint(saved: dict, target_config: ModelConfig, where: str) -> N
 
 def save_drafter(module: nn.Module, out_dir: str | os.PathLike, kind: str, target_config: ModelConfig) -> Path:
     """Write `module` (an `MTP` or `Eagle3Head` built for `target_config`) to `out_dir`, atomically."""
-    if kind not in _KINDS:
-        hint = " (a draft model is a CausalLM: save it with save_pretrained)" if kind == "draft_model" else ""
-        raise ValueError(f"unknown drafter kind {kind!r}: expected one of {', '.join(_KINDS)}{hint}")
-    cls, _, attr = _KINDS[kind]
+    if kind not in saved_kinds():
+        raise ValueError(f"unknown drafter kind {kind!r}: expected one of {', '.join(saved_kinds())} (a drafter "
+                         "that is a CausalLM saves with save_pretrained)")
+    cls, _, attr = head_classes(kind)
     if not isinstance(module, cls):
         raise ValueError(f"drafter kind {kind!r} needs a {cls.__name__}, got {type(module).__name__}")
     _check_fingerprint(target_fingerprint(module.target_config), target_config, f"being saved to {out_dir}")
@@ -97,10 +100,11 @@ def drafter_kind_and_config(path: str | os.PathLike, target_config: ModelConfig)
     `target_config` (kind known, target fingerprint) before any tensor is read."""
     meta = read_drafter_config(path)
     kind = meta.get("kind")
-    if kind not in _KINDS:
-        raise ValueError(f"{Path(path) / DRAFTER_CONFIG}: unknown drafter kind {kind!r}, expected one of {', '.join(_KINDS)}")
+    if kind not in saved_kinds():
+        raise ValueError(f"{Path(path) / DRAFTER_CONFIG}: unknown drafter kind {kind!r}, expected one of "
+                         f"{', '.join(saved_kinds())}")
     _check_fingerprint(meta.get("target", {}), target_config, str(path))
-    return kind, _KINDS[kind][1](**meta.get("config", {}))
+    return kind, head_classes(kind)[1](**meta.get("config", {}))
 
 
 def load_drafter(
@@ -116,7 +120,7 @@ def load_drafter(
     if not (Path(path) / DRAFTER_CONFIG).is_file() and public_layout(path) is not None:
         return load_public_eagle3(path, target_config, dtype, device)
     kind, drafter_cfg = drafter_kind_and_config(path, target_config)
-    cls = _KINDS[kind][0]
+    cls = head_classes(kind)[0]
     with torch.device("meta"):
         module = cls(target_config, drafter_cfg)
     tensors = load_tensors(path, dtype)
@@ -161,3 +165,8 @@ def export_trained_drafter(source: str | os.PathLike, tensors: dict[str, torch.T
     if isinstance(module, CausalLM):
         return save_pretrained(module, out_dir)
     return save_drafter(module, out_dir, read_drafter_config(source)["kind"], target_config)
+
+
+def load_head(path, target, device) -> nn.Module:
+    """A head saved in our layout (or a public EAGLE-3 one) for `target`, in its dtype: a registry entry's `load`."""
+    return load_drafter(path, target.config, dtype=target.dtype, device=device)

@@ -287,3 +287,15 @@ class FeatureRecorder(Proposer):
         either)."""
         parts = self.feats[:, :length].chunk(1 + len(self.capture_layers), -1)
         return TrunkOutput(parts[0], dict(zip(self.capture_layers, parts[1:])))
+
+
+def hidden_state_proposer(spec, target: CausalLM, drafter) -> HiddenStateProposer:
+    """The proposer of a head that drafts from `target`'s hidden states (a registry entry's `proposer`); a head
+    built for another vocabulary or hidden size raises before any generation."""
+    if drafter.target_config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"drafter vocabulary ({drafter.target_config.vocab_size}) differs from the target's "
+                         f"({target.config.vocab_size})")
+    if drafter.target_config.hidden_size != target.config.hidden_size:
+        raise ValueError(f"{spec.method} drafter was built for hidden size {drafter.target_config.hidden_size}, "
+                         f"the target has {target.config.hidden_size}")
+    return HiddenStateProposer(target, drafter.to(target.device, target.dtype), spec.draft_sampling)

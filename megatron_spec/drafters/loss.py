@@ -1,6 +1,8 @@
 """Drafter training losses: soft cross-entropy against the target's detached distribution.
 
-The same functions serve offline initialisation (`megatron-spec train-drafter`) and online training during RL:
+Each method's folder builds its own (student, teacher) pairs (`mtp/loss.py`, `eagle3/loss.py`,
+`draft_model/loss.py`, its registry entry's `online_loss`); what is shared lives here. The same functions serve
+offline initialisation (`megatron-spec train-drafter`) and online training during RL:
 they take the target's hidden states and logits from a forward that already happened, detach them, and return a
 loss whose gradient reaches only the drafter. Matching the target's whole distribution (not its sampled token)
 is what the drafter is judged on at verification time, where acceptance is sum_x min(p(x), q(x)).
@@ -25,7 +27,6 @@ from torch import Tensor
 from ..models.decoder import CausalLM, TrunkOutput
 from .eagle3.model import Eagle3Head, captured_layers
 from ..models.layers import attend_unrolled
-from .mtp.model import MTP
 from ..speculative.sampling import processed_logprobs
 
 
@@ -78,28 +79,6 @@ class UnrolledAttention:
         return attend_unrolled(q, self.keys, self.values)  # row t of every step is row t of step 0
 
 
-def mtp_pairs(target: CausalLM, mtp: MTP, input_ids: Tensor, out: TrunkOutput, logits: Tensor,
-              mask: Tensor, drafts: int = TRAINED_DRAFTS) -> list[DepthPair]:
-    """Draft j (0-based) from row t predicts token t+j+2 against the trunk's logits at t+j+1. Depth i < D makes
-    draft i from the previous depth's state (the trunk's for depth 0) and token t+i+1, at position t (Megatron-Core
-    rotates by the hidden state's position). Past the D depths the last one is chained, as drafting chains it: its
-    own previous state, token t+j+1, position t+j-D+1, and the attention `UnrolledAttention` gives it."""
-    B, T = input_ids.shape
-    D = len(mtp.layers)
-    hidden, attention, pairs = out.hidden.detach(), UnrolledAttention(), []
-    for j in range(max(D, drafts)):
-        depth = min(j, D - 1)
-        n = T - j - 1
-        if n < 2:
-            break
-        positions = (torch.arange(n, device=input_ids.device) + j - depth).expand(B, n)
-        hidden, lg = mtp(hidden[:, :n], input_ids[:, j + 1 : j + 1 + n], positions, target.embed, target.lm_head,
-                         attention if depth == D - 1 else None, layer=depth)
-        m = n - 1  # row t predicts token t+j+2; the last row's label lies past the end
-        pairs.append(DepthPair(lg[:, :m], logits[:, j + 1 : j + 1 + m], mask[:, j + 2 : j + 2 + m]))
-    return pairs
-
-
 def teacher_logits(target: CausalLM, drafter, hidden: Tensor) -> Tensor:
     """The target's logits [.., V] from its final hidden states, or only the draft-vocabulary columns [.., N] for
     an EAGLE-3 head with a `d2t` map (N/V of the head matmul: what makes training on cached features cheap)."""
@@ -114,33 +93,6 @@ def restrict_to_draft_vocab(head: Eagle3Head, logits: Tensor) -> Tensor:
     if head.d2t is None or logits.shape[-1] == head.lm_head.out_features:
         return logits  # draft_vocab_size < vocab_size is enforced, so the width tells which one we have
     return logits.index_select(-1, head.d2t)
-
-
-def eagle3_pairs(target: CausalLM, head: Eagle3Head, input_ids: Tensor, out: TrunkOutput, logits: Tensor,
-                 mask: Tensor, unroll: int = TRAINED_DRAFTS) -> list[DepthPair]:
-    """Step s (0-based) at row t reads the fused target state (s=0) or its own previous state, and the token t+s+1,
-    and predicts token t+s+2 against the trunk's logits at t+s+1, at position t+s and with the attention drafting
-    gives it (`UnrolledAttention`). Unrolling trains the head on its own states, as it is used when drafting more
-    than one token (EAGLE-3's training-time test). The teacher stays as given (full vocabulary or restricted);
-    `drafter_loss` restricts it to a draft vocabulary (module docstring)."""
-    hidden = head.fuse(out.layers)
-    B, T = input_ids.shape
-    attention = UnrolledAttention()
-    pairs = []
-    for s in range(unroll):
-        n = T - s - 1
-        if n < 2:
-            break
-        positions = (torch.arange(n, device=input_ids.device) + s).expand(B, n)
-        hidden, lg = head(hidden[:, :n], input_ids[:, s + 1 : s + 1 + n], positions, target.embed, attention)
-        m = n - 1  # row t predicts token t+s+2; the last row's label lies past the end
-        pairs.append(DepthPair(lg[:, :m], logits[:, s + 1 : s + 1 + m], mask[:, s + 2 : s + 2 + m]))
-    return pairs
-
-
-def draft_model_pairs(draft: CausalLM, input_ids: Tensor, logits: Tensor, mask: Tensor) -> list[DepthPair]:
-    """Distillation: the draft model's next-token distribution against the target's at every position."""
-    return [DepthPair(draft(input_ids)[:, :-1], logits[:, :-1], mask[:, 1:])]
 
 
 def depth_pairs(online_loss, target: CausalLM, drafter, input_ids: Tensor, mask: Tensor,

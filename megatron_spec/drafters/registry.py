@@ -1,18 +1,32 @@
-"""The drafter registry: one entry per speculative method, and the only place that knows what each method is.
+"""The drafter registry: one entry per speculative method, and the only place outside a method's folder that knows
+what each method is.
 
 An entry says whether the method needs weights and how they load, how its proposer is built, how its drafter is
-trained online (or that it is not), which vLLM `speculative_config` method runs it there, and which cost profile
-the simulator gives it. Config validation, the engine, the RL loop, `train-drafter`, the benchmarks, the vLLM
-backend, the simulator's comparison and the launch checks all read it, so adding a drafter is one `register` call.
+trained online (or that it is not), how it runs in vLLM (method, options, export of its tensors and config), how it
+sits in a checkpoint, and what one draft step costs in the simulator. Config validation, the engine, the RL loop,
+`train-drafter`, the benchmarks, the vLLM backend, the Megatron trainer, the simulator and the launch checks all
+read it.
 
-Imports of models, proposers and losses happen inside the entries' callables: importing the registry stays cheap
-(config validation needs only the names), and those modules never import the registry back.
+Each method is one folder of this package whose `method.py` calls `register(DrafterMethod(...))`; the registry
+imports every such `method.py` the first time an entry is asked for, so adding a drafter is adding a folder. Those
+modules import models, proposers and losses inside their callables: discovery stays cheap (config validation needs
+only the names).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import pkgutil
 from dataclasses import dataclass
 from typing import Callable
+
+DEFAULT_METHOD = "mtp"
+"""The drafter an RL config gets when it names none (`RLConfig.spec`), and the simulator's main-job estimate."""
+
+DEFAULT_SIM_DRAFTER = "eagle3"
+"""The drafter the simulator assumes when told none: the EAGLE-3 head of the reference system it is calibrated
+against (`sim.reference`)."""
 
 
 @dataclass(frozen=True)
@@ -42,8 +56,57 @@ class DrafterMethod:
     """spec -> extra `speculative_config` entries vLLM takes for this method."""
     vllm_needs: tuple[str, str] | None = None
     """(module, extra): a package vLLM imports to draft this way, and the megatron-spec extra that installs it."""
-    sim_profile: str = "ngram"
-    """The simulator's drafter cost profile (`sim.shapes.DRAFTER_KINDS`): what one draft step costs on a GPU."""
+    module: Callable | None = None
+    """() -> the drafter module's class, imported when asked; set exactly when `needs_weights`. `build_proposer`
+    refuses a drafter of another class, and `method_of` finds a module's method by it."""
+    saved_config: Callable | None = None
+    """() -> (config dataclass, attribute of the module holding it) of a head saved in our layout (`files.py`,
+    whose `drafter_config.json` names the method as its `kind`); None: not saved in our layout."""
+    vllm_method: str | None = None
+    """vLLM's `speculative_config["method"]` for this drafter; None: no vLLM counterpart (embedded generator only)."""
+    vllm_options: Callable | None = None
+    """spec -> extra `speculative_config` entries vLLM takes for this method."""
+    vllm_needs: tuple[str, str] | None = None
+    """(module, extra): a package vLLM imports to draft this way, and the megatron-spec extra that installs it."""
+    vllm_export: Callable | None = None
+    """(drafter module, out_dir) -> the directory vLLM loads as this drafter (`generators.vllm.export`)."""
+    vllm_export_files: Callable | None = None
+    """(src, target config, out_dir, dtype) -> `DrafterExport`: the same directory written from the checkpoint files
+    `src` without building the module."""
+    vllm_form: Callable | None = None
+    """drafter module -> the JSON-able arguments of `vllm_convert` for its streamed refit tensors; None: they load
+    as they are."""
+    vllm_convert: Callable | None = None
+    """(tensors by name, *form) -> the tensors in vLLM's form; what the vLLM worker applies to a refit."""
+    megatron_layers: bool = False
+    """The Megatron trainer trains it as the policy's own MTP layers (Megatron-Core's `mtp_num_layers`), jointly
+    with the policy, in its forward and its checkpoint shards."""
+    state_key: str | None = None
+    """Set when the Megatron trainer trains it beside the policy with its own trainer (`<folder>/megatron.py`):
+    the key of that trainer's state in the policy's state and checkpoint."""
+    sim_shape: Callable | None = None
+    """(target config, draft_model preset, layers, draft_vocab, kv_dtype_bytes) -> the simulator's `CostShape` of
+    one draft forward; None: drafting uses no accelerator."""
+    sim_name: str | None = None
+    """The simulator's name for this drafter (`--drafter`), when it differs from the method's."""
+    listing: int = 100
+    """Place in `method_names()` (ascending, then by name): the order of menus and benchmark rows."""
+
+    @property
+    def sim_label(self) -> str:
+        """The simulator's name for it: `sim_name`, else the method's."""
+        return self.sim_name or self.name
+
+    @property
+    def standalone(self) -> bool:
+        """Whether its weights are a whole model of their own (an HF checkpoint or a preset, named on its own: the
+        benchmarks' `--draft-model`), not a head made for one target."""
+        return self.needs_weights and self.saved_config is None
+
+    @property
+    def megatron_beside(self) -> bool:
+        """Whether the Megatron trainer trains it beside the policy (own trainer and optimizer, unrolled drafts)."""
+        return self.state_key is not None
 
     def __post_init__(self) -> None:
         if self.needs_weights != (self.load is not None):
@@ -52,13 +115,38 @@ class DrafterMethod:
             raise ValueError(f"drafter method {self.name!r}: `new` and `save` go together")
         if self.online_loss is not None and not self.needs_weights:
             raise ValueError(f"drafter method {self.name!r}: an online loss needs a drafter with weights")
+        if self.needs_weights != (self.module is not None):
+            raise ValueError(f"drafter method {self.name!r}: `module` must be given exactly when needs_weights is True")
+        if (self.vllm_form is None) != (self.vllm_convert is None):
+            raise ValueError(f"drafter method {self.name!r}: `vllm_form` and `vllm_convert` go together")
 
 
 _METHODS: dict[str, DrafterMethod] = {}
+_discovered = False
+
+
+def discover(package: str = __package__) -> None:
+    """Import `method.py` of every folder of `package` (each registers its method). This package's own folders
+    are imported once, the first time an entry is asked for."""
+    global _discovered
+    if package == __package__:
+        if _discovered:
+            return
+        _discovered = True
+    root = importlib.import_module(package)
+    for info in sorted(pkgutil.iter_modules(root.__path__), key=lambda i: i.name):
+        if info.ispkg and importlib.util.find_spec(f"{package}.{info.name}.method") is not None:
+            importlib.import_module(f"{package}.{info.name}.method")
+
+
+def _methods() -> dict[str, DrafterMethod]:
+    discover()
+    return _METHODS
 
 
 def register(method: DrafterMethod) -> DrafterMethod:
     """Add `method`; a name already registered is an error (unregister it first)."""
+    discover()  # the folders first, so that a name of theirs is refused whichever comes first
     if method.name in _METHODS:
         raise ValueError(f"drafter method {method.name!r} is already registered")
     _METHODS[method.name] = method
@@ -72,15 +160,24 @@ def unregister(name: str) -> None:
 def drafter_method(name: str) -> DrafterMethod:
     """The entry for `name`; an unknown name raises ValueError listing the known ones."""
     try:
-        return _METHODS[name]
+        return _methods()[name]
     except KeyError:
-        raise ValueError(f"unknown speculative method {name!r}: known are {', '.join(_METHODS)}") from None
+        raise ValueError(f"unknown speculative method {name!r}: known are {', '.join(method_names())}") from None
+
+
+def method_of(drafter) -> DrafterMethod:
+    """The entry whose drafter module class `drafter` is an instance of (the most derived one when several fit)."""
+    fits = [m for m in _methods().values() if m.module is not None and isinstance(drafter, m.module())]
+    if not fits:
+        raise ValueError(f"no drafter method has a {type(drafter).__name__} module")
+    return max(fits, key=lambda m: len(m.module().__mro__))
 
 
 def method_names(*, weights: bool | None = None, trainable: bool = False, vllm: bool = False) -> tuple[str, ...]:
-    """Registered names in registration order; `weights` True/False keeps those that do / do not need weights,
+    """Registered names in `listing` order; `weights` True/False keeps those that do / do not need weights,
     `trainable` those `train-drafter` can make, `vllm` those with a vLLM counterpart."""
-    return tuple(m.name for m in _METHODS.values()
+    ordered = sorted(_methods().values(), key=lambda m: (m.listing, m.name))
+    return tuple(m.name for m in ordered
                  if (weights is None or m.needs_weights == weights) and (not trainable or m.new is not None)
                  and (not vllm or m.vllm_method is not None))
 
@@ -88,8 +185,6 @@ def method_names(*, weights: bool | None = None, trainable: bool = False, vllm: 
 def vllm_problem(name: str) -> str | None:
     """Why `name` cannot draft in vLLM on this machine (no vLLM counterpart, or the package its vLLM method imports
     is not installed); None when it can. Read without importing anything, so a config check asks it."""
-    import importlib.util
-
     method = drafter_method(name)
     if method.vllm_method is None:
         return (f"speculative method {name!r} has no vLLM counterpart: use one of "
@@ -116,143 +211,30 @@ def build_proposer(spec, target, drafter=None):
         if spec.model is None:
             raise ValueError(f"speculative method {spec.method!r} needs a drafter: pass drafter= or set SpecConfig.model")
         drafter = method.load(spec.model, target, target.device)
+    if method.needs_weights and not isinstance(drafter, method.module()):
+        raise ValueError(f"method {spec.method!r} needs a {method.module().__name__} drafter, "
+                         f"got {type(drafter).__name__}")
     return method.proposer(spec, target, drafter if method.needs_weights else None)
 
 
-# --- the built-in drafters -----------------------------------------------------------------------------------------
-
-def _ngram(spec, target, drafter):
-    from .ngram.proposer import NgramProposer
-
-    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+def layers_method() -> DrafterMethod:
+    """The method the Megatron trainer trains as the policy's own MTP layers (`megatron_layers`)."""
+    return next(m for m in _methods().values() if m.megatron_layers)
 
 
-def _history(spec, target, drafter):
-    from .ngram.proposer import HistoryProposer
-
-    return HistoryProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, spec.history_docs_per_prompt)
-
-
-def _load_causal_lm(path, target, device):
-    from ..models import from_pretrained
-
-    return from_pretrained(path, dtype=target.dtype, device=device)
+def saved_kinds() -> dict[str, DrafterMethod]:
+    """The methods whose heads are saved in our layout (`files.py`), by the `kind` their files name."""
+    return {m.name: m for m in _methods().values() if m.saved_config is not None}
 
 
-def _load_head(path, target, device):
-    from .files import load_drafter
-
-    return load_drafter(path, target.config, dtype=target.dtype, device=device)
-
-
-def _check_type(spec, drafter, cls) -> None:
-    if not isinstance(drafter, cls):
-        raise ValueError(f"method {spec.method!r} needs a {cls.__name__} drafter, got {type(drafter).__name__}")
+def sim_names() -> tuple[str, ...]:
+    """The simulator's drafter names (`--drafter`), in `method_names()` order."""
+    return tuple(drafter_method(n).sim_label for n in method_names())
 
 
-def _draft_model(spec, target, drafter):
-    from .files import check_draft_model
-    from ..models.decoder import CausalLM
-    from .draft_model.proposer import DraftModelProposer
-
-    _check_type(spec, drafter, CausalLM)
-    check_draft_model(drafter.config, target.config)
-    return DraftModelProposer(drafter.to(target.device), spec.draft_sampling)
-
-
-def _hidden_state(module: str, cls_name: str):
-    """The proposer factory of a head that drafts from the target's hidden states (MTP, EAGLE-3); the head's class is
-    `cls_name` in `module` (relative to this package), imported when a proposer is built."""
-
-    def build(spec, target, drafter):
-        import importlib
-
-        from .hidden import HiddenStateProposer
-
-        _check_type(spec, drafter, getattr(importlib.import_module(module, __package__), cls_name))
-        if drafter.target_config.vocab_size != target.config.vocab_size:
-            raise ValueError(f"drafter vocabulary ({drafter.target_config.vocab_size}) differs from the target's "
-                             f"({target.config.vocab_size})")
-        if drafter.target_config.hidden_size != target.config.hidden_size:
-            raise ValueError(f"{spec.method} drafter was built for hidden size {drafter.target_config.hidden_size}, "
-                             f"the target has {target.config.hidden_size}")
-        return HiddenStateProposer(target, drafter.to(target.device, target.dtype), spec.draft_sampling)
-
-    return build
-
-
-def _new_mtp(target, draft_preset, d2t):
-    from .mtp.model import MTP, MTPConfig
-
-    return MTP(target.config, MTPConfig(1))
-
-
-def _new_eagle3(target, draft_preset, d2t):
-    from .eagle3.model import Eagle3Head
-
-    return Eagle3Head.from_target(target, d2t=d2t)
-
-
-def _new_draft_model(target, draft_preset, d2t):
-    from ..models import CausalLM, preset
-
-    if not draft_preset:
-        raise ValueError("draft_model training needs --draft-preset (e.g. tiny-draft) or --init DIR")
-    return CausalLM(preset(draft_preset))
-
-
-def _save_causal_lm(drafter, out_dir, target):
-    from ..models import save_pretrained
-
-    return save_pretrained(drafter, out_dir)
-
-
-def _save_head(kind: str):
-    def save(drafter, out_dir, target):
-        from .files import save_drafter
-
-        return save_drafter(drafter, out_dir, kind, target.config)
-
-    return save
-
-
-def _mtp_loss(target, drafter, input_ids, out, logits, mask, drafts):
-    from .loss import mtp_pairs
-
-    return mtp_pairs(target, drafter, input_ids, out, logits, mask, drafts)
-
-
-def _eagle3_loss(target, drafter, input_ids, out, logits, mask, drafts):
-    from .loss import eagle3_pairs
-
-    return eagle3_pairs(target, drafter, input_ids, out, logits, mask, drafts)
-
-
-def _draft_model_loss(target, drafter, input_ids, out, logits, mask, drafts):
-    from .loss import draft_model_pairs
-
-    return draft_model_pairs(drafter, input_ids, logits, mask)
-
-
-def _prompt_lookup(spec) -> dict:
-    return {"prompt_lookup_min": spec.prompt_lookup_min, "prompt_lookup_max": spec.prompt_lookup_max}
-
-
-def _suffix(spec) -> dict:
-    """vLLM's suffix decoding drafts from a tree of the request's prompt and of earlier requests' completions (the
-    rollouts of one prompt repeat each other, across a step's group and across steps): its trees deep enough for
-    the longest n-gram matched plus the drafts."""
-    return {"suffix_decoding_max_tree_depth": spec.prompt_lookup_max + spec.num_speculative_tokens}
-
-
-register(DrafterMethod("draft_model", _draft_model, needs_weights=True, load=_load_causal_lm, new=_new_draft_model,
-                       save=_save_causal_lm, online_loss=_draft_model_loss, vllm_method="draft_model",
-                       sim_profile="model"))
-register(DrafterMethod("mtp", _hidden_state(".mtp.model", "MTP"), needs_weights=True, load=_load_head, new=_new_mtp,
-                       save=_save_head("mtp"), online_loss=_mtp_loss, vllm_method="mtp", sim_profile="mtp"))
-register(DrafterMethod("eagle3", _hidden_state(".eagle3.model", "Eagle3Head"), needs_weights=True, load=_load_head, new=_new_eagle3,
-                       save=_save_head("eagle3"), online_loss=_eagle3_loss, draft_vocab=True, vllm_method="eagle3",
-                       sim_profile="eagle3"))
-register(DrafterMethod("ngram", _ngram, vllm_method="ngram", vllm_options=_prompt_lookup, sim_profile="ngram"))
-register(DrafterMethod("history", _history, vllm_method="suffix", vllm_options=_suffix,
-                       vllm_needs=("arctic_inference", "suffix"), sim_profile="ngram"))
+def sim_drafter(name: str) -> DrafterMethod:
+    """The method the simulator calls `name`; an unknown name raises ValueError listing the known ones."""
+    for n in method_names():
+        if drafter_method(n).sim_label == name:
+            return drafter_method(n)
+    raise ValueError(f"unknown drafter {name!r}: known are {', '.join(sim_names())}")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..drafters.registry import drafter_method
 from ..models.hf_io import move_into_place, staging_dir
 from .config import RLConfig
 
@@ -74,10 +75,11 @@ def check_same_config(saved: dict, cfg, run_dir: Path) -> None:
 
 def export_drafter(out: Path, policy_state: dict, cfg) -> None:
     """The drafter the run trains online, taken from the policy's state (`drafter`: the embedded trainer's module;
-    `eagle3.head`: the Megatron trainer's EAGLE-3 head), written to `out` in the layout of the checkpoint it
+    `<state_key>.head`: the head the Megatron trainer trains beside the policy, its registry entry's `state_key`), written to `out` in the layout of the checkpoint it
     started from (a public EAGLE-3 head in its speculators or SpecForge layout). The Megatron trainer's MTP layers
     live in its shards: `megatron-spec export-hf` writes those."""
-    tensors = policy_state.get("drafter") or (policy_state.get("eagle3") or {}).get("head")
+    beside = drafter_method(cfg.spec.method).state_key if cfg.spec else None
+    tensors = policy_state.get("drafter") or (policy_state.get(beside) or {}).get("head")
     source = cfg.model.drafter or (cfg.spec.model if cfg.spec else None)
     if tensors is None or not source or not cfg.drafter_train.online:
         return

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..drafters.config import SpecConfig
+from ..drafters.registry import DEFAULT_METHOD
 from .backend_config import BackendSection
 from .data_config import DataSection
 
@@ -383,7 +384,7 @@ class RLConfig:
     """The prompts from a dataset and their reward function (default: the built-in task of `model.task`)."""
     grpo: GRPOSection = field(default_factory=GRPOSection)
     """The algorithm."""
-    spec: SpecConfig | None = field(default_factory=lambda: SpecConfig("mtp", 3, adaptive=True))
+    spec: SpecConfig | None = field(default_factory=lambda: SpecConfig(DEFAULT_METHOD, 3, adaptive=True))
     """Speculative rollouts (vLLM's speculative_config fields); None means plain decoding."""
     drafter_train: DrafterTrainSection = field(default_factory=DrafterTrainSection)
     """Online drafter training."""

@@ -59,12 +59,12 @@ def config_problems(cfg: RLConfig) -> list[str]:
         problems.append(f"run.device={cfg.run.device} places the in-process trainer and generator; the "
                         f"{cfg.backend.placement} placement's worker groups place their own (leave run.device=cpu)")
     d = cfg.drafter_train
-    eagle3 = cfg.spec is not None and cfg.spec.method == "eagle3"
+    beside = cfg.spec is not None and drafter_method(cfg.spec.method).megatron_beside
     if cfg.backend.trainer == "megatron" and (max(d.updates, d.replay, d.minibatches) > 1 or d.ema):
         problems.append("the Megatron trainer updates its drafter once a step on the step's batch (an MTP head "
                         "jointly with the policy, backend.megatron.mtp_*); drafter_train.updates, replay and "
                         "minibatches > 1 and ema > 0 are the embedded trainer's: set them to 1 (ema to 0)")
-    if cfg.backend.trainer == "megatron" and d.drafts > 1 and not eagle3:
+    if cfg.backend.trainer == "megatron" and d.drafts > 1 and not beside:
         problems.append("the Megatron trainer trains an MTP head's first draft only (jointly with the policy); "
                         "drafter_train.drafts > 1 unrolls an EAGLE-3 head (spec.method=eagle3): set it to 1")
     if d.extra_groups and cfg.backend.trainer != "embedded":
@@ -93,7 +93,7 @@ def config_problems(cfg: RLConfig) -> list[str]:
 
         if problem := vllm_problem(cfg.spec.method):
             problems.append(problem)
-    if cfg.backend.trainer == "megatron" and cfg.spec and cfg.spec.method == "eagle3":
+    if cfg.backend.trainer == "megatron" and beside:
         from ..layout import online_eagle3_problems
 
         problems += online_eagle3_problems(m.mtp_num_layers, m.virtual_pipeline)

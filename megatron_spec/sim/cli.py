@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..drafters.registry import DEFAULT_SIM_DRAFTER, sim_names
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and cluster")
@@ -39,7 +41,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--k", type=int, default=0, help="speculative tokens (0: autoregressive)")
     g.add_argument("--acceptance", type=float, default=0.0, help="acceptance length tau at k (in [1, k+1])")
     g.add_argument("--per-position", default="", help="comma-separated per-position acceptance (k values)")
-    g.add_argument("--drafter", default="eagle3", help="eagle3, mtp, model or ngram")
+    g.add_argument("--drafter", default=DEFAULT_SIM_DRAFTER, help=", ".join(sim_names()))
     g.add_argument("--draft-model", default="", help="draft model preset for --drafter model")
     g.add_argument("--adaptive", action="store_true", help="let the controller change k as the batch shrinks")
     g.add_argument("--adaptive-threshold", type=int, default=0, help="sequences in flight above which k=0")

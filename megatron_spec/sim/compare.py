@@ -75,7 +75,7 @@ def config_for_run(cfg: dict, figures: dict[str, float], hardware: str, gpus: in
         # a step, over its drafts (MTP in the policy's backward, EAGLE-3's unrolled steps).
         replayed = d.get("replay", 1) * d.get("updates", 1) if b["trainer"] == "embedded" else 1
         sim_spec = Speculation(k=spec["num_speculative_tokens"], acceptance_length=figures["tau"],
-                               drafter=drafter_method(spec["method"]).sim_profile,
+                               drafter=drafter_method(spec["method"]).sim_label,
                                adaptive=bool(spec.get("adaptive")), online_drafter_training=bool(d.get("online")),
                                drafter_passes=d.get("drafts", 1) * replayed,
                                drafter_optimizer_steps=replayed * (d.get("minibatches", 1)

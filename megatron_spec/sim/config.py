@@ -15,13 +15,13 @@ from statistics import NormalDist
 
 from dataclasses import replace
 
+from megatron_spec.drafters.registry import DEFAULT_SIM_DRAFTER, sim_drafter
 from megatron_spec.layout import Layout, suggest_split
 from megatron_spec.models.config import ModelConfig
 from megatron_spec.models.presets import PRESETS, preset
 
 from .acceptance import check_tau, rate_from_tau, tau_from_positions, tau_from_rate
 from .hardware import CPU_PROFILES, GPU_PROFILES, Hardware
-from .shapes import DRAFTER_KINDS
 
 
 def resolve_model(model: str | dict | ModelConfig) -> ModelConfig:
@@ -143,8 +143,9 @@ class Speculation:
     `per_position`."""
     per_position: tuple[float, ...] = ()
     """Conditional acceptance probability of each draft position (k values); used when acceptance_length is 0."""
-    drafter: str = "eagle3"
-    """Drafter kind: eagle3, mtp, model (a draft-model preset) or ngram (no accelerator cost)."""
+    drafter: str = DEFAULT_SIM_DRAFTER
+    """Drafter: its simulator name in the drafter registry (`registry.sim_names()`: a method's name, `model` for a
+    draft-model preset); lookup drafters cost no accelerator time."""
     draft_model: str = ""
     """Preset of the draft model when drafter == 'model'."""
     drafter_layers: int = 1
@@ -169,8 +170,7 @@ class Speculation:
     def __post_init__(self) -> None:
         if self.k < 1:
             raise ValueError(f"Speculation.k must be >= 1 (k=0 is plain decoding: pass spec=None), got {self.k}")
-        if self.drafter not in DRAFTER_KINDS:
-            raise ValueError(f"unknown drafter {self.drafter!r}: known are {', '.join(DRAFTER_KINDS)}")
+        sim_drafter(self.drafter)  # an unknown name raises, listing the known ones
         self.per_position = tuple(float(a) for a in self.per_position)
         if self.acceptance_length:
             if self.per_position:

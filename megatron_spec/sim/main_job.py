@@ -26,6 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 
+from ..drafters.registry import DEFAULT_METHOD, drafter_method
 from .calibration import Calibration
 from .config import LengthDist, SimConfig, Speculation, TrainParallel, Workload
 from .pipeline import build, simulate
@@ -78,7 +79,7 @@ def main_job_config(mean_len: float, k: int = 3, tau: float = 3.5, passes: float
     """The main job on the CPU host: one process, float32, micro-batches of up to 2048 tokens, no recompute, the
     behaviour log-probs folded into the train forward (the embedded trainer's default), MTP drafting `k` at
     acceptance length `tau`, `prompts` x 8 rollouts a step."""
-    spec = Speculation(k=k, acceptance_length=tau, drafter="mtp", online_drafter_training=online,
+    spec = Speculation(k=k, acceptance_length=tau, drafter=drafter_method(DEFAULT_METHOD).sim_label, online_drafter_training=online,
                        drafter_passes=passes, drafter_optimizer_steps=optimizer_steps)
     workload = Workload(prompts, MAIN_JOB_GROUP, MAIN_JOB_PROMPT_LEN,
                         LengthDist(mean=mean_len, max_tokens=MAIN_JOB_MAX_TOKENS, sigma=MAIN_JOB_SIGMA))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..drafters.registry import DEFAULT_SIM_DRAFTER
 from .acceptance import per_position_from_taus
 from .config import GenParallel, LengthDist, SimConfig, Speculation, TrainParallel, Workload
 from .generation import GenResult
@@ -55,7 +56,7 @@ class ReferenceSetup:
     """Stated: GB200."""
     gpus: int = 32
     """Stated: 32 GPUs, synchronous, colocated (NeMo-RL's default placement)."""
-    drafter: str = "eagle3"
+    drafter: str = DEFAULT_SIM_DRAFTER
     """Stated: an EAGLE-3 head (one layer, 32k draft vocabulary as in public heads)."""
     rollouts: int = 4096
     """Assumed: 256 prompts x 16 responses -- the rollout batch the paper states for its simulated runs."""

@@ -13,12 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_spec.drafters.registry import sim_drafter
 from megatron_spec.models.config import ModelConfig
-from megatron_spec.models.presets import preset
-
-# Public EAGLE-3 heads (e.g. for Llama-3.1-8B, Qwen3-8B) predict over a reduced 32k-token draft vocabulary.
-EAGLE3_DRAFT_VOCAB = 32000
-DRAFTER_KINDS = ("eagle3", "mtp", "model", "ngram")
 
 
 @dataclass(frozen=True)
@@ -74,7 +70,7 @@ class CostShape:
         return self.experts * (1.0 - (1.0 - self.top_k / self.experts) ** max(tokens, 0.0))
 
 
-def _attention_params(m: ModelConfig, in_width: int) -> float:
+def attention_params(m: ModelConfig, in_width: int) -> float:
     q = m.num_attention_heads * m.head_dim
     kv = m.num_key_value_heads * m.head_dim
     return in_width * (q + 2 * kv) + q * m.hidden_size
@@ -85,7 +81,7 @@ def shape_of(m: ModelConfig, name: str = "model", kv_dtype_bytes: float = 2) -> 
     h = m.hidden_size
     moe_layers = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
     dense_layers = m.num_hidden_layers - moe_layers
-    attn = _attention_params(m, h) * m.num_hidden_layers
+    attn = attention_params(m, h) * m.num_hidden_layers
     mlp = 3 * h * m.intermediate_size * dense_layers
     router = h * m.num_experts * moe_layers
     head = m.vocab_size * h  # read every forward even when tied to the embedding
@@ -102,46 +98,35 @@ def shape_of(m: ModelConfig, name: str = "model", kv_dtype_bytes: float = 2) -> 
 
 def drafter_shape(target: ModelConfig, kind: str, draft_model: str = "", layers: int = 1,
                   draft_vocab: int = 0, kv_dtype_bytes: float = 2) -> CostShape | None:
-    """The cost shape of one draft forward; None for drafters that use no accelerator (n-gram / history).
-
-    - eagle3: `layers` decoder layers whose q/k/v read [embedding, hidden] (2H wide), an fc fusing three target
-      hidden states (3H -> H) and an LM head over `draft_vocab` rows (32k in public heads). Its embedding is the
-      target's, so it adds no stored embedding.
-    - mtp: `layers` modules, each a 2H -> H projection and one decoder layer like the target's (MoE if the
-      target is MoE), sharing the target's full-vocabulary LM head.
-    - model: a separate draft model, `draft_model` being a preset name.
-    """
-    if kind not in DRAFTER_KINDS:
-        raise ValueError(f"unknown drafter kind {kind!r}: known are {', '.join(DRAFTER_KINDS)}")
-    if kind == "ngram":
+    """The cost shape of one draft forward of the drafter the simulator calls `kind` (its registry entry's
+    `sim_shape`, written in the drafter's folder); None for drafters that use no accelerator (n-gram / history).
+    `draft_model`: a preset name, for a separate draft model; `layers`, `draft_vocab`: a head's layers and draft
+    vocabulary (0: its default)."""
+    method = sim_drafter(kind)
+    if method.sim_shape is None:
         return None
-    if kind == "model":
-        if not draft_model:
-            raise ValueError("drafter kind 'model' needs a draft model preset name (e.g. tiny-draft)")
-        return shape_of(preset(draft_model), name=draft_model, kv_dtype_bytes=kv_dtype_bytes)
+    return method.sim_shape(target, draft_model, layers, draft_vocab, kv_dtype_bytes)
+
+
+@dataclass(frozen=True)
+class HeadLayer:
+    """What one decoder layer of a drafter head shaped like the target's layers costs: the numbers a head's
+    `sim_shape` builds from."""
+
+    target: CostShape
+    """The target's own cost shape."""
+    kv_bytes_per_token: float
+    """KV-cache bytes per context token of one target layer."""
+    attn_flops_per_token_ctx: float
+    """Attention FLOPs per query and context token of one target layer."""
+    ffn: int
+    """The dense MLP's intermediate size (the target's, or 4 H when it has none)."""
+
+
+def head_layer(target: ModelConfig, layers: int, kv_dtype_bytes: float) -> HeadLayer:
+    """`HeadLayer` of `target`; a head of fewer than one layer raises."""
     if layers < 1:
         raise ValueError(f"drafter layers must be >= 1, got {layers}")
     t = shape_of(target, kv_dtype_bytes=kv_dtype_bytes)
-    h = target.hidden_size
-    per_layer_kv = t.kv_bytes_per_token / t.layers
-    per_layer_attn = t.attn_flops_per_token_ctx / t.layers
-    ffn = target.intermediate_size or 4 * h
-    if kind == "eagle3":
-        vocab = draft_vocab or min(EAGLE3_DRAFT_VOCAB, target.vocab_size)
-        dense = layers * (_attention_params(target, 2 * h) + 3 * h * ffn) + 3 * h * h + vocab * h
-        return CostShape(
-            name="eagle3", layers=layers, hidden=h, dense_params=dense, moe_layers=0, experts=0, top_k=0,
-            expert_params=0, kv_heads=t.kv_heads, kv_bytes_per_token=layers * per_layer_kv,
-            attn_flops_per_token_ctx=layers * per_layer_attn, score_heads=layers * target.num_attention_heads,
-            vocab=vocab, embed_params=0,
-        )
-    # mtp: one target-like layer per module; experts only if the target's layers are MoE.
-    moe = target.is_moe
-    dense = layers * (_attention_params(target, h) + 2 * h * h + (h * t.experts if moe else 3 * h * ffn))
-    dense += target.vocab_size * h
-    return CostShape(
-        name="mtp", layers=layers, hidden=h, dense_params=dense, moe_layers=layers if moe else 0,
-        experts=t.experts, top_k=t.top_k, expert_params=t.expert_params, kv_heads=t.kv_heads,
-        kv_bytes_per_token=layers * per_layer_kv, attn_flops_per_token_ctx=layers * per_layer_attn,
-        score_heads=layers * target.num_attention_heads, vocab=target.vocab_size, embed_params=0,
-    )
+    return HeadLayer(t, t.kv_bytes_per_token / t.layers, t.attn_flops_per_token_ctx / t.layers,
+                     target.intermediate_size or 4 * target.hidden_size)

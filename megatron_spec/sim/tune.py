@@ -30,7 +30,8 @@ from .config import GenParallel, SimConfig, Speculation, TrainParallel, Workload
 from .hardware import Hardware
 from .memory import check_fit, memory_report
 from .pipeline import StepResult, build, compose, generation
-from .shapes import DRAFTER_KINDS, CostShape
+from ..drafters.registry import sim_names
+from .shapes import CostShape
 from .stages import data_time, logprob_time, prepare_time, train_time
 
 
@@ -160,8 +161,8 @@ def search(base: SimConfig, space: TuneSpace = TuneSpace()) -> TuneResult:
     only the fastest training layout of its GPU share is kept (the training side does not depend on the engines);
     the others are counted as slower."""
     for method in space.methods:
-        if method not in DRAFTER_KINDS:
-            raise ValueError(f"unknown drafter method {method!r}: known are {', '.join(DRAFTER_KINDS)}")
+        if method not in sim_names():
+            raise ValueError(f"unknown drafter method {method!r}: known are {', '.join(sim_names())}")
     if space.methods and base.spec is None:
         raise ValueError("trying drafter methods needs an acceptance to assume: give the base a Speculation")
     hw, cal, target, _ = build(base)

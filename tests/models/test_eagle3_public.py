@@ -247,7 +247,7 @@ def test_a_llama_type_layer_on_a_qwen3_target(tmp_path, target, layout):
     """Public heads for Qwen3 targets often have a Llama-type draft layer (no query / key norms): it loads as such
     (no q_norm tensors expected), drafts what its source drafts and round-trips bit for bit; our vLLM export of it
     names vLLM's Llama EAGLE-3 class."""
-    from megatron_spec.generators.vllm.export import export_eagle3
+    from megatron_spec.drafters.eagle3.export import export_eagle3
 
     src = distinct_head(target, qk_norm=False)
     assert src.midlayer.self_attn.q_norm is None and target.config.qk_norm

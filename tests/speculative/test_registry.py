@@ -7,10 +7,11 @@ import pytest
 
 from megatron_spec.cli import build_parser
 from megatron_spec.engine import LLMEngine, SamplingParams
-from megatron_spec.sim.shapes import DRAFTER_KINDS
 from megatron_spec.drafters.config import SpecConfig
 from megatron_spec.drafters.proposer import Drafts, Proposer
-from megatron_spec.drafters.registry import DrafterMethod, drafter_method, method_names, register, unregister
+from megatron_spec.drafters.registry import (DrafterMethod, drafter_method, method_names, register, sim_drafter,
+                                             sim_names, unregister)
+from megatron_spec.sim.config import Speculation
 
 PROMPTS = [[40] * 6, [5, 6, 7, 5, 6, 7], [3], [20, 21, 20, 21, 20], [8, 9, 10, 11]]
 K, MAX_TOKENS = 3, 24
@@ -27,7 +28,7 @@ class RepeatLast(Proposer):
 @pytest.fixture
 def repeat_last():
     """Registers the toy method for one test and removes it after, so no other test sees it."""
-    register(DrafterMethod("repeat_last", lambda spec, target, drafter: RepeatLast(), sim_profile="ngram"))
+    register(DrafterMethod("repeat_last", lambda spec, target, drafter: RepeatLast()))
     yield "repeat_last"
     unregister("repeat_last")
 
@@ -83,6 +84,8 @@ def test_registering_a_name_twice_or_an_inconsistent_entry_is_refused():
         DrafterMethod("x", lambda spec, target, drafter: None, needs_weights=True)
     with pytest.raises(ValueError, match="online loss needs a drafter with weights"):
         DrafterMethod("x", lambda spec, target, drafter: None, online_loss=lambda *a: [])
+    with pytest.raises(ValueError, match="`module` must be given"):
+        DrafterMethod("x", lambda spec, target, drafter: None, needs_weights=True, load=lambda *a: None)
 
 
 def sub(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
@@ -110,7 +113,8 @@ def test_every_method_list_is_the_registry():
         assert option(sub(sub(parser, "bench"), bench), "--drafters").default == list(names)
     for name in names:
         m = drafter_method(name)
-        assert m.sim_profile in DRAFTER_KINDS
+        assert sim_drafter(m.sim_label) is m
+        assert Speculation(k=2, acceptance_length=2.0, drafter=m.sim_label, draft_model="tiny-draft").drafter == m.sim_label
         spec = SpecConfig(name, 2, model="d" if m.needs_weights else None)
         assert spec.vllm() == (None if m.vllm_method is None else {**spec.vllm(), "method": m.vllm_method})
     assert SpecConfig("ngram", 2).vllm() == {"method": "ngram", "num_speculative_tokens": 2,
@@ -118,6 +122,7 @@ def test_every_method_list_is_the_registry():
     assert SpecConfig("history", 2, prompt_lookup_max=3).vllm() == {
         "method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 5}
     assert method_names(vllm=True) == ("draft_model", "mtp", "eagle3", "ngram", "history")
+    assert sim_names() == ("model", "mtp", "eagle3", "ngram", "history")
 
 
 def test_vllm_problem_names_the_missing_extra(monkeypatch):

@@ -130,6 +130,18 @@ class Eagle3Online:
     Megatron-Core `GPTModel` stage. Every rank holds one and makes the same calls (construction, `step`,
     `export`, `state_dict` are collective); the head is updated on the head rank (`head_rank`) alone."""
 
+    @property
+    def state_key(self) -> str:
+        """Where the policy's state and checkpoint keep this head's (its registry entry's `state_key`)."""
+        from ..registry import drafter_method
+
+        return drafter_method(self.trainer.drafter_method).state_key
+
+    @property
+    def drafter_opt(self):
+        """The head's optimizer (None off the head rank): what offloading moves with the policy's."""
+        return self.trainer.drafter_opt
+
     def __init__(self, model, head: Eagle3Head, grpo, sampling: dict, drafter_cfg):
         self.model, self.head = model, head
         self.head_rank = head_rank()

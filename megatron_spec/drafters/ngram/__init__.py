@@ -1,1 +1,1 @@
-"""Drafting by n-gram lookup: in the sequence itself (ngram) and in earlier rollouts (history)."""
+"""Drafting by n-gram lookup in the sequence itself (prompt lookup)."""

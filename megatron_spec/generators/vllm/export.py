@@ -1,14 +1,8 @@
 """Our models and drafters in the layouts vLLM loads, and our drafter's refit names in vLLM's naming.
 
 - target / draft model: HF layout as `models.hf_io.save_pretrained` writes it (vLLM's Qwen3 / Llama classes).
-- MTP: our drafter's tensors unchanged, with a `config.json` that is the target's with `model_type: "mtp"`,
-  `architectures: ["MegatronSpecMTP"]` (our plugin's class), `target_model_type` and `num_nextn_predict_layers`.
-- EAGLE-3: the checkpoint vLLM's `Eagle3LlamaForCausalLM` / `Eagle3Qwen3ForCausalLM` load: `fc`, `midlayer.*`, `norm`,
-  `lm_head` (over the draft vocabulary when the head has one, with `d2t` as vLLM wants it: offsets target - draft
-  id), and a config naming `draft_vocab_size`, `target_hidden_size` and the auxiliary layer ids. vLLM captures the
-  *inputs* of its aux layers, so our capture layer i (the output of layer i) is vLLM's aux id i + 1. The head's
-  layer is dense whatever the target: a Qwen3-MoE target's head is a Qwen3 layer (vLLM's Qwen3-MoE model records
-  the aux states), so its config is a dense `qwen3` one without the target's expert fields.
+- a drafter: its method's layout, written by its folder's `export.py` (the registry entry's `vllm_export` /
+  `vllm_export_files`), with the helpers here.
 
 A drafter is exported either from its module (a loop that holds one) or from its checkpoint files
 (`export_drafter_files`: a loop that holds no model, where a drafter module on rank 0 would cost GBs at scale). The
@@ -29,11 +23,9 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
+from ...drafters.registry import drafter_method, method_of
 from ...models.config import ModelConfig
-from ...drafters.eagle3.model import Eagle3Config, Eagle3Head
 from ...models.hf_io import save_pretrained, write_atomically
-from ...drafters.mtp.model import MTP, MTPConfig
-from .plugin import MTP_ARCHITECTURE
 
 WEIGHTS = "model.safetensors"
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -41,25 +33,18 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                       torch.uint8: "U8", torch.bool: "BOOL"}
 """safetensors' dtype names of the tensors an export writes."""
 
-EAGLE3_ARCHITECTURES = {"qwen3": "Eagle3Qwen3ForCausalLM", "qwen3_moe": "Eagle3Qwen3ForCausalLM",
-                        "llama": "Eagle3LlamaForCausalLM"}
-"""vLLM's EAGLE-3 drafter class for each target model_type we export (its layer as the target family's dense one)."""
-
-EAGLE3_LAYER_TYPE = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "llama": "llama"}
-"""The model_type of the head's dense layer for each target model_type: what vLLM builds the drafter's config as."""
-
-MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-              "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef")
-
-
-def drafter_kind(drafter) -> str | None:
+def drafter_form(drafter) -> dict | None:
+    """The refit conversion of a drafter module's streamed tensors (its method's `vllm_form`), or None (they load
+    as they are); None for no drafter."""
     if drafter is None:
         return None
-    if isinstance(drafter, MTP):
-        return "mtp"
-    if isinstance(drafter, Eagle3Head):
-        return "eagle3"
-    return "draft_model"
+    method = method_of(drafter)
+    return None if method.vllm_form is None else method.vllm_form(drafter)
+
+
+def export_drafter(drafter, out_dir: str | os.PathLike) -> Path:
+    """`drafter` (a module) as the directory vLLM loads, in its method's layout (`vllm_export`)."""
+    return method_of(drafter).vllm_export(drafter, out_dir)
 
 
 def dtype_name(module) -> str:
@@ -115,117 +100,6 @@ def export_target(model, out_dir: str | os.PathLike) -> Path:
     return path
 
 
-def mtp_config(cfg: ModelConfig, mtp: MTPConfig, dtype: torch.dtype) -> dict:
-    """config.json of the MTP drafter directory for target config `cfg`; refuses a layer kind vLLM would not build."""
-    n, depths = cfg.num_hidden_layers, mtp.num_layers
-    # Our MTP layer copies the trunk's last layer (dense or MoE); vLLM builds layer n + i by the same rule as the
-    # trunk's layers (`decoder_sparse_step`, `mlp_only_layers`), which may give the other kind: refuse before any
-    # engine.
-    if any(cfg.is_moe_layer(n + i) != cfg.is_moe_layer(n - 1) for i in range(depths)):
-        raise NotImplementedError(f"vLLM backend: with decoder_sparse_step={cfg.decoder_sparse_step} and "
-                                  f"mlp_only_layers={cfg.mlp_only_layers}, vLLM would build an MTP layer of another "
-                                  "kind (dense vs MoE) than the trunk's last layer our MTP layer copies")
-    # model_type "mtp" is what makes vLLM accept the directory as an MTP drafter; the target's own family is kept
-    # in `target_model_type` for our class to build the matching decoder layer.
-    return {**cfg.to_hf(), "model_type": "mtp", "target_model_type": cfg.model_type,
-            "architectures": [MTP_ARCHITECTURE], "num_nextn_predict_layers": depths,
-            "torch_dtype": str(dtype).removeprefix("torch.")}
-
-
-def export_mtp(drafter: MTP, out_dir: str | os.PathLike) -> Path:
-    config = mtp_config(drafter.target_config, drafter.mtp_config, next(drafter.parameters()).dtype)
-    tensors = {k: v.detach().contiguous() for k, v in drafter.state_dict().items()}
-    return write_export(out_dir, config, entries_of(tensors), tensors.__getitem__)
-
-
-def aux_layer_ids(capture_layers) -> list[int]:
-    """vLLM's auxiliary layer ids for our capture layers: distinct, ascending, each + 1 (vLLM records a layer's input,
-    we record its output)."""
-    return [i + 1 for i in sorted(set(capture_layers))]
-
-
-def eagle3_tensor(name: str, t: torch.Tensor, capture_layers, hidden_size: int) -> torch.Tensor:
-    """One tensor of our head (by its state-dict name) in vLLM's form.
-
-    Names are the same; `d2t`: ours maps draft id -> target id, vLLM's holds the offset target - draft id.
-    `fc`: vLLM records each auxiliary layer once, in layer order, so a head that fuses one layer twice (shallow
-    targets: (1, 1, 1) on 4 layers) gets the fc blocks of repeated layers summed, which is the same linear map on the
-    one state vLLM passes (fc(cat[h, h, h]) = (W1 + W2 + W3) h).
-    """
-    if name == "d2t":
-        d2t = t.detach().to(torch.long)
-        return (d2t - torch.arange(d2t.numel(), device=d2t.device)).contiguous()
-    distinct = sorted(set(capture_layers))
-    if name == "fc.weight" and list(capture_layers) != distinct:
-        blocks = t.detach().split(hidden_size, dim=1)
-        return torch.cat([sum(b for b, layer in zip(blocks, capture_layers) if layer == d) for d in distinct],
-                         dim=1).contiguous()
-    return t.detach().contiguous()
-
-
-def eagle3_shape(name: str, shape: tuple[int, ...], capture_layers, hidden_size: int) -> tuple[int, ...]:
-    """The shape `eagle3_tensor` gives the tensor `name` of shape `shape`."""
-    if name == "fc.weight":
-        return (shape[0], hidden_size * len(set(capture_layers)))
-    return tuple(shape)
-
-
-def eagle3_tensors(named: dict[str, torch.Tensor], capture_layers, hidden_size: int) -> dict[str, torch.Tensor]:
-    """Our head's tensors (its state dict, `d2t` None when absent) by vLLM's names and in vLLM's form
-    (`eagle3_tensor`)."""
-    return {k: eagle3_tensor(k, v, capture_layers, hidden_size) for k, v in named.items() if v is not None}
-
-
-def eagle3_config(cfg: ModelConfig, ec: Eagle3Config, dtype: torch.dtype) -> dict:
-    """config.json of the EAGLE-3 drafter directory for target config `cfg` and the head's resolved config `ec`
-    (its `intermediate_size` set); refuses a head vLLM cannot run."""
-    if cfg.model_type not in EAGLE3_ARCHITECTURES:
-        raise NotImplementedError(f"vLLM backend: no vLLM EAGLE-3 class for model_type {cfg.model_type!r}")
-    dense = EAGLE3_LAYER_TYPE[cfg.model_type]
-    family = dense if ec.qk_norm in (None, cfg.qk_norm) else ("qwen3" if ec.qk_norm else "llama")
-    target = {k: v for k, v in cfg.to_hf().items() if k not in MOE_FIELDS}
-    config = {**target, "model_type": dense, "architectures": [EAGLE3_ARCHITECTURES[family]], "num_hidden_layers": 1,
-              "intermediate_size": ec.intermediate_size, "draft_vocab_size": ec.draft_vocab_size or cfg.vocab_size,
-              "target_hidden_size": cfg.hidden_size, "torch_dtype": str(dtype).removeprefix("torch."),
-              "norm_before_residual": ec.norm_before_residual,
-              "num_aux_hidden_states": len(aux_layer_ids(ec.capture_layers)),
-              "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_layer_ids(ec.capture_layers),
-                               "use_aux_hidden_state": True}}
-    if max(aux_layer_ids(ec.capture_layers)) >= cfg.num_hidden_layers:
-        raise NotImplementedError("vLLM backend: vLLM cannot capture the target's last layer output for EAGLE-3 "
-                                  f"(capture layers {ec.capture_layers} on {cfg.num_hidden_layers} layers)")
-    return config
-
-
-def eagle3_form(ec: Eagle3Config, hidden_size: int) -> dict:
-    """How the worker converts streamed tensors of this head (`worker.megatron_spec_join`'s `drafter_form`)."""
-    return {"eagle3": [list(ec.capture_layers), hidden_size]}
-
-
-def export_eagle3(head: Eagle3Head, out_dir: str | os.PathLike) -> Path:
-    cfg, ec = head.target_config, head.eagle_config
-    config = eagle3_config(cfg, ec, next(head.parameters()).dtype)
-    tensors = eagle3_tensors(head.state_dict(), ec.capture_layers, cfg.hidden_size)
-    return write_export(out_dir, config, entries_of(tensors), tensors.__getitem__)
-
-
-def drafter_form(drafter) -> dict | None:
-    """The refit conversion of a drafter module's streamed tensors: EAGLE-3's, or None (they load as they are)."""
-    if drafter_kind(drafter) == "eagle3":
-        return eagle3_form(drafter.eagle_config, drafter.target_config.hidden_size)
-    return None
-
-
-def export_drafter(drafter, out_dir: str | os.PathLike) -> Path:
-    kind = drafter_kind(drafter)
-    if kind == "mtp":
-        return export_mtp(drafter, out_dir)
-    if kind == "eagle3":
-        return export_eagle3(drafter, out_dir)
-    return export_target(drafter, out_dir)
-
-
-
 # --- from the drafter's checkpoint files, without a module -------------------------------------------------------
 
 TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
@@ -254,12 +128,12 @@ class TensorFiles:
         return {n: torch.empty(shape, device="meta") for n, (_, shape) in self.meta.items()}
 
 
-def _as_loaded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def as_loaded(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A checkpoint tensor as `load_drafter` gives it: floating point in `dtype`, integers as they are."""
     return t.to(dtype) if t.is_floating_point() else t
 
 
-def _loaded_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+def loaded_dtype(stored: torch.dtype, dtype: torch.dtype) -> torch.dtype:
     return dtype if stored.is_floating_point else stored
 
 
@@ -270,83 +144,27 @@ class DrafterExport:
     path: Path
     """The directory vLLM loads (`SpecConfig.model`)."""
     form: dict | None
-    """`worker.megatron_spec_join`'s `drafter_form`: EAGLE-3's conversion, None when tensors load as they are."""
+    """`worker.megatron_spec_join`'s `drafter_form` (`drafter_form`), None when tensors load as they are."""
 
 
-def _export_ours(path: Path, target: ModelConfig, out_dir, dtype: torch.dtype, method: str) -> DrafterExport:
-    """Our layout (`drafter_config.json`): checked as `models.load_drafter` checks it (kind, target fingerprint,
-    every name and shape against the drafter's meta-device skeleton, which holds no storage, and `d2t`), then
-    written tensor by tensor."""
-    from ...drafters.files import _KINDS, drafter_kind_and_config
-    from ...drafters.eagle3.model import check_d2t
+def checked_files(path: Path, target: ModelConfig, method: str) -> tuple[object, TensorFiles]:
+    """The drafter config and tensor files of the checkpoint `path` in our layout (`drafter_config.json`), checked as
+    `files.load_drafter` checks it (kind is `method`, target fingerprint, every name and shape against the drafter's
+    meta-device skeleton, which holds no storage) before anything is written."""
+    from ...drafters.eagle3.public import public_layout
+    from ...drafters.files import DRAFTER_CONFIG, drafter_kind_and_config, head_classes
     from ...models.hf_io import check_state, weight_files
 
+    if not (path / DRAFTER_CONFIG).is_file() and public_layout(path) is not None:
+        raise ValueError(f"spec.method is {method!r} but the drafter checkpoint {path} is a public EAGLE-3 head")
     kind, dcfg = drafter_kind_and_config(path, target)
     if kind != method:
         raise ValueError(f"spec.method is {method!r} but the drafter checkpoint {path} is an {kind!r} drafter")
-    cls = _KINDS[kind][0]
     files = TensorFiles(weight_files(path))
     with torch.device("meta"):
-        skeleton = cls(target, dcfg)
+        skeleton = head_classes(kind)[0](target, dcfg)
     check_state(skeleton, files.shapes(), str(path))
-    del skeleton
-    if kind == "mtp":
-        config = mtp_config(target, dcfg, dtype)
-        entries = {n: (_loaded_dtype(d, dtype), shape) for n, (d, shape) in files.meta.items()}
-        return DrafterExport(write_export(out_dir, config, entries,
-                                          lambda n: _as_loaded(files.get(n), dtype).contiguous()), None)
-    # The head's config as `Eagle3Head` resolves it (intermediate_size 0: the target's).
-    ec = Eagle3Config(dcfg.target_num_layers, dcfg.capture_layers, dcfg.intermediate_size or target.intermediate_size,
-                      dcfg.draft_vocab_size, dcfg.norm_before_residual, dcfg.qk_norm)
-    if ec.draft_vocab_size and "d2t" in files.meta:
-        check_d2t(files.get("d2t"), ec.draft_vocab_size, target.vocab_size, f"{path}: d2t")
-    H, capture = target.hidden_size, ec.capture_layers
-    config = eagle3_config(target, ec, dtype)
-    entries = {n: (torch.long if n == "d2t" else _loaded_dtype(d, dtype), eagle3_shape(n, shape, capture, H))
-               for n, (d, shape) in files.meta.items()}
-    return DrafterExport(write_export(out_dir, config, entries,
-                                      lambda n: eagle3_tensor(n, _as_loaded(files.get(n), dtype), capture, H)),
-                         eagle3_form(ec, H))
-
-
-def _export_public(path: Path, target: ModelConfig, out_dir, dtype: torch.dtype) -> DrafterExport:
-    """A public EAGLE-3 head (speculators / SpecForge layout): checked as `drafters.eagle3.public.load_public_eagle3`
-    checks it, then written tensor by tensor the way that head's module would be exported (its fc padded to three
-    blocks with zeros and folded back, its offsets turned into our d2t and back), so the bytes are the same."""
-    from ...drafters.eagle3 import public as pub
-
-    if pub.public_layout(path) is None:
-        raise ValueError(f"{path} is not an EAGLE-3 checkpoint in the speculators or SpecForge layout")
-    weights = sorted(path.glob("*.safetensors"))
-    if not weights:
-        raise FileNotFoundError(f"no safetensors weights in EAGLE-3 checkpoint {path}")
-    by_name: dict[str, Path] = {}
-    for file in weights:  # a name in several files: the last one's, as `load_public_eagle3` reads them
-        with safe_open(file, "pt") as f:
-            by_name.update({name: file for name in f.keys()})
-    files = TensorFiles(by_name)
-    H = target.hidden_size
-    head = pub.resolve_public_eagle3(path, target, {n: shape for n, (_, shape) in files.meta.items()}, files.get)
-    eagle, capture = head.eagle, head.eagle.capture_layers
-    ec = Eagle3Config(eagle.target_num_layers, eagle.capture_layers, eagle.intermediate_size or
-                      target.intermediate_size, eagle.draft_vocab_size, eagle.norm_before_residual, eagle.qk_norm)
-
-    def loaded(name: str) -> torch.Tensor:
-        """The head's tensor `name` as `load_public_eagle3` builds it."""
-        if name == "d2t":
-            return head.d2t
-        if name == "fc.weight":
-            return pub.padded_fc(files.get("fc.weight"), H, head.n_aux).to(dtype)
-        return files.get(head.source[name]).to(dtype)
-
-    shapes = {ours: files.meta[k][1] for ours, k in head.source.items()}
-    shapes["fc.weight"] = (shapes["fc.weight"][0], 3 * H)
-    if head.d2t is not None:
-        shapes["d2t"] = tuple(head.d2t.shape)
-    entries = {n: (torch.long if n == "d2t" else dtype, eagle3_shape(n, shape, capture, H))
-               for n, shape in shapes.items()}
-    return DrafterExport(write_export(out_dir, eagle3_config(target, ec, dtype), entries,
-                                      lambda n: eagle3_tensor(n, loaded(n), capture, H)), eagle3_form(ec, H))
+    return dcfg, files
 
 
 def link_model(src: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "float32") -> Path:
@@ -373,19 +191,9 @@ def export_drafter_files(src: str | os.PathLike, target: ModelConfig, out_dir: s
     `out_dir` in the layout vLLM loads with its floating-point tensors in `dtype` (what `export_drafter` writes for
     the same drafter loaded in `dtype`), without building the drafter: each tensor is read from the files, converted
     and written on its own. A draft model's files are linked (`link_model`), its vocabulary checked. A checkpoint
-    that is missing or does not fit `target` raises before anything is written."""
-    from ...drafters.files import DRAFTER_CONFIG, check_draft_model
-    from ...drafters.eagle3.public import public_layout
-    from ...models.hf_io import read_config
-
+    that is missing or does not fit `target` raises before anything is written. The method's folder writes it
+    (`vllm_export_files`)."""
     src = Path(src)
     if not src.is_dir():
         raise FileNotFoundError(f"drafter directory {src} does not exist")
-    if method == "draft_model":
-        check_draft_model(read_config(src), target)
-        return DrafterExport(link_model(src, out_dir, str(dtype).removeprefix("torch.")), None)
-    if not (src / DRAFTER_CONFIG).is_file() and public_layout(src) is not None:
-        if method != "eagle3":
-            raise ValueError(f"spec.method is {method!r} but the drafter checkpoint {src} is a public EAGLE-3 head")
-        return _export_public(src, target, out_dir, dtype)
-    return _export_ours(src, target, out_dir, dtype, method)
+    return drafter_method(method).vllm_export_files(src, target, out_dir, dtype)

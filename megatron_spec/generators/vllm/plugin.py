@@ -2,7 +2,7 @@
 
 vLLM calls `register()` in every process it starts (the API process, the engine core, each worker), so what it does
 holds wherever the model runs:
-- registers the `mtp` model type with transformers' AutoConfig and our MTP drafter class (`MegatronSpecMTP`, mtp_model.py) in vLLM's model registry, lazily by name;
+- registers our MTP drafters' model type with transformers' AutoConfig and our MTP drafter class (`MegatronSpecMTP`, mtp_model.py) in vLLM's model registry, lazily by name;
 - makes vLLM's MTP proposer tell that class which draft step it runs (vLLM's generic proposer always asks for the
   first MTP layer; ours applies depth min(step, layers - 1), as our engine does);
 - on the CPU platform, installs the correct `expand_batch_to_tokens` (cpu_fix.py), unless the environment variable
@@ -32,14 +32,14 @@ def register() -> None:
 
 
 def register_config() -> None:
-    """Teach transformers' AutoConfig the `model_type: "mtp"` of our exported MTP drafters (vLLM parses a drafter's
-    config.json with it, and accepts a drafter for `method="mtp"` only when its model type is an MTP type)."""
+    """Teach transformers' AutoConfig the model type of our exported MTP drafters (`MegatronSpecMTPConfig`: vLLM
+    parses a drafter's config.json with it, and accepts an MTP drafter only when its model type is an MTP type)."""
     from transformers import AutoConfig
 
     from ...drafters.mtp.hf_config import MegatronSpecMTPConfig
 
     try:
-        AutoConfig.register("mtp", MegatronSpecMTPConfig)
+        AutoConfig.register(MegatronSpecMTPConfig.model_type, MegatronSpecMTPConfig)
     except ValueError:  # already registered in this process
         pass
 

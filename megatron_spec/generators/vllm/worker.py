@@ -36,8 +36,8 @@ class WorkerExtension:
                            drafter_form: dict | None, senders: int = 1) -> str:
         """Join the weight-update group (its first `senders` members send: one per trainer pipeline stage) as rank
         `base_rank` + this worker's rank in its engine; returns the dtype this worker serves (what the senders cast
-        to). `drafter_form`: how streamed drafter tensors become vLLM's (`{"eagle3": [capture layers, hidden
-        size]}`), None when they load as they are."""
+        to). `drafter_form`: how streamed drafter tensors become vLLM's (`{method: arguments of its
+        registry entry's vllm_convert}`, `export.drafter_form`), None when they load as they are."""
         from ...distributed.weight_group import open_weight_group
 
         self.megatron_spec_group = open_weight_group(host, port, base_rank + self.rank, world, timeout_s, backend,
@@ -73,11 +73,10 @@ class WorkerExtension:
         repack_cpu_experts(self.model_runner.model, target_names)
         retie_output_head(self.model_runner.model, self.model_config.hf_config)
         if drafter:
-            form = self.megatron_spec_drafter_form or {}
-            if "eagle3" in form:
-                from .export import eagle3_tensors
+            from ...drafters.registry import drafter_method
 
-                drafter = eagle3_tensors(drafter, *form["eagle3"])
+            for method, args in (self.megatron_spec_drafter_form or {}).items():
+                drafter = drafter_method(method).vllm_convert(drafter, *args)
             self._load_drafter(drafter)
         return total
 

@@ -20,6 +20,7 @@ import torch
 from megatron_spec.bench.common import emit
 from megatron_spec.models import from_pretrained
 from megatron_spec.drafters.files import load_drafter
+from megatron_spec.drafters.registry import method_of
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
 from megatron_spec.interfaces import Batch
 from megatron_spec.trainers.embedded import EmbeddedPolicy
@@ -52,7 +53,8 @@ def timed(policy, b: Batch, repeats: int) -> list[float]:
 def embedded(repeats: int) -> list[float]:
     model = from_pretrained(POLICY)
     drafter = load_drafter(DRAFTER, model.config)
-    policy = EmbeddedPolicy(model, GRPOSection(), SAMPLING, drafter, "mtp", DrafterTrainSection(agreement=False))
+    policy = EmbeddedPolicy(model, GRPOSection(), SAMPLING, drafter, method_of(drafter).name,
+                            DrafterTrainSection(agreement=False))
     return timed(policy, batch(model.config.vocab_size), repeats)
 
 

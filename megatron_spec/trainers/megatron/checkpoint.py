@@ -160,7 +160,7 @@ class ShardedCheckpoints:
         state["step"] = self.optimizer.adam_step()
         state["layout"] = self.par.describe()
         if self.eagle3:
-            state["eagle3"] = self.eagle3.state_dict()
+            state[self.eagle3.state_key] = self.eagle3.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -177,8 +177,8 @@ class ShardedCheckpoints:
             with self._params_as(key, create=True):
                 import_hf(self.chunks, state[key])
         self._set_step(state["step"])
-        if self.eagle3 and "eagle3" in state:
-            self.eagle3.load_state_dict(state["eagle3"])
+        if self.eagle3 and self.eagle3.state_key in state:
+            self.eagle3.load_state_dict(state[self.eagle3.state_key])
 
     def _set_step(self, step: float) -> None:
         for group in self.opt.param_groups:
@@ -277,7 +277,7 @@ class ShardedCheckpoints:
         out = {"sharded_dir": out_dir.name, "step": step, "layout": self.par.describe(),
                "optimizer": self.optimizer.kind}
         if self.eagle3:  # small and replicated: kept beside the shards
-            out["eagle3"] = self.eagle3.state_dict()
+            out[self.eagle3.state_key] = self.eagle3.state_dict()
         return out
 
     def save_done(self) -> bool:
@@ -310,8 +310,8 @@ class ShardedCheckpoints:
         self._announce("load_sharded", str(ckpt_dir), state)
         if self.mopt is not None:
             self._load_megatron(ckpt_dir)
-            if self.eagle3 and state and "eagle3" in state:
-                self.eagle3.load_state_dict(state["eagle3"])
+            if self.eagle3 and state and self.eagle3.state_key in state:
+                self.eagle3.load_state_dict(state[self.eagle3.state_key])
             return
         for key in ("weights", *OPT_STATES):
             sd = self._sharded(key)
@@ -329,8 +329,8 @@ class ShardedCheckpoints:
                                  f"e.g. {missing[:3]}")
         self.optimizer.masters_to_params()
         self._set_step((state or {}).get("step", 0.0))
-        if self.eagle3 and state and "eagle3" in state:
-            self.eagle3.load_state_dict(state["eagle3"])
+        if self.eagle3 and state and self.eagle3.state_key in state:
+            self.eagle3.load_state_dict(state[self.eagle3.state_key])
 
     def _load_megatron(self, ckpt_dir: str | os.PathLike) -> None:
         """The model's weights, then the distributed optimizer's fp32 masters, moments, step and groups, from

@@ -60,7 +60,7 @@ def trunk_logits(model, input_ids: Tensor) -> Tensor:
 
 def detached_mtp_logits(model, input_ids: Tensor) -> tuple[Tensor, list[Tensor]]:
     """(policy logits [B, T, V] without grad, [MTP depth k logits [B, T, V]]) with only the MTP layers in the graph."""
-    if getattr(model, "mtp", None) is None:
+    if not getattr(model.config, "mtp_num_layers", None):
         raise ValueError("the model has no MTP layers (build it with mtp_num_layers >= 1)")
     with torch.no_grad():
         hidden, rotary, mask = trunk_hidden(model, input_ids)

@@ -120,6 +120,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *
     config.json describes the model (default: the run's `model.policy`, from the checkpoint's saved config)."""
     from megatron_spec.drafters.files import DRAFTER_CONFIG, target_fingerprint
     from megatron_spec.drafters.mtp.model import MTPConfig
+    from megatron_spec.drafters.registry import layers_method
 
     ckpt_dir = Path(ckpt_dir)
     state_file, policy_dir = ckpt_dir / "state.pt", ckpt_dir / "policy"
@@ -158,7 +159,7 @@ def export_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *
             conf = {"num_layers": layers}
             if drafter_src and (Path(drafter_src) / DRAFTER_CONFIG).is_file():
                 conf = json.loads((Path(drafter_src) / DRAFTER_CONFIG).read_text()).get("config", conf)
-            meta = {"kind": "mtp", "config": {**MTPConfig(**conf).__dict__}, "target": target_fingerprint(cfg)}
+            meta = {"kind": layers_method().name, "config": {**MTPConfig(**conf).__dict__}, "target": target_fingerprint(cfg)}
             (drafter / DRAFTER_CONFIG).write_text(json.dumps(meta, indent=2))
             _write_shards(iter(mtp), drafter, max_shard_bytes)
 

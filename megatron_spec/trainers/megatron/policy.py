@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron_spec.drafters.mtp.model import MTP, MTPConfig
 from megatron_spec.models import CausalLM
 from megatron_spec.drafters.files import read_drafter_config
+from megatron_spec.drafters.registry import drafter_method, layers_method
 from megatron_spec.models.hf_io import read_config
 from megatron_spec.rl.grpo import LossNorm
 from megatron_spec.interfaces import Batch, no_step_gate
@@ -100,7 +101,7 @@ class MegatronPolicy(Followers, RefitSource, ShardedCheckpoints):
             drafter_layers = drafter.mtp_config.num_layers
         elif drafter is not None:
             meta = read_drafter_config(drafter)
-            if meta.get("kind") != "mtp":
+            if meta.get("kind") != layers_method().name:
                 raise ValueError(f"backend.megatron.mtp_num_layers={mtp_num_layers} trains an MTP head, but the "
                                  f"drafter in {drafter} is a {meta.get('kind')!r}")
             drafter_layers = meta.get("config", {}).get("num_layers", MTPConfig().num_layers)
@@ -324,14 +325,16 @@ def _drafter_tensors(drafter: MTP) -> dict[str, torch.Tensor]:
 
 
 def eagle3_drafter_dir(cfg) -> str | None:
-    """The EAGLE-3 head the run names (`model.drafter`, else `spec.model` of an `eagle3` spec), or None."""
-    if cfg.spec is None or cfg.spec.method != "eagle3":
+    """The EAGLE-3 head the run names (`model.drafter`, else `spec.model` of a spec whose method the Megatron trainer trains beside
+    the policy: EAGLE-3's), or None."""
+    if cfg.spec is None or not drafter_method(cfg.spec.method).megatron_beside:
         return None
     return cfg.model.drafter or cfg.spec.model or None
 
 
 def mtp_drafter_dir(cfg) -> str | None:
-    """The MTP drafter checkpoint the run names (`model.drafter`, else `spec.model` of an `mtp` spec), or None."""
-    if cfg.spec is None or cfg.spec.method != "mtp":
+    """The MTP drafter checkpoint the run names (`model.drafter`, else `spec.model` of a spec whose method it trains as the policy's MTP
+    layers), or None."""
+    if cfg.spec is None or not drafter_method(cfg.spec.method).megatron_layers:
         return None
     return cfg.model.drafter or cfg.spec.model or None

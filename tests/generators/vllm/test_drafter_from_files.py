@@ -87,7 +87,8 @@ def test_files_export_equals_module_export_bit_for_bit(tmp_path, case):
 def test_the_streamed_writer_writes_what_safetensors_writes(tmp_path):
     """`write_safetensors` (one tensor at a time) and safetensors' `save_file` (all at once) give the same bytes
     for an EAGLE-3 export's tensors (fp32 weights and int64 offsets) and a mix of dtypes and an empty tensor."""
-    from megatron_spec.generators.vllm.export import eagle3_tensors, entries_of, write_safetensors
+    from megatron_spec.drafters.eagle3.export import eagle3_tensors
+    from megatron_spec.generators.vllm.export import entries_of, write_safetensors
     from tests.models.test_eagle3_public import distinct_head
 
     target = from_pretrained(CKPT / "tiny-qwen3")

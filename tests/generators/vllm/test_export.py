@@ -16,7 +16,7 @@ pytestmark = vllm_only
 def test_eagle3_fc_fold_is_the_same_linear_map():
     """The shipped head fuses layer 1 three times; vLLM passes that state once, so the exported fc (blocks summed)
     applied to h must equal ours applied to cat[h, h, h] (fp32, sums of 3 products: 1e-6)."""
-    from megatron_spec.generators.vllm.export import aux_layer_ids, eagle3_tensors
+    from megatron_spec.drafters.eagle3.export import aux_layer_ids, eagle3_tensors
 
     target = from_pretrained("checkpoints/tiny-qwen3")
     head = load_drafter("checkpoints/tiny-qwen3-eagle3", target.config)
@@ -29,7 +29,7 @@ def test_eagle3_fc_fold_is_the_same_linear_map():
 def test_eagle3_distinct_layers_and_draft_vocab_offsets():
     """Distinct capture layers keep fc as is, with aux ids shifted by one (vLLM records layer inputs); a draft
     vocabulary's d2t becomes vLLM's offsets, and target = draft id + offset recovers our map exactly."""
-    from megatron_spec.generators.vllm.export import aux_layer_ids, eagle3_tensors
+    from megatron_spec.drafters.eagle3.export import aux_layer_ids, eagle3_tensors
 
     target = from_pretrained("checkpoints/tiny-qwen3")
     d2t = torch.tensor([2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37])

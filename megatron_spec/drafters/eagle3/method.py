@@ -1,0 +1,84 @@
+"""The EAGLE-3 drafter's registry entry: one decoder layer over fused target hidden states, optionally over a draft
+vocabulary."""
+
+from __future__ import annotations
+
+from ..registry import DrafterMethod, register
+
+
+def _module():
+    from .model import Eagle3Head
+
+    return Eagle3Head
+
+
+def _config():
+    from .model import Eagle3Config
+
+    return Eagle3Config, "eagle_config"
+
+
+def _proposer(spec, target, drafter):
+    from ..hidden import hidden_state_proposer
+
+    return hidden_state_proposer(spec, target, drafter)
+
+
+def _load(path, target, device):
+    from ..files import load_head
+
+    return load_head(path, target, device)
+
+
+def _new(target, draft_preset, d2t):
+    from .model import Eagle3Head
+
+    return Eagle3Head.from_target(target, d2t=d2t)
+
+
+def _save(drafter, out_dir, target):
+    from ..files import save_drafter
+
+    return save_drafter(drafter, out_dir, "eagle3", target.config)
+
+
+def _loss(target, drafter, input_ids, out, logits, mask, drafts):
+    from .loss import eagle3_pairs
+
+    return eagle3_pairs(target, drafter, input_ids, out, logits, mask, drafts)
+
+
+def _export(drafter, out_dir):
+    from .export import export_eagle3
+
+    return export_eagle3(drafter, out_dir)
+
+
+def _export_files(src, target, out_dir, dtype):
+    from .export import export_eagle3_files
+
+    return export_eagle3_files(src, target, out_dir, dtype)
+
+
+def _form(drafter):
+    from .export import eagle3_form
+
+    return eagle3_form(drafter.eagle_config, drafter.target_config.hidden_size)
+
+
+def _convert(tensors, capture_layers, hidden_size):
+    from .export import eagle3_tensors
+
+    return eagle3_tensors(tensors, capture_layers, hidden_size)
+
+
+def _sim_shape(target, draft_model, layers, draft_vocab, kv_dtype_bytes):
+    from .cost import eagle3_shape
+
+    return eagle3_shape(target, draft_model, layers, draft_vocab, kv_dtype_bytes)
+
+
+register(DrafterMethod("eagle3", _proposer, needs_weights=True, load=_load, module=_module, saved_config=_config,
+                       new=_new, save=_save, online_loss=_loss, draft_vocab=True, vllm_method="eagle3",
+                       vllm_export=_export, vllm_export_files=_export_files, vllm_form=_form, vllm_convert=_convert,
+                       state_key="eagle3", sim_shape=_sim_shape, listing=2))

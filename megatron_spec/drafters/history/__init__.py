@@ -1,0 +1,1 @@
+"""Drafting by lookup in the earlier rollouts of the same prompt."""

@@ -1,0 +1,70 @@
+"""The MTP drafter's registry entry: Megatron-layout multi-token prediction heads on the target's hidden states."""
+
+from __future__ import annotations
+
+from ..registry import DrafterMethod, register
+
+
+def _module():
+    from .model import MTP
+
+    return MTP
+
+
+def _config():
+    from .model import MTPConfig
+
+    return MTPConfig, "mtp_config"
+
+
+def _proposer(spec, target, drafter):
+    from ..hidden import hidden_state_proposer
+
+    return hidden_state_proposer(spec, target, drafter)
+
+
+def _load(path, target, device):
+    from ..files import load_head
+
+    return load_head(path, target, device)
+
+
+def _new(target, draft_preset, d2t):
+    from .model import MTP, MTPConfig
+
+    return MTP(target.config, MTPConfig(1))
+
+
+def _save(drafter, out_dir, target):
+    from ..files import save_drafter
+
+    return save_drafter(drafter, out_dir, "mtp", target.config)
+
+
+def _loss(target, drafter, input_ids, out, logits, mask, drafts):
+    from .loss import mtp_pairs
+
+    return mtp_pairs(target, drafter, input_ids, out, logits, mask, drafts)
+
+
+def _export(drafter, out_dir):
+    from .export import export_mtp
+
+    return export_mtp(drafter, out_dir)
+
+
+def _export_files(src, target, out_dir, dtype):
+    from .export import export_mtp_files
+
+    return export_mtp_files(src, target, out_dir, dtype)
+
+
+def _sim_shape(target, draft_model, layers, draft_vocab, kv_dtype_bytes):
+    from .cost import mtp_shape
+
+    return mtp_shape(target, draft_model, layers, draft_vocab, kv_dtype_bytes)
+
+
+register(DrafterMethod("mtp", _proposer, needs_weights=True, load=_load, module=_module, saved_config=_config,
+                       new=_new, save=_save, online_loss=_loss, vllm_method="mtp", vllm_export=_export, megatron_layers=True,
+                       vllm_export_files=_export_files, sim_shape=_sim_shape, listing=1))
