@@ -9,8 +9,8 @@ reads them and the log-prob pass uses them. `onload(policy)` moves the states an
 came from, bit for bit. On a CPU the states already live in host memory, so only the gradients and the trimmed
 heap are released.
 
-Found on the policy: its optimizers (`opt`, `drafter_opt`, an online EAGLE-3 head's `eagle3.trainer.drafter_opt`)
-and its model parameters (`model`, `drafter`). A policy whose optimizer keeps its own buffers (Megatron-Core's
+Found on the policy: its optimizers (`opt`, its drafter trainer's `drafter_trainer.opt`, an online EAGLE-3 head's
+`eagle3.trainer.opt`) and its model parameters (`model`, `drafter`). A policy whose optimizer keeps its own buffers (Megatron-Core's
 distributed optimizer, `mopt`) is refused: its buffers are not reachable this way.
 """
 
@@ -37,8 +37,8 @@ class Offloaded:
 
 
 def optimizers(policy) -> list:
-    eagle3 = getattr(getattr(policy, "eagle3", None), "trainer", None)
-    found = [getattr(policy, "opt", None), getattr(policy, "drafter_opt", None), getattr(eagle3, "drafter_opt", None)]
+    drafters = [getattr(policy, "drafter_trainer", None), getattr(getattr(policy, "eagle3", None), "trainer", None)]
+    found = [getattr(policy, "opt", None), *(getattr(d, "opt", None) for d in drafters)]
     return [o for o in found if isinstance(o, torch.optim.Optimizer)]
 
 

@@ -323,7 +323,8 @@ class Trainer:
 
         spec, d = self.cfg.spec, self.cfg.drafter_train
         return bool(spec and spec.adaptive and d.gate and d.online and isinstance(self.generator, EmbeddedGenerator)
-                    and isinstance(self.policy, EmbeddedPolicy) and self.policy.drafter_opt is not None)
+                    and isinstance(self.policy, EmbeddedPolicy) and self.policy.drafter_trainer is not None
+                    and self.policy.drafter_trainer.online)
 
     @contextmanager
     def speculation(self, on: bool | None, engine: bool = True):

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from megatron_spec.drafters.mtp.model import MTP, MTPConfig
 from megatron_spec.models import CausalLM
 from megatron_spec.drafters.files import read_drafter_config
+from megatron_spec.drafters.trainer import MAX_GRAD_NORM
 from megatron_spec.models.hf_io import read_config
 from megatron_spec.rl.grpo import LossNorm
 from megatron_spec.trainers.embedded import Batch
@@ -65,10 +66,10 @@ from megatron.core import parallel_state as ps  # noqa: E402
 
 STOP = "__stop__"
 BUILD = "__build__"
-MTP_MAX_GRAD_NORM = 1.0
-"""The MTP layers' gradient clip, the embedded drafter trainer's."""
+MTP_MAX_GRAD_NORM = MAX_GRAD_NORM
+"""The MTP layers' gradient clip: the online drafter trainer's (`drafters.trainer`)."""
 MTP_BETAS = (0.9, 0.999)
-"""The MTP layers' Adam betas: torch's default, as the embedded drafter trainer's."""
+"""The MTP layers' Adam betas: torch's default, as the online drafter trainer's."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
