@@ -31,8 +31,9 @@ from megatron_spec.models.layers import attend
 from megatron_spec.models.masks import causal_mask
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
 from megatron_spec.rl.microbatch import micro_batches
+from megatron_spec.drafters.trainer import minibatches
 from megatron_spec.interfaces import DrafterInputs
-from megatron_spec.trainers.embedded import EmbeddedPolicy, minibatches
+from megatron_spec.trainers.embedded import EmbeddedPolicy
 from megatron_spec.drafters import loss as drafter_loss
 
 BUDGET = 1024
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 batches = minibatches(forwards, tokens, 4, budget)
                 start = time.perf_counter()
                 for parts, count in batches:
-                    policy.drafter_pass(parts, count, learn=True, measure=False)
+                    policy.drafter_trainer.run_pass(model, parts, count, learn=True, measure=False)
                 if rep:  # the first round warms both up
                     times[variant].append(time.perf_counter() - start)
         drafter_loss.UnrolledAttention = unrolled

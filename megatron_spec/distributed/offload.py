@@ -9,9 +9,9 @@ reads them and the log-prob pass uses them. `onload(policy)` moves the states an
 came from, bit for bit. On a CPU the states already live in host memory, so only the gradients and the trimmed
 heap are released.
 
-Found on the policy: its optimizers (`opt`, `drafter_opt`, the `drafter_opt` of a part trained beside it, an online EAGLE-3 head)
-and its model parameters (`model`, `drafter`). A policy whose optimizer keeps its own buffers (Megatron-Core's
-distributed optimizer, `mopt`) is refused: its buffers are not reachable this way.
+Found on the policy: its optimizers (`opt`, and the `opt` of every drafter trainer it holds, itself or in a part
+trained beside it such as an online drafter head) and its model parameters (`model`, `drafter`). A policy whose
+optimizer keeps its own buffers (Megatron-Core's distributed optimizer, `mopt`) is refused: its buffers are not reachable this way.
 """
 
 from __future__ import annotations
@@ -37,12 +37,15 @@ class Offloaded:
 
 
 def optimizers(policy) -> list:
-    """The policy's optimizers (`opt`, `drafter_opt`) and the `drafter_opt` of each part it holds that trains
-    beside it (an online drafter head's trainer), each once."""
-    found = [getattr(policy, "opt", None)] + [getattr(p, "drafter_opt", None) for p in (policy, *vars(policy).values())]
+    """The policy's optimizer (`opt`) and those of the drafter trainers it holds, directly or in a part (an online
+    drafter head's), each once."""
+    from ..drafters.trainer import DrafterTrainer
+
+    parts = [policy, *vars(policy).values()]
+    found = [getattr(policy, "opt", None)] + [t.opt for part in parts for t in getattr(part, "__dict__", {}).values()
+                                              if isinstance(t, DrafterTrainer)]
     found = [o for o in found if isinstance(o, torch.optim.Optimizer)]
     return list({id(o): o for o in found}.values())
-
 
 def _model_params(policy) -> list:
     params = []

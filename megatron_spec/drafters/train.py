@@ -105,20 +105,24 @@ def target_features(target, drafter, ids, chunk: int = 16) -> TrunkOutput:
 
 def train(target, drafter, method: str, ids, mask, steps: int, batch_size: int, lr: float, seed: int,
           log_every: int = 50, feats: TrunkOutput | None = None) -> list[float]:
-    """AdamW on the drafter only; the frozen target's features are `feats` (from `rollouts`) or computed here once.
-    Returns the loss per step."""
+    """AdamW on the drafter only, the online drafter trainer's optimizer steps (`DrafterTrainer.optimizer_step`) on
+    rows drawn at random, under a learning-rate schedule; the frozen target's features are `feats` (from `rollouts`)
+    or computed here once. Returns the loss per step."""
     import torch
 
     from ..models.decoder import TrunkOutput
+    from ..rl.config import DrafterTrainSection
     from .loss import drafter_loss
     from .registry import drafter_method
+    from .trainer import DrafterTrainer
 
     online_loss = drafter_method(method).online_loss
     target.eval().requires_grad_(False)
     if feats is None:
         feats = target_features(target, drafter, ids)
     drafter.train()
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    trainer = DrafterTrainer(drafter, method, DrafterTrainSection(lr=lr, ema=0.0), sampling={}, pack_tokens=0)
+    opt = trainer.opt
     # Short warm-up, then linear decay to 10 %: small batches of rollouts are noisy (SmolLM2, 8 rollouts: the loss
     # swings by +-0.4 from step to step), and a decaying rate lets the last steps average that noise out.
     warmup = max(1, min(20, steps // 10))
@@ -133,8 +137,7 @@ def train(target, drafter, method: str, ids, mask, steps: int, batch_size: int, 
         loss = drafter_loss(online_loss, target, drafter, ids[rows, :length], mask[rows, :length], out=out)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
+        trainer.optimizer_step()
         sched.step()
         losses.append(loss.item())
         if log_every and (step % log_every == 0 or step == steps - 1):

@@ -1,8 +1,9 @@
 """The embedded trainer: our model + AdamW, a `megatron_spec.interfaces.Policy` as the Megatron trainer is.
 
 Online drafter training rides on the policy's own forward in `train_step`: the drafter reads the trunk's hidden
-states and logits *detached*, and has its own optimizer and its own backward, so its loss cannot send gradient
-into the trunk (a test compares the trunk's gradients with and without it).
+states and logits *detached*, and its trainer (`drafters.trainer.DrafterTrainer`) has its own optimizer and its own
+backward, so its loss cannot send gradient into the trunk (a test compares the trunk's gradients with and without
+it).
 
 Both forwards run over length-bucketed micro-batches (`microbatch.py`) with the whole batch's loss denominators, so
 a step's update is the one-big-batch update without the padding. With one update per step, the behaviour log-probs
@@ -12,9 +13,7 @@ rollouts of a GRPO group share their prompt, which both forwards compute once pe
 
 from __future__ import annotations
 
-import copy
 import time
-from collections import deque
 from contextlib import contextmanager
 
 import torch
@@ -23,82 +22,13 @@ from torch import Tensor
 from ..models.decoder import CausalLM, TrunkOutput
 from ..drafters.eagle3.model import captured_layers
 from ..models.routing import replayed
-from ..drafters.loss import agreement, depth_pairs, pairs_loss
-from ..drafters.registry import drafter_method
-from ..interfaces import Batch, DrafterInputs
+from ..drafters.trainer import Deadline, DrafterTrainer
 from ..speculative.sampling import processed_logprobs
 from ..rl.grpo import LossNorm, aggregate, kl_penalty, policy_loss, truncated_is_weights
 from ..rl.microbatch import micro_batches, sequence_lengths
 from ..rl.prefix import SharedPrompts, prompt_groups
 from ..rl.refit import named_weights
-
-
-class Deadline:
-    """When the drafter's training on a step stops: `seconds` after it starts (None: it runs whole). The whole-step
-    gate gives it what the step's generation saved (`WholeStepGate.drafter_budget`); past that the step cannot pay,
-    and what is left of the training would only slow it down further."""
-
-    def __init__(self, seconds: float | None):
-        self.end = None if seconds is None else time.perf_counter() + seconds
-        self.stopped = False  # whether some of the training was left out for it
-
-    def stops(self) -> bool:
-        """Whether the next piece of the training is left out (the deadline has passed)."""
-        self.stopped = self.stopped or (self.end is not None and time.perf_counter() >= self.end)
-        return self.stopped
-
-
-def join(parts: list[DrafterInputs]) -> DrafterInputs:
-    """The rows of `parts` as one batch, each right-padded with zeros (and a False mask) to the longest. Every
-    drafter attends causally and its loss reads only masked-in positions, so a row's predictions and loss are its
-    own whatever it is batched with, up to the order a matmul sums in."""
-    T = max(p.input_ids.shape[1] for p in parts)
-
-    def cat(tensors: list[Tensor]) -> Tensor:
-        out = tensors[0].new_zeros((sum(t.shape[0] for t in tensors), T, *tensors[0].shape[2:]))
-        row = 0
-        for t in tensors:
-            out[row : row + t.shape[0], : t.shape[1]] = t
-            row += t.shape[0]
-        return out
-
-    layers = {i: cat([p.out.layers[i] for p in parts]) for i in parts[0].out.layers}
-    return DrafterInputs(cat([p.input_ids for p in parts]), cat([p.mask for p in parts]),
-                         TrunkOutput(cat([p.out.hidden for p in parts]), layers), cat([p.logits for p in parts]))
-
-
-def pack(parts: list[DrafterInputs], budget: int) -> list[DrafterInputs]:
-    """`parts` joined, in order, into as few batches as keep rows x longest row within `budget` tokens (a part
-    alone may exceed it; 0: no limit). Dealing a step's micro-batches into minibatches leaves a few rows of each
-    micro-batch per minibatch, and each drafter pass pays a fixed overhead, so they are joined back up to the size
-    the policy's own micro-batches have: 1.30-1.53x faster updates on the main job's model
-    (`research/drafter_update.py`)."""
-    out: list[list[DrafterInputs]] = []
-    rows = longest = 0
-    for p in parts:
-        b, t = p.input_ids.shape
-        if out and (not budget or (rows + b) * max(longest, t) <= budget):
-            out[-1].append(p)
-            rows, longest = rows + b, max(longest, t)
-        else:
-            out.append([p])
-            rows, longest = b, t
-    return [join(group) if len(group) > 1 else group[0] for group in out]
-
-
-def minibatches(forwards: list[DrafterInputs], tokens: float, count: int,
-                budget: int) -> list[tuple[list[DrafterInputs], float]]:
-    """One step's micro-batches (with `tokens` generated tokens) dealt into `count` minibatches, row i of each to
-    minibatch i mod count, each with its generated tokens and its rows packed into batches of up to `budget` tokens
-    (`pack`); a minibatch with no rows is left out. With count 1: the step's micro-batches as they are."""
-    if count == 1:
-        return [(forwards, tokens)]
-    out = []
-    for j in range(count):
-        part = [f.rows(slice(j, None, count)) for f in forwards if f.input_ids.shape[0] > j]
-        if part:
-            out.append((pack(part, budget), float(sum(f.mask.sum() for f in part))))
-    return out
+from ..interfaces import Batch, DrafterInputs
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor, sampling: dict) -> Tensor:
@@ -152,23 +82,19 @@ class EmbeddedPolicy:
             self.ref = CausalLM(model.config).to(model.device)
             self.ref.load_state_dict(model.state_dict())
             self.ref.eval().requires_grad_(False)
-        self.drafter, self.drafter_method, self.drafter_cfg = drafter, drafter_method, drafter_cfg
-        self.drafter_opt = self.drafter_ema = None
-        if drafter is not None and drafter_cfg is not None and drafter_cfg.online:
-            self.drafter_opt = torch.optim.AdamW(drafter.parameters(), lr=drafter_cfg.lr, weight_decay=0.0)
-            if drafter_cfg.ema:  # the weights that draft (refit into the generator): the trained ones' average
-                self.drafter_ema = copy.deepcopy(drafter).requires_grad_(False).eval()
-        # The last `drafter_train.replay` steps' detached states, oldest first: (micro-batches, generated tokens).
-        self.replay: deque[tuple[list[DrafterInputs], float]] = deque(maxlen=drafter_cfg.replay if drafter_cfg else 1)
+        self.drafter = drafter
+        self.drafter_trainer = None  # the drafter's online training and agreement (`drafters.trainer`)
+        if drafter is not None and drafter_cfg is not None:
+            self.drafter_trainer = DrafterTrainer(drafter, drafter_method, drafter_cfg, sampling,
+                                                  grpo.micro_batch_tokens)
         # The drafter reads this step's forwards to train (online) and/or to measure its agreement.
-        self.drafter_reads = self.drafter_opt is not None or (
-            drafter is not None and drafter_cfg is not None and drafter_cfg.agreement)
+        self.drafter_reads = self.drafter_trainer is not None and self.drafter_trainer.reads
 
     supports_step_gate = True
 
     @property
     def trains_drafter_online(self) -> bool:
-        return self.drafter_opt is not None and self.drafter_reads
+        return self.drafter_trainer is not None and self.drafter_trainer.online and self.drafter_reads
 
     @contextmanager
     def speculation(self, enabled: bool):
@@ -304,11 +230,11 @@ class EmbeddedPolicy:
         if self.drafter_reads:
             started, deadline = time.perf_counter(), Deadline(drafter_budget_s)
             tokens = float(batch.mask.sum())
-            if drafter_extra is not None and self.drafter_opt is not None:
+            if drafter_extra is not None and self.drafter_trainer.online:
                 extra = self.drafter_states(drafter_extra, deadline)
                 forwards += extra
                 tokens += sum(float(f.mask.sum()) for f in extra)
-            metrics.update(self.drafter_step(forwards, tokens, deadline))
+            metrics.update(self.drafter_trainer.step(self.model, forwards, tokens, deadline))
             metrics["drafter_s"] = time.perf_counter() - started  # the drafter's share of the train stage
             if deadline.stopped:
                 metrics["drafter_cut"] = True
@@ -345,105 +271,16 @@ class EmbeddedPolicy:
             drafter_inputs = DrafterInputs(mb.input_ids, mb.mask, detached, logits.detach())
         return loss, metrics, logprobs.detach(), drafter_inputs
 
-    def drafter_step(self, forwards: list[DrafterInputs], tokens: float, deadline: Deadline | None = None) -> dict:
-        """The drafter's update after the policy's (the MTP / EAGLE-3 heads read the trunk's embedding and output
-        head as they are now, as before bucketing), and the drafter's agreement with the policy on this batch
-        (`drafter_loss.agreement`); a frozen drafter only measures, without gradient.
-
-        Online, `drafter_train.updates` passes over the replayed steps (this one and up to `replay - 1` before it,
-        oldest first, so each pass ends on this batch), one optimizer step per minibatch (`minibatches` per step).
-        Re-reading detached states costs no trunk forward; the earlier steps' states are an earlier policy's, which
-        the last optimizer steps of each pass, on this step's batch, correct towards the policy that drafts next.
-
-        Loss and agreement are those of the drafter that drafted this batch, before it learns from it: measured in
-        the first optimizer step when that one is over this batch and the trained weights draft, else by a pass
-        without gradient first (of the weights' average where that drafts, `drafter_train.ema`). Once the `deadline`
-        passes no further optimizer step starts (the measuring one always runs).
-
-        A step's drafter loss is a mean over its generated tokens (per depth, or per unrolled step); weighted by its
-        micro-batches' shares of the generated tokens, the shares add up to the one-big-batch loss exactly when
-        every depth's mean counts all generated tokens: draft d's prediction has no label before position d + 1, so
-        prompts must be at least as long as the drafts trained per position (`drafter_train.drafts`) + 1. Every task
-        prompt is (BOS + a problem); a shorter one only shifts the weights of its first few tokens' predictions.
-        """
-        online = self.drafter_opt is not None
-        batches = [(forwards, tokens)]
-        if online:
-            self.replay.append((forwards, tokens))
-            one_pass = [mb for f, t in self.replay
-                        for mb in minibatches(f, t, self.drafter_cfg.minibatches, self.grpo.micro_batch_tokens)]
-            batches = one_pass * self.drafter_cfg.updates
-        drafting = self.drafter if self.drafter_ema is None else self.drafter_ema
-        measured = None
-        if batches[0][0] is not forwards or drafting is not self.drafter:
-            measured = self.drafter_pass(forwards, tokens, learn=False, measure=True, drafter=drafting)
-        passes = []
-        for i, (f, t) in enumerate(batches):
-            if (passes or measured is not None) and deadline is not None and deadline.stops():
-                break
-            passes.append(self.drafter_pass(f, t, learn=online, measure=measured is None and i == 0))
-        loss, agreement_by_depth = measured or passes[0]
-        metrics = {"drafter_loss": loss} if online else {}
-        if agreement_by_depth:
-            metrics["drafter_agreement"] = agreement_by_depth
-        return metrics
-
-    def drafter_pass(self, forwards: list[DrafterInputs], tokens: float, learn: bool, measure: bool,
-                     drafter=None) -> tuple[float, list[float | None]]:
-        """One pass of `drafter_step` over a minibatch (a step's micro-batches, or some of their rows) holding
-        `tokens` generated tokens: the loss when the drafter trains online, an optimizer step when `learn`, the
-        agreement per depth when `measure` (and `drafter_train.agreement`); of `drafter` where given (a pass
-        without gradient: the weights' average), else of the trained drafter."""
-        online = self.drafter_opt is not None
-        drafter = self.drafter if drafter is None else drafter
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        if learn:
-            self.drafter.train()
-            self.drafter_opt.zero_grad(set_to_none=True)
-        total, sums, counts = 0.0, [], []
-        online_loss = drafter_method(self.drafter_method).online_loss
-        for f in forwards:
-            with torch.set_grad_enabled(learn):
-                pairs = depth_pairs(online_loss, self.model, drafter, f.input_ids, f.mask, f.out, f.logits,
-                                    self.drafter_cfg.drafts)
-            # Summed per depth over micro-batches (a short one may have fewer depths).
-            if measure and self.drafter_cfg.agreement:
-                for i, (s, c) in enumerate(zip(*agreement(drafter, pairs, self.sampling))):
-                    if i == len(sums):
-                        sums.append(0.0)
-                        counts.append(0.0)
-                    sums[i] += s
-                    counts[i] += c
-            if online and pairs:  # none where every row's tokens left the update (rejected or stale)
-                share = float(f.mask.sum()) / max(tokens, 1.0)
-                with torch.set_grad_enabled(learn):
-                    loss = self.drafter_cfg.loss_weight * share * pairs_loss(drafter, pairs)
-                if learn:
-                    loss.backward(inputs=params)
-                total += float(loss.detach())
-        if learn:
-            torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
-            self.drafter_opt.step()
-            self.drafter.eval()
-            if self.drafter_ema is not None:
-                with torch.no_grad():
-                    for avg, p in zip(self.drafter_ema.parameters(), self.drafter.parameters()):
-                        avg.lerp_(p, 1.0 - self.drafter_cfg.ema)
-        return total, [s / c if c else None for s, c in zip(sums, counts)]
-
     def export_weights(self):
-        return named_weights(self.model, self.drafter if self.drafter_ema is None else self.drafter_ema)
+        drafter = self.drafter if self.drafter_trainer is None else self.drafter_trainer.drafting
+        return named_weights(self.model, drafter)
 
     def state_dict(self) -> dict:
         state = {"model": self.model.state_dict(), "opt": self.opt.state_dict()}
         if self.drafter is not None:
             state["drafter"] = self.drafter.state_dict()
-        if self.drafter_opt is not None:
-            state["drafter_opt"] = self.drafter_opt.state_dict()
-        if self.drafter_ema is not None:
-            state["drafter_ema"] = self.drafter_ema.state_dict()
-        if self.replay.maxlen > 1:  # exact resume: the steps the next updates will re-read
-            state["drafter_replay"] = [([f.copy_to("cpu") for f in fs], t) for fs, t in self.replay]
+        if self.drafter_trainer is not None:  # its optimizer, average and replayed steps
+            state.update(self.drafter_trainer.state_dict())
         if self.ref is not None:
             state["ref"] = self.ref.state_dict()
         return state
@@ -451,9 +288,8 @@ class EmbeddedPolicy:
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
-        for key, obj in (("drafter", self.drafter), ("drafter_opt", self.drafter_opt), ("drafter_ema", self.drafter_ema),
-                         ("ref", self.ref)):
+        for key, obj in (("drafter", self.drafter), ("ref", self.ref)):
             if obj is not None and key in state:
                 obj.load_state_dict(state[key])
-        self.replay.clear()
-        self.replay.extend(([f.copy_to(self.model.device) for f in fs], t) for fs, t in state.get("drafter_replay", []))
+        if self.drafter_trainer is not None:
+            self.drafter_trainer.load_state_dict(state, self.model.device)

@@ -27,7 +27,7 @@ def profile(overrides: list[str], steps: int) -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from megatron_spec.trainers import embedded as policy_mod
+    from megatron_spec.drafters import trainer as trainer_mod
     from megatron_spec.rl.loop import Trainer
     from megatron_spec.rl.overrides import apply_overrides
     from recipes.tiny_grpo_spec import tiny_grpo_spec
@@ -59,26 +59,26 @@ def profile(overrides: list[str], steps: int) -> dict:
 
         setattr(obj, attr, wrapped)
 
-    wrap(policy_mod, "depth_pairs", "drafter_forward")
-    wrap(policy_mod, "pairs_loss", "drafter_loss")
-    wrap(policy_mod, "agreement", "agreement")
-    wrap(policy_mod, "minibatches", "replay_minibatches")
+    wrap(trainer_mod, "depth_pairs", "drafter_forward")
+    wrap(trainer_mod, "pairs_loss", "drafter_loss")
+    wrap(trainer_mod, "agreement", "agreement")
+    wrap(trainer_mod, "minibatches", "replay_minibatches")
     wrap(torch.Tensor, "backward", "drafter_backward", only_in_drafter=True)
     wrap(torch.nn.utils, "clip_grad_norm_", "drafter_optimizer", only_in_drafter=True)
-    step_fn = policy_mod.EmbeddedPolicy.drafter_step
+    step_fn = trainer_mod.DrafterTrainer.step
 
-    def drafter_step(self, forwards, tokens):
+    def drafter_step(self, target, forwards, tokens, deadline=None):
         inside["drafter"] = True
         try:
             with timed("drafter_total"):
-                return step_fn(self, forwards, tokens)
+                return step_fn(self, target, forwards, tokens, deadline)
         finally:
             inside["drafter"] = False
 
-    policy_mod.EmbeddedPolicy.drafter_step = drafter_step
+    trainer_mod.DrafterTrainer.step = drafter_step
     trainer = Trainer(cfg)
-    if trainer.policy.drafter_opt is not None:
-        wrap(trainer.policy.drafter_opt, "step", "drafter_optimizer")
+    if trainer.policy.drafter_trainer is not None and trainer.policy.drafter_trainer.opt is not None:
+        wrap(trainer.policy.drafter_trainer.opt, "step", "drafter_optimizer")
     rows = []
     for s in range(steps):
         times.clear()

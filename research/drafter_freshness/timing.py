@@ -21,7 +21,8 @@ import torch
 
 from megatron_spec.bench.common import machine, main_job_models, write_json
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
-from megatron_spec.trainers.embedded import EmbeddedPolicy, minibatches
+from megatron_spec.drafters.trainer import minibatches
+from megatron_spec.trainers.embedded import EmbeddedPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # research/: the synthetic drafter inputs
 from drafter_update import step_inputs  # noqa: E402
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                 start = time.perf_counter()
                 for forwards, tokens in steps:
                     for parts, count in minibatches(forwards, tokens, m, BUDGET):
-                        policy.drafter_pass(parts, count, learn=True, measure=False)
+                        policy.drafter_trainer.run_pass(model, parts, count, learn=True, measure=False)
                 if rep:  # the first round warms every setting up
                     times[m].append(time.perf_counter() - start)
         row = {"responses": spec, **{f"minibatches_{m}_s": statistics.median(times[m]) for m in args.minibatches}}

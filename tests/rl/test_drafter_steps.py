@@ -15,8 +15,8 @@ def test_optimizer_steps_per_rl_step(replay, minibatches):
     replay that does not fill or overfills changes the count."""
     policy = make_policy(0, "mtp", drafter_cfg=DrafterTrainSection(replay=replay, minibatches=minibatches))
     calls = []
-    step = policy.drafter_opt.step
-    policy.drafter_opt.step = lambda *a, **k: calls.append(1) or step(*a, **k)
+    step = policy.drafter_trainer.opt.step
+    policy.drafter_trainer.opt.step = lambda *a, **k: calls.append(1) or step(*a, **k)
     for i in range(4):
         batch = rollout_batch(seed=10 + i)
         before = len(calls)
@@ -47,7 +47,7 @@ def test_the_drafting_weights_are_the_average_of_the_trained_ones():
 
     policy = make_policy(0, "mtp", drafter_cfg=DrafterTrainSection(replay=2, minibatches=2, ema=0.8))
     expected = {n: p.detach().clone() for n, p in policy.drafter.named_parameters()}
-    step = policy.drafter_opt.step
+    step = policy.drafter_trainer.opt.step
 
     def step_and_follow(*a, **k):
         out = step(*a, **k)
@@ -55,7 +55,7 @@ def test_the_drafting_weights_are_the_average_of_the_trained_ones():
             expected[n] = 0.8 * expected[n] + 0.2 * p.detach()
         return out
 
-    policy.drafter_opt.step = step_and_follow
+    policy.drafter_trainer.opt.step = step_and_follow
     for i in range(3):
         batch = rollout_batch(seed=20 + i)
         run_step(policy, batch, off_policy(policy, batch, seed=i))
@@ -67,13 +67,13 @@ def test_the_drafting_weights_are_the_average_of_the_trained_ones():
     saved = policy.state_dict()
     fresh = make_policy(0, "mtp", drafter_cfg=DrafterTrainSection(replay=2, minibatches=2, ema=0.8))
     fresh.load_state_dict(saved)
-    assert all(torch.equal(a, b) for a, b in zip(fresh.drafter_ema.state_dict().values(),
-                                                 policy.drafter_ema.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.drafter_trainer.ema.state_dict().values(),
+                                                 policy.drafter_trainer.ema.state_dict().values()))
 
 
 def test_extra_groups_reach_the_drafter_from_the_updated_policy():
     """`drafter_train.extra_groups`: the drafter's update reads the trained batch's states and, after them, the extra
-    rows' from a forward of the policy as the step left it. Checked on what `drafter_step` receives: the extra rows
+    rows' from a forward of the policy as the step left it. Checked on what `DrafterTrainer.step` receives: the extra rows
     (8) follow the trained ones (16), their hidden states equal a fresh no-grad trunk forward of the updated model
     (to 1e-6: the same forward, batched alike) and differ from the pre-update model's (by more than 1e-4), and the
     token count covers both batches. Without extra rows, the same step passes the trained rows only."""
@@ -81,8 +81,9 @@ def test_extra_groups_reach_the_drafter_from_the_updated_policy():
 
     policy = make_policy(0, "mtp", drafter_cfg=DrafterTrainSection(extra_groups=1))
     seen = []
-    step = policy.drafter_step
-    policy.drafter_step = lambda forwards, tokens, *rest: seen.append((list(forwards), tokens)) or step(forwards, tokens)
+    step = policy.drafter_trainer.step
+    policy.drafter_trainer.step = lambda target, forwards, tokens, *rest: (seen.append((list(forwards), tokens))
+                                                                           or step(target, forwards, tokens))
     batch, extra = rollout_batch(seed=30), rollout_batch(seed=31, rows=8)
     with torch.no_grad():
         before = policy.model.trunk(extra.input_ids).hidden.clone()
@@ -110,9 +111,10 @@ def test_a_drafter_training_past_its_budget_stops_but_still_measures():
     for budget, steps_taken, rows_seen in ((0.0, 0, 16), (None, 4, 24), (1e6, 4, 24)):
         policy = make_policy(0, "mtp", drafter_cfg=cfg)
         calls, seen = [], []
-        opt_step, drafter_step = policy.drafter_opt.step, policy.drafter_step
-        policy.drafter_opt.step = lambda *a, **k: calls.append(1) or opt_step(*a, **k)
-        policy.drafter_step = lambda f, t, d: seen.append(sum(x.input_ids.shape[0] for x in f)) or drafter_step(f, t, d)
+        opt_step, drafter_step = policy.drafter_trainer.opt.step, policy.drafter_trainer.step
+        policy.drafter_trainer.opt.step = lambda *a, **k: calls.append(1) or opt_step(*a, **k)
+        policy.drafter_trainer.step = lambda m, f, t, d: (seen.append(sum(x.input_ids.shape[0] for x in f))
+                                                          or drafter_step(m, f, t, d))
         metrics = policy.train_step(rollout_batch(seed=40), rollout_batch(seed=41, rows=8), drafter_budget_s=budget)
         assert (len(calls), seen) == (steps_taken, [rows_seen]), budget
         assert metrics.get("drafter_cut", False) is (budget == 0.0)

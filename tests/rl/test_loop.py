@@ -89,7 +89,7 @@ def test_drafter_loss_leaves_trunk_gradients_identical(ckpts, tmp_path, shaped_r
     off = loop.Trainer(cfg_off)
     on.step(0)
     off.step(0)
-    assert on.policy.drafter_opt is not None and off.policy.drafter_opt is None
+    assert on.policy.drafter_trainer.opt is not None and off.policy.drafter_trainer.opt is None
     for (n, a), b in zip(on.policy.model.named_parameters(), off.policy.model.parameters()):
         assert a.grad is not None and torch.equal(a.grad, b.grad), n
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in on.policy.drafter.parameters())

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import megatron_spec.trainers.embedded as policy_mod
+from megatron_spec.drafters.trainer import pack
 from megatron_spec.drafters.mtp.model import MTP
 from megatron_spec.models import CausalLM, preset
 from megatron_spec.drafters.eagle3.model import Eagle3Head
@@ -156,14 +157,15 @@ def test_several_drafter_updates_are_passes_over_the_same_detached_states():
     batch = rollout_batch(seed=2)
     three, one = make_policy(160, "mtp", drafter_cfg=DrafterTrainSection(updates=3)), make_policy(160, "mtp")
     seen = {}
-    real = one.drafter_step
-    one.drafter_step = lambda forwards, tokens, *rest: seen.update(forwards=forwards, tokens=tokens) or real(forwards, tokens)
+    real = one.drafter_trainer.step
+    one.drafter_trainer.step = lambda target, forwards, tokens, *rest: (seen.update(forwards=forwards, tokens=tokens)
+                                                                        or real(target, forwards, tokens))
     old = off_policy(one, batch)
     m3, m1 = run_step(three, batch, old), run_step(one, batch, old)
     assert m3["drafter_loss"] == m1["drafter_loss"] and m3["drafter_agreement"] == m1["drafter_agreement"]
     assert any(not torch.equal(a, b) for a, b in zip(three.drafter.parameters(), one.drafter.parameters()))
     for _ in range(2):
-        one.drafter_pass(seen["forwards"], seen["tokens"], learn=True, measure=False)
+        one.drafter_trainer.run_pass(one.model, seen["forwards"], seen["tokens"], learn=True, measure=False)
     for (name, a), b in zip(three.drafter.named_parameters(), one.drafter.parameters()):
         assert torch.equal(a, b), name
 
@@ -177,18 +179,18 @@ def test_replayed_drafter_updates_are_earlier_steps_then_this_one():
     rep = make_policy(160, "mtp", drafter_cfg=DrafterTrainSection(replay=2))
     ref, plain = make_policy(160, "mtp"), make_policy(160, "mtp")
     seen = []
-    real = ref.drafter_step
+    real = ref.drafter_trainer.step
 
-    def by_hand(forwards, tokens, deadline=None):
+    def by_hand(target, forwards, tokens, deadline=None):
         seen.append((forwards, tokens))
         if len(seen) == 1:
-            return real(forwards, tokens)
-        loss, agree = ref.drafter_pass(forwards, tokens, learn=False, measure=True)
+            return real(target, forwards, tokens)
+        loss, agree = ref.drafter_trainer.run_pass(target, forwards, tokens, learn=False, measure=True)
         for f, t in seen:
-            ref.drafter_pass(f, t, learn=True, measure=False)
+            ref.drafter_trainer.run_pass(target, f, t, learn=True, measure=False)
         return {"drafter_loss": loss, "drafter_agreement": agree}
 
-    ref.drafter_step = by_hand
+    ref.drafter_trainer.step = by_hand
     for batch, seed in ((b1, 1), (b2, 3)):
         old = off_policy(rep, batch, seed)
         m_rep, m_ref, m_plain = run_step(rep, batch, old), run_step(ref, batch, old), run_step(plain, batch, old)
@@ -208,20 +210,20 @@ def test_drafter_minibatches_deal_the_rows_and_step_on_each():
     three = make_policy(160, "mtp", drafter_cfg=DrafterTrainSection(minibatches=3))
     ref, plain = make_policy(160, "mtp"), make_policy(160, "mtp")
 
-    def by_hand(forwards, tokens, deadline=None):
+    def by_hand(target, forwards, tokens, deadline=None):
         parts = [[f.rows(slice(j, None, 3)) for f in forwards] for j in range(3)]
         rows = [sum(p.input_ids.shape[0] for p in part) for part in parts]
         assert sum(rows) == batch.input_ids.shape[0] and max(rows) - min(rows) <= len(forwards)
         counts = [float(sum(p.mask.sum() for p in part)) for part in parts]
         assert sum(counts) == tokens == float(batch.mask.sum())
-        measured = ref.drafter_pass(forwards, tokens, learn=False, measure=True)
-        packed = [policy_mod.pack(part, 160) for part in parts]  # the policy's micro_batch_tokens
+        measured = ref.drafter_trainer.run_pass(target, forwards, tokens, learn=False, measure=True)
+        packed = [pack(part, 160) for part in parts]  # the policy's micro_batch_tokens
         assert sum(map(len, packed)) < sum(map(len, parts))  # some minibatch's rows were joined
         for part, count in zip(packed, counts):
-            ref.drafter_pass(part, count, learn=True, measure=False)
+            ref.drafter_trainer.run_pass(target, part, count, learn=True, measure=False)
         return {"drafter_loss": measured[0], "drafter_agreement": measured[1]}
 
-    ref.drafter_step = by_hand
+    ref.drafter_trainer.step = by_hand
     old = off_policy(three, batch)
     m3, mr, mp = run_step(three, batch, old), run_step(ref, batch, old), run_step(plain, batch, old)
     assert m3["drafter_loss"] == mr["drafter_loss"] == mp["drafter_loss"]
@@ -239,12 +241,13 @@ def test_joined_rows_keep_their_own_drafter_predictions(method):
     row shifted or attending to padding moves them by far more), the joined mask holds exactly the parts'
     generated tokens, and the token-weighted loss is the parts' within 1e-6. Packing keeps to its budget."""
     policy, seen = make_policy(160, method), {}
-    real = policy.drafter_step
-    policy.drafter_step = lambda forwards, tokens, *rest: seen.update(forwards=forwards) or real(forwards, tokens)
+    real = policy.drafter_trainer.step
+    policy.drafter_trainer.step = lambda target, forwards, tokens, *rest: (seen.update(forwards=forwards)
+                                                                           or real(target, forwards, tokens))
     run_step(policy, rollout_batch(seed=2), None)
     parts = [f.rows(slice(0, None, 2)) for f in seen["forwards"]]
     assert len({p.input_ids.shape[1] for p in parts}) > 1  # lengths differ, so rows are padded
-    (joined,) = policy_mod.pack(parts, 0)
+    (joined,) = pack(parts, 0)
     assert int(joined.mask.sum()) == sum(int(p.mask.sum()) for p in parts)
 
     def pairs(f):
@@ -265,7 +268,7 @@ def test_joined_rows_keep_their_own_drafter_predictions(method):
         row += b
     assert float(pairs_loss(policy.drafter, together)) == pytest.approx(weighted, abs=1e-6)
     for budget in range(1, 400, 20):
-        for batch in policy_mod.pack(parts, budget) + policy_mod.pack(parts[::-1], budget):
+        for batch in pack(parts, budget) + pack(parts[::-1], budget):
             b, t = batch.input_ids.shape
             assert b * t <= budget or any(batch is p for p in parts)  # only a part alone may exceed it
 

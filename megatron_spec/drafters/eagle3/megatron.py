@@ -11,8 +11,8 @@ Megatron forward.
               TP there), the last stage's logits, the first stage's (updated) embedding rows of the batch's tokens.
               A small manifest of what comes (rows, positions, shapes) reaches the head rank first. No other rank
               receives any of it.
-    update    on the head rank only, which alone has the head's optimizer: `EmbeddedPolicy.drafter_step` itself,
-              over the embedded trainer's micro-batches of the batch, with the registry's EAGLE-3 loss; its
+    update    on the head rank only, which alone has the head's optimizer: the one online drafter trainer
+              (`drafters.trainer.DrafterTrainer`), over the embedded trainer's micro-batches of the batch; its
               metrics are broadcast (a few numbers), and the head's weights (a broadcast of the head alone) when
               they are exported or checkpointed
 
@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections import deque
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -43,8 +41,8 @@ from megatron_spec.drafters.eagle3.model import Eagle3Head
 from megatron_spec.models.config import ModelConfig
 from megatron_spec.models.decoder import TrunkOutput
 from megatron_spec.rl.microbatch import micro_batches, sequence_lengths, spread_rows
+from megatron_spec.drafters.trainer import DrafterTrainer
 from megatron_spec.interfaces import Batch, DrafterInputs
-from megatron_spec.trainers.embedded import EmbeddedPolicy
 from megatron_spec.rl.refit import DRAFTER_PREFIX
 
 from ...trainers.megatron import require_megatron
@@ -109,22 +107,6 @@ class _Embeddings:
         return self.rows[torch.searchsorted(self.ids, input_ids.contiguous())]
 
 
-class _HeadTrainer:
-    """What `EmbeddedPolicy.drafter_step` / `drafter_pass` read (`model` is the target's embedding only: the
-    EAGLE-3 loss reads nothing else of it)."""
-
-    drafter_step = EmbeddedPolicy.drafter_step
-    drafter_pass = EmbeddedPolicy.drafter_pass
-
-    def __init__(self, head: Eagle3Head, grpo, sampling: dict, drafter_cfg, updates: bool = True):
-        self.drafter, self.drafter_method, self.drafter_cfg = head, "eagle3", drafter_cfg
-        self.grpo, self.sampling, self.model = grpo, sampling, None
-        self.drafter_opt = (torch.optim.AdamW(head.parameters(), lr=drafter_cfg.lr, weight_decay=0.0)
-                            if drafter_cfg.online and updates else None)
-        self.replay = deque(maxlen=drafter_cfg.replay)
-        self.drafter_ema = None  # the Megatron trainer refuses drafter_train.ema
-
-
 class Eagle3Online:
     """Capture (`capture`), gather and update (`step`), export (`export`) of an EAGLE-3 head beside `model`, a
     Megatron-Core `GPTModel` stage. Every rank holds one and makes the same calls (construction, `step`,
@@ -135,23 +117,18 @@ class Eagle3Online:
         """Where the policy's state and checkpoint keep this head's (its registry entry's `state_key`)."""
         from ..registry import drafter_method
 
-        return drafter_method(self.trainer.drafter_method).state_key
-
-    @property
-    def drafter_opt(self):
-        """The head's optimizer (None off the head rank): what offloading moves with the policy's."""
-        return self.trainer.drafter_opt
+        return drafter_method(self.trainer.method).state_key
 
     def __init__(self, model, head: Eagle3Head, grpo, sampling: dict, drafter_cfg):
         self.model, self.head = model, head
         self.head_rank = head_rank()
-        self.trainer = _HeadTrainer(head, grpo, sampling, drafter_cfg,
-                                    updates=not dist.is_initialized() or dist.get_rank() == self.head_rank)
-        self.reads = drafter_cfg.online or drafter_cfg.agreement
+        self.micro_batch_tokens = grpo.micro_batch_tokens
+        self.trainer = DrafterTrainer(head, "eagle3", drafter_cfg, sampling, grpo.micro_batch_tokens,
+                                      learns=not dist.is_initialized() or dist.get_rank() == self.head_rank)
+        self.reads = self.trainer.reads
         offset = layer_offset(model)
         self.local = {offset + j: layer for j, layer in enumerate(model.decoder.layers)
                       if offset + j in head.capture_layers}
-        self.max_tokens = drafter_cfg.max_tokens
         self.draft_vocab = not drafter_cfg.agreement and head.d2t is not None
         self.layers: dict[int, list[Tensor]] = {}
         self.logits: list[Tensor] = []
@@ -164,7 +141,7 @@ class Eagle3Online:
         on: those of the batch's generated-token `mask` [B, T] within `drafter_train.max_tokens` (`spread_rows`),
         every row without a mask."""
         self.micros, self.layers, self.logits = micros, {i: [] for i in self.local}, []
-        self.rows = spread_rows(mask, self.max_tokens) if mask is not None else sorted(
+        self.rows = self.trainer.rows(mask) if mask is not None else sorted(
             r for micro in micros for r in micro.rows)
         at = {r: n for n, r in enumerate(self.rows)}  # a kept row's place among the head's rows
         # per micro-batch: (its positions of the kept rows, their places among the head's rows)
@@ -264,15 +241,14 @@ class Eagle3Online:
         metrics = {}
         if gathered is not None:
             layers, logits, embeddings = gathered
-            self.trainer.model = embeddings
             ids, mask = batch.input_ids.to(device()), batch.mask.to(device())
             lengths = sequence_lengths(batch.mask)
             forwards = []
-            for rows in micro_batches(lengths, self.trainer.grpo.micro_batch_tokens):
+            for rows in micro_batches(lengths, self.micro_batch_tokens):
                 L, idx = max(lengths[r] for r in rows), torch.tensor(rows, device=ids.device)
                 out = TrunkOutput(logits.new_zeros(len(rows), L, 0), {i: h[idx, :L] for i, h in layers.items()})
                 forwards.append(DrafterInputs(ids[idx, :L], mask[idx, :L], out, logits[idx, :L]))
-            metrics = self.trainer.drafter_step(forwards, float(batch.mask.sum()))
+            metrics = self.trainer.step(embeddings, forwards, float(batch.mask.sum()))
             metrics["drafter_s"] = time.perf_counter() - started
         if dist.is_initialized() and dist.get_world_size() > 1:
             box = [metrics]
@@ -284,7 +260,7 @@ class Eagle3Online:
         """The head's weights from the head rank to every rank (a broadcast of the head, small next to what the
         gather moves), so every rank exports and checkpoints the head it trained; with `with_optimizer`, also its
         optimizer's state, returned. Collective."""
-        opt = self.trainer.drafter_opt.state_dict() if self.trainer.drafter_opt is not None else None
+        opt = self.trainer.opt.state_dict() if self.trainer.opt is not None else None
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return opt
         with torch.no_grad():
@@ -314,8 +290,8 @@ class Eagle3Online:
 
     def load_state_dict(self, state: dict) -> None:
         self.head.load_state_dict(state["head"])
-        if self.trainer.drafter_opt is not None and "opt" in state:
-            self.trainer.drafter_opt.load_state_dict(state["opt"])
+        if self.trainer.opt is not None and "opt" in state:
+            self.trainer.opt.load_state_dict(state["opt"])
 
 
 def assemble(pieces: list[tuple[tuple, Tensor]], n_layers: int, shape: tuple[int, int], hidden: int, vocab: int,

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import torch
 
+from ...drafters.trainer import MAX_GRAD_NORM
 from .step import clip, is_mtp, named_chunks, norm_owned, reduce_grads
 
-MTP_MAX_GRAD_NORM = 1.0
-"""The MTP layers' gradient clip, the embedded drafter trainer's."""
+MTP_MAX_GRAD_NORM = MAX_GRAD_NORM
+"""The MTP layers' gradient clip: the online drafter trainer's (`drafters.trainer`)."""
 MTP_BETAS = (0.9, 0.999)
-"""The MTP layers' Adam betas: torch's default, as the embedded drafter trainer's."""
+"""The MTP layers' Adam betas: torch's default, as the online drafter trainer's."""
 
 
 class ShardOptimizer:
