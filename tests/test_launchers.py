@@ -147,7 +147,7 @@ def test_dryrun_matches_its_golden_file(argv, golden):
     command = next(line for line in script.splitlines() if line.startswith("COMMAND="))
     recipe = ROOT / command.split()[1]
     assert recipe.is_file() and command.endswith("--executor local'")
-    driver = ROOT / "megatron_spec" / "backends" / "ray" / "driver.py"
+    driver = ROOT / "megatron_spec" / "placement" / "driver.py"
     assert "def train(cfg" in driver.read_text()
 
 
