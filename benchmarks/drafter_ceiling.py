@@ -46,7 +46,7 @@ def acceptance(policy, head, prompts, seed: int) -> dict:
 def refit(policy, seed: int):
     """The shipped head trained offline on `policy`'s own rollouts (`megatron-spec train-drafter`'s defaults)."""
     from megatron_spec.drafters.files import load_drafter
-    from megatron_spec.drafters.train import capture_layers, rollouts, task_prompts, train
+    from megatron_spec.rl.train_drafter import capture_layers, rollouts, task_prompts, train
 
     head = load_drafter(HEAD, policy.config)
     prompts = task_prompts(str(POLICY), 512, seed)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_spec.models import from_pretrained
     from megatron_spec.drafters.files import load_drafter
     from megatron_spec.rl.checkpoint import load_latest
-    from megatron_spec.drafters.train import task_prompts
+    from megatron_spec.rl.train_drafter import task_prompts
 
     torch.set_num_threads(2)
     prompts = task_prompts(str(POLICY), args.prompts, args.seed)

@@ -21,7 +21,7 @@ from megatron_spec.bench.common import MAIN_JOB_POLICY, main_job_models, main_jo
 from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.models import packed
 from megatron_spec.drafters.config import SpecConfig
-from megatron_spec.drafters.train import task_prompts
+from megatron_spec.rl.train_drafter import task_prompts
 
 
 def main() -> int:

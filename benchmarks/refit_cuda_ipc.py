@@ -31,8 +31,8 @@ def weights(n_bytes: int, seed: int, device) -> dict[str, torch.Tensor]:
 
 def _member(rank: int, transport: str, port: int, n_bytes: int, result) -> None:
     from megatron_spec.distributed.weight_group import open_weight_group
-    from megatron_spec.rl.memory import peak_rss_bytes
-    from megatron_spec.rl.refit import buckets
+    from megatron_spec.memory import peak_rss_bytes
+    from megatron_spec.refit import buckets
 
     torch.cuda.set_device(0)
     group = open_weight_group("127.0.0.1", port, rank, 2, 120.0, transport)

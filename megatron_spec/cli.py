@@ -14,7 +14,7 @@ import sys
 # Modules that contribute sub-commands, in the order `--help` lists them.
 COMMAND_MODULES = (
     "megatron_spec.tasks.cli",  # pretrain
-    "megatron_spec.drafters.train",  # train-drafter
+    "megatron_spec.rl.train_drafter",  # train-drafter
     "megatron_spec.bench.cli",  # bench engine | rollout | step
     "megatron_spec.sim.cli",  # simulate, tune
     "megatron_spec.rl.report",  # report

@@ -30,7 +30,7 @@ from megatron_spec.bench.common import machine, main_job_models, write_json
 from megatron_spec.models.layers import attend
 from megatron_spec.models.masks import causal_mask
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection
-from megatron_spec.rl.microbatch import micro_batches
+from megatron_spec.microbatch import micro_batches
 from megatron_spec.drafters.trainer import minibatches
 from megatron_spec.interfaces import DrafterInputs
 from megatron_spec.trainers.embedded import EmbeddedPolicy

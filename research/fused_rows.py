@@ -24,7 +24,7 @@ from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.models import decoder
 from megatron_spec.drafters.mtp.model import MTPLayer
 from megatron_spec.drafters.config import SpecConfig
-from megatron_spec.drafters.train import task_prompts
+from megatron_spec.rl.train_drafter import task_prompts
 
 TARGET, DRAFTER = MAIN_JOB_POLICY, MAIN_JOB_DRAFTER
 KINDS = {"plain": None, "k3": SpecConfig("mtp", 3, adaptive=False), "adaptive": SpecConfig("mtp", 3, adaptive=True)}

@@ -136,7 +136,7 @@ def engine_rounds(before, after, checkpoint: str | None, repeats: int) -> dict:
     from megatron_spec.bench.common import MAIN_JOB_POLICY, main_job_models
     from megatron_spec.engine import LLMEngine, SamplingParams
     from megatron_spec.drafters.config import SpecConfig
-    from megatron_spec.drafters.train import task_prompts
+    from megatron_spec.rl.train_drafter import task_prompts
 
     policy, head = main_job_models(None, checkpoint)
     engines = {"plain": LLMEngine(policy, max_num_seqs=64),

@@ -32,7 +32,7 @@ from megatron_spec.rl.config import GRPOSection
 from megatron_spec.generators.embedded import EmbeddedGenerator
 from megatron_spec.rl.loop import make_batch
 from megatron_spec.trainers.embedded import EmbeddedPolicy
-from megatron_spec.drafters.train import task_prompts
+from megatron_spec.rl.train_drafter import task_prompts
 
 POLICY = "checkpoints/tiny-qwen3-moe"
 SAMPLING = dict(temperature=1.0, top_k=0, top_p=1.0)

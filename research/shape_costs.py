@@ -76,7 +76,7 @@ def plain_after_drafting(model, repeats: int) -> dict:
     """Verify-part times of plain steps by what the step before was, under a script of k per step."""
     from megatron_spec.engine import LLMEngine, SamplingParams
     from megatron_spec.drafters.config import SpecConfig
-    from megatron_spec.drafters.train import task_prompts
+    from megatron_spec.rl.train_drafter import task_prompts
 
     prompts = task_prompts(TARGET, 8, seed=1008, split="bench")
     params = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=8)

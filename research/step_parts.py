@@ -24,7 +24,7 @@ from megatron_spec.bench.common import (MAIN_JOB_DRAFTER, MAIN_JOB_POLICY, STEP_
                                         main_job_models, time_step_parts)
 from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.drafters.config import SpecConfig
-from megatron_spec.drafters.train import task_prompts
+from megatron_spec.rl.train_drafter import task_prompts
 
 TARGET, DRAFTER = MAIN_JOB_POLICY, MAIN_JOB_DRAFTER
 def measure(policy, head, batch: int, k: int, tokens: int, repeats: int) -> dict:

@@ -81,7 +81,7 @@ def engine_cells(old, batches: list[int], rounds: int) -> list[dict]:
     from megatron_spec.drafters.files import load_drafter
     from megatron_spec.models.hf_io import from_pretrained, smollm2_dir
     from megatron_spec.drafters.config import SpecConfig
-    from megatron_spec.drafters.train import task_prompts
+    from megatron_spec.rl.train_drafter import task_prompts
 
     root = Path(__file__).resolve().parents[1]
     target = from_pretrained(smollm2_dir())

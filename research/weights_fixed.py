@@ -22,7 +22,7 @@ import torch
 from megatron_spec.bench.common import MAIN_JOB_POLICY, machine, main_job_models
 from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.models import from_pretrained
-from megatron_spec.drafters.train import task_prompts
+from megatron_spec.rl.train_drafter import task_prompts
 
 
 def checked_every_forward(engine: LLMEngine, prompts, params) -> None:

@@ -149,7 +149,7 @@ def alternating_rounds(runs: dict, rounds: int, prompts: int = 8, samples: int =
     first on a host whose speed drifts. Round 0 is the untimed warm-up. Yields (round, {name: seconds}) after
     each round, round 0 included, so a caller can set up its timers between rounds."""
     from megatron_spec.engine import SamplingParams
-    from megatron_spec.drafters.train import task_prompts
+    from megatron_spec.rl.train_drafter import task_prompts
 
     names = list(runs)
     for r in range(rounds + 1):

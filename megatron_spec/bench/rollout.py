@@ -114,7 +114,7 @@ def run(args) -> dict:
 
     from ..engine import SamplingParams
     from ..models import from_pretrained
-    from ..drafters.train import task_prompts
+    from ..rl.train_drafter import task_prompts
     from .common import drafter_checkpoint, machine
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
@@ -179,7 +179,7 @@ def peer_rows(args, target) -> list[dict]:
     from ..drafters.config import SpecConfig
     from ..drafters.registry import drafter_method, vllm_problem
     from ..speculative.stats import speculation_summary
-    from ..drafters.train import task_prompts
+    from ..rl.train_drafter import task_prompts
     from .common import drafter_checkpoint, timed
 
     backend = importlib.import_module("megatron_spec.generators.vllm")

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..rl import memory
+from .. import memory
 
 HOST = torch.device("cpu")
 

@@ -84,6 +84,9 @@ class DrafterMethod:
     state_key: str | None = None
     """Set when the Megatron trainer trains it beside the policy with its own trainer (`<folder>/megatron.py`):
     the key of that trainer's state in the policy's state and checkpoint."""
+    megatron: str | None = None
+    """The module of its Megatron adapter (`<folder>/megatron.py`: `load_head`, `OnlineHead`) for a drafter the
+    Megatron trainer trains beside the policy; imported by name (`megatron_hook`), since it sits above the trainer."""
     sim_shape: Callable | None = None
     """(target config, draft_model preset, layers, draft_vocab, kv_dtype_bytes) -> the simulator's `CostShape` of
     one draft forward; None: drafting uses no accelerator."""
@@ -107,6 +110,12 @@ class DrafterMethod:
     def megatron_beside(self) -> bool:
         """Whether the Megatron trainer trains it beside the policy (own trainer and optimizer, unrolled drafts)."""
         return self.state_key is not None
+
+    def megatron_hook(self, name: str):
+        """`name` from the Megatron adapter module (`megatron`), imported now."""
+        if self.megatron is None:
+            raise ValueError(f"drafter method {self.name!r} has no Megatron adapter")
+        return getattr(importlib.import_module(self.megatron), name)
 
     def __post_init__(self) -> None:
         if self.needs_weights != (self.load is not None):
@@ -215,6 +224,23 @@ def build_proposer(spec, target, drafter=None):
         raise ValueError(f"method {spec.method!r} needs a {method.module().__name__} drafter, "
                          f"got {type(drafter).__name__}")
     return method.proposer(spec, target, drafter if method.needs_weights else None)
+
+
+def adapter(module: str, name: str) -> Callable:
+    """A hook that lives in one of a drafter's adapter modules (its vLLM export, its simulator cost), imported by
+    name when first called. The adapters sit above the generators and the simulator they plug into, which reach
+    them only through the registry, so the drafters' own package imports none of them."""
+
+    def call(*args, **kwargs):
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def beside_method() -> DrafterMethod:
+    """The method the Megatron trainer trains beside the policy with a trainer of its own (`megatron`)."""
+    return next(m for m in _methods().values() if m.megatron is not None)
 
 
 def layers_method() -> DrafterMethod:

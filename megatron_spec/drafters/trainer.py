@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..models.decoder import TrunkOutput
-from ..rl.microbatch import spread_rows
+from ..microbatch import spread_rows
 from .loss import agreement, depth_pairs, pairs_loss
 from .registry import drafter_method
 

@@ -13,7 +13,7 @@ from ..drafters.config import SpecConfig
 from ..drafters.proposer import Proposer
 from ..engine import LLMEngine
 from ..interfaces import Completion, SamplingParams
-from ..rl.refit import load_buckets
+from ..refit import load_buckets
 
 
 class EmbeddedGenerator:

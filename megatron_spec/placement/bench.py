@@ -26,7 +26,7 @@ def median_stages(metrics: list[dict]) -> dict:
 
 
 def run_one(cfg, out: Path, lag: int) -> dict:
-    from ..rl.logging import read_metrics
+    from ..metrics import read_metrics
     from .driver import train
 
     cfg.backend.async_lag, cfg.run.out_dir = lag, str(out)

@@ -141,7 +141,7 @@ class TrainerRank:
         export (a sharded trainer gathers collectively); rank 0's buckets are the ones published."""
         import ray
 
-        from ..rl.refit import buckets
+        from ..refit import buckets
 
         t0 = time.perf_counter()
         refs, nbytes = [], 0
@@ -180,7 +180,7 @@ class TrainerRank:
         tensors in `dtype` (the engines' served dtype): (bytes of all senders, seconds, `transport.SendInfo`). A
         sharded trainer sends from one rank per pipeline stage (`MegatronPolicy.send_weights`); a whole one from
         here, its stream re-bucketed to `bucket_bytes`."""
-        from ..rl.refit import buckets
+        from ..refit import buckets
         from ..distributed.weight_group import dtype_of
         from .transport import SendInfo
 
@@ -291,8 +291,8 @@ class Engine:
 
     def memory(self) -> dict:
         """This engine's peak resident memory since the last call (its actor process, and its vLLM worker
-        processes as `children_peak_rss_mb`; CUDA peaks on GPUs), then a new peak starts (`rl.memory`)."""
-        from ..rl import memory
+        processes as `children_peak_rss_mb`; CUDA peaks on GPUs), then a new peak starts (`memory`)."""
+        from .. import memory
 
         return memory.step_memory()
 

@@ -260,7 +260,7 @@ class DrafterTrainSection:
     gradient."""
     max_tokens: int = 0
     """The Megatron trainer's online EAGLE-3 head: the most tokens (prompt and completion positions) of a step it
-    trains on, as whole rows spread over the batch (`rl.microbatch.spread_rows`); only those rows' fused states and
+    trains on, as whole rows spread over the batch (`microbatch.spread_rows`); only those rows' fused states and
     logits are kept during the forward and sent to the head's rank, so its memory is bounded by this (or one row,
     if longer), not by the step's batch. Without
     `agreement` the logits kept are the head's draft vocabulary only. 0: every row (the embedded trainer always

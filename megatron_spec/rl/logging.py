@@ -23,7 +23,8 @@ import warnings
 from pathlib import Path
 from typing import Iterable
 
-METRICS_FILE = "metrics.jsonl"
+from ..metrics import METRICS_FILE, read_metrics  # noqa: F401  (the file this logger writes)
+
 STAGES = ("data", "prepare", "gen", "logprob", "train")
 NO_PROGRESS_ENV = "MEGATRON_SPEC_NO_PROGRESS"
 
@@ -268,30 +269,6 @@ def format_line(m: dict, total_steps: int | None = None) -> str:
                  + (f" eval {_fmt(m['eval_accuracy'], '.2f')}" if m.get("eval_accuracy") is not None else ""))
     parts.append(f"loss {_fmt(m.get('loss'), '.4f')}" + (" SKIPPED" if m.get("skipped") else ""))
     return " | ".join(parts)
-
-
-def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
-    """The step records of a run, sorted by step (the last record of a re-run step wins)."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"no {METRICS_FILE} in {run_dir}")
-    lines = path.read_text(encoding="utf-8").split("\n")
-    by_step: dict[int, dict] = {}
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            # Only the last line can be half-written by a crash; anything else is worth a warning.
-            if i != len(lines) - 1:
-                warnings.warn(f"{path}:{i + 1}: unreadable metrics line skipped")
-            continue
-        if not isinstance(record, dict) or "step" not in record:
-            warnings.warn(f"{path}:{i + 1}: metrics line without a step skipped")
-            continue
-        by_step[int(record["step"])] = record
-    return [by_step[s] for s in sorted(by_step)]
 
 
 # -- helpers ------------------------------------------------------------------------------------------------------

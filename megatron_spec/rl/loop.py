@@ -30,10 +30,11 @@ from ..speculative.adaptive import WholeStepGate
 from ..drafters.registry import drafter_method, needs_weights
 from ..interfaces import Batch, Generator, Policy, Rollouts, SamplingParams
 from ..speculative.stats import speculation_summary
-from . import checkpoint, memory
+from . import checkpoint
+from .. import memory
 from .config import RLConfig
 from .grpo import correction_stats, group_advantages, overlong_penalty, rejection_mask, uniform_groups
-from .refit import buckets
+from ..refit import buckets
 from .stop import SaveClock, StopRequest, save_due
 
 REFIT_BUCKET_BYTES = 16 << 20

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..models.decoder import CausalLM, TrunkOutput
 from ..models.masks import causal_mask
-from .microbatch import sequence_lengths
+from ..microbatch import sequence_lengths
 
 
 @dataclass(frozen=True)

@@ -484,7 +484,7 @@ def _summary_html(runs) -> str:
 
 
 def memory_rows(runs: list[Run]) -> list[dict]:
-    """Per run, the largest per-step peak (MB) of each memory figure the steps logged (`rl/memory.py`); a figure
+    """Per run, the largest per-step peak (MB) of each memory figure the steps logged (`memory.py`); a figure
     logged per rank or per process keeps one value per rank / process. Runs without memory figures are left out."""
     rows = []
     for r in runs:

@@ -41,7 +41,7 @@ def measured(run_dir: str | Path) -> tuple[dict, dict[str, float], dict[str, flo
     import yaml
 
     cfg = yaml.safe_load((run / "config.yaml").read_text())
-    from ..rl.logging import read_metrics  # torch-free; the last record of a re-run step wins
+    from ..metrics import read_metrics  # torch-free; the last record of a re-run step wins
 
     rows = [r for r in read_metrics(run) if isinstance(r.get("stages"), dict)]
     if not rows:
@@ -89,9 +89,9 @@ def config_for_run(cfg: dict, figures: dict[str, float], hardware: str, gpus: in
 
 
 def measured_memory(run_dir: str | Path) -> dict[str, list[float]]:
-    """The largest per-step peak (MB) of each memory figure a run's steps logged (`rl/memory.py`: the loop's, each
+    """The largest per-step peak (MB) of each memory figure a run's steps logged (`memory.py`: the loop's, each
     trainer rank's, each generator process's); per-rank and per-process figures keep one value each."""
-    from ..rl.logging import read_metrics
+    from ..metrics import read_metrics
 
     peaks: dict[str, list[float]] = {}
     for row in read_metrics(Path(run_dir)):

@@ -25,9 +25,9 @@ from ..models.routing import replayed
 from ..drafters.trainer import Deadline, DrafterTrainer
 from ..speculative.sampling import processed_logprobs
 from ..rl.grpo import LossNorm, aggregate, kl_penalty, policy_loss, truncated_is_weights
-from ..rl.microbatch import micro_batches, sequence_lengths
+from ..microbatch import micro_batches, sequence_lengths
 from ..rl.prefix import SharedPrompts, prompt_groups
-from ..rl.refit import named_weights
+from ..refit import named_weights
 from ..interfaces import Batch, DrafterInputs
 
 

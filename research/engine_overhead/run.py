@@ -85,7 +85,7 @@ def engines(pkg, name: str, device: str = "cpu") -> dict:
 
 def workload(name: str, r: int):
     """(prompts, params kwargs) of round r."""
-    from megatron_spec.drafters.train import task_prompts
+    from megatron_spec.rl.train_drafter import task_prompts
 
     prompts = [q for q in task_prompts(str(ROOT / "checkpoints/tiny-qwen3-deep-careful"), BATCH // 8, seed=100 + r)
                for _ in range(8)]

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_spec.rl.microbatch import micro_batches  # the trainer's own grouping rule (torch-free)
+from megatron_spec.microbatch import micro_batches  # the trainer's own grouping rule (torch-free)
 from megatron_spec.sim.config import SimConfig
 from megatron_spec.sim.shapes import CostShape
 

@@ -15,7 +15,7 @@ from megatron_spec.engine import LLMEngine, SamplingParams
 from megatron_spec.engine.engine import token_versions
 from megatron_spec.drafters.mtp.model import MTP, MTPConfig
 from megatron_spec.drafters.eagle3.model import Eagle3Head
-from megatron_spec.rl.refit import load_buckets, named_weights
+from megatron_spec.refit import load_buckets, named_weights
 from megatron_spec.drafters.config import SpecConfig
 from megatron_spec.speculative.sampling import processed_logprobs
 

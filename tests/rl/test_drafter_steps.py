@@ -43,7 +43,7 @@ def test_the_drafting_weights_are_the_average_of_the_trained_ones():
     the ones that learn. A checkpoint restores the average exactly."""
     import torch
 
-    from megatron_spec.rl.refit import DRAFTER_PREFIX
+    from megatron_spec.refit import DRAFTER_PREFIX
 
     policy = make_policy(0, "mtp", drafter_cfg=DrafterTrainSection(replay=2, minibatches=2, ema=0.8))
     expected = {n: p.detach().clone() for n, p in policy.drafter.named_parameters()}

@@ -15,7 +15,7 @@ from megatron_spec.drafters.files import save_drafter
 from megatron_spec.rl import loop
 from megatron_spec.rl.config import DrafterTrainSection, GRPOSection, RLConfig
 from megatron_spec.rl.logging import read_metrics
-from megatron_spec.rl.refit import buckets
+from megatron_spec.refit import buckets
 from megatron_spec.rl.task import PromptTask
 from megatron_spec.drafters.config import SpecConfig
 

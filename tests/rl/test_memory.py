@@ -1,4 +1,4 @@
-"""Peak-memory figures of `rl.memory` against a measured allocation, and their TensorBoard scalars."""
+"""Peak-memory figures of `memory` against a measured allocation, and their TensorBoard scalars."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from megatron_spec.rl import memory
+from megatron_spec import memory
 from megatron_spec.rl.logging import scalars
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -16,7 +16,7 @@ ALLOC = 200 * memory.MB
 
 PEAK_PROBE = """
 import torch
-from megatron_spec.rl import memory
+from megatron_spec import memory
 assert memory.reset_peak()
 before = memory.peak_rss_bytes()
 x = torch.ones(ALLOC // 4)  # float32: every page written

@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_spec.rl.microbatch import micro_batches, sequence_lengths
+from megatron_spec.microbatch import micro_batches, sequence_lengths
 
 
 def test_rows_are_sorted_longest_first_and_cut_at_the_padded_budget():

@@ -10,7 +10,7 @@ from megatron_spec.models import from_pretrained
 from megatron_spec.drafters.files import load_drafter, save_drafter
 from megatron_spec.drafters.config import SpecConfig
 from megatron_spec.drafters.loss import soft_cross_entropy
-from megatron_spec.drafters.train import capture_layers, new_drafter, rollouts, task_prompts, train
+from megatron_spec.rl.train_drafter import capture_layers, new_drafter, rollouts, task_prompts, train
 
 TARGET = Path(__file__).resolve().parents[2] / "checkpoints" / "tiny-qwen3"
 

@@ -13,7 +13,7 @@ from megatron_spec.models import from_pretrained
 from megatron_spec.drafters.files import load_drafter
 from megatron_spec.drafters.loss import drafter_loss
 from megatron_spec.drafters.registry import drafter_method
-from megatron_spec.drafters.train import draft_vocab, target_features, train
+from megatron_spec.rl.train_drafter import draft_vocab, target_features, train
 
 EAGLE3_LOSS = drafter_method("eagle3").online_loss
 
@@ -75,7 +75,7 @@ def test_cli_trains_and_saves_a_draft_vocab_head(tmp_path, capsys):
 
 @pytest.mark.skipif(not TARGET.is_dir(), reason=f"shipped tiny checkpoint missing at {TARGET}")
 def test_recorded_features_and_training_with_draft_vocab():
-    from megatron_spec.drafters.train import capture_layers, rollouts, task_prompts
+    from megatron_spec.rl.train_drafter import capture_layers, rollouts, task_prompts
 
     torch.manual_seed(0)
     target = from_pretrained(TARGET)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..registry import DrafterMethod, register
+from ..registry import DrafterMethod, adapter, register
 
 
 def _module():
@@ -45,22 +45,9 @@ def _loss(target, drafter, input_ids, out, logits, mask, drafts):
     return draft_model_pairs(drafter, input_ids, logits, mask)
 
 
-def _export(drafter, out_dir):
-    from ...generators.vllm.export import export_target
-
-    return export_target(drafter, out_dir)
-
-
-def _export_files(src, target, out_dir, dtype):
-    from .export import export_draft_model_files
-
-    return export_draft_model_files(src, target, out_dir, dtype)
-
-
-def _sim_shape(target, draft_model, layers, draft_vocab, kv_dtype_bytes):
-    from .cost import draft_model_shape
-
-    return draft_model_shape(target, draft_model, layers, draft_vocab, kv_dtype_bytes)
+_export = adapter("megatron_spec.generators.vllm.export", "export_target")
+_export_files = adapter(f"{__package__}.export", "export_draft_model_files")
+_sim_shape = adapter(f"{__package__}.cost", "draft_model_shape")
 
 
 register(DrafterMethod("draft_model", _proposer, needs_weights=True, load=_load, module=_module, new=_new, save=_save,

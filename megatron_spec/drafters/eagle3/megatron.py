@@ -40,10 +40,10 @@ from torch import Tensor
 from megatron_spec.drafters.eagle3.model import Eagle3Head
 from megatron_spec.models.config import ModelConfig
 from megatron_spec.models.decoder import TrunkOutput
-from megatron_spec.rl.microbatch import micro_batches, sequence_lengths, spread_rows
+from megatron_spec.microbatch import micro_batches, sequence_lengths, spread_rows
 from megatron_spec.drafters.trainer import DrafterTrainer
 from megatron_spec.interfaces import Batch, DrafterInputs
-from megatron_spec.rl.refit import DRAFTER_PREFIX
+from megatron_spec.refit import DRAFTER_PREFIX
 
 from ...trainers.megatron import require_megatron
 from ...trainers.megatron.importer import layer_offset
@@ -315,3 +315,6 @@ def assemble(pieces: list[tuple[tuple, Tensor]], n_layers: int, shape: tuple[int
             _, lo, hi = key
             rows[(ids >= lo) & (ids < hi)] = t
     return layers, logits, rows
+
+
+OnlineHead = Eagle3Online  # the name the Megatron trainer asks the registry for (`megatron_hook`)

@@ -3,7 +3,7 @@ vocabulary."""
 
 from __future__ import annotations
 
-from ..registry import DrafterMethod, register
+from ..registry import DrafterMethod, adapter, register
 
 
 def _module():
@@ -48,37 +48,19 @@ def _loss(target, drafter, input_ids, out, logits, mask, drafts):
     return eagle3_pairs(target, drafter, input_ids, out, logits, mask, drafts)
 
 
-def _export(drafter, out_dir):
-    from .export import export_eagle3
-
-    return export_eagle3(drafter, out_dir)
-
-
-def _export_files(src, target, out_dir, dtype):
-    from .export import export_eagle3_files
-
-    return export_eagle3_files(src, target, out_dir, dtype)
+_export = adapter(f"{__package__}.export", "export_eagle3")
+_export_files = adapter(f"{__package__}.export", "export_eagle3_files")
 
 
 def _form(drafter):
-    from .export import eagle3_form
-
-    return eagle3_form(drafter.eagle_config, drafter.target_config.hidden_size)
+    return adapter(f"{__package__}.export", "eagle3_form")(drafter.eagle_config, drafter.target_config.hidden_size)
 
 
-def _convert(tensors, capture_layers, hidden_size):
-    from .export import eagle3_tensors
-
-    return eagle3_tensors(tensors, capture_layers, hidden_size)
-
-
-def _sim_shape(target, draft_model, layers, draft_vocab, kv_dtype_bytes):
-    from .cost import eagle3_shape
-
-    return eagle3_shape(target, draft_model, layers, draft_vocab, kv_dtype_bytes)
+_convert = adapter(f"{__package__}.export", "eagle3_tensors")
+_sim_shape = adapter(f"{__package__}.cost", "eagle3_shape")
 
 
 register(DrafterMethod("eagle3", _proposer, needs_weights=True, load=_load, module=_module, saved_config=_config,
                        new=_new, save=_save, online_loss=_loss, draft_vocab=True, vllm_method="eagle3",
                        vllm_export=_export, vllm_export_files=_export_files, vllm_form=_form, vllm_convert=_convert,
-                       state_key="eagle3", sim_shape=_sim_shape, listing=2))
+                       state_key="eagle3", megatron=f"{__package__}.megatron", sim_shape=_sim_shape, listing=2))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..registry import DrafterMethod, register
+from ..registry import DrafterMethod, adapter, register
 
 
 def _module():
@@ -47,22 +47,9 @@ def _loss(target, drafter, input_ids, out, logits, mask, drafts):
     return mtp_pairs(target, drafter, input_ids, out, logits, mask, drafts)
 
 
-def _export(drafter, out_dir):
-    from .export import export_mtp
-
-    return export_mtp(drafter, out_dir)
-
-
-def _export_files(src, target, out_dir, dtype):
-    from .export import export_mtp_files
-
-    return export_mtp_files(src, target, out_dir, dtype)
-
-
-def _sim_shape(target, draft_model, layers, draft_vocab, kv_dtype_bytes):
-    from .cost import mtp_shape
-
-    return mtp_shape(target, draft_model, layers, draft_vocab, kv_dtype_bytes)
+_export = adapter(f"{__package__}.export", "export_mtp")
+_export_files = adapter(f"{__package__}.export", "export_mtp_files")
+_sim_shape = adapter(f"{__package__}.cost", "mtp_shape")
 
 
 register(DrafterMethod("mtp", _proposer, needs_weights=True, load=_load, module=_module, saved_config=_config,

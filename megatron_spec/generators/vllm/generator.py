@@ -40,7 +40,7 @@ import torch
 
 from ...engine.inflight import RefitHandoff
 from ...interfaces import Completion, SamplingParams, no_step_gate
-from ...rl.refit import DRAFTER_PREFIX
+from ...refit import DRAFTER_PREFIX
 from ...drafters.config import SpecConfig
 from ...drafters.registry import needs_weights, vllm_problem
 from .export import drafter_form, export_drafter, export_drafter_files, export_target

@@ -22,7 +22,7 @@ MTP drafter's acceptance length from 1.94 to 1.30). `repack_cpu_experts` runs th
 
 from __future__ import annotations
 
-from ...rl.refit import DRAFTER_PREFIX
+from ...refit import DRAFTER_PREFIX
 from .plugin import register
 
 # vLLM imports this module in each worker before it loads the model: registering here too keeps the MTP class and

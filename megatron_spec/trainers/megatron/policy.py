@@ -35,7 +35,7 @@ from megatron_spec.drafters.registry import drafter_method, layers_method
 from megatron_spec.models.hf_io import read_config
 from megatron_spec.rl.grpo import LossNorm
 from megatron_spec.interfaces import Batch, no_step_gate
-from megatron_spec.rl.refit import DRAFTER_PREFIX
+from megatron_spec.refit import DRAFTER_PREFIX
 
 from . import require_megatron
 from .checkpoint import ShardedCheckpoints
@@ -126,8 +126,10 @@ class MegatronPolicy(Followers, RefitSource, ShardedCheckpoints):
                           on_gpus=torch.cuda.is_available())
         speed_kw = speed_overrides(replace(speed or PORTABLE, recompute=recompute), moe=cfg.is_moe)
         if eagle3 is not None:  # a head that does not fit, or beside MTP layers, fails before anything is built
+            from ...drafters.registry import beside_method
             from ...layout import online_eagle3_problems
-            from ...drafters.eagle3.megatron import load_head
+
+            load_head = beside_method().megatron_hook("load_head")
 
             if problems := online_eagle3_problems(mtp_num_layers, par.vp):
                 raise ValueError("; ".join(problems))
@@ -170,9 +172,10 @@ class MegatronPolicy(Followers, RefitSource, ShardedCheckpoints):
                                         drafter_lr, clip_mtp=bool(self.mtp))
         self.eagle3 = None
         if eagle3 is not None:
-            from ...drafters.eagle3.megatron import Eagle3Online
+            from ...drafters.registry import beside_method
 
-            self.eagle3 = Eagle3Online(self.model, eagle3, grpo, sampling, drafter_cfg)
+            online = beside_method().megatron_hook("OnlineHead")
+            self.eagle3 = online(self.model, eagle3, grpo, sampling, drafter_cfg)
         self.packed = True  # micro-batches by token budget, padded to their own longest row (`step.plan`)
         self.one_schedule = True  # one schedule call per pass over micro-batches of any shapes (`step.run_schedule`)
         # With followers, rank 0 announces each call (the RL loop); without, every rank makes the calls itself.

@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_spec.rl import memory
+from megatron_spec import memory
 
 from .step import device
 
 
 def rank_memory() -> dict:
     """Every rank's peak RSS (and CUDA peaks) in MB, as lists by global rank. Collective. Ranks > 0 then start
-    new peaks; rank 0's belongs to the loop's process, whose step ends later (`rl.memory.step_memory`)."""
+    new peaks; rank 0's belongs to the loop's process, whose step ends later (`memory.step_memory`)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     cuda = memory.cuda_peaks(reset=rank != 0)
     keys = ["trainer_peak_rss_mb", *(f"trainer_{k}" for k in sorted(cuda))]

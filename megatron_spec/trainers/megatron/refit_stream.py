@@ -141,7 +141,7 @@ def send_stages(group, stream: Iterator[tuple[str, Tensor]], received: list[int]
     (None on a rank that does not send, which still takes part in its stage's gathers); then every rank's
     figures, on every rank: the senders' bytes and waits, and what each rank received while gathering
     (`received[0]`). Collective."""
-    from ...rl.refit import buckets
+    from ...refit import buckets
 
     if group is not None:
         sent = group.send(buckets(stream, bucket_bytes), dtype)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from megatron_spec.rl.grpo import LossNorm
-from megatron_spec.rl.microbatch import micro_batches, sequence_lengths
+from megatron_spec.microbatch import micro_batches, sequence_lengths
 from megatron_spec.interfaces import Batch
 from megatron_spec.trainers.embedded import grpo_micro_loss, masked, token_logprobs
 from megatron_spec.drafters.loss import soft_cross_entropy

@@ -16,8 +16,8 @@ from research.sim_cpu import counts, cpu_train, model
 from research.sim_cpu.cpu_profile import CpuProfile
 from research.sim_cpu.measured import COMMITTED_PROFILE
 from megatron_spec.rl.config import GRPOSection
-from megatron_spec.rl.microbatch import micro_batches as trainer_micro_batches
-from megatron_spec.rl.microbatch import sequence_lengths
+from megatron_spec.microbatch import micro_batches as trainer_micro_batches
+from megatron_spec.microbatch import sequence_lengths
 from megatron_spec.sim.config import LengthDist, SimConfig, TrainParallel, Workload
 
 REPO = Path(__file__).resolve().parents[3]

@@ -41,7 +41,7 @@ def perturbed(model, seed: int, scale: float):
 
 
 def stream(model, drafter=None):
-    from megatron_spec.rl.refit import buckets, named_weights
+    from megatron_spec.refit import buckets, named_weights
 
     return buckets(named_weights(model, drafter), 1 << 20)
 

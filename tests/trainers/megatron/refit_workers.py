@@ -62,7 +62,7 @@ def _memory(rank: int, par) -> dict:
     from megatron_spec.trainers.megatron.refit_stream import refit_buckets
     from megatron_spec.distributed.process_groups import free_port
     from megatron_spec.distributed.weight_group import open_weight_group
-    from megatron_spec.rl.refit import buckets
+    from megatron_spec.refit import buckets
 
     from ...live_bytes import gloo_lets_go, live_bytes
 

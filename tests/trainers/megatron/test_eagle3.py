@@ -115,7 +115,7 @@ def test_a_token_budget_sends_the_head_only_its_rows_and_draft_vocabulary(one, t
     ids, the embedding rows of their tokens (value for value: the same forward, before the same update). Under full
     activation recompute (the layers' forward again inside the backward) the head receives the same, bit for bit:
     the hooks skip the recomputed forward."""
-    from megatron_spec.rl.microbatch import spread_rows
+    from megatron_spec.microbatch import spread_rows
 
     results = [one["budget"]] if layout == "tp1" else [r["budget_pp2"] for r in two]
     got = [r for r in results if r["budget"]["got"] is not None]
@@ -139,7 +139,7 @@ def test_spread_rows_take_whole_rows_within_the_budget_in_bit_reversed_order():
     """8 rows of 5 positions (2 prompt, 3 generated): a budget of 20 takes 4 rows, 0, 4, 2, 6 (bit-reversed order),
     spread over the batch; a budget below one row still takes row 0; 0 takes every row; a row counts its used
     length (up to its last generated token), so one that ends early costs less."""
-    from megatron_spec.rl.microbatch import spread_rows
+    from megatron_spec.microbatch import spread_rows
 
     mask = torch.zeros(8, 5, dtype=torch.bool)
     mask[:, 2:] = True

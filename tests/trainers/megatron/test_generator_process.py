@@ -12,7 +12,7 @@ from megatron_spec.engine import SamplingParams
 from megatron_spec.models.hf_io import save_pretrained
 from megatron_spec.rl.config import GRPOSection, ModelSection, RLConfig, RunSection
 from megatron_spec.generators.embedded import EmbeddedGenerator
-from megatron_spec.rl.refit import buckets, named_weights
+from megatron_spec.refit import buckets, named_weights
 
 PROMPTS = [[1, 5, 9, 3], [1, 7, 2], [1, 5, 9, 3], [4, 4, 8, 1, 6]]
 

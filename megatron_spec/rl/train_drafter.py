@@ -26,7 +26,7 @@ def task_prompts(target_path: str, n: int, seed: int, split: str = "train") -> l
     chat prompt through the model's own tokenizer for SmolLM2."""
     from ..models.hf_io import read_config
     from ..models.presets import TINY_VOCAB
-    from ..rl.task import PromptTask
+    from .task import PromptTask
 
     tiny = str(target_path) != "smollm2-135m" and read_config(target_path).vocab_size == TINY_VOCAB
     task = PromptTask.build("tiny" if tiny else "natural", target_path, n, seed, split)
@@ -36,7 +36,7 @@ def task_prompts(target_path: str, n: int, seed: int, split: str = "train") -> l
 def new_drafter(method: str, target, draft_preset: str | None, d2t=None):
     """A fresh drafter from the method's registry entry; `d2t` (target ids) is the head's draft vocabulary, for a
     method that has one."""
-    from .registry import drafter_method, method_names
+    from ..drafters.registry import drafter_method, method_names
 
     entry = drafter_method(method)
     if d2t is not None and not entry.draft_vocab:
@@ -51,8 +51,8 @@ def rollouts(target, prompts: list[list[int]], max_tokens: int, temperature: flo
     """(padded token ids [N, T], mask of generated positions [N, T], the target's features for them: a
     `TrunkOutput` with the final hidden states and the `capture` layers) from the target's own sampled generations."""
     from ..engine import LLMEngine, SamplingParams
-    from ..rl.loop import make_batch
-    from .hidden import FeatureRecorder
+    from .loop import make_batch
+    from ..drafters.hidden import FeatureRecorder
 
     engine = LLMEngine(target, max_num_seqs=64)
     engine.proposer = recorder = FeatureRecorder(target, capture)  # before generate: it builds the runner from it
@@ -79,7 +79,7 @@ def draft_vocab(ids, mask, size: int, vocab_size: int, always: tuple[int, ...] =
 def capture_layers(method: str, target, drafter=None, draft_preset: str | None = None) -> tuple[int, ...]:
     """Target layers whose outputs the drafter fuses (an EAGLE-3 head's; none for the others): `drafter`'s, or a
     fresh drafter's of `method` when None."""
-    from .eagle3.model import captured_layers
+    from ..drafters.eagle3.model import captured_layers
 
     return captured_layers(drafter if drafter is not None else new_drafter(method, target, draft_preset))
 
@@ -89,7 +89,7 @@ def target_features(target, drafter, ids, chunk: int = 16) -> TrunkOutput:
     an EAGLE-3 head fuses), `chunk` rows at a time: for token ids that were not recorded by `rollouts`."""
     import torch
 
-    from .eagle3.model import captured_layers
+    from ..drafters.eagle3.model import captured_layers
     from ..models.decoder import TrunkOutput
 
     capture = captured_layers(drafter)
@@ -111,10 +111,10 @@ def train(target, drafter, method: str, ids, mask, steps: int, batch_size: int, 
     import torch
 
     from ..models.decoder import TrunkOutput
-    from ..rl.config import DrafterTrainSection
-    from .loss import drafter_loss
-    from .registry import drafter_method
-    from .trainer import DrafterTrainer
+    from .config import DrafterTrainSection
+    from ..drafters.loss import drafter_loss
+    from ..drafters.registry import drafter_method
+    from ..drafters.trainer import DrafterTrainer
 
     online_loss = drafter_method(method).online_loss
     target.eval().requires_grad_(False)
@@ -173,7 +173,7 @@ def main(args: argparse.Namespace) -> int:
 
     from ..models import from_pretrained
     from ..models.config import token_id_tuple
-    from .registry import drafter_method
+    from ..drafters.registry import drafter_method
 
     entry = drafter_method(args.method)
     if args.draft_vocab and (not entry.draft_vocab or args.init is not None):
@@ -206,7 +206,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from .registry import method_names
+    from ..drafters.registry import method_names
 
     p = sub.add_parser("train-drafter", help="train a drafter offline on the target's own generations")
     p.add_argument("--target", required=True, help="target checkpoint directory (or smollm2-135m)")
