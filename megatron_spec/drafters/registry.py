@@ -10,7 +10,8 @@ read it.
 Each method is one folder of this package whose `method.py` calls `register(DrafterMethod(...))`; the registry
 imports every such `method.py` the first time an entry is asked for, so adding a drafter is adding a folder. Those
 modules import models, proposers and losses inside their callables: discovery stays cheap (config validation needs
-only the names).
+only the names). Their adapters (vLLM export, simulator cost, the Megatron head) sit above the generators, the
+simulator and the trainers they plug into, so entries name them by module (`adapter`, `DrafterMethod.megatron`).
 """
 
 from __future__ import annotations
