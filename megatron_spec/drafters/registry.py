@@ -63,12 +63,6 @@ class DrafterMethod:
     saved_config: Callable | None = None
     """() -> (config dataclass, attribute of the module holding it) of a head saved in our layout (`files.py`,
     whose `drafter_config.json` names the method as its `kind`); None: not saved in our layout."""
-    vllm_method: str | None = None
-    """vLLM's `speculative_config["method"]` for this drafter; None: no vLLM counterpart (embedded generator only)."""
-    vllm_options: Callable | None = None
-    """spec -> extra `speculative_config` entries vLLM takes for this method."""
-    vllm_needs: tuple[str, str] | None = None
-    """(module, extra): a package vLLM imports to draft this way, and the megatron-spec extra that installs it."""
     vllm_export: Callable | None = None
     """(drafter module, out_dir) -> the directory vLLM loads as this drafter (`generators.vllm.export`)."""
     vllm_export_files: Callable | None = None
@@ -228,9 +222,10 @@ def build_proposer(spec, target, drafter=None):
 
 
 def adapter(module: str, name: str) -> Callable:
-    """A hook that lives in one of a drafter's adapter modules (its vLLM export, its simulator cost), imported by
-    name when first called. The adapters sit above the generators and the simulator they plug into, which reach
-    them only through the registry, so the drafters' own package imports none of them."""
+    """`name` of `module`, imported when first called: a drafter's adapters (its vLLM export, its simulator cost) sit
+    above the generators and the simulator they plug into, which reach them only through the registry, so the
+    drafters' own package imports none of them; and an entry's other callables stay unimported until used, so
+    discovery is cheap."""
 
     def call(*args, **kwargs):
         return getattr(importlib.import_module(module), name)(*args, **kwargs)

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from ..registry import DrafterMethod, adapter, register
 
+_DRAFTERS = __package__.rpartition(".")[0]
+_proposer = adapter(f"{_DRAFTERS}.hidden", "hidden_state_proposer")
+_load = adapter(f"{_DRAFTERS}.files", "load_head")
+
 
 def _module():
     from .model import Eagle3Head
@@ -16,18 +20,6 @@ def _config():
     from .model import Eagle3Config
 
     return Eagle3Config, "eagle_config"
-
-
-def _proposer(spec, target, drafter):
-    from ..hidden import hidden_state_proposer
-
-    return hidden_state_proposer(spec, target, drafter)
-
-
-def _load(path, target, device):
-    from ..files import load_head
-
-    return load_head(path, target, device)
 
 
 def _new(target, draft_preset, d2t):
