@@ -30,7 +30,7 @@ from functools import lru_cache
 
 from .acceptance import tau_from_rate
 from .config import GenParallel, LengthDist, SimConfig, Speculation, TrainParallel, Workload
-from .pipeline import StepResult, simulate
+from .pipeline import StepResult, rank_key, simulate
 from .reference import PAPER_AR_STAGES, ReferenceSetup, infer_mean_length
 
 MODEL = "qwen3-235b-a22b"
@@ -141,7 +141,7 @@ def tuned_run(hardware: str, gpus: int, lag: int, rate: float, ks: tuple[int, ..
     each k from the constant-rate model, as `tune.search` expands it): the shortest step, then the shortest
     generation, then the smaller k."""
     rows = [run(hardware, gpus, lag, k=k, tau=tau_from_rate(rate, k), workload=workload) for k in ks]
-    return min(rows, key=lambda r: (round(r.step_s, 6), round(r.gen_s, 6), r.k))
+    return min(rows, key=lambda r: rank_key(r.step_s, r.gen_s, r.k))
 
 
 def sensitivity(hardware: str = "h100", gpus: int = 2048, taus: tuple[float, ...] = (2.0, 3.0, 4.0, 5.0),
@@ -202,12 +202,14 @@ class Sensitivity:
     """(per-position acceptance, k) -> the generation side's seconds per step (the tuner's tie-break)."""
     assumed: tuple[float, int, float]
     """The configuration's own (per-position acceptance equivalent to its acceptance length, k, speed-up)."""
+    plain_s: float
+    """The plain synchronous step's seconds, which every speed-up divides."""
 
     def best_k(self, rate: float) -> int:
         """The k the tuner picks at this acceptance (`tune.search`'s order): the shortest step, then, where
         training bounds the step and several k tie, the shortest generation, then the smaller k."""
-        return min(((-round(s, 6), round(self.gen_s[(r, k)], 6), k) for (r, k), s in self.speedups.items()
-                    if r == rate))[2]
+        return min((k for r, k in self.speedups if r == rate),
+                   key=lambda k: rank_key(self.plain_s / self.speedups[(rate, k)], self.gen_s[(rate, k)], k))
 
     def speedup_range(self) -> tuple[float, float]:
         """Lowest and highest speed-up over the sweep with the tuner's k at each acceptance."""
@@ -229,7 +231,7 @@ def acceptance_sensitivity(cfg: SimConfig, rates: tuple[float, ...] = SENSITIVIT
             spec = replace(cfg.spec, k=k, acceptance_length=0.0, per_position=(rate,) * k, adaptive=False)
             res = simulate(replace(cfg, spec=spec))
             speedups[(rate, k)], gen_s[(rate, k)] = plain / res.step_s, res.stages["gen"]
-    return Sensitivity(speedups, gen_s, (cfg.spec.rate, cfg.spec.k, plain / simulate(cfg).step_s))
+    return Sensitivity(speedups, gen_s, (cfg.spec.rate, cfg.spec.k, plain / simulate(cfg).step_s), plain)
 
 
 def format_sensitivity(s: Sensitivity) -> str:

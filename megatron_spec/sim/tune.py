@@ -29,7 +29,7 @@ from .acceptance import tau_from_rate
 from .config import GenParallel, SimConfig, Speculation, TrainParallel, Workload
 from .hardware import Hardware
 from .memory import check_fit, memory_report
-from .pipeline import StepResult, build, compose, generation
+from .pipeline import StepResult, build, compose, generation, rank_key
 from ..drafters.registry import sim_names
 from .shapes import CostShape
 from .stages import data_time, logprob_time, prepare_time, train_time
@@ -194,8 +194,7 @@ def search(base: SimConfig, space: TuneSpace = TuneSpace()) -> TuneResult:
                                  rejected)
                 if cand is not None:
                     best.append(cand)
-    # Ties (a training-bound step) go to the shorter generation, then to the simpler controller and smaller k.
-    best.sort(key=lambda c: (-round(c.throughput, 6), c.result.stages['gen'], c.settings()['k']))
+    best.sort(key=lambda c: rank_key(c.result.step_s, c.result.stages["gen"], c.settings()["k"]))
     ranked = _distinct(best)
     rejected.add("a larger k the controller never uses (same step as a smaller one)", len(best) - len(ranked))
     return TuneResult(ranked, rejected)
