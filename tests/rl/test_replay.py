@@ -17,6 +17,7 @@ from megatron_spec.rl.loop import StageTimer, Trainer
 from megatron_spec.rl.replay import Replay
 
 from .test_correction import RecordingPolicy
+from .test_loop import ckpts  # noqa: F401  (the tiny checkpoints fixture)
 
 
 def trainer(max_age: int | None) -> Trainer:
@@ -69,3 +70,23 @@ def test_without_a_bound_nothing_waits():
     trained, train, batch = step(t, [20, 21, 22])
     assert trained == [20] and t.replay is None and batch.behaviour_logprobs is None
     assert "groups_dropped_stale" not in train
+
+
+def test_loop_run_trains_a_left_out_group_a_step_later_and_drops_an_older_one(ckpts, tmp_path, monkeypatch):
+    """Three real steps (tiny policy, embedded pair, no speculation), 3 groups of 3 a step, `train_groups=1`,
+    `max_trajectory_age=1`, every group's rewards (1, 0, 0): step 0 leaves 2 groups waiting; step 1 is offered
+    them first and trains the older of them (nothing stale), leaving the other, now a version old, waiting with its
+    own 3; step 2 drops that one, two versions old, as stale."""
+    from megatron_spec.rl import loop
+    from megatron_spec.rl.logging import read_metrics
+
+    from .test_loop import small_cfg
+
+    monkeypatch.setattr(loop.Trainer, "score", lambda self, problems, outs: torch.tensor([1.0, 0.0, 0.0] * 3))
+    cfg = small_cfg(ckpts, tmp_path, spec=None, train_groups=1, max_trajectory_age=1)
+    loop.run(cfg, loop.Trainer)
+    m = read_metrics(tmp_path)
+    assert [s["groups_replayed"] for s in m] == [0, 2, 4]
+    assert [s["groups_dropped_stale"] for s in m] == [0, 0, 1]
+    assert [s["groups_waiting"] for s in m] == [2, 4, 5]
+    assert m[0]["logprob_mismatch"] is not None and m[1]["logprob_mismatch"] is None  # step 1 trains replayed rows
