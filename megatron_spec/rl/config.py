@@ -138,7 +138,9 @@ class GRPOSection:
     max_trajectory_age: int | None = None
     """Bounded staleness: GRPO groups any of whose rollouts an older policy version than the trained one minus
     this generated are dropped before the update, whole (`groups_dropped_stale`); at least `backend.async_lag`,
-    which every step's rollouts reach. None: no bound."""
+    which every step's rollouts reach. Set, groups with a signal that a step leaves out (`train_groups`) wait in a
+    replay and are offered to the next steps first while young enough (`rl/replay.py`). None: no bound, no
+    replay."""
     max_grad_norm: float = 1.0
     """Gradient clipping of the policy."""
     max_nan_steps: int = 3

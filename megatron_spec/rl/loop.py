@@ -35,6 +35,7 @@ from .. import memory
 from .config import RLConfig
 from .grpo import correction_stats, group_advantages, overlong_penalty, rejection_mask, uniform_groups
 from ..refit import buckets
+from .replay import Replay
 from .stop import SaveClock, StopRequest, save_due
 
 REFIT_BUCKET_BYTES = 16 << 20
@@ -197,6 +198,21 @@ def fresh_groups(ages: list[int], group_size: int, max_age: int | None) -> torch
     return (torch.tensor(ages).view(-1, group_size) <= max_age).all(dim=1)
 
 
+def shaped_rewards(rewards: torch.Tensor, lengths: list[int], g) -> torch.Tensor:
+    """The rewards [N] (float64) with DAPO's overlong shaping of the GRPO section `g` added."""
+    return rewards.double() + overlong_penalty(torch.tensor(lengths), g.max_tokens, g.overlong_buffer,
+                                               g.overlong_penalty)
+
+
+def waiting_groups(rewards: torch.Tensor, lengths: list[int], g, fresh: torch.Tensor,
+                   keep: list[bool] | None) -> list[int]:
+    """The groups (indices) a step leaves out of its update that a later step may still train: young enough
+    (`fresh`), not trained now (`keep`, `step_advantages`'), and with a signal (rewards not uniform once shaped)."""
+    uniform = uniform_groups(shaped_rewards(rewards, lengths, g).view(-1, g.group_size))
+    kept = torch.ones_like(fresh) if keep is None else torch.tensor(keep[:: g.group_size])
+    return (fresh & ~kept & ~uniform).nonzero().flatten().tolist()
+
+
 def step_advantages(rewards: torch.Tensor, lengths: list[int], g,
                     fresh: torch.Tensor | None = None) -> tuple[torch.Tensor, list[bool] | None, dict]:
     """The advantages [N] of a step's rollouts (rewards [N], prompt-major groups of `g.group_size`) under the GRPO
@@ -204,8 +220,7 @@ def step_advantages(rewards: torch.Tensor, lengths: list[int], g,
     [P], `fresh_groups`), `drop_uniform_groups` or `train_groups`, also which rows to keep (None: all) and the
     advantages of the kept rows only: the stale groups go first, dynamic sampling chooses among the rest; and the
     counts to log (uniform groups, groups dropped by dynamic sampling and as stale, mean shaping)."""
-    shaped = rewards.double() + overlong_penalty(torch.tensor(lengths), g.max_tokens, g.overlong_buffer,
-                                                 g.overlong_penalty)
+    shaped = shaped_rewards(rewards, lengths, g)
     groups = shaped.view(-1, g.group_size)
     uniform = uniform_groups(groups)
     info = {"uniform_groups": int(uniform.sum())}
@@ -252,6 +267,9 @@ def spec_metrics(outs) -> dict:
 class Trainer:
     """Holds the run's pieces; `step()` is one RL step, its stages are the methods below it."""
 
+    replay: Replay | None = None
+    """Groups left out of a step that a later one may train (`grpo.max_trajectory_age` set), else None."""
+
     def __init__(self, cfg: RLConfig):
         from .task import build_tasks
 
@@ -261,6 +279,8 @@ class Trainer:
         self.task, self.eval_task = build_tasks(cfg)
         self.policy, self.generator = self.build_backends()
         self.gate = WholeStepGate() if self.gated() else None
+        # finished groups a step leaves out wait for a later one, under a staleness bound only
+        self.replay = Replay() if cfg.grpo.max_trajectory_age is not None else None
 
     def build_backends(self) -> tuple[Policy, Generator]:
         """The trainer and the generator, in this process."""
@@ -289,7 +309,10 @@ class Trainer:
             tokens = sum(len(o.token_ids) for o in rollouts.outs)
             budget = self.gate.drafter_budget(timer.times["gen"], tokens) if speculate else None
             with self.speculation(False if budget == 0 else None, engine=False):
-                train, mismatch = self.learn(prompts, rollouts, rewards, timer, budget)
+                replayed = len(self.replay) if self.replay is not None else 0
+                train, mismatch = self.learn(*self.with_replay(prompts, rollouts, rewards), timer, budget)
+                if self.replay is not None:
+                    train.update(groups_replayed=replayed, groups_waiting=len(self.replay))
         gate = {}
         if self.gate:
             self.gate.record(speculate, timer.times["gen"], train.get("drafter_s", 0.0), tokens)
@@ -340,6 +363,10 @@ class Trainer:
         self.generator.sleep()
         return Rollouts(outs)
 
+    def with_replay(self, prompts: list[list[int]], rollouts: Rollouts, rewards: torch.Tensor):
+        """The step's prompts, rollouts and rewards, behind the groups waiting in the replay (`rl/replay.py`)."""
+        return (prompts, rollouts, rewards) if self.replay is None else self.replay.offer(prompts, rollouts, rewards)
+
     def score(self, problems: list, outs) -> torch.Tensor:
         g = self.cfg.grpo
         return torch.tensor(self.task.rewards([o.token_ids for o in outs],
@@ -356,7 +383,11 @@ class Trainer:
         g, rc = self.cfg.grpo, self.cfg.grpo.rollout_correction
         ages = rollouts.ages if rollouts.ages is not None else [rollouts.lag] * len(rollouts.outs)
         fresh = fresh_groups(ages, g.group_size, g.max_trajectory_age)
-        advantages, keep, shaping = step_advantages(rewards, [len(o.token_ids) for o in rollouts.outs], g, fresh)
+        lengths = [len(o.token_ids) for o in rollouts.outs]
+        advantages, keep, shaping = step_advantages(rewards, lengths, g, fresh)
+        if self.replay is not None:  # what this step leaves out and a later one may train waits
+            self.replay.keep(prompts, rollouts, rewards, g.group_size,
+                             waiting_groups(rewards, lengths, g, fresh, keep))
         extra = None
         # a trainer whose row count is fixed, or a step with every group stale (no row left to make a batch of)
         masked = keep is not None and (self.cfg.backend.trainer != "embedded" or not any(keep))

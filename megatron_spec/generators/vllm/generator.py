@@ -3,11 +3,15 @@
 A `megatron_spec.interfaces.Generator`: `generate(prompts, params) -> list[Completion]` (token ids, log-probs
 under the *processed* target distribution, finish reason, per-request speculation statistics),
 `update_weights(stream)` (our bucketed `(hf_name, tensor)` refit stream, drafter tensors under `drafter.`),
-`sleep()` / `wake()`, `close()`. It speculates on every step: no whole-step gate (`supports_step_gate` False).
+`sleep()` / `wake()`, `close()`, and the whole-step gate's `speculation(False)`.
 
 - Speculation: `SpecConfig.vllm()` is vLLM's `speculative_config` (`ngram`, `draft_model`, `eagle3`, `mtp`, and
-  `history` as vLLM's suffix decoding, with the `suffix` extra); `adaptive` is ours alone (vLLM drafts k on every
-  step) and is ignored with a warning.
+  `history` as vLLM's suffix decoding, with the `suffix` extra). vLLM drafts k on every decode step: our per-step
+  controller of k does not exist there, so `adaptive` means the RL loop's whole-step gate alone.
+- Whole-step gate: inside `speculation(False)` a `generate` call runs as an engine started without speculation
+  (no drafter forward, no proposal, no draft placeholders); its requests are marked plain and the engine's
+  scheduler and model runner skip speculation for them (`gate.py`). The prefix cache is reset at each switch: an
+  EAGLE / MTP drafter's keys and values are not written on plain steps, so speculative steps never reuse them.
 - Per-request statistics: vLLM reports acceptance only as engine-wide counters, so `generate` drives the engine step
   by step with delta outputs: every engine step after a request's prefill is one verify step for it, and the tokens
   it emitted in that step are the accepted drafts plus one. Drafted per step is k (model drafters always draft k;
@@ -34,16 +38,18 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from ...engine.inflight import RefitHandoff
-from ...interfaces import Completion, SamplingParams, no_step_gate
+from ...interfaces import Completion, SamplingParams
 from ...refit import DRAFTER_PREFIX
 from ...drafters.config import SpecConfig
 from ...drafters.registry import needs_weights, vllm_problem
 from .export import drafter_form, export_drafter, export_drafter_files, export_target
+from .gate import PLAIN_ARG
 
 WORKER_EXTENSION = "megatron_spec.generators.vllm.worker.WorkerExtension"
 LOCAL_GROUP_TIMEOUT_S = 600.0
@@ -77,8 +83,8 @@ def check_spec(spec: SpecConfig | None) -> None:
     if needs_weights(spec.method) and not spec.model:
         raise ValueError(f"speculative method {spec.method!r} in vLLM needs SpecConfig.model (the drafter directory)")
     if spec.adaptive:
-        warnings.warn("SpecConfig.adaptive is not available in vLLM: it drafts num_speculative_tokens on every step",
-                      stacklevel=3)
+        warnings.warn("SpecConfig.adaptive in vLLM is the RL loop's whole-step gate only: within a speculative step "
+                      "vLLM drafts num_speculative_tokens on every decode step", stacklevel=3)
 
 
 def read_config(model_dir: str) -> dict:
@@ -91,7 +97,7 @@ def eos_ids(cfg: dict) -> tuple[int, ...]:
 
 
 class VLLMGenerator:
-    supports_step_gate = False
+    supports_step_gate = True
 
     def __init__(self, model: str, spec: SpecConfig | None = None, *, seed: int = 0, max_model_len: int = 4096,
                  drafter=None, cpu_threads: int = 0, tensor_parallel_size: int = 1, sleep_level: int = 1,
@@ -119,6 +125,7 @@ class VLLMGenerator:
         self.spec = spec
         self.form = drafter_form(drafter) if drafter is not None else drafter_conversion
         self.k = spec.num_speculative_tokens if spec else 0
+        self.plain = False  # inside speculation(False): requests run without speculation
         hf = read_config(model)
         self.eos = eos_ids(hf)
         # vLLM refuses a max_model_len beyond the model's positions; serve at most what the model was built for.
@@ -138,6 +145,7 @@ class VLLMGenerator:
             kwargs["enable_sleep_mode"] = True  # sleep() / wake() below
         if spec is not None:
             kwargs["speculative_config"] = spec.vllm()
+            kwargs["scheduler_cls"] = "megatron_spec.generators.vllm.gate.gated_scheduler"
         kwargs.update(engine_kwargs)
         self.cpu = current_platform.is_cpu()
         saved = os.environ.get("OMP_NUM_THREADS")
@@ -159,6 +167,8 @@ class VLLMGenerator:
         self.weights_dropped = False
         self.local_group, self.served_dtype = None, None
         self.has_drafter = bool(self.llm.collective_rpc("megatron_spec_has_drafter")[0])
+        if spec is not None:
+            self.llm.collective_rpc("megatron_spec_gate")
         if check_refit:
             self.check_refit()
 
@@ -225,7 +235,7 @@ class VLLMGenerator:
                    max_tokens=params.max_tokens - done, seed=seed % (1 << 63),
                    stop_token_ids=list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos)),
                    ignore_eos=params.ignore_eos, logprobs=0, detokenize=False, skip_special_tokens=False,
-                   output_kind=RequestOutputKind.DELTA)
+                   output_kind=RequestOutputKind.DELTA, extra_args={PLAIN_ARG: True} if self.plain else None)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         if not prompts or any(not p for p in prompts):
@@ -245,8 +255,28 @@ class VLLMGenerator:
                 self.running = None
         return requests.completions()
 
+    @property
+    def speculating(self) -> int:
+        """Draft tokens per verify step of the calls made now: k, or 0 without speculation or inside
+        `speculation(False)`."""
+        return 0 if self.plain else self.k
+
+    @contextmanager
     def speculation(self, enabled: bool):
-        return no_step_gate(self, enabled)
+        """With `enabled` False, `generate` calls inside the block run without speculation, as an engine started
+        without a speculative config does; speculation as configured after it. Not while a `generate` runs."""
+        if enabled or not self.k:
+            yield
+            return
+        if self.running is not None:
+            raise RuntimeError("VLLMGenerator.speculation: cannot switch speculation while generate runs")
+        self.plain = True
+        self.llm.reset_prefix_cache()
+        try:
+            yield
+        finally:
+            self.plain = False
+            self.llm.reset_prefix_cache()
 
     def refit_in_flight(self, load, version: int):
         """Run `load()` (a refit: `update_weights` or `receive_weights`) from another thread while this engine may
@@ -268,10 +298,10 @@ class VLLMGenerator:
         return loaded
 
     def completion(self, prompt, tokens, logprobs, finish, steps, per_pos, versions=()) -> Completion:
-        spec = {}
-        if self.k:
-            spec = {"drafted": self.k * steps, "accepted": sum(per_pos), "verify_steps": steps,
-                    "accepted_per_pos": per_pos, "drafted_per_pos": [steps] * self.k}
+        spec, k = {}, self.speculating
+        if k:
+            spec = {"drafted": k * steps, "accepted": sum(per_pos), "verify_steps": steps,
+                    "accepted_per_pos": per_pos, "drafted_per_pos": [steps] * k}
         return Completion(tokens, logprobs, finish or "length", len(prompt), spec, versions=list(versions))
 
     # --- refit ------------------------------------------------------------------------------------------------
@@ -413,7 +443,8 @@ class _Requests:
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.logprobs: list[list[float]] = [[] for _ in range(n)]
         self.versions: list[list[int]] = [[] for _ in range(n)]  # each token's policy version
-        self.steps, self.per_pos = [0] * n, [[0] * gen.k for _ in range(n)]
+        self.k = gen.speculating  # one mode for the whole call (`speculation`)
+        self.steps, self.per_pos = [0] * n, [[0] * self.k for _ in range(n)]
         self.finish: list[str | None] = [None] * n
 
     def add(self, i: int) -> None:
@@ -445,9 +476,9 @@ class _Requests:
         if new:
             if out.request_id in self.prefilling:
                 self.prefilling.discard(out.request_id)
-            elif self.gen.k:  # every step after the prefill verified drafts
+            elif self.k:  # every step after the prefill verified drafts
                 self.steps[i] += 1
-                for pos in range(min(len(new) - 1, self.gen.k)):
+                for pos in range(min(len(new) - 1, self.k)):
                     self.per_pos[i][pos] += 1
             self.tokens[i] += new
             self.logprobs[i] += [lp[t].logprob for t, lp in zip(new, c.logprobs)]

@@ -132,6 +132,12 @@ class WorkerExtension:
         finalize_layerwise_reload(model, self.vllm_config.speculative_config.draft_model_config)
         repack_cpu_experts(model, tensors.keys())
 
+    def megatron_spec_gate(self) -> None:
+        """Let the scheduler's plain steps run this worker's model runner without speculation (`gate.py`)."""
+        from .gate import gate_runner
+
+        gate_runner(self.model_runner)
+
     def megatron_spec_has_drafter(self) -> bool:
         return self.model_runner.get_draft_model() is not None
 
