@@ -309,7 +309,7 @@ class Trainer:
             tokens = sum(len(o.token_ids) for o in rollouts.outs)
             budget = self.gate.drafter_budget(timer.times["gen"], tokens) if speculate else None
             with self.speculation(False if budget == 0 else None, engine=False):
-                replayed = len(self.replay) if self.replay is not None else 0
+                replayed = min(len(self.replay), len(prompts) // self.cfg.grpo.group_size) if self.replay else 0
                 train, mismatch = self.learn(*self.with_replay(prompts, rollouts, rewards), timer, budget)
                 if self.replay is not None:
                     train.update(groups_replayed=replayed, groups_waiting=len(self.replay))
@@ -365,7 +365,9 @@ class Trainer:
 
     def with_replay(self, prompts: list[list[int]], rollouts: Rollouts, rewards: torch.Tensor):
         """The step's prompts, rollouts and rewards, behind the groups waiting in the replay (`rl/replay.py`)."""
-        return (prompts, rollouts, rewards) if self.replay is None else self.replay.offer(prompts, rollouts, rewards)
+        if self.replay is None:
+            return prompts, rollouts, rewards
+        return self.replay.offer(prompts, rollouts, rewards, self.cfg.grpo.group_size)
 
     def score(self, problems: list, outs) -> torch.Tensor:
         g = self.cfg.grpo

@@ -2,7 +2,9 @@
 
 A group a step did not train although it carries a learning signal (dynamic sampling's `train_groups` took others,
 or more groups finished than the step takes) is not thrown away: it waits here and is offered to the next step
-ahead of that step's own groups (oldest first), with its age one version older per step that passed. A group whose
+ahead of that step's own groups (oldest first), with its age one version older per step that passed. A step keeps
+its size: the groups offered to it take the places of its newest own groups, which wait in their turn, so the
+trainer's rows (and their split over data-parallel ranks) and its memory stay those of a step without a replay. A group whose
 age exceeds the bound is dropped by that step's staleness check and counted there (`groups_dropped_stale`); groups
 with uniform rewards never wait (their advantages are zero: nothing to learn). Each group keeps its own rewards,
 so its advantages (group baseline and std) are what they were; its rows carry their behaviour log-probs, and the
@@ -36,19 +38,22 @@ class Replay:
 
     groups: list[Waiting] = field(default_factory=list)
 
-    def offer(self, prompts: list[list[int]], rollouts: Rollouts,
-              rewards: torch.Tensor) -> tuple[list[list[int]], Rollouts, torch.Tensor]:
+    def offer(self, prompts: list[list[int]], rollouts: Rollouts, rewards: torch.Tensor,
+              group_size: int) -> tuple[list[list[int]], Rollouts, torch.Tensor]:
         """The step's prompts, rollouts and rewards with the waiting groups in front, each a version older than
-        when it was left out (the step that left it out updated the policy once); the replay is then empty."""
+        when it was left out (the step that left it out updated the policy once), as many groups as the step had:
+        the step's own groups that no longer fit wait, as they are, for the next step."""
         if not self.groups:
             return prompts, rollouts, rewards
         ages = rollouts.ages if rollouts.ages is not None else [rollouts.lag] * len(rollouts.outs)
-        waiting, self.groups = self.groups, []
-        older = [a + 1 for w in waiting for a in w.ages]
-        return ([p for w in waiting for p in w.prompts] + prompts,
-                dataclasses.replace(rollouts, outs=[o for w in waiting for o in w.outs] + rollouts.outs,
-                                    ages=older + ages, lag=max(older + ages)),
-                torch.cat([w.rewards for w in waiting] + [rewards]))
+        own = [Waiting(prompts[i:i + group_size], rollouts.outs[i:i + group_size], rewards[i:i + group_size],
+                       ages[i:i + group_size]) for i in range(0, len(prompts), group_size)]
+        waiting = [dataclasses.replace(w, ages=[a + 1 for a in w.ages]) for w in self.groups]
+        offered, self.groups = (waiting + own)[:len(own)], (waiting + own)[len(own):]
+        older = [a for w in offered for a in w.ages]
+        return ([p for w in offered for p in w.prompts],
+                dataclasses.replace(rollouts, outs=[o for w in offered for o in w.outs], ages=older, lag=max(older)),
+                torch.cat([w.rewards for w in offered]))
 
     def keep(self, prompts: list[list[int]], rollouts: Rollouts, rewards: torch.Tensor, group_size: int,
              groups: list[int]) -> None:
@@ -57,6 +62,7 @@ class Replay:
         for g in groups:
             rows = slice(g * group_size, (g + 1) * group_size)
             self.groups.append(Waiting(prompts[rows], rollouts.outs[rows], rewards[rows], ages[rows]))
+        self.groups.sort(key=lambda w: -max(w.ages))  # oldest first (stable: among equals, in the order they came)
 
     def __len__(self) -> int:
         return len(self.groups)

@@ -50,12 +50,27 @@ def test_left_out_group_is_trained_a_step_later_and_a_too_old_one_dropped():
     assert trained == [11]  # the oldest waiting group goes first, one version old
     assert train["groups_dropped_stale"] == 0
     assert batch.behaviour_logprobs is not None  # replayed rows are corrected as off-policy
-    assert [w.outs[0].token_ids[0] for w in t.replay.groups] == [12, 20, 21, 22]
+    # oldest first: 12 (a version old, offered and left out again), then the step's own, at age 0
+    assert [w.outs[0].token_ids[0] for w in t.replay.groups] == [12, 21, 22, 20]
     assert [w.ages for w in t.replay.groups] == [[1, 1], [0, 0], [0, 0], [0, 0]]
     trained, train, _ = step(t, [30, 31, 32])
     assert train["groups_dropped_stale"] == 1  # group 12 is two versions old now, past the bound
-    assert trained == [20]
+    assert trained == [21]
     assert 12 not in [w.outs[0].token_ids[0] for w in t.replay.groups]
+
+
+def test_a_step_offered_waiting_groups_keeps_its_size():
+    """2 groups waiting, a step of 3: the step gets the 2 (a version older) and its first own group, in that order,
+    and its other 2 wait as they are; a trainer with a fixed row count (split over data-parallel ranks) sees 6."""
+    replay = Replay()
+    old = [SimpleNamespace(token_ids=[n]) for n in (1, 1, 2, 2)]
+    replay.keep([[0]] * 4, Rollouts(old, lag=0), torch.zeros(4), 2, [0, 1])
+    own = [SimpleNamespace(token_ids=[n]) for n in (10, 10, 11, 11, 12, 12)]
+    prompts, rollouts, rewards = replay.offer([[0]] * 6, Rollouts(own, lag=0), torch.ones(6), 2)
+    assert [o.token_ids[0] for o in rollouts.outs] == [1, 1, 2, 2, 10, 10]
+    assert rollouts.ages == [1, 1, 1, 1, 0, 0] and rollouts.lag == 1 and rewards.tolist() == [0, 0, 0, 0, 1, 1]
+    assert len(prompts) == 6
+    assert [(w.outs[0].token_ids[0], w.ages) for w in replay.groups] == [(11, [0, 0]), (12, [0, 0])]
 
 
 def test_uniform_groups_never_wait():
@@ -76,7 +91,8 @@ def test_loop_run_trains_a_left_out_group_a_step_later_and_drops_an_older_one(ck
     """Three real steps (tiny policy, embedded pair, no speculation), 3 groups of 3 a step, `train_groups=1`,
     `max_trajectory_age=1`, every group's rewards (1, 0, 0): step 0 leaves 2 groups waiting; step 1 is offered
     them first and trains the older of them (nothing stale), leaving the other, now a version old, waiting with its
-    own 3; step 2 drops that one, two versions old, as stale."""
+    own 3 (the step keeps its size: the 2 replayed take the places of 2 of its own, which wait); step 2 is offered
+    3 of the 4 waiting and drops the oldest of them, two versions old, as stale."""
     from megatron_spec.rl import loop
     from megatron_spec.rl.logging import read_metrics
 
@@ -86,7 +102,7 @@ def test_loop_run_trains_a_left_out_group_a_step_later_and_drops_an_older_one(ck
     cfg = small_cfg(ckpts, tmp_path, spec=None, train_groups=1, max_trajectory_age=1)
     loop.run(cfg, loop.Trainer)
     m = read_metrics(tmp_path)
-    assert [s["groups_replayed"] for s in m] == [0, 2, 4]
+    assert [s["groups_replayed"] for s in m] == [0, 2, 3]
     assert [s["groups_dropped_stale"] for s in m] == [0, 0, 1]
     assert [s["groups_waiting"] for s in m] == [2, 4, 5]
     assert m[0]["logprob_mismatch"] is not None and m[1]["logprob_mismatch"] is None  # step 1 trains replayed rows
