@@ -83,6 +83,14 @@ class RayTrainer(loop.Trainer):
         self.version += 1
         return metrics
 
+    def gated(self) -> bool:
+        """The loop's gate where both groups run it (`groups.py`: the embedded trainer, our engine and vLLM's), and
+        only with `backend.async_lag` 0: there a step's rollouts are generated in the step, in its mode, and its
+        gen stage times them. With a lag the rollouts a step trains on were submitted steps before, in that step's
+        mode, and the gen stage times only the wait for them, so the gate's prices would be neither the step's
+        mode nor its generation's cost; the run then speculates on every step."""
+        return self.cfg.backend.async_lag == 0 and super().gated()
+
     def refit(self) -> None:
         """Send the trainer's weights when they are newer than the engines'; wait for the engines to load them
         when synchronous (with a lag they load after the generation already queued, or with in-flight updates at

@@ -1,7 +1,8 @@
 """The two worker groups as the RL loop sees them: `TrainerGroup` is a Policy, `GeneratorGroup` a Generator
 (`megatron_spec.interfaces`), less what the Ray driver does its own way: the trainer's weights reach the engines
 through a transport (`transport.py`) instead of `export_weights` / `update_weights`, and the engines wake and
-sleep in their actors. Neither group runs the whole-step gate (`supports_step_gate` False).
+sleep in their actors. Both groups run the whole-step gate where the classes in their actors do: `speculation`
+is forwarded to the trainer's rank 0 and, call by call, to the engines (see `GeneratorGroup.speculation`).
 
 The generator group splits a step's prompts over its engines with every GRPO group whole (one engine sees all of
 a prompt's rollouts), gives engine j the seed offset j * SEED_STRIDE (engine 0 draws exactly what a single engine
@@ -12,6 +13,7 @@ re-issues the dead engine's prompts with the same seeds: the step completes with
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from pathlib import Path
 
 from . import require_ray
@@ -84,7 +86,7 @@ class TrainerGroup:
     """The trainer ranks behind the Policy interface. The driver calls rank 0; a sharded (Megatron) trainer's
     rank 0 announces each call to the other ranks, which follow it (`TrainerRank.follow`)."""
 
-    supports_step_gate = False
+    plain = False  # inside speculation(False)
 
     def __init__(self, cfg, placement: Placement, pg):
         ray = require_ray()
@@ -107,15 +109,40 @@ class TrainerGroup:
             raise RuntimeError(f"trainer rank(s) {late} did not start within backend.init_timeout_s={timeout:g} s")
         self.joined = ray.get(setups)[0]  # a rank that failed to join raises here, naming the missing ranks
 
+    @property
+    def supports_step_gate(self) -> bool:
+        """Rank 0's policy's answer (the embedded trainer's yes; the Megatron policy trains its drafter inside its
+        own schedule and has no plain step), asked once."""
+        if not hasattr(self, "_supports_step_gate"):
+            self._supports_step_gate = self.call("supports_step_gate")
+        return self._supports_step_gate
+
+    @contextmanager
     def speculation(self, enabled: bool):
-        return no_step_gate(self, enabled)
+        """With `enabled` False, rank 0's policy trains inside the block as its own `speculation(False)` does
+        (the drafter left out); refused, as `no_step_gate` refuses it, by a trainer without the gate."""
+        if enabled:
+            yield
+            return
+        if not self.supports_step_gate:
+            with no_step_gate(self, enabled):
+                yield
+            return
+        self.call("speculation", False)
+        self.plain = True
+        try:
+            yield
+        finally:
+            self.plain = False
+            self.call("speculation", True)
 
     @property
     def trains_drafter_online(self) -> bool:
-        """Rank 0's policy's answer (fixed for a group, which never pauses its drafter), asked once."""
+        """Rank 0's policy's answer (asked once: only `speculation` changes it), False inside
+        `speculation(False)`."""
         if not hasattr(self, "_trains_drafter_online"):
             self._trains_drafter_online = self.call("trains_drafter_online")
-        return self._trains_drafter_online
+        return self._trains_drafter_online and not self.plain
 
     def call(self, method: str, *args):
         """`method(*args)` on rank 0. A dead rank raises TrainerDied: rank 0's own death directly; a follower's
@@ -137,8 +164,8 @@ class TrainerGroup:
             raise TrainerDied(f"a trainer rank died during {method} ({type(err).__name__}); the run stops.\n"
                               f"{resume_hint(self.cfg)}") from err
 
-    def train_step(self, batch, drafter_extra=None) -> dict:
-        metrics, old = self.call("train_step", batch, drafter_extra)
+    def train_step(self, batch, drafter_extra=None, drafter_budget_s=None) -> dict:
+        metrics, old = self.call("train_step", batch, drafter_extra, drafter_budget_s)
         batch.old_logprobs = old  # the loop's mismatch metric reads them, as in one process
         return metrics
 
@@ -189,11 +216,11 @@ class Pending:
     params: object
     parts: list
     """(engine index, lo, hi, engine handle, object reference)."""
+    speculate: bool = True
+    """The mode the rollouts are generated in (`GeneratorGroup.speculation` when submitted); a re-issue keeps it."""
 
 
 class GeneratorGroup:
-    supports_step_gate = False
-
     def __init__(self, cfg, placement: Placement, pg):
         self.cfg, self.placement, self.pg = cfg, placement, pg
         self.colocated = placement.kind == "colocated"
@@ -203,9 +230,34 @@ class GeneratorGroup:
         self.sent = -1  # the newest version sent to the engines: a generation submitted after it starts with it
         self.reconnect = None  # set by the collective transport: re-forms its group and resends the weights
         self.restarts = 0
+        self.speculate = True  # the mode of the generations submitted now (`speculation`)
 
+    @property
+    def supports_step_gate(self) -> bool:
+        """Whether the engines' generator runs plain steps (our engine and vLLM's do), asked of engine 0 once."""
+        if not hasattr(self, "_supports_step_gate"):
+            self._supports_step_gate = require_ray().get(self.beside(self.engines[0], "supports_step_gate").remote())
+        return self._supports_step_gate
+
+    @contextmanager
     def speculation(self, enabled: bool):
-        return no_step_gate(self, enabled)
+        """With `enabled` False, the generations submitted inside the block run without speculation.
+
+        The mode is a generation's, fixed when it is submitted (`Pending.speculate`): each engine runs a call
+        inside its generator's own `speculation`, one call at a time, so no engine switches while it generates,
+        and a refit taken in flight continues the call's rollouts in the same mode. A plain step is then a step
+        whose rollouts were all generated plainly: with `backend.async_lag` 0 the step's own submissions (the
+        driver gates only then); with a lag, the rollouts a step trains on carry the mode of the earlier step that
+        submitted them."""
+        if not enabled and not self.supports_step_gate:
+            with no_step_gate(self, enabled):
+                yield
+            return
+        saved, self.speculate = self.speculate, self.speculate and enabled
+        try:
+            yield
+        finally:
+            self.speculate = saved
 
     def sent_weights(self, version: int) -> None:
         """`version` is the newest sent to the engines: a generation submitted from now on waits for it."""
@@ -235,12 +287,12 @@ class GeneratorGroup:
     def submit(self, prompts: list, params, group_size: int) -> Pending:
         parts = []
         for j, (lo, hi) in enumerate(split_groups(len(prompts), group_size, len(self.engines))):
-            parts.append((j, lo, hi, self.engines[j], self._generate(j, prompts[lo:hi], params)))
-        return Pending(prompts, params, parts)
+            parts.append((j, lo, hi, self.engines[j], self._generate(j, prompts[lo:hi], params, self.speculate)))
+        return Pending(prompts, params, parts, self.speculate)
 
-    def _generate(self, j: int, prompts: list, params):
+    def _generate(self, j: int, prompts: list, params, speculate: bool):
         seeded = dataclasses.replace(params, seed=params.seed + j * SEED_STRIDE)
-        return self.engines[j].generate.remote(prompts, seeded, self.colocated, self.sent)
+        return self.engines[j].generate.remote(prompts, seeded, self.colocated, self.sent, speculate)
 
     def collect(self, pending: Pending) -> tuple[list, list[float]]:
         """The rollouts in prompt order (each token's policy version in `Completion.versions`) and each engine's
@@ -256,7 +308,7 @@ class GeneratorGroup:
                     if self.engines[j] is handle:  # not replaced yet by an earlier share's failure
                         self._restart(j)
                     handle = self.engines[j]
-                    ref = self._generate(j, pending.prompts[lo:hi], pending.params)
+                    ref = self._generate(j, pending.prompts[lo:hi], pending.params, pending.speculate)
             outs[lo:hi] = part
             seconds.append(took)
         return outs, seconds

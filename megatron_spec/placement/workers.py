@@ -14,6 +14,7 @@ arrives while a generation runs in the actor's other thread is loaded by that th
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import threading
@@ -70,6 +71,7 @@ class TrainerRank:
         torch.set_num_threads(threads)
         self.cfg, self.rank, self.world = cfg, rank, world
         self.policy = None
+        self.plain: contextlib.ExitStack | None = None  # the policy's `speculation(False)`, while the driver holds it
         self.crash = CrashHook()
 
     def address(self, rendezvous: bool = False) -> tuple[str, int, str]:
@@ -119,12 +121,14 @@ class TrainerRank:
 
         return self.policy.onload() if hasattr(self.policy, "onload") else offload.onload(self.policy)
 
-    def train_step(self, batch, drafter_extra=None):
+    def train_step(self, batch, drafter_extra=None, drafter_budget_s=None):
         """One update (first taking back what an offload released); returns the metrics and the old log-probs the
-        step used (filled in when folded). `drafter_extra`: rows only the drafter learns from (embedded trainer)."""
+        step used (filled in when folded). `drafter_extra`: rows only the drafter learns from; `drafter_budget_s`:
+        the whole-step gate's budget of the drafter's training (embedded trainer; the loop passes them only there)."""
         back = self._onload()
-        extra = () if drafter_extra is None else (drafter_extra,)
-        metrics = self.policy.train_step(batch, *extra)
+        extra = {k: v for k, v in (("drafter_extra", drafter_extra), ("drafter_budget_s", drafter_budget_s))
+                 if v is not None}
+        metrics = self.policy.train_step(batch, **extra)
         if back:
             metrics["memory"] = {**metrics.get("memory", {}), **back}
         self.crash.check("train_step")
@@ -135,6 +139,19 @@ class TrainerRank:
 
     def trains_drafter_online(self) -> bool:
         return self.policy.trains_drafter_online
+
+    def supports_step_gate(self) -> bool:
+        return self.policy.supports_step_gate
+
+    def speculation(self, enabled: bool) -> None:
+        """Enter the policy's `speculation(False)` (the driver's plain step, held across its calls) or, with
+        `enabled`, leave it."""
+        if not enabled and self.plain is None:
+            self.plain = contextlib.ExitStack()
+            self.plain.enter_context(self.policy.speculation(False))
+        elif enabled and self.plain is not None:
+            self.plain, plain = None, self.plain
+            plain.close()
 
     def export(self, bucket_bytes: int) -> tuple[list, int, float]:
         """The policy and drafter weights as object-store buckets: (references, bytes, seconds). Every rank runs the
@@ -302,16 +319,22 @@ class Engine:
     def sleep(self) -> None:
         self.generator.sleep()
 
-    def generate(self, prompts, params, colocated: bool, after: int = -1) -> tuple[list, float]:
+    def supports_step_gate(self) -> bool:
+        return self.generator.supports_step_gate
+
+    def generate(self, prompts, params, colocated: bool, after: int = -1,
+                 speculate: bool = True) -> tuple[list, float]:
         """Rollouts of `prompts`, each token's policy version in `Completion.versions` (filled in with the engine's
         version where the generator does not record it: it takes refits between generate calls only), and the
-        seconds the generation took. `after`: the newest version sent before this call (`wait_for`). A colocated
+        seconds the generation took. `after`: the newest version sent before this call (`wait_for`); `speculate`
+        False: the whole call without speculation (the generator's `speculation`, one mode per call). A colocated
         engine wakes for them and sleeps again after, leaving its devices to the trainer."""
         self.wait_for(after)
         t0, version = time.perf_counter(), self.version
         if colocated:
             self.generator.wake()
-        outs = self.generator.generate(prompts, params)
+        with self.generator.speculation(speculate):
+            outs = self.generator.generate(prompts, params)
         if colocated:
             self.generator.sleep()
         for out in outs:

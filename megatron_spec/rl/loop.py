@@ -323,7 +323,8 @@ class Trainer:
     def gated(self) -> bool:
         """Whether the whole-step gate (`speculative.adaptive.WholeStepGate`) decides each step's mode: an adaptive
         spec with a drafter that trains online (`drafter_train.gate`), on a generator and a trainer that can both
-        run a plain step (`supports_step_gate`: the in-process pair)."""
+        run a plain step (`supports_step_gate`: the embedded trainer with our engine or vLLM, in one process or in Ray
+        actors)."""
         spec, d = self.cfg.spec, self.cfg.drafter_train
         return bool(spec and spec.adaptive and d.gate and d.online and self.generator.supports_step_gate
                     and self.policy.supports_step_gate and self.policy.trains_drafter_online)

@@ -63,11 +63,13 @@ def test_version_metrics():
 
 class Recording(RayTrainer):
     """The driver, keeping each step's rollouts and the trainer's weights at every version (read from trainer rank
-    0 after each update)."""
+    0 after each update, under `key` in its state)."""
+
+    key = "model"
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.recorded, self.weights = [], [self.policy.state_dict()["model"]]
+        self.recorded, self.weights = [], [self.policy.state_dict()[self.key]]
 
     def rollouts(self, step, prompts):
         rollouts = super().rollouts(step, prompts)
@@ -76,7 +78,7 @@ class Recording(RayTrainer):
 
     def step(self, step):
         metrics = super().step(step)
-        self.weights.append(self.policy.state_dict()["model"])  # version self.version
+        self.weights.append(self.policy.state_dict()[self.key])  # version self.version
         return metrics
 
 
