@@ -4,7 +4,9 @@ own stage's weights) to every generator worker.
 
 Members `0 .. senders - 1` send, the rest receive. Each sender has a process group of its own with every receiver
 (the sender its rank 0), so no sender ever receives another sender's bytes; receivers take the senders' refits one
-after another, in sender order. Per sender and refit:
+after another, in sender order. A `paired` group instead gives each sender one receiver, member `senders + s`
+taking sender s's whole stream only (the per-GPU CUDA IPC refit: each sender serves the engine worker on its GPU).
+Per sender and refit:
 
     control          [FRAMED or PACKED, buckets]                       one small all-reduce
     FRAMED:          per bucket [header bytes, payload bytes], the JSON header, the payload; then [END | ABORT]
@@ -25,8 +27,9 @@ by the Ray trainer and engine actors and by the vLLM worker extension (each vLLM
 engine of tensor parallel size N is N receivers. Every member is made by `open_weight_group`, which maps the
 transport's name to the class that carries it (`GROUPS`).
 
-CUDA IPC (`CudaIpcWeightGroup`), for a trainer and an engine that share one GPU (colocated placement), so that a
-bucket need not move: always FRAMED, the body being the CUDA IPC handle of one device buffer
+CUDA IPC (`CudaIpcWeightGroup`), for trainer ranks and engine workers that share GPUs (colocated placement), so
+that a bucket need not move: a paired group, sender s and receiver s on one GPU, always FRAMED, the body being the
+CUDA IPC handle of one device buffer
 
     sender:     cast the bucket into one device buffer -> broadcast [header bytes, handle bytes] -> header -> the
                 buffer's CUDA IPC handle -> wait until every receiver acknowledges -> free the buffer
@@ -104,22 +107,28 @@ class WeightGroup:
     bounds the start-up and each collective."""
 
     def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float, backend: str | None = None,
-                 local_rank: int = 0, senders: int = 1):
+                 local_rank: int = 0, senders: int = 1, paired: bool = False):
         if not 0 < senders <= world or not 0 <= rank < world:
             raise ValueError(f"weight group: member {rank} of {world} with {senders} sender(s): needs 1 <= senders "
                              "<= world and 0 <= rank < world")
-        self.rank, self.world, self.senders = rank, world, senders
+        if paired and world != 2 * senders:
+            raise ValueError(f"weight group: paired, each of the {senders} sender(s) serves one receiver, so the "
+                             f"group has {2 * senders} members, not {world}")
+        self.rank, self.world, self.senders, self.paired = rank, world, senders, paired
         self.backend = backend or collective_backend()
         self.device = collective_device(self.backend, local_rank)
         self.store = rendezvous(host, port, rank, world, timeout_s, "weight-update group")
         self.timeout = timedelta(seconds=timeout_s)
-        receivers = world - senders
+        size = 2 if paired else 1 + world - senders  # a sender and the receivers it serves
         if rank < senders:
-            self.pg = self._group(rank, 0, 1 + receivers)
+            self.pg = self._group(rank, 0, size)
             self.pgs = [self.pg]
+        elif paired:  # receiver senders + s takes sender s's stream only
+            self.pg = None
+            self.pgs = [self._group(rank - senders, 1, size)]
         else:
             self.pg = None
-            self.pgs = [self._group(s, 1 + rank - senders, 1 + receivers) for s in range(senders)]
+            self.pgs = [self._group(s, 1 + rank - senders, size) for s in range(senders)]
         self.layouts: list[list | None] = [None] * len(self.pgs)  # per sender: [(header, bytes)] per bucket
         self._buffers: list[torch.Tensor] = []
 
@@ -339,17 +348,21 @@ differently, e.g. under CUDA_VISIBLE_DEVICES)."""
 
 
 class CudaIpcWeightGroup(WeightGroup):
-    """A member of a weight-update group whose members all sit on one GPU (`WeightGroup`'s `send` / `receive`)."""
+    """A member of a paired weight-update group, each sender and its receiver on one GPU (`WeightGroup`'s `send` /
+    `receive`)."""
 
     packs = False
 
     def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float, backend: str = "cuda_ipc",
-                 local_rank: int = 0, senders: int = 1):
+                 local_rank: int = 0, senders: int = 1, paired: bool = True):
         if backend != "cuda_ipc":
             raise ValueError(f"CudaIpcWeightGroup carries cuda_ipc, not {backend!r}")
+        if not paired:
+            raise ValueError("a CUDA IPC handle opens only on its own GPU: each sender serves the one receiver on "
+                             "its GPU (paired)")
         if not torch.cuda.is_available():
             raise RuntimeError("the cuda_ipc refit transport needs CUDA: trainer and engine sharing one GPU")
-        super().__init__(host, port, rank, world, timeout_s, "gloo", local_rank, senders)
+        super().__init__(host, port, rank, world, timeout_s, "gloo", local_rank, senders, paired=True)
         self.gpu = local_device(local_rank)
         self.backend = "cuda_ipc"
 

@@ -212,15 +212,34 @@ class TrainerRank:
         self.crash.arm(method)
 
 
+class DeviceProbe:
+    """A momentary actor in one bundle: which GPU Ray gives that bundle, and on which node."""
+
+    def device(self) -> tuple[str, str]:
+        import ray
+
+        ids = ray.get_gpu_ids()
+        return str(ids[0]) if ids else "", ray.get_runtime_context().get_node_id()
+
+
+def share_devices(devices: list[str] | None) -> None:
+    """Point this process and the engine workers it starts (vLLM's processes inherit its environment) at
+    `devices`, one GPU per worker in worker order: vLLM's worker of local rank w takes the w-th visible GPU, so it
+    lands on `devices[w]`, the GPU of its bundle. None: Ray's own assignment stands. Before CUDA is initialised."""
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+
+
 class Engine:
     """One generation engine (our engine or vLLM on its default executor, in this actor's process) and the policy
-    version its weights are at."""
+    version its weights are at. `devices`: the GPU of each of its workers (`share_devices`), None: Ray's."""
 
-    def __init__(self, cfg, threads: int, index: int):
+    def __init__(self, cfg, threads: int, index: int, devices: list[str] | None = None):
         import dataclasses
 
         import torch
 
+        share_devices(devices)
         torch.set_num_threads(threads)
         # Files an engine writes under the run directory (vLLM's exported checkpoint) go to a directory of its own.
         run = dataclasses.replace(cfg.run, out_dir=f"{cfg.run.out_dir}/engines/{index}")

@@ -6,6 +6,7 @@ a PACKED refit reaches every receiver as RefitAborted."""
 import multiprocessing as mp
 import pickle
 
+import pytest
 import torch
 
 from megatron_spec.distributed.process_groups import free_port
@@ -23,8 +24,8 @@ def stage(sender: int, refit: int, shape=(3, 4)):
             [(f"s{sender}.c", torch.randn(7, generator=g))]]
 
 
-def _member(rank, port, plan, out):
-    group = WeightGroup("127.0.0.1", port, rank, WORLD, 60, "gloo", senders=SENDERS)
+def _member(rank, port, plan, out, paired=False):
+    group = WeightGroup("127.0.0.1", port, rank, WORLD, 60, "gloo", senders=SENDERS, paired=paired)
     posts = []
     post = group._post
     group._post = lambda t, pg=None: (posts.append(t.numel()), post(t, pg))[1]
@@ -41,16 +42,16 @@ def _member(rank, port, plan, out):
                 results.append(("sent", group.send(stream(), torch.bfloat16), len(posts), len(group.pgs)))
             else:
                 got = [[(n, t.clone()) for n, t in b] for b in group.receive()]
-                results.append(("received", got, group.received, len(posts)))
+                results.append(("received", got, group.received, len(posts), len(group.pgs)))
         except (ValueError, RuntimeError) as err:
             results.append((type(err).__name__, str(err)))
     out.put((rank, pickle.dumps(results)))  # plain bytes: no shared-memory tensors outlive the process
 
 
-def _run(plan):
+def _run(plan, paired=False):
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_member, args=(r, port, plan, out)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_member, args=(r, port, plan, out, paired)) for r in range(WORLD)]
     for p in procs:
         p.start()
     results = {r: pickle.loads(b) for r, b in (out.get(timeout=180) for _ in procs)}
@@ -75,7 +76,7 @@ def test_each_receiver_gets_every_stage_from_its_own_sender_and_headers_only_onc
         for s in range(SENDERS):
             assert results[s][refit] == ("sent", _bytes(stage(s, refit)), buckets_posts, 1)
         for r in (2, 3):
-            status, got, received, posts = results[r][refit]
+            status, got, received, posts, groups = results[r][refit]
             want = stage(0, refit) + stage(1, refit)
             assert status == "received" and len(got) == 6
             assert received == _bytes(want) and posts == SENDERS * buckets_posts
@@ -98,9 +99,30 @@ def test_a_packed_refit_that_fails_or_changes_layout_aborts_every_receiver_and_t
         for refit in (1, 3):
             assert results[r][refit][0] == "RefitAborted" and "sender 1" in results[r][refit][1]
         for refit in (2, 4):
-            status, got, received, posts = results[r][refit]
+            status, got, received, posts, _ = results[r][refit]
             assert status == "received" and received == _bytes(stage(0, refit) + stage(1, refit))
             assert posts == (3 + 1) + (3 * 3 + 1)
     for refit in (2, 4):
         assert results[0][refit] == ("sent", _bytes(stage(0, refit)), 3 + 1, 1)
         assert results[1][refit] == ("sent", _bytes(stage(1, refit)), 3 * 3 + 1, 1)
+
+
+def test_a_paired_group_gives_each_receiver_its_own_senders_stream_only():
+    """Paired (the per-GPU CUDA IPC refit's shape, here on gloo): receiver 2 takes sender 0's stream and receiver 3
+    sender 1's, each whole and exact, each member in one process group of two; two refits, the first FRAMED
+    (3 broadcasts per bucket + end), the second PACKED (1 per bucket + end). A paired group of the wrong size is
+    refused before any rendezvous."""
+    results = _run(["ok", "ok"], paired=True)
+    for refit in range(2):
+        posts = 3 * 3 + 1 if refit == 0 else 3 + 1
+        for s in range(SENDERS):
+            assert results[s][refit] == ("sent", _bytes(stage(s, refit)), posts, 1)
+        for r, s in ((2, 0), (3, 1)):
+            status, got, received, n_posts, groups = results[r][refit]
+            assert (status, received, n_posts, groups) == ("received", _bytes(stage(s, refit)), posts, 1)
+            for sent, recv in zip(stage(s, refit), got, strict=True):
+                assert [n for n, _ in sent] == [n for n, _ in recv]
+                for (_, a), (_, b) in zip(sent, recv):
+                    assert torch.equal(a.to(torch.bfloat16) if a.is_floating_point() else a, b)
+    with pytest.raises(ValueError, match="paired, each of the 2 sender"):
+        WeightGroup("127.0.0.1", free_port(), 0, 3, 5, "gloo", senders=2, paired=True)

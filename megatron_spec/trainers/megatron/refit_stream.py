@@ -21,7 +21,10 @@ the model's groups must drain the generator.
 The refit into engines does not need every stage's weights on one rank: `send_stages` has each pipeline stage
 gather only its own buckets (`stage_buckets`: the same gathers, no broadcast between stages) and its first rank
 send them into the weight-update group as that stage's sender (`join_stage_sender`), so no rank receives another
-stage's weights and the stages send at once, each its own share.
+stage's weights and the stages send at once, each its own share. The exception is the per-GPU CUDA IPC refit
+(`per_gpu`): an engine worker loads whole HF tensors of every stage, and an IPC handle opens only on its own GPU,
+so every rank that shares a GPU with an engine worker walks the whole model (`refit_buckets`, the stages'
+buckets reaching it over the trainer's own group) and hands it to that worker.
 """
 
 from __future__ import annotations
@@ -38,17 +41,20 @@ from .importer import chunks_of
 from .parallel import ranks
 
 
-def refit_buckets(model, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
+def refit_buckets(model, bucket_bytes: int, dtype: torch.dtype | None = None,
+                  received: list[int] | None = None) -> Iterator[list[tuple[str, Tensor]]]:
     """Lists of `(hf_name, full tensor)` of at most `bucket_bytes` (in `dtype`; a larger tensor goes alone), every
     floating tensor in `dtype` (None: the parameters' own); `model` may be a list of virtual-pipeline chunks, walked
-    chunk by chunk. Every rank yields the same buckets. Collective."""
+    chunk by chunk. Every rank yields the same buckets (the whole model). `received[0]` counts the bytes this rank
+    received: its stage's gathers less its own shards, and the other stages' buckets. Collective."""
     if bucket_bytes <= 0:
         raise ValueError(f"refit bucket size must be positive, got {bucket_bytes}")
     for chunk in chunks_of(model):
-        yield from _chunk_refit(chunk, bucket_bytes, dtype)
+        yield from _chunk_refit(chunk, bucket_bytes, dtype, received)
 
 
-def _chunk_refit(model, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[list[tuple[str, Tensor]]]:
+def _chunk_refit(model, bucket_bytes: int, dtype: torch.dtype | None,
+                 received: list[int] | None) -> Iterator[list[tuple[str, Tensor]]]:
     r = ranks()
     entries = [_in_dtype(e, dtype) for e in _entries(model, r)]
     cfg, pool = model.hf_config, _Pool()
@@ -56,7 +62,7 @@ def _chunk_refit(model, bucket_bytes: int, dtype: torch.dtype | None) -> Iterato
         src = dist.get_global_rank(r.pp_group, stage) if r.pp > 1 else None
         if r.pp_rank == stage:
             for bucket in _buckets(entries, bucket_bytes):
-                items = _gather([_cast(e, dtype) for e in bucket], cfg, r, pool)
+                items = _gather(_counted(bucket, dtype, received), cfg, r, pool)
                 if r.pp > 1:
                     _broadcast(items, src, r.pp_group, model, pool)
                 yield items
@@ -65,8 +71,19 @@ def _chunk_refit(model, bucket_bytes: int, dtype: torch.dtype | None) -> Iterato
                 _broadcast(None, src, r.pp_group, model, pool)
         else:
             while (items := _broadcast(None, src, r.pp_group, model, pool, receive=True)) is not None:
+                if received is not None:
+                    received[0] += sum(t.numel() * t.element_size() for _, t in items)
                 yield items
                 items = None
+
+
+def _counted(bucket: list, dtype: torch.dtype | None, received: list[int] | None) -> list:
+    """The bucket's entries with this rank's shards cast to `dtype`; `received[0]` grows by what the gathers
+    bring this rank: each gathered tensor's bytes less its own shard's."""
+    cast = [_cast(e, dtype) for e in bucket]
+    if received is not None:
+        received[0] += sum(e.out_bytes - c.param.numel() * c.param.element_size() for e, c in zip(bucket, cast))
+    return cast
 
 
 def _casts(param: Tensor, dtype: torch.dtype | None) -> bool:
@@ -102,12 +119,15 @@ def stage_buckets(model, bucket_bytes: int, dtype: torch.dtype | None = None,
     entries = [_in_dtype(e, dtype) for chunk in chunks for e in _entries(chunk, r)]
     cfg, pool = chunks[0].hf_config, _Pool()
     for bucket in _buckets(entries, bucket_bytes):
-        cast = [_cast(e, dtype) for e in bucket]
-        if received is not None:
-            received[0] += sum(e.out_bytes - c.param.numel() * c.param.element_size() for e, c in zip(bucket, cast))
-        items = _gather(cast, cfg, r, pool)
+        items = _gather(_counted(bucket, dtype, received), cfg, r, pool)
         yield items
         items = None
+
+
+def per_gpu(backend: str) -> bool:
+    """Whether a refit over `backend` is sent per GPU (every sender the whole model, to the engine worker on its
+    GPU: `cuda_ipc`) rather than per pipeline stage (each stage's sender its own stage's weights, to every worker)."""
+    return backend == "cuda_ipc"
 
 
 def stage_senders() -> list[int]:
@@ -120,9 +140,19 @@ def stage_senders() -> list[int]:
 
 def join_stage_sender(host: str, port: int, world: int, timeout_s: float, backend: str, senders: int):
     """Every trainer rank: a stage's sender joins the weight-update group as member `pp_rank` (stage 0's, global
-    rank 0, hosts the rendezvous at `host:port`); returns its group, None on the other ranks. Collective."""
+    rank 0, hosts the rendezvous at `host:port`); returns its group, None on the other ranks. With `cuda_ipc`
+    (`per_gpu`) the senders are instead global ranks 0 .. senders - 1, rank u serving the engine worker on its GPU.
+    Collective."""
     from ...distributed.weight_group import open_weight_group
 
+    local = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    if per_gpu(backend):
+        if senders > dist.get_world_size():
+            raise RuntimeError(f"weight group ({backend}): {senders} engine workers, {dist.get_world_size()} trainer "
+                               "ranks: each engine worker needs the trainer rank on its GPU")
+        me = dist.get_rank()
+        return open_weight_group(host, port, me, world, timeout_s, backend, local_rank=local,
+                                 senders=senders) if me < senders else None
     by_stage = stage_senders()
     if len(by_stage) != senders or by_stage[0] != 0:
         raise RuntimeError(f"weight group: {senders} sender(s) expected, the trainer has stages sent by ranks "
@@ -130,7 +160,6 @@ def join_stage_sender(host: str, port: int, world: int, timeout_s: float, backen
     me = dist.get_rank()
     if me not in by_stage:
         return None
-    local = torch.cuda.current_device() if torch.cuda.is_available() else 0
     return open_weight_group(host, port, by_stage.index(me), world, timeout_s, backend, local_rank=local,
                              senders=senders)
 
