@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .exporter import _broadcast, _buckets, _entries, _gather, _Pool
+from .exporter import _all_gather, _broadcast, _buckets, _entries, _gather, _layout, _pack, _Pool, _unpack
 from .importer import chunks_of
+from .mapping import from_megatron, global_expert, unshard
 from .parallel import ranks
 
 
@@ -108,20 +109,85 @@ def _cast(entry, dtype: torch.dtype | None):
 
 def stage_buckets(model, bucket_bytes: int, dtype: torch.dtype | None = None,
                   received: list[int] | None = None) -> Iterator[list[tuple[str, Tensor]]]:
-    """This rank's pipeline stage's buckets only, as `refit_buckets` gathers them (every rank of the stage yields
-    them; no stage sees another's). `received[0]` counts the bytes this rank received while gathering: a
-    gathered tensor's bytes less this rank's own shard's. `model` may be a list of virtual-pipeline chunks.
-    Collective over the stage's TP and expert groups."""
+    """This rank's pipeline stage's buckets only (no stage sees another's), whole on the stage's sender
+    (`stage_senders`); the other ranks of the stage yield the same dense tensors but no experts: every EP rank
+    sends its whole experts (gathered over ETP) to the sender only, and ranks outside the sender's expert group
+    take no part in the expert gathers, so no rank receives experts it does not send. `received[0]` counts the
+    bytes this rank received while gathering. `model` may be a list of virtual-pipeline chunks. The call finds
+    the senders at once (collective over every rank: before a sender blocks in its weight group); the stream is
+    collective over the stage's TP and expert groups."""
     if bucket_bytes <= 0:
         raise ValueError(f"refit bucket size must be positive, got {bucket_bytes}")
     r = ranks()
+    sender = stage_senders()[r.pp_rank]
+    members = dist.get_process_group_ranks(r.ep_group) if r.ep > 1 else []
+    to = members.index(sender) if sender in members else None  # the sender's rank in this rank's EP group
+    return _stage_stream(model, bucket_bytes, dtype, received, r, to)
+
+
+def _stage_stream(model, bucket_bytes: int, dtype: torch.dtype | None, received: list[int] | None, r,
+                  to: int | None) -> Iterator[list[tuple[str, Tensor]]]:
     chunks = chunks_of(model)
     entries = [_in_dtype(e, dtype) for chunk in chunks for e in _entries(chunk, r)]
     cfg, pool = chunks[0].hf_config, _Pool()
     for bucket in _buckets(entries, bucket_bytes):
-        items = _gather(_counted(bucket, dtype, received), cfg, r, pool)
+        if r.ep == 1:
+            items = _gather(_counted(bucket, dtype, received), cfg, r, pool)
+        else:
+            items = _gather_for_sender(bucket, dtype, cfg, r, pool, to, received)
         yield items
         items = None
+
+
+def _gather_for_sender(bucket: list, dtype: torch.dtype | None, cfg, r, pool, to: int | None,
+                       received: list[int] | None) -> list[tuple[str, Tensor]]:
+    """One bucket of a stage with expert parallelism: dense tensors gathered over TP as the export does; experts
+    made whole over ETP, then gathered over EP to group rank `to` (the stage's sender) alone, skipped where `to`
+    is None (this rank's EP group does not hold the sender). Only rank `to` gets the bucket's experts."""
+    dense = [e for e in bucket if not e.spec.is_expert]
+    experts = [e for e in bucket if e.spec.is_expert]
+    items = _gather(_counted(dense, dtype, received), cfg, r, pool)
+    if not experts or to is None:
+        return items
+    cast = [_cast(e, dtype) for e in experts]
+    split = [c for c in cast if r.etp > 1]
+    whole = {c.name: unshard(c.spec, s) for c, s in zip(split, _all_gather([c.param for c in split], r.etp_group,
+                                                                           r.etp, pool))}
+    tensors = [whole.get(c.name, c.param.detach()) for c in cast]
+    per_rank = _gather_to(tensors, r.ep_group, r.ep, to)
+    if received is not None:
+        received[0] += sum(c.param.numel() * c.param.element_size() * (r.etp - 1) for c in split)
+        if per_rank is not None:
+            received[0] += sum(t.numel() * t.element_size() * (r.ep - 1) for t in tensors)
+    if per_rank is None:
+        return items
+    for c, by_rank in zip(cast, per_rank):
+        for ep_rank, t in enumerate(by_rank):
+            g = global_expert(c.spec.local_expert, ep_rank, cfg.num_experts, r.ep)
+            items += zip(c.spec.names(g), from_megatron(c.spec, t, cfg, r.etp))
+    return items
+
+
+def _gather_to(tensors: list[Tensor], group, size: int, to: int) -> list[list[Tensor]] | None:
+    """For each tensor, the same-shaped tensors of all `size` ranks of `group` in group-rank order, on group rank
+    `to` only (point to point: no other rank receives anything); None on the others. Received data lands in
+    fresh buffers (the HF tensors view them)."""
+    device, like = tensors[0].device, [(t.shape, t.dtype) for t in tensors]
+    offsets, total = _layout(like)
+    me = dist.get_rank(group)
+    if me != to:
+        dist.send(_pack(tensors, torch.empty(total, dtype=torch.uint8, device=device), offsets),
+                  dst=dist.get_global_rank(group, to), group=group)
+        return None
+    by_rank = []
+    for q in range(size):
+        if q == me:
+            by_rank.append(tensors)
+            continue
+        buf = torch.empty(total, dtype=torch.uint8, device=device)
+        dist.recv(buf, src=dist.get_global_rank(group, q), group=group)
+        by_rank.append(_unpack(buf, offsets, like))
+    return [[by_rank[q][i] for q in range(size)] for i in range(len(tensors))]
 
 
 def per_gpu(backend: str) -> bool:
