@@ -14,8 +14,12 @@ Per sender and refit:
 
 The header lists each tensor's name, dtype, shape and byte offset; the payload is the bucket's tensors, cast to
 the dtype the engines serve, packed end to end (offsets aligned to 16 bytes, so every view is aligned). A model's
-layout does not change between refits, so the first refit of a group is FRAMED and both sides keep its headers:
-every later one is PACKED (metadata once per group, then none), with no per-bucket size, header or host sync. The
+layout rarely changes between refits, so the first refit of a group is FRAMED and both sides keep its headers:
+every later one is PACKED (metadata once, then none), with no per-bucket size, header or host sync, until the
+sender's `key` (what its caller says determines the tensor set: names, drafter, bucket size, dtype) changes; that
+refit is FRAMED again, its headers replacing the old on both sides (a drafter added or removed, a new layout). A
+receiver cannot tell a payload from another without its header, so the change must be known before the refit
+opens: a PACKED refit whose buckets turn out to differ from the layout aborts (below) instead of loading them. The
 sender packs bucket n + 1 into one of two payload buffers while bucket n's broadcast (asynchronous) is in flight;
 receivers post bucket n + 1's receive before handing bucket n to the loader, each into a fresh buffer (vLLM's
 layer-wise reload keeps the views it is given until a layer is complete). A sender that fails mid-stream still
@@ -179,15 +183,23 @@ class WeightGroup:
 
     # -- sending ------------------------------------------------------------------------------------------------
 
-    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None = None) -> int:
+    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None = None,
+             key=None) -> int:
         """A sender: stream `buckets` to every receiver, floating tensors cast to `dtype` (None: as they are);
-        returns the tensors' bytes sent (in the sent dtype). The sender holds the bucket it is given plus two payloads;
-        `wait_s` is then how long it waited for the receivers to arrive."""
+        returns the tensors' bytes sent (in the sent dtype). `key`: a comparable description of the tensor set the
+        buckets hold, given before they are made; a key other than the last refit's sends the headers again
+        (FRAMED). The sender holds the bucket it is given plus two payloads; `wait_s` is then how long it waited
+        for the receivers to arrive."""
         if not self.is_sender:
             raise RuntimeError(f"weight group: member {self.rank} receives (members 0..{self.senders - 1} send)")
-        if self.layouts[0] is None or not self.packs:
-            return self._send_framed(buckets, dtype)
+        if self.layouts[0] is None or not self.packs or key != self.key:
+            total = self._send_framed(buckets, dtype)
+            self.key = key
+            return total
         return self._send_packed(buckets, dtype)
+
+    key = None
+    """The tensor-set key of the layout the receivers hold (`send`)."""
 
     packs = True
     """Whether refits after the first travel PACKED (CUDA IPC sends a handle per bucket instead)."""
@@ -256,8 +268,9 @@ class WeightGroup:
             for bucket in buckets:
                 header, n = layout_of(bucket, dtype)
                 if sent >= len(layout) or [header, n] != list(layout[sent]):
-                    raise RuntimeError(f"weight group: bucket {sent} of this refit differs from the layout the first "
-                                       "refit sent (the exported tensors, bucket size or dtype changed)")
+                    raise RuntimeError(f"weight group: bucket {sent} of this refit differs from the layout the last "
+                                       "framed refit sent (the exported tensors, bucket size or dtype changed while "
+                                       "the sender's key stayed the same)")
                 post(sent, bucket)
                 total, sent = total + tensor_bytes(header), sent + 1
                 del bucket

@@ -179,7 +179,8 @@ class TrainerRank:
         """Stream the policy and drafter to the weight-update group in packed `bucket_bytes` buckets, floating
         tensors in `dtype` (the engines' served dtype): (bytes of all senders, seconds, `transport.SendInfo`). A
         sharded trainer sends from one rank per pipeline stage (`MegatronPolicy.send_weights`); a whole one from
-        here, its stream re-bucketed to `bucket_bytes`."""
+        here, its stream re-bucketed to `bucket_bytes`. A refit whose tensor set differs from the last one's (the
+        policy's `refit_key`, the bucket size or the dtype) sends its headers again."""
         from ..refit import buckets
         from ..distributed.weight_group import dtype_of
         from .transport import SendInfo
@@ -191,8 +192,9 @@ class TrainerRank:
                             max(sent["wait_s"]))
             nbytes = sum(sent["sender_bytes"])
         else:
+            key = (bucket_bytes, dtype, self.policy.refit_key() if hasattr(self.policy, "refit_key") else None)
             nbytes = self.weights.send(buckets(self._exported(bucket_bytes, dtype), bucket_bytes),
-                                       dtype_of(dtype) if dtype else None)
+                                       dtype_of(dtype) if dtype else None, key)
             info = SendInfo(1, nbytes, 0, self.weights.wait_s)
         self.crash.check("send_weights")
         return nbytes, time.perf_counter() - t0, info

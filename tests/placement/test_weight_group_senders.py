@@ -1,7 +1,9 @@
 """The weight-update group with two senders (one per pipeline stage) and two receivers, on gloo in spawned
 processes: every receiver gets each sender's buckets exactly, sender after sender; a sender is in no group but its
-own; the first refit carries the headers and every later one only the payloads; a failure or a changed layout in
-a PACKED refit reaches every receiver as RefitAborted."""
+own; the first refit carries the headers and every later one only the payloads, until a sender's tensor set
+changes (its key says so) and that sender resends its headers once; a failure, or a layout changed behind an
+unchanged key, in a PACKED refit reaches every receiver as RefitAborted; a paired group serves one receiver per
+sender."""
 
 import multiprocessing as mp
 import pickle
@@ -24,6 +26,11 @@ def stage(sender: int, refit: int, shape=(3, 4)):
             [(f"s{sender}.c", torch.randn(7, generator=g))]]
 
 
+def drafter(refit: int):
+    """A bucket that joins sender 1's tensor set (a drafter added between refits)."""
+    return [("drafter.fc", torch.full((2, 3), float(refit))), ("drafter.norm", torch.arange(4.0) + refit)]
+
+
 def _member(rank, port, plan, out, paired=False):
     group = WeightGroup("127.0.0.1", port, rank, WORLD, 60, "gloo", senders=SENDERS, paired=paired)
     posts = []
@@ -39,7 +46,10 @@ def _member(rank, port, plan, out, paired=False):
                         if what == "fail" and rank == 1 and i == 1:
                             raise ValueError("export failed")
                         yield b
-                results.append(("sent", group.send(stream(), torch.bfloat16), len(posts), len(group.pgs)))
+                    if what == "grow" and rank == 1:  # a drafter joins sender 1's set
+                        yield drafter(refit)
+                key = "with drafter" if what == "grow" and rank == 1 else None
+                results.append(("sent", group.send(stream(), torch.bfloat16, key), len(posts), len(group.pgs)))
             else:
                 got = [[(n, t.clone()) for n, t in b] for b in group.receive()]
                 results.append(("received", got, group.received, len(posts), len(group.pgs)))
@@ -126,3 +136,25 @@ def test_a_paired_group_gives_each_receiver_its_own_senders_stream_only():
                     assert torch.equal(a.to(torch.bfloat16) if a.is_floating_point() else a, b)
     with pytest.raises(ValueError, match="paired, each of the 2 sender"):
         WeightGroup("127.0.0.1", free_port(), 0, 3, 5, "gloo", senders=2, paired=True)
+
+
+def test_a_tensor_set_that_changes_between_refits_resends_its_headers_once():
+    """Refit 0 sends both stages' sets; from refit 1 on, sender 1's set gains a drafter bucket and its key says so:
+    refit 1 is FRAMED again for sender 1 (headers resent, 3 broadcasts per bucket) while sender 0 stays PACKED,
+    and every receiver takes the new set whole, drafter included, with no abort; refit 2, the same set again,
+    is PACKED for both (the new headers kept)."""
+    results = _run(["ok", "grow", "grow"])
+    assert results[0][1] == ("sent", _bytes(stage(0, 1)), 3 + 1, 1)
+    assert results[1][1] == ("sent", _bytes(stage(1, 1) + [drafter(1)]), 4 * 3 + 1, 1)
+    for s in range(SENDERS):
+        want = stage(s, 2) + ([drafter(2)] if s == 1 else [])
+        assert results[s][2] == ("sent", _bytes(want), len(want) + 1, 1)
+    for r in (2, 3):
+        for refit, posts in ((1, (3 + 1) + (4 * 3 + 1)), (2, (3 + 1) + (4 + 1))):
+            status, got, received, n_posts, _ = results[r][refit]
+            want = stage(0, refit) + stage(1, refit) + [drafter(refit)]
+            assert (status, received, n_posts) == ("received", _bytes(want), posts)
+            for sent, recv in zip(want, got, strict=True):
+                assert [n for n, _ in sent] == [n for n, _ in recv]
+                for (_, a), (_, b) in zip(sent, recv):
+                    assert torch.equal(a.to(torch.bfloat16) if a.is_floating_point() else a, b)

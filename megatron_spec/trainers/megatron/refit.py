@@ -55,4 +55,12 @@ class RefitSource:
             self.eagle3.share()  # receivers, and they the other stages' senders
         named = self._for_engines((item for bucket in stream for item in bucket), eagle3=group is not None and
                                   (whole or group.rank == 0), shared=True)
-        return send_stages(group, named, received, bucket_bytes, cast)
+        return send_stages(group, named, received, bucket_bytes, cast, (bucket_bytes, dtype, whole, self.refit_key()))
+
+    def refit_key(self) -> tuple:
+        """The exported tensor set (`refit.tensor_set_key`): this rank's model chunks (MTP layers in them), whether
+        they go to the engines as a drafter, and the EAGLE-3 head's module."""
+        from ...refit import tensor_set_key
+
+        head = getattr(self.eagle3, "head", None) if self.eagle3 else None
+        return (self.has_drafter, bool(self.eagle3), tensor_set_key(*self.chunks, head))

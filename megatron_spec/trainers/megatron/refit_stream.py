@@ -231,15 +231,16 @@ def join_stage_sender(host: str, port: int, world: int, timeout_s: float, backen
 
 
 def send_stages(group, stream: Iterator[tuple[str, Tensor]], received: list[int], bucket_bytes: int,
-                dtype: torch.dtype | None) -> dict:
+                dtype: torch.dtype | None, key=None) -> dict:
     """Drain `stream` (this rank's stage's tensors, named for the engines) into `group` in `bucket_bytes` buckets
-    (None on a rank that does not send, which still takes part in its stage's gathers); then every rank's
+    (None on a rank that does not send, which still takes part in its stage's gathers), `key` the tensor set's
+    (a new one resends the headers, `WeightGroup.send`); then every rank's
     figures, on every rank: the senders' bytes and waits, and what each rank received while gathering
     (`received[0]`). Collective."""
     from ...refit import buckets
 
     if group is not None:
-        sent = group.send(buckets(stream, bucket_bytes), dtype)
+        sent = group.send(buckets(stream, bucket_bytes), dtype, key)
         wait = group.wait_s
     else:
         for _ in stream:
