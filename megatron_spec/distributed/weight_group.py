@@ -426,10 +426,14 @@ GROUPS = {"gloo": WeightGroup, "nccl": WeightGroup, "cuda_ipc": CudaIpcWeightGro
 
 
 def open_weight_group(host: str, port: int, rank: int, world: int, timeout_s: float, backend: str | None = None,
-                      local_rank: int = 0, senders: int = 1):
+                      local_rank: int = 0, senders: int = 1, paired: bool | None = None):
     """Join a weight-update group as member `rank` of `world` (the first `senders` send) over `backend` (one of
-    GROUPS; None: nccl where there is a GPU, else gloo). Every member of one group must name the same backend."""
+    GROUPS; None: nccl where there is a GPU, else gloo), `paired` or not (None: as the transport requires, paired
+    for CUDA IPC only). Every member of one group must name the same backend and pairing."""
     backend = backend or collective_backend()
     if backend not in GROUPS:
         raise ValueError(f"weight group: unknown transport {backend!r} (one of {', '.join(GROUPS)})")
-    return GROUPS[backend](host, port, rank, world, timeout_s, backend, local_rank=local_rank, senders=senders)
+    if paired is None:
+        paired = backend == "cuda_ipc"
+    return GROUPS[backend](host, port, rank, world, timeout_s, backend, local_rank=local_rank, senders=senders,
+                           paired=paired)

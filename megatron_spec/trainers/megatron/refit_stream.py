@@ -204,21 +204,22 @@ def stage_senders() -> list[int]:
     return [stages.index(s) for s in range(max(stages) + 1)]
 
 
-def join_stage_sender(host: str, port: int, world: int, timeout_s: float, backend: str, senders: int):
+def join_stage_sender(host: str, port: int, world: int, timeout_s: float, backend: str, senders: int,
+                      paired: bool | None = None):
     """Every trainer rank: a stage's sender joins the weight-update group as member `pp_rank` (stage 0's, global
-    rank 0, hosts the rendezvous at `host:port`); returns its group, None on the other ranks. With `cuda_ipc`
-    (`per_gpu`) the senders are instead global ranks 0 .. senders - 1, rank u serving the engine worker on its GPU.
-    Collective."""
+    rank 0, hosts the rendezvous at `host:port`); returns its group, None on the other ranks. `paired` (None:
+    `per_gpu(backend)`): the senders are instead global ranks 0 .. senders - 1 of a paired group, rank u serving
+    receiver u, the engine worker on its GPU. Collective."""
     from ...distributed.weight_group import open_weight_group
 
     local = torch.cuda.current_device() if torch.cuda.is_available() else 0
-    if per_gpu(backend):
+    if per_gpu(backend) if paired is None else paired:
         if senders > dist.get_world_size():
             raise RuntimeError(f"weight group ({backend}): {senders} engine workers, {dist.get_world_size()} trainer "
                                "ranks: each engine worker needs the trainer rank on its GPU")
         me = dist.get_rank()
-        return open_weight_group(host, port, me, world, timeout_s, backend, local_rank=local,
-                                 senders=senders) if me < senders else None
+        return open_weight_group(host, port, me, world, timeout_s, backend, local_rank=local, senders=senders,
+                                 paired=True) if me < senders else None
     by_stage = stage_senders()
     if len(by_stage) != senders or by_stage[0] != 0:
         raise RuntimeError(f"weight group: {senders} sender(s) expected, the trainer has stages sent by ranks "

@@ -1,7 +1,8 @@
 """A sender per pipeline stage (`refit_stream.send_stages`), Megatron PP2 x EP2 on 4 gloo ranks and one receiver:
 the receiver gets bit for bit the whole model in the engines' bf16 (the export every rank used to gather, cast),
 each stage's first rank sends exactly its own stage's tensors and receives only the other EP rank's experts while
-gathering, and the stage's other ranks receive nothing (nothing from the other stage either)."""
+gathering, and the stage's other ranks receive nothing (nothing from the other stage either). The per-GPU refit
+(CUDA IPC's paired group, run here on gloo): every rank sends the whole model to its own receiver."""
 
 from __future__ import annotations
 
@@ -69,3 +70,32 @@ def test_the_per_gpu_stream_brings_every_rank_the_whole_model_and_counts_what_it
         other = _bytes(whole[n] for n in by_stage[1 - r["pp_rank"]])
         assert r["walked"] == _bytes(whole.values())
         assert r["whole_received"] == other + r["others_experts"]
+
+
+@pytest.fixture(scope="module")
+def paired():
+    from megatron_spec.trainers.megatron.parallel import spawn
+
+    from .stage_refit_workers import run_paired
+
+    return spawn(run_paired, 4)
+
+
+def test_per_gpu_every_rank_sends_the_whole_model_to_its_own_receiver(paired, runs):
+    """The per-GPU refit (CUDA IPC's paired group, here on gloo): each of the 4 ranks is a sender of a pair, and
+    its receiver gets the whole bf16 model bitwise in both refits (FRAMED, then PACKED), from its sender only;
+    every sender sends the whole model's bytes, and each rank received the other stage's tensors and its own
+    stage's other EP rank's experts while walking it."""
+    whole_bytes = _bytes(paired[0]["whole"].values())
+    by_stage = {r["pp_rank"]: r["own"] for r in runs if r["sender"]}
+    for rank, r in enumerate(paired):
+        assert "error" not in r, r.get("error")
+        assert r["paired"] and r["groups"] == 1 and r["received"] == whole_bytes
+        for got in r["got"]:
+            assert sorted(got) == sorted(r["whole"])
+            assert all(torch.equal(got[n], r["whole"][n]) for n in r["whole"])
+        for stats in r["stats"]:
+            assert stats["sender_bytes"] == [whole_bytes] * 4
+            for q, received in enumerate(stats["received_bytes"]):
+                other = _bytes(r["whole"][n] for n in by_stage[1 - runs[q]["pp_rank"]])
+                assert received == other + runs[q]["others_experts"]
