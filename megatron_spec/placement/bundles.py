@@ -7,9 +7,9 @@ worker's bundle and its t workers (vLLM's processes) are pointed at the GPUs of 
 (`Placement.engine_bundles`, `groups.engine_devices`), so each worker shares its GPU with one trainer rank. On CPUs
 an engine's t units are one bundle, so its workers sit on one node. `disaggregated`: the trainer ranks and the
 engines get bundles of their own (an engine's t units tied in one), and weights are broadcast to the engines after
-each update. A bundle is one GPU where the cluster has GPUs; on a CPU
-cluster it is an equal share of the cluster's CPUs (Ray's CPU counts are for scheduling; the actors pin their torch
-threads to their share). Pure: `plan` is checked before any actor starts, and tested without Ray.
+each update. A bundle is one GPU where the cluster has GPUs; on a CPU cluster it is an equal share of the
+cluster's CPUs (Ray's CPU counts are for scheduling; the actors pin their torch threads to their share). Pure:
+`plan` is checked before any actor starts, and tested without Ray.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ class Placement:
     bundle: dict
     """Resources of one device unit, e.g. {"CPU": 1.0} or {"CPU": 4.0, "GPU": 1.0}."""
     engine_tp: int = 1
-    """Device units of one engine (vLLM tensor parallel size): they are one bundle, so they sit on one node."""
+    """Device units of one engine (vLLM tensor parallel size): one bundle, so they sit on one node; colocated on
+    GPUs one bundle each, checked to lie on one node when the engine starts (`groups.engine_devices`)."""
 
     @property
     def per_gpu(self) -> bool:
