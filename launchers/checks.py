@@ -136,7 +136,8 @@ def layout_fit_problems(cfg: RLConfig, layout: dict) -> list[str]:
     """The plan's layout (`Scale.layout`: the split the job will use on the allocation asked for, its engines and
     placement) as one `Layout`, checked by `Layout.problems`: the split fits the model and the trainer's GPUs, with
     sequence parallelism where Megatron-Core needs it and none where it cannot run, the engines fit the model and,
-    colocated on GPUs, are one GPU each (the Ray placement's rule); and the engines fit the allocation."""
+    colocated on GPUs, by the Ray placement's rule (`colocation_problems`; an engine's TP against the GPUs of
+    a node is `plan_problems`' to check); and the engines fit the allocation."""
     world, meg = layout["gpus"], layout["megatron"]
     engines, engine_tp = layout["vllm"]["engines"], layout["vllm"]["tensor_parallel_size"]
     colocated = layout["ray"]["placement"] == "colocated"

@@ -22,7 +22,7 @@ context parallelism (CP > 1) yet (virtual pipeline stages over PP = 1 interleave
 The config, the recipes, the launch checks, the backend and the tuner all refuse or skip such a layout through it,
 before anything is loaded; the simulator may still predict one when asked directly.
 `sequence_parallel_problems` (MoE under TP needs sequence parallelism, CPUs cannot run it) and
-`colocation_problems` (colocated engines of one GPU each) are the other rules found only after the allocation starts.
+`colocation_problems` (a colocated engine's GPUs on one node) are the other rules found only after the allocation starts.
 
 `Layout` is the one description of a run's parallel layout, used by the config (`backend.megatron`), the recipes,
 the simulator and the tuner: the trainer's degrees and, where the run has engines, one engine's split, their
@@ -108,7 +108,7 @@ class Layout:
         """Every reason this layout cannot run (empty when it can), the one check every caller asks: the trainer's
         split of model `m` (None: skipped) as Megatron-Core takes it, its grids on `world` trainer devices (None:
         skipped), and the engine's split as vLLM takes it; with `runnable`, also what this project does not run
-        (`support_problems`, sequence parallelism, colocated multi-GPU engines; `on_gpus` False: CPU devices).
+        (`support_problems`, sequence parallelism, colocated engines across nodes; `on_gpus` False: CPU devices).
         `who` prefixes the trainer's sizes; the engine's are prefixed "generation"."""
         p = f"{who} " if who else ""
         problems = []
@@ -313,16 +313,19 @@ def engine_problems(m: ModelConfig | None, engine: Layout, who: str = "generatio
     return problems
 
 
-def colocation_problems(colocated: bool, engine_tp: int, *, on_gpus: bool = True, who: str = "") -> list[str]:
-    """Every way a placement's engines cannot share devices with the trainer: colocated on GPUs, each trainer rank
-    and engine share one one-GPU Ray bundle, so an engine of vLLM tensor parallel > 1 (a multi-GPU bundle group)
-    cannot be split GPU by GPU between the trainer's and the engine's actors. CPU bundles have no such limit. The
-    Ray placement (`placement/bundles.py`), the launch checks and the tuner all ask this."""
+def colocation_problems(colocated: bool, engine_tp: int, *, on_gpus: bool = True, gpus_per_node: int | None = None,
+                        who: str = "") -> list[str]:
+    """Every way a placement's engines cannot share devices with the trainer. Colocated on GPUs, each GPU is a Ray
+    bundle shared by one trainer rank and one engine worker (`placement/bundles.py`), so engines of any vLLM
+    tensor parallel size run; but one engine's workers are processes of one actor, so its GPUs must lie on one
+    node: tensor_parallel_size must divide the GPUs of a node (`gpus_per_node`, None: not checked). CPU bundles
+    tie an engine's units in one bundle and have no such limit. The Ray placement, the launch checks and the tuner
+    all ask this."""
     p = f"{who} " if who else ""
-    if colocated and on_gpus and engine_tp > 1:
-        return [f"{p}colocated placement of vLLM engines with tensor_parallel_size={engine_tp} on GPUs is not "
-                "supported: a trainer rank and an engine cannot split a multi-GPU Ray bundle GPU by GPU; use "
-                "backend.placement=disaggregated, or tensor_parallel_size=1"]
+    if colocated and on_gpus and gpus_per_node and gpus_per_node % engine_tp:
+        return [f"{p}colocated vLLM engines with tensor_parallel_size={engine_tp} on nodes of {gpus_per_node} GPUs: "
+                "an engine's workers must share one node, so tensor_parallel_size must divide the GPUs per node; "
+                "use a tensor_parallel_size that does, or backend.placement=disaggregated"]
     return []
 
 

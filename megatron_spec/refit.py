@@ -28,6 +28,15 @@ def named_weights(model: nn.Module, drafter: nn.Module | None = None) -> Iterato
             yield DRAFTER_PREFIX + name, t
 
 
+def tensor_set_key(*modules: nn.Module | None) -> tuple:
+    """What decides the layout of a refit of `modules` (None: absent, e.g. no drafter) beyond bucket size and dtype:
+    each one's tensors' names, shapes and dtypes, read without touching their values. Two refits with equal keys
+    stream the same tensors in the same order; a weight-update group resends its headers when the key changes."""
+    return tuple((i, name, tuple(t.shape), str(t.dtype)) for i, m in enumerate(modules) if m is not None
+                 for name, t in m.state_dict(keep_vars=True).items()
+                 if isinstance(t, torch.Tensor))  # Megatron's state holds extra states that are no tensors
+
+
 def buckets(stream: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group the stream into lists of at most `max_bytes` (a single larger tensor travels alone)."""
     bucket, size = [], 0

@@ -273,9 +273,9 @@ def check_before_launch(name: str, args: argparse.Namespace, cfg: RLConfig, scal
 
 
 def tune_space(cfg: RLConfig):
-    """What `--tune` searches: the tuner's default space, plus disaggregated placements at the recipe's policy lag
-    when it allows one (`backend.async_lag` > 0): a model whose engines need TP > 1 has no colocated layout the Ray
-    placement runs (`megatron_spec.layout.colocation_problems`)."""
+    """What `--tune` searches: the tuner's default space (colocated engines of any TP the Ray placement runs,
+    `megatron_spec.layout.colocation_problems`), plus disaggregated placements at the recipe's policy lag when it
+    allows one (`backend.async_lag` > 0)."""
     from megatron_spec.sim.tune import TuneSpace
 
     return TuneSpace(lags=tuple(sorted({0, cfg.backend.async_lag})))

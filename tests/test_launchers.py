@@ -281,12 +281,17 @@ def test_moe_tensor_parallelism_without_sequence_parallelism_is_refused_before_l
             "tensor parallelism without it): set backend.megatron.sequence_parallel=true") in err
 
 
-def test_colocated_engines_of_several_gpus_are_refused_before_launch(refused):
-    """The 235B's engines are vLLM TP 8; colocated, the Ray placement would refuse them after the allocation
-    starts: the launch check refuses them here with its reason and submits nothing."""
-    err = refused("qwen3_235b_grpo_spec", [*AT_SCALE_SUBMIT, "backend.placement=colocated", "backend.async_lag=0"])
-    assert ("colocated placement of vLLM engines with tensor_parallel_size=8 on GPUs is not supported") in err
-    assert "use backend.placement=disaggregated" in err
+def test_colocated_engines_of_several_gpus_pass_the_layout_check():
+    """The 235B's engines are vLLM TP 8; colocated on GPUs they run (a trainer rank and an engine worker on every
+    GPU), so the launch's layout check finds nothing against the placement."""
+    from launchers.checks import layout_fit_problems
+
+    mod = recipe("qwen3_235b_grpo_spec")
+    cfg = mod.qwen3_235b_grpo_spec()
+    cfg.backend.placement, cfg.backend.async_lag = "colocated", 0
+    layout = mod.SCALE.layout(cfg)
+    assert layout["ray"]["placement"] == "colocated" and layout["vllm"]["tensor_parallel_size"] == 8
+    assert [p for p in layout_fit_problems(cfg, layout) if "colocated" in p] == []
 
 
 def test_sequence_parallelism_on_cpu_bundles_is_a_launch_problem():

@@ -218,17 +218,19 @@ def test_sequence_parallelism_on_cpus_is_refused():
         check_inputs(cfg)
 
 
-def test_colocated_engines_must_be_one_gpu_each():
-    """The Ray placement's rule, shared with the tuner and the launch checks: colocated on GPUs, an engine of vLLM
-    TP > 1 is refused with the fix named; disaggregated, TP 1, or CPU bundles are not."""
+def test_colocated_engines_share_one_node_each():
+    """The Ray placement's rule, shared with the tuner and the launch checks: colocated on GPUs, engines of any vLLM
+    TP run (a trainer rank and an engine worker on every GPU), as long as one engine's GPUs fit on one node; with
+    the GPUs per node unknown, or on CPU bundles, or disaggregated, nothing is refused."""
     from megatron_spec.layout import colocation_problems
 
-    assert colocation_problems(True, 8) == [
-        "colocated placement of vLLM engines with tensor_parallel_size=8 on GPUs is not supported: a trainer rank and "
-        "an engine cannot split a multi-GPU Ray bundle GPU by GPU; use backend.placement=disaggregated, or "
-        "tensor_parallel_size=1"]
-    assert colocation_problems(False, 8) == colocation_problems(True, 1) == []
-    assert colocation_problems(True, 2, on_gpus=False) == []
+    assert colocation_problems(True, 8) == colocation_problems(True, 8, gpus_per_node=8) == []
+    assert colocation_problems(True, 8, gpus_per_node=4) == [
+        "colocated vLLM engines with tensor_parallel_size=8 on nodes of 4 GPUs: an engine's workers must share one "
+        "node, so tensor_parallel_size must divide the GPUs per node; use a tensor_parallel_size that does, or "
+        "backend.placement=disaggregated"]
+    assert colocation_problems(False, 8, gpus_per_node=4) == colocation_problems(True, 1, gpus_per_node=4) == []
+    assert colocation_problems(True, 8, on_gpus=False, gpus_per_node=4) == []
 
 
 def test_virtual_pipeline_rules():

@@ -4,7 +4,9 @@ own stage's weights) to every generator worker.
 
 Members `0 .. senders - 1` send, the rest receive. Each sender has a process group of its own with every receiver
 (the sender its rank 0), so no sender ever receives another sender's bytes; receivers take the senders' refits one
-after another, in sender order. Per sender and refit:
+after another, in sender order. A `paired` group instead gives each sender one receiver, member `senders + s`
+taking sender s's whole stream only (the per-GPU CUDA IPC refit: each sender serves the engine worker on its GPU).
+Per sender and refit:
 
     control          [FRAMED or PACKED, buckets]                       one small all-reduce
     FRAMED:          per bucket [header bytes, payload bytes], the JSON header, the payload; then [END | ABORT]
@@ -12,8 +14,12 @@ after another, in sender order. Per sender and refit:
 
 The header lists each tensor's name, dtype, shape and byte offset; the payload is the bucket's tensors, cast to
 the dtype the engines serve, packed end to end (offsets aligned to 16 bytes, so every view is aligned). A model's
-layout does not change between refits, so the first refit of a group is FRAMED and both sides keep its headers:
-every later one is PACKED (metadata once per group, then none), with no per-bucket size, header or host sync. The
+layout rarely changes between refits, so the first refit of a group is FRAMED and both sides keep its headers:
+every later one is PACKED (metadata once, then none), with no per-bucket size, header or host sync, until the
+sender's `key` (what its caller says determines the tensor set: names, drafter, bucket size, dtype) changes; that
+refit is FRAMED again, its headers replacing the old on both sides (a drafter added or removed, a new layout). A
+receiver cannot tell a payload from another without its header, so the change must be known before the refit
+opens: a PACKED refit whose buckets turn out to differ from the layout aborts (below) instead of loading them. The
 sender packs bucket n + 1 into one of two payload buffers while bucket n's broadcast (asynchronous) is in flight;
 receivers post bucket n + 1's receive before handing bucket n to the loader, each into a fresh buffer (vLLM's
 layer-wise reload keeps the views it is given until a layer is complete). A sender that fails mid-stream still
@@ -25,8 +31,9 @@ by the Ray trainer and engine actors and by the vLLM worker extension (each vLLM
 engine of tensor parallel size N is N receivers. Every member is made by `open_weight_group`, which maps the
 transport's name to the class that carries it (`GROUPS`).
 
-CUDA IPC (`CudaIpcWeightGroup`), for a trainer and an engine that share one GPU (colocated placement), so that a
-bucket need not move: always FRAMED, the body being the CUDA IPC handle of one device buffer
+CUDA IPC (`CudaIpcWeightGroup`), for trainer ranks and engine workers that share GPUs (colocated placement), so
+that a bucket need not move: a paired group, sender s and receiver s on one GPU, always FRAMED, the body being the
+CUDA IPC handle of one device buffer
 
     sender:     cast the bucket into one device buffer -> broadcast [header bytes, handle bytes] -> header -> the
                 buffer's CUDA IPC handle -> wait until every receiver acknowledges -> free the buffer
@@ -104,22 +111,28 @@ class WeightGroup:
     bounds the start-up and each collective."""
 
     def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float, backend: str | None = None,
-                 local_rank: int = 0, senders: int = 1):
+                 local_rank: int = 0, senders: int = 1, paired: bool = False):
         if not 0 < senders <= world or not 0 <= rank < world:
             raise ValueError(f"weight group: member {rank} of {world} with {senders} sender(s): needs 1 <= senders "
                              "<= world and 0 <= rank < world")
-        self.rank, self.world, self.senders = rank, world, senders
+        if paired and world != 2 * senders:
+            raise ValueError(f"weight group: paired, each of the {senders} sender(s) serves one receiver, so the "
+                             f"group has {2 * senders} members, not {world}")
+        self.rank, self.world, self.senders, self.paired = rank, world, senders, paired
         self.backend = backend or collective_backend()
         self.device = collective_device(self.backend, local_rank)
         self.store = rendezvous(host, port, rank, world, timeout_s, "weight-update group")
         self.timeout = timedelta(seconds=timeout_s)
-        receivers = world - senders
+        size = 2 if paired else 1 + world - senders  # a sender and the receivers it serves
         if rank < senders:
-            self.pg = self._group(rank, 0, 1 + receivers)
+            self.pg = self._group(rank, 0, size)
             self.pgs = [self.pg]
+        elif paired:  # receiver senders + s takes sender s's stream only
+            self.pg = None
+            self.pgs = [self._group(rank - senders, 1, size)]
         else:
             self.pg = None
-            self.pgs = [self._group(s, 1 + rank - senders, 1 + receivers) for s in range(senders)]
+            self.pgs = [self._group(s, 1 + rank - senders, size) for s in range(senders)]
         self.layouts: list[list | None] = [None] * len(self.pgs)  # per sender: [(header, bytes)] per bucket
         self._buffers: list[torch.Tensor] = []
 
@@ -170,15 +183,23 @@ class WeightGroup:
 
     # -- sending ------------------------------------------------------------------------------------------------
 
-    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None = None) -> int:
+    def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None = None,
+             key=None) -> int:
         """A sender: stream `buckets` to every receiver, floating tensors cast to `dtype` (None: as they are);
-        returns the tensors' bytes sent (in the sent dtype). The sender holds the bucket it is given plus two payloads;
-        `wait_s` is then how long it waited for the receivers to arrive."""
+        returns the tensors' bytes sent (in the sent dtype). `key`: a comparable description of the tensor set the
+        buckets hold, given before they are made; a key other than the last refit's sends the headers again
+        (FRAMED). The sender holds the bucket it is given plus two payloads; `wait_s` is then how long it waited
+        for the receivers to arrive."""
         if not self.is_sender:
             raise RuntimeError(f"weight group: member {self.rank} receives (members 0..{self.senders - 1} send)")
-        if self.layouts[0] is None or not self.packs:
-            return self._send_framed(buckets, dtype)
+        if self.layouts[0] is None or not self.packs or key != self.key:
+            total = self._send_framed(buckets, dtype)
+            self.key = key
+            return total
         return self._send_packed(buckets, dtype)
+
+    key = None
+    """The tensor-set key of the layout the receivers hold (`send`)."""
 
     packs = True
     """Whether refits after the first travel PACKED (CUDA IPC sends a handle per bucket instead)."""
@@ -247,8 +268,9 @@ class WeightGroup:
             for bucket in buckets:
                 header, n = layout_of(bucket, dtype)
                 if sent >= len(layout) or [header, n] != list(layout[sent]):
-                    raise RuntimeError(f"weight group: bucket {sent} of this refit differs from the layout the first "
-                                       "refit sent (the exported tensors, bucket size or dtype changed)")
+                    raise RuntimeError(f"weight group: bucket {sent} of this refit differs from the layout the last "
+                                       "framed refit sent (the exported tensors, bucket size or dtype changed while "
+                                       "the sender's key stayed the same)")
                 post(sent, bucket)
                 total, sent = total + tensor_bytes(header), sent + 1
                 del bucket
@@ -339,17 +361,21 @@ differently, e.g. under CUDA_VISIBLE_DEVICES)."""
 
 
 class CudaIpcWeightGroup(WeightGroup):
-    """A member of a weight-update group whose members all sit on one GPU (`WeightGroup`'s `send` / `receive`)."""
+    """A member of a paired weight-update group, each sender and its receiver on one GPU (`WeightGroup`'s `send` /
+    `receive`)."""
 
     packs = False
 
     def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float, backend: str = "cuda_ipc",
-                 local_rank: int = 0, senders: int = 1):
+                 local_rank: int = 0, senders: int = 1, paired: bool = True):
         if backend != "cuda_ipc":
             raise ValueError(f"CudaIpcWeightGroup carries cuda_ipc, not {backend!r}")
+        if not paired:
+            raise ValueError("a CUDA IPC handle opens only on its own GPU: each sender serves the one receiver on "
+                             "its GPU (paired)")
         if not torch.cuda.is_available():
             raise RuntimeError("the cuda_ipc refit transport needs CUDA: trainer and engine sharing one GPU")
-        super().__init__(host, port, rank, world, timeout_s, "gloo", local_rank, senders)
+        super().__init__(host, port, rank, world, timeout_s, "gloo", local_rank, senders, paired=True)
         self.gpu = local_device(local_rank)
         self.backend = "cuda_ipc"
 
@@ -400,10 +426,14 @@ GROUPS = {"gloo": WeightGroup, "nccl": WeightGroup, "cuda_ipc": CudaIpcWeightGro
 
 
 def open_weight_group(host: str, port: int, rank: int, world: int, timeout_s: float, backend: str | None = None,
-                      local_rank: int = 0, senders: int = 1):
+                      local_rank: int = 0, senders: int = 1, paired: bool | None = None):
     """Join a weight-update group as member `rank` of `world` (the first `senders` send) over `backend` (one of
-    GROUPS; None: nccl where there is a GPU, else gloo). Every member of one group must name the same backend."""
+    GROUPS; None: nccl where there is a GPU, else gloo), `paired` or not (None: as the transport requires, paired
+    for CUDA IPC only). Every member of one group must name the same backend and pairing."""
     backend = backend or collective_backend()
     if backend not in GROUPS:
         raise ValueError(f"weight group: unknown transport {backend!r} (one of {', '.join(GROUPS)})")
-    return GROUPS[backend](host, port, rank, world, timeout_s, backend, local_rank=local_rank, senders=senders)
+    if paired is None:
+        paired = backend == "cuda_ipc"
+    return GROUPS[backend](host, port, rank, world, timeout_s, backend, local_rank=local_rank, senders=senders,
+                           paired=paired)

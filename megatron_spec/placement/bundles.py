@@ -1,10 +1,15 @@
 """Where the trainer ranks and the generation engines run: Ray placement-group bundles, as plain data.
 
-`colocated`: trainer rank r and engine i share devices and take turns on them (the engine sleeps while the trainer
-updates). An engine of vLLM tensor parallel size t takes t devices as one bundle, so its workers sit on one node. `disaggregated`: the trainer ranks and the engines get bundles of their own, and
-weights are broadcast to the engines after each update. A bundle is one GPU where the cluster has GPUs; on a CPU
-cluster it is an equal share of the cluster's CPUs (Ray's CPU counts are for scheduling; the actors pin their torch
-threads to their share). Pure: `plan` is checked before any actor starts, and tested without Ray.
+`colocated`: trainer ranks and engines share devices and take turns on them (the engine sleeps while the trainer
+updates). On GPUs every GPU is a bundle of its own, shared by trainer rank r and engine worker r (worker w of
+engine j is worker j * t + w for engines of vLLM tensor parallel size t): the engine's actor sits in its first
+worker's bundle and its t workers (vLLM's processes) are pointed at the GPUs of their t bundles
+(`Placement.engine_bundles`, `groups.engine_devices`), so each worker shares its GPU with one trainer rank. On CPUs
+an engine's t units are one bundle, so its workers sit on one node. `disaggregated`: the trainer ranks and the
+engines get bundles of their own (an engine's t units tied in one), and weights are broadcast to the engines after
+each update. A bundle is one GPU where the cluster has GPUs; on a CPU cluster it is an equal share of the
+cluster's CPUs (Ray's CPU counts are for scheduling; the actors pin their torch threads to their share). Pure:
+`plan` is checked before any actor starts, and tested without Ray.
 """
 
 from __future__ import annotations
@@ -40,15 +45,24 @@ class Placement:
     bundle: dict
     """Resources of one device unit, e.g. {"CPU": 1.0} or {"CPU": 4.0, "GPU": 1.0}."""
     engine_tp: int = 1
-    """Device units of one engine (vLLM tensor parallel size): they are one bundle, so they sit on one node."""
+    """Device units of one engine (vLLM tensor parallel size): one bundle, so they sit on one node; colocated on
+    GPUs one bundle each, checked to lie on one node when the engine starts (`groups.engine_devices`)."""
+
+    @property
+    def per_gpu(self) -> bool:
+        """Colocated on GPUs: one bundle per GPU, a trainer rank and an engine worker in each (the engine's workers
+        spread over consecutive bundles)."""
+        return self.kind == "colocated" and bool(self.bundle.get("GPU"))
 
     @property
     def bundles(self) -> list[dict]:
-        """Engine j's units are one bundle (tied). Colocated: engine bundles first, trainer rank r in the bundle
-        holding unit r (ranks beyond the engines' units get single-unit bundles); disaggregated: one bundle per
-        trainer rank, then the engines'."""
+        """Colocated on GPUs: one bundle per GPU (`per_gpu`). Otherwise engine j's units are one bundle (tied).
+        Colocated: engine bundles first, trainer rank r in the bundle holding unit r (ranks beyond the engines'
+        units get single-unit bundles); disaggregated: one bundle per trainer rank, then the engines'."""
         unit, t = self.bundle, self.engine_tp
         engine = {k: v * t for k, v in unit.items()}
+        if self.per_gpu:
+            return [dict(unit) for _ in range(max(self.trainer_world, self.generators * t))]
         if self.kind == "colocated":
             extra = max(0, self.trainer_world - self.generators * t)
             return [dict(engine) for _ in range(self.generators)] + [dict(unit) for _ in range(extra)]
@@ -59,6 +73,8 @@ class Placement:
         return Slot(bundle, self.bundle.get("CPU", 0.0) * share * units, self.bundle.get("GPU", 0.0) * share * units)
 
     def trainer(self, rank: int) -> Slot:
+        if self.per_gpu:
+            return self._slot(rank, 1)
         if self.kind == "colocated":
             engine_units = self.generators * self.engine_tp
             return self._slot(rank // self.engine_tp if rank < engine_units else
@@ -66,7 +82,23 @@ class Placement:
         return self._slot(rank, 1)
 
     def generator(self, i: int) -> Slot:
+        """Engine i's actor. Per GPU it takes its share of its first worker's GPU only: its other workers' shares
+        stay free in their bundles, which nothing else of the run's placement group takes."""
+        if self.per_gpu:
+            return self._slot(self.engine_bundles(i)[0], 1)
         return self._slot(i if self.kind == "colocated" else self.trainer_world + i, self.engine_tp)
+
+    def engine_bundles(self, i: int) -> list[int]:
+        """The bundle of each of engine i's workers, by worker (vLLM's local rank): per GPU its own bundle, bundle
+        i * t + w, whose GPU trainer rank i * t + w shares; otherwise the engine's one bundle for every worker."""
+        if self.per_gpu:
+            return [i * self.engine_tp + w for w in range(self.engine_tp)]
+        return [self.generator(i).bundle] * self.engine_tp
+
+    def gpu_peer(self, worker: int) -> int | None:
+        """The trainer rank that shares a GPU with engine worker `worker` (engine j's worker w is j * t + w), None
+        where no rank does (disaggregated, CPUs, or more engine workers than trainer ranks)."""
+        return worker if self.per_gpu and worker < self.trainer_world else None
 
 
 def trainer_world(cfg, layout: dict | None = None) -> int:
@@ -112,8 +144,8 @@ def plan(cfg, cluster: dict, layout: dict | None = None) -> Placement:
             raise ValueError(f"{kind} placement needs {n} GPUs ({world} trainer ranks, {engines} engines of "
                              f"{tp} GPU(s){'' if kind == 'colocated' else ' on separate GPUs'}), the Ray cluster "
                              f"has {gpus:g}")
-        for problem in colocation_problems(kind == "colocated", tp):  # the rule the tuner and launch checks read
-            raise ValueError(problem)
+        for problem in colocation_problems(kind == "colocated", tp, gpus_per_node=_gpus_per_node(cluster)):
+            raise ValueError(problem)  # the rule the tuner and launch checks read
         cpus = float(cluster.get("CPU", 0)) / gpus
         bundle = {"CPU": math.floor(cpus) or cpus, "GPU": 1.0}
     else:
@@ -122,6 +154,12 @@ def plan(cfg, cluster: dict, layout: dict | None = None) -> Placement:
             raise ValueError("the Ray cluster reports no CPUs")
         bundle = {"CPU": math.floor(cpus / n * 1e4) / 1e4}  # rounded down: n bundles must fit the cluster
     return Placement(kind, world, engines, bundle, tp)
+
+
+def _gpus_per_node(cluster: dict) -> int | None:
+    """GPUs of one node where Ray's `cluster_resources()` says how many nodes there are (`node:<ip>` keys)."""
+    nodes = sum(1 for k in cluster if k.startswith("node:") and k != "node:__internal_head__")
+    return int(cluster.get("GPU", 0)) // nodes if nodes else None
 
 
 def engine_tp(cfg, layout: dict | None = None) -> int:

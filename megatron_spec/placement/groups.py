@@ -20,7 +20,7 @@ from . import require_ray
 from ..interfaces import no_step_gate
 from ..distributed.process_groups import local_ranks, straddling_groups
 from .bundles import Placement, Slot
-from .workers import Engine, TrainerRank
+from .workers import DeviceProbe, Engine, TrainerRank
 
 BESIDE_GROUP = "beside"
 """An engine actor's second concurrency group with in-flight updates: refits (`Engine.receive_weights`) and the
@@ -53,6 +53,26 @@ def _actor(cls, slot: Slot, pg, concurrency_groups: dict | None = None, **option
     strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=slot.bundle)
     remote = ray.remote(concurrency_groups=concurrency_groups)(cls) if concurrency_groups else ray.remote(cls)
     return remote.options(num_cpus=slot.cpus, num_gpus=slot.gpus, scheduling_strategy=strategy, **options)
+
+
+def engine_devices(placement: Placement, pg, j: int) -> list[str] | None:
+    """The GPU id of each of engine j's workers as Ray assigns their bundles (a momentary probe per bundle), for
+    `workers.share_devices`; None where the engine's actor sees all its GPUs itself (one bundle, or CPUs). Raises
+    when the workers' bundles lie on two nodes: one engine's workers are processes of one actor."""
+    if not placement.per_gpu:
+        return None
+    ray = require_ray()
+    probes = [_actor(DeviceProbe, Slot(b, 0.0, 0.01), pg).remote() for b in placement.engine_bundles(j)]
+    try:
+        found = ray.get([p.device.remote() for p in probes])
+    finally:
+        for p in probes:
+            ray.kill(p)
+    if len({node for _, node in found}) > 1:
+        raise RuntimeError(f"engine {j}'s {len(found)} workers were placed on {len({n for _, n in found})} nodes: an "
+                           "engine of vLLM tensor parallel size t needs t GPUs of one node (GPUs per node a multiple "
+                           "of t, ranks node-major)")
+    return [gpu for gpu, _ in found]
 
 
 class TrainerDied(RuntimeError):
@@ -266,12 +286,13 @@ class GeneratorGroup:
     def _start(self, j: int):
         slot = self.placement.generator(j)
         threads = self.cfg.backend.vllm.threads or slot.threads
+        devices = engine_devices(self.placement, self.pg, j)
         if not self.cfg.backend.in_flight_updates:
-            return _actor(Engine, slot, self.pg).remote(self.cfg, threads, j)
+            return _actor(Engine, slot, self.pg).remote(self.cfg, threads, j, devices)
         # Refits in a thread of their own, handed to the generating thread between two steps; they must not wait
         # for the generate calls submitted before them, which Ray's in-order execution would make them do.
         return _actor(Engine, slot, self.pg, {BESIDE_GROUP: 1},
-                      allow_out_of_order_execution=True).remote(self.cfg, threads, j)
+                      allow_out_of_order_execution=True).remote(self.cfg, threads, j, devices)
 
     def beside(self, engine, method: str):
         """`engine.method` to be called beside generation: in the engine's second concurrency group with in-flight

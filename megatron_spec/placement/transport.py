@@ -4,9 +4,10 @@
   pipeline stages (one rank each, holding only its own stage's gathered weights: a Megatron trainer of PP size P
   has P senders, the embedded trainer one) and whose receivers are every engine worker (an engine of vLLM tensor
   parallel size N takes N ranks). Buckets of `backend.refit_bucket_mb` are packed and stream in the dtype the
-  engines serve, the layout sent once per group; no file, no object store. gloo on CPUs and for colocated GPUs
-  (two ranks on one GPU cannot share an NCCL group), CUDA IPC handles when the trainer and a single engine share
-  one GPU, NCCL between separate GPUs (`weight_backend`). The group is formed once; when an engine is replaced it
+  engines serve, the layout sent once per group; no file, no object store. NCCL between separate GPUs; colocated
+  on GPUs, CUDA IPC handles from each trainer rank to the engine worker on its GPU (then every engine worker has a
+  sender of its own, the trainer rank it shares a GPU with); gloo on CPUs and for colocated layouts with an engine
+  worker on a GPU no trainer rank has (`weight_backend`). The group is formed once; when an engine is replaced it
   is formed again and the current weights resent.
 - `object_store` (fallback): rank 0 puts size-bounded buckets in Ray's object store, every engine fetches them.
 
@@ -47,8 +48,11 @@ def bucket_bytes(cfg, placement) -> int:
     return mb << 20
 
 
-def weight_senders(cfg) -> int:
-    """Senders of the collective refit: one per pipeline stage of a Megatron trainer, else one."""
+def weight_senders(cfg, backend: str | None = None, placement=None) -> int:
+    """Senders of the collective refit: with `cuda_ipc` one per engine worker (trainer rank u serves the engine
+    worker on its GPU, `Placement.gpu_peer`); otherwise one per pipeline stage of a Megatron trainer, else one."""
+    if backend == "cuda_ipc":
+        return placement.generators * placement.engine_tp
     return cfg.backend.megatron.pp if cfg.backend.trainer == "megatron" else 1
 
 
@@ -57,16 +61,24 @@ def resolve(pending: list) -> list[tuple]:
     return [ray.get(p) if isinstance(p, ray.ObjectRef) else p for p in pending]
 
 
-def weight_backend(placement, senders: int = 1) -> str:
-    """The one place the collective refit's transport is chosen (a name of `weight_group.GROUPS`): NCCL between
-    separate GPUs; CUDA IPC when the one engine worker shares the one sender's GPU (colocated on one GPU: the
-    buckets never leave the device); gloo on CPUs and for the other colocated layouts (two ranks on one GPU cannot
-    share an NCCL group, and an IPC handle only opens on the GPU it was made on, so a second stage's sender, on
-    another GPU, rules it out)."""
+def weight_backend(placement) -> str:
+    """The one place the collective refit's transport is chosen (a name of `weight_group.GROUPS`):
+
+    - NCCL between separate GPUs (disaggregated);
+    - CUDA IPC when every engine worker shares its GPU with a trainer rank (colocated, one bundle per GPU, at least
+      as many trainer ranks as engine workers, engines of any TP): trainer rank u holds the whole refit stream
+      (a Megatron trainer's stages broadcast their buckets to every rank over its own group, NVLink inside a
+      node) and hands each bucket to the engine worker on its GPU as an IPC handle, so the weights never leave the
+      device (the paired group of `weight_group`);
+    - gloo on CPUs, and colocated where some engine worker's GPU has no trainer rank (more engine workers than
+      trainer ranks, e.g. one embedded trainer rank and an engine of TP 2): an IPC handle only opens on the GPU it
+      was made on, and two ranks on one GPU cannot share an NCCL group, so that worker must take its buckets
+      through host memory."""
     gpus = placement.bundle.get("GPU", 0)
     if gpus and placement.kind == "disaggregated":
         return "nccl"
-    if gpus and placement.generators * placement.engine_tp == 1 and senders == 1:
+    workers = placement.generators * placement.engine_tp
+    if gpus and all(placement.gpu_peer(u) is not None for u in range(workers)):
         return "cuda_ipc"
     return "gloo"
 
@@ -91,8 +103,8 @@ class CollectiveRefit:
 
     def __init__(self, cfg, trainer, generator):
         self.cfg, self.trainer, self.generator = cfg, trainer, generator
-        self.senders = weight_senders(cfg)
-        self.backend = weight_backend(generator.placement, self.senders)
+        self.backend = weight_backend(generator.placement)
+        self.senders = weight_senders(cfg, self.backend, generator.placement)
         self.bucket_bytes = bucket_bytes(cfg, generator.placement)
         self.dtype: str | None = None
         self.version: int | None = None

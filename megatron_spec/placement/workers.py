@@ -196,7 +196,8 @@ class TrainerRank:
         """Stream the policy and drafter to the weight-update group in packed `bucket_bytes` buckets, floating
         tensors in `dtype` (the engines' served dtype): (bytes of all senders, seconds, `transport.SendInfo`). A
         sharded trainer sends from one rank per pipeline stage (`MegatronPolicy.send_weights`); a whole one from
-        here, its stream re-bucketed to `bucket_bytes`."""
+        here, its stream re-bucketed to `bucket_bytes`. A refit whose tensor set differs from the last one's (the
+        policy's `refit_key`, the bucket size or the dtype) sends its headers again."""
         from ..refit import buckets
         from ..distributed.weight_group import dtype_of
         from .transport import SendInfo
@@ -208,8 +209,9 @@ class TrainerRank:
                             max(sent["wait_s"]))
             nbytes = sum(sent["sender_bytes"])
         else:
+            key = (bucket_bytes, dtype, self.policy.refit_key() if hasattr(self.policy, "refit_key") else None)
             nbytes = self.weights.send(buckets(self._exported(bucket_bytes, dtype), bucket_bytes),
-                                       dtype_of(dtype) if dtype else None)
+                                       dtype_of(dtype) if dtype else None, key)
             info = SendInfo(1, nbytes, 0, self.weights.wait_s)
         self.crash.check("send_weights")
         return nbytes, time.perf_counter() - t0, info
@@ -229,15 +231,34 @@ class TrainerRank:
         self.crash.arm(method)
 
 
+class DeviceProbe:
+    """A momentary actor in one bundle: which GPU Ray gives that bundle, and on which node."""
+
+    def device(self) -> tuple[str, str]:
+        import ray
+
+        ids = ray.get_gpu_ids()
+        return str(ids[0]) if ids else "", ray.get_runtime_context().get_node_id()
+
+
+def share_devices(devices: list[str] | None) -> None:
+    """Point this process and the engine workers it starts (vLLM's processes inherit its environment) at
+    `devices`, one GPU per worker in worker order: vLLM's worker of local rank w takes the w-th visible GPU, so it
+    lands on `devices[w]`, the GPU of its bundle. None: Ray's own assignment stands. Before CUDA is initialised."""
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+
+
 class Engine:
     """One generation engine (our engine or vLLM on its default executor, in this actor's process) and the policy
-    version its weights are at."""
+    version its weights are at. `devices`: the GPU of each of its workers (`share_devices`), None: Ray's."""
 
-    def __init__(self, cfg, threads: int, index: int):
+    def __init__(self, cfg, threads: int, index: int, devices: list[str] | None = None):
         import dataclasses
 
         import torch
 
+        share_devices(devices)
         torch.set_num_threads(threads)
         # Files an engine writes under the run directory (vLLM's exported checkpoint) go to a directory of its own.
         run = dataclasses.replace(cfg.run, out_dir=f"{cfg.run.out_dir}/engines/{index}")

@@ -1,7 +1,7 @@
 """Tuner: search parallelism (trainer TP/PP/EP/CP, engine TP/EP and count), colocated vs disaggregated placement,
 sync vs async lag, drafter method, k and the adaptive controller for the most tokens trained per second per GPU
 (the shortest step on the given GPUs), keeping only configurations that fit in memory and that the trainer and the
-Ray placement run (`megatron_spec.layout`: no CP > 1, no colocated engine of TP > 1). Every configuration left out
+Ray placement run (`megatron_spec.layout`: no CP > 1, no colocated engine wider than a node). Every configuration left out
 is counted under the reason it was left out (`TuneResult.rejected`), so the table says why the rest lost.
 
 The search factorises the way the step does: the training side (data + logprob + train) depends only on the

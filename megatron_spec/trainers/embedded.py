@@ -27,7 +27,7 @@ from ..speculative.sampling import processed_logprobs
 from ..rl.grpo import LossNorm, aggregate, kl_penalty, policy_loss, truncated_is_weights
 from ..microbatch import micro_batches, sequence_lengths
 from ..rl.prefix import SharedPrompts, prompt_groups
-from ..refit import named_weights
+from ..refit import named_weights, tensor_set_key
 from ..interfaces import Batch, DrafterInputs
 
 
@@ -271,9 +271,15 @@ class EmbeddedPolicy:
             drafter_inputs = DrafterInputs(mb.input_ids, mb.mask, detached, logits.detach())
         return loss, metrics, logprobs.detach(), drafter_inputs
 
+    def _exported_drafter(self):
+        return self.drafter if self.drafter_trainer is None else self.drafter_trainer.drafting
+
     def export_weights(self):
-        drafter = self.drafter if self.drafter_trainer is None else self.drafter_trainer.drafting
-        return named_weights(self.model, drafter)
+        return named_weights(self.model, self._exported_drafter())
+
+    def refit_key(self) -> tuple:
+        """The exported tensor set (`refit.tensor_set_key`): the policy and the drafter the engines draft with."""
+        return tensor_set_key(self.model, self._exported_drafter())
 
     def state_dict(self) -> dict:
         state = {"model": self.model.state_dict(), "opt": self.opt.state_dict()}

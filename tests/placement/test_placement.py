@@ -86,7 +86,7 @@ def test_engine_of_tensor_parallel_size_2_is_one_tied_bundle():
     """vLLM TP2: an engine's two device units are one bundle (Ray places a bundle on one node). CPU, colocated with
     two Megatron ranks (EP2) and one engine: one bundle of both CPUs, both ranks and the engine in it, the engine
     with the two ranks' halves. GPUs, disaggregated: two 1-GPU trainer bundles, then 2-GPU engine bundles whose
-    engine takes both GPUs; the GPU count check counts TP. Colocated TP2 on GPUs is refused with the reason."""
+    engine takes both GPUs; the GPU count check counts TP. (Colocated on GPUs: one bundle per GPU, the next test.)"""
     cfg = cfg_with(placement="colocated", trainer="megatron", generator="vllm")
     cfg.backend.megatron.ep, cfg.backend.vllm.tensor_parallel_size = 2, 2
     co = plan(cfg, {"CPU": 2.0})
@@ -99,9 +99,40 @@ def test_engine_of_tensor_parallel_size_2_is_one_tied_bundle():
     assert [dis.generator(1).bundle, dis.generator(1).gpus, dis.trainer(1).gpus] == [3, 2.0, 1.0]
     with pytest.raises(ValueError, match="needs 6 GPUs .*2 engines of 2 GPU"):
         plan(cfg, {"CPU": 40.0, "GPU": 5.0})
-    cfg.backend.placement = "colocated"
-    with pytest.raises(ValueError, match="colocated placement of vLLM engines with tensor_parallel_size=2 on GPUs"):
-        plan(cfg, {"CPU": 32.0, "GPU": 4.0})
+
+
+def test_colocated_engines_of_tensor_parallel_size_2_take_one_bundle_per_gpu():
+    """Colocated on GPUs, 4 Megatron ranks (PP2 x DP2) and 2 engines of vLLM TP2: four 1-GPU bundles; trainer rank
+    r and worker r (engine r // 2, local rank r % 2) share bundle r, each with half its GPU; an engine's actor sits
+    in its first worker's bundle. An engine of TP 4 on nodes of 3 GPUs is refused before any actor starts (its
+    workers are one actor's processes, on one node)."""
+    cfg = cfg_with(placement="colocated", trainer="megatron", generator="vllm", generators=2)
+    cfg.backend.vllm.tensor_parallel_size = 2
+    layout = {"megatron": {"tp": 1, "pp": 2, "cp": 1, "dp": 2}}
+    p = plan(cfg, {"CPU": 32.0, "GPU": 4.0, "node:10.0.0.1": 1.0}, layout)
+    assert p.per_gpu and p.bundles == [{"CPU": 8, "GPU": 1.0}] * 4
+    assert [p.trainer(r).bundle for r in range(4)] == [0, 1, 2, 3]
+    assert [p.engine_bundles(j) for j in range(2)] == [[0, 1], [2, 3]]
+    assert [(p.generator(j).bundle, p.generator(j).gpus) for j in range(2)] == [(0, 0.5), (2, 0.5)]
+    assert [p.gpu_peer(u) for u in range(4)] == [0, 1, 2, 3]
+    cfg.backend.generators, cfg.backend.vllm.tensor_parallel_size = 1, 4
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 on nodes of 3 GPUs"):
+        plan(cfg, {"CPU": 48.0, "GPU": 6.0, "node:10.0.0.1": 1.0, "node:10.0.0.2": 1.0}, layout)
+
+
+def test_cpu_colocation_keeps_its_tied_bundle_and_gloo():
+    """On CPUs nothing changes: an engine of TP2 is one bundle with the trainer ranks it shares, its actor sees
+    its workers' devices itself (no GPU list to hand down), and the refit travels over gloo."""
+    from megatron_spec.placement.groups import engine_devices
+    from megatron_spec.placement.transport import weight_backend
+    from megatron_spec.rl.config import RLConfig
+
+    cfg = RLConfig()
+    cfg.backend.placement, cfg.backend.trainer, cfg.backend.generator = "colocated", "megatron", "vllm"
+    cfg.backend.vllm.tensor_parallel_size = 2
+    p = plan(cfg, {"CPU": 2.0}, {"megatron": {"tp": 1, "pp": 2, "cp": 1, "dp": 1}})
+    assert not p.per_gpu and p.bundles == [{"CPU": 2.0}] and p.engine_bundles(0) == [0, 0]
+    assert engine_devices(p, None, 0) is None and weight_backend(p) == "gloo"
 
 
 @pytest.mark.parametrize("override, message", [

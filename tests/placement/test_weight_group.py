@@ -82,61 +82,27 @@ def test_wrong_device_is_refused_before_the_collective():
 
 
 def test_transport_follows_the_placement():
-    """NCCL between separate GPUs; CUDA IPC only where the single engine worker shares the single sender's GPU (a
-    handle opens on the GPU it was made on, and under Ray each actor sees only its own GPU; a second pipeline
-    stage sends from another GPU); gloo on CPUs and for the other colocated layouts."""
+    """NCCL between separate GPUs; colocated on GPUs, CUDA IPC wherever every engine worker shares its GPU with a
+    trainer rank (any engine TP, any number of pipeline stages: rank u serves worker u), with one sender per
+    engine worker; gloo where an engine worker's GPU has no trainer rank (an IPC handle opens only on its own GPU),
+    and on CPUs, with one sender per pipeline stage."""
+    from types import SimpleNamespace
+
     from megatron_spec.placement.bundles import Placement
-    from megatron_spec.placement.transport import weight_backend
+    from megatron_spec.placement.transport import weight_backend, weight_senders
 
     gpu, cpu = {"CPU": 4.0, "GPU": 1.0}, {"CPU": 1.0}
     assert weight_backend(Placement("disaggregated", 2, 2, gpu)) == "nccl"
     assert weight_backend(Placement("colocated", 1, 1, gpu)) == "cuda_ipc"
-    assert weight_backend(Placement("colocated", 2, 1, gpu), senders=2) == "gloo"  # stage 1 sends from GPU 1
-    assert weight_backend(Placement("colocated", 2, 1, gpu, engine_tp=2)) == "gloo"
-    assert weight_backend(Placement("colocated", 2, 2, gpu)) == "gloo"
+    assert weight_backend(Placement("colocated", 2, 1, gpu)) == "cuda_ipc"  # rank 0 serves the one worker
+    assert weight_backend(Placement("colocated", 2, 2, gpu)) == "cuda_ipc"
+    assert weight_backend(Placement("colocated", 4, 2, gpu, engine_tp=2)) == "cuda_ipc"
+    assert weight_backend(Placement("colocated", 8, 2, gpu, engine_tp=2)) == "cuda_ipc"  # ranks 4-7 send nothing
+    assert weight_backend(Placement("colocated", 1, 1, gpu, engine_tp=2)) == "gloo"  # worker 1's GPU has no rank
+    assert weight_backend(Placement("colocated", 2, 2, gpu, engine_tp=2)) == "gloo"
     assert weight_backend(Placement("colocated", 1, 1, cpu)) == "gloo"
+    assert weight_backend(Placement("colocated", 4, 2, cpu, engine_tp=2)) == "gloo"
     assert weight_backend(Placement("disaggregated", 1, 1, cpu)) == "gloo"
-
-
-def test_cuda_ipc_without_cuda_is_refused_before_the_rendezvous():
-    """No rendezvous is attempted (the port is never listened on): the error names what is missing at once."""
-    from megatron_spec.distributed.weight_group import open_weight_group
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    with pytest.raises(RuntimeError, match="cuda_ipc refit transport needs CUDA"):
-        open_weight_group("127.0.0.1", free_port(), 1, 2, 0.5, "cuda_ipc")
-    with pytest.raises(ValueError, match="unknown transport 'ipc'"):
-        open_weight_group("127.0.0.1", free_port(), 1, 2, 0.5, "ipc")
-
-
-def test_refit_bucket_follows_the_devices_and_the_config():
-    """backend.refit_bucket_mb = 0 takes the devices' default (512 MiB where a bundle has a GPU, the measured CPU
-    best elsewhere); a set value wins on either; a negative one is refused naming the field."""
-    from megatron_spec.placement.bundles import Placement
-    from megatron_spec.placement.transport import CPU_BUCKET_MB, GPU_BUCKET_MB, bucket_bytes
-    from megatron_spec.rl.backend_config import BackendSection
-    from megatron_spec.rl.config import RLConfig
-
-    cfg = RLConfig()
-    gpu = Placement("disaggregated", 1, 1, {"CPU": 4.0, "GPU": 1.0})
-    cpu = Placement("disaggregated", 1, 1, {"CPU": 1.0})
-    assert (bucket_bytes(cfg, gpu), bucket_bytes(cfg, cpu)) == (GPU_BUCKET_MB << 20, CPU_BUCKET_MB << 20)
-    assert GPU_BUCKET_MB >= 512
-    cfg.backend.refit_bucket_mb = 8
-    assert bucket_bytes(cfg, gpu) == bucket_bytes(cfg, cpu) == 8 << 20
-    with pytest.raises(ValueError, match="backend.refit_bucket_mb must be >= 0"):
-        BackendSection(refit_bucket_mb=-1)
-
-
-def test_sync_metrics_name_the_senders_and_the_waits():
-    """The step's weight_sync_* metrics: bytes from the senders' result, seconds the slowest side (sending and
-    loading overlap), and the senders' figures as given."""
-    from megatron_spec.placement.transport import CollectiveRefit, SendInfo, sync_metrics
-
-    refit = CollectiveRefit.__new__(CollectiveRefit)
-    m = sync_metrics(refit, [(600, 2.0, SendInfo(2, 400, 50, 0.25)), (600, 3.0), (600, 1.0)])
-    assert m == {"weight_sync_bytes": 600, "weight_sync_s": 3.0, "weight_sync_gbps": 600 / 3.0 / 1e9,
-                 "weight_sync_transport": "collective", "weight_sync_senders": 2,
-                 "weight_sync_sender_bytes_max": 400, "weight_sync_received_bytes_max": 50,
-                 "weight_sync_wait_s": 0.25}
+    cfg = SimpleNamespace(backend=SimpleNamespace(trainer="megatron", megatron=SimpleNamespace(pp=2)))
+    tp2 = Placement("colocated", 8, 2, gpu, engine_tp=2)
+    assert weight_senders(cfg, "cuda_ipc", tp2) == 4 and weight_senders(cfg, "gloo", tp2) == 2

@@ -1,11 +1,14 @@
 """The weight-update group with two senders (one per pipeline stage) and two receivers, on gloo in spawned
 processes: every receiver gets each sender's buckets exactly, sender after sender; a sender is in no group but its
-own; the first refit carries the headers and every later one only the payloads; a failure or a changed layout in
-a PACKED refit reaches every receiver as RefitAborted."""
+own; the first refit carries the headers and every later one only the payloads, until a sender's tensor set
+changes (its key says so) and that sender resends its headers once; a failure, or a layout changed behind an
+unchanged key, in a PACKED refit reaches every receiver as RefitAborted; a paired group serves one receiver per
+sender."""
 
 import multiprocessing as mp
 import pickle
 
+import pytest
 import torch
 
 from megatron_spec.distributed.process_groups import free_port
@@ -23,8 +26,13 @@ def stage(sender: int, refit: int, shape=(3, 4)):
             [(f"s{sender}.c", torch.randn(7, generator=g))]]
 
 
-def _member(rank, port, plan, out):
-    group = WeightGroup("127.0.0.1", port, rank, WORLD, 60, "gloo", senders=SENDERS)
+def drafter(refit: int):
+    """A bucket that joins sender 1's tensor set (a drafter added between refits)."""
+    return [("drafter.fc", torch.full((2, 3), float(refit))), ("drafter.norm", torch.arange(4.0) + refit)]
+
+
+def _member(rank, port, plan, out, paired=False):
+    group = WeightGroup("127.0.0.1", port, rank, WORLD, 60, "gloo", senders=SENDERS, paired=paired)
     posts = []
     post = group._post
     group._post = lambda t, pg=None: (posts.append(t.numel()), post(t, pg))[1]
@@ -38,19 +46,22 @@ def _member(rank, port, plan, out):
                         if what == "fail" and rank == 1 and i == 1:
                             raise ValueError("export failed")
                         yield b
-                results.append(("sent", group.send(stream(), torch.bfloat16), len(posts), len(group.pgs)))
+                    if what == "grow" and rank == 1:  # a drafter joins sender 1's set
+                        yield drafter(refit)
+                key = "with drafter" if what == "grow" and rank == 1 else None
+                results.append(("sent", group.send(stream(), torch.bfloat16, key), len(posts), len(group.pgs)))
             else:
                 got = [[(n, t.clone()) for n, t in b] for b in group.receive()]
-                results.append(("received", got, group.received, len(posts)))
+                results.append(("received", got, group.received, len(posts), len(group.pgs)))
         except (ValueError, RuntimeError) as err:
             results.append((type(err).__name__, str(err)))
     out.put((rank, pickle.dumps(results)))  # plain bytes: no shared-memory tensors outlive the process
 
 
-def _run(plan):
+def _run(plan, paired=False):
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_member, args=(r, port, plan, out)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_member, args=(r, port, plan, out, paired)) for r in range(WORLD)]
     for p in procs:
         p.start()
     results = {r: pickle.loads(b) for r, b in (out.get(timeout=180) for _ in procs)}
@@ -75,7 +86,7 @@ def test_each_receiver_gets_every_stage_from_its_own_sender_and_headers_only_onc
         for s in range(SENDERS):
             assert results[s][refit] == ("sent", _bytes(stage(s, refit)), buckets_posts, 1)
         for r in (2, 3):
-            status, got, received, posts = results[r][refit]
+            status, got, received, posts, groups = results[r][refit]
             want = stage(0, refit) + stage(1, refit)
             assert status == "received" and len(got) == 6
             assert received == _bytes(want) and posts == SENDERS * buckets_posts
@@ -98,9 +109,52 @@ def test_a_packed_refit_that_fails_or_changes_layout_aborts_every_receiver_and_t
         for refit in (1, 3):
             assert results[r][refit][0] == "RefitAborted" and "sender 1" in results[r][refit][1]
         for refit in (2, 4):
-            status, got, received, posts = results[r][refit]
+            status, got, received, posts, _ = results[r][refit]
             assert status == "received" and received == _bytes(stage(0, refit) + stage(1, refit))
             assert posts == (3 + 1) + (3 * 3 + 1)
     for refit in (2, 4):
         assert results[0][refit] == ("sent", _bytes(stage(0, refit)), 3 + 1, 1)
         assert results[1][refit] == ("sent", _bytes(stage(1, refit)), 3 * 3 + 1, 1)
+
+
+def test_a_paired_group_gives_each_receiver_its_own_senders_stream_only():
+    """Paired (the per-GPU CUDA IPC refit's shape, here on gloo): receiver 2 takes sender 0's stream and receiver 3
+    sender 1's, each whole and exact, each member in one process group of two; two refits, the first FRAMED
+    (3 broadcasts per bucket + end), the second PACKED (1 per bucket + end). A paired group of the wrong size is
+    refused before any rendezvous."""
+    results = _run(["ok", "ok"], paired=True)
+    for refit in range(2):
+        posts = 3 * 3 + 1 if refit == 0 else 3 + 1
+        for s in range(SENDERS):
+            assert results[s][refit] == ("sent", _bytes(stage(s, refit)), posts, 1)
+        for r, s in ((2, 0), (3, 1)):
+            status, got, received, n_posts, groups = results[r][refit]
+            assert (status, received, n_posts, groups) == ("received", _bytes(stage(s, refit)), posts, 1)
+            for sent, recv in zip(stage(s, refit), got, strict=True):
+                assert [n for n, _ in sent] == [n for n, _ in recv]
+                for (_, a), (_, b) in zip(sent, recv):
+                    assert torch.equal(a.to(torch.bfloat16) if a.is_floating_point() else a, b)
+    with pytest.raises(ValueError, match="paired, each of the 2 sender"):
+        WeightGroup("127.0.0.1", free_port(), 0, 3, 5, "gloo", senders=2, paired=True)
+
+
+def test_a_tensor_set_that_changes_between_refits_resends_its_headers_once():
+    """Refit 0 sends both stages' sets; from refit 1 on, sender 1's set gains a drafter bucket and its key says so:
+    refit 1 is FRAMED again for sender 1 (headers resent, 3 broadcasts per bucket) while sender 0 stays PACKED,
+    and every receiver takes the new set whole, drafter included, with no abort; refit 2, the same set again,
+    is PACKED for both (the new headers kept)."""
+    results = _run(["ok", "grow", "grow"])
+    assert results[0][1] == ("sent", _bytes(stage(0, 1)), 3 + 1, 1)
+    assert results[1][1] == ("sent", _bytes(stage(1, 1) + [drafter(1)]), 4 * 3 + 1, 1)
+    for s in range(SENDERS):
+        want = stage(s, 2) + ([drafter(2)] if s == 1 else [])
+        assert results[s][2] == ("sent", _bytes(want), len(want) + 1, 1)
+    for r in (2, 3):
+        for refit, posts in ((1, (3 + 1) + (4 * 3 + 1)), (2, (3 + 1) + (4 + 1))):
+            status, got, received, n_posts, _ = results[r][refit]
+            want = stage(0, refit) + stage(1, refit) + [drafter(refit)]
+            assert (status, received, n_posts) == ("received", _bytes(want), posts)
+            for sent, recv in zip(want, got, strict=True):
+                assert [n for n, _ in sent] == [n for n, _ in recv]
+                for (_, a), (_, b) in zip(sent, recv):
+                    assert torch.equal(a.to(torch.bfloat16) if a.is_floating_point() else a, b)

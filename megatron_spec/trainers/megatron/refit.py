@@ -27,29 +27,43 @@ class RefitSource:
         stream = refit_buckets(self.chunks, bucket_bytes, dtype_of(dtype) if dtype else None)
         yield from self._for_engines((item for bucket in stream for item in bucket), eagle3=True)
 
-    def join_weights(self, host: str, port: int, world: int, timeout_s: float, backend: str, senders: int) -> None:
+    def join_weights(self, host: str, port: int, world: int, timeout_s: float, backend: str, senders: int,
+                     paired: bool | None = None) -> None:
         """Join the weight-update group at `host:port` (rank 0 hosts it) as one sender per pipeline stage, the
-        stage's first rank (`refit_stream.join_stage_sender`); the other ranks only gather. Collective."""
-        from .refit_stream import join_stage_sender
+        stage's first rank, or, `paired` (None: the CUDA IPC refit's rule, `refit_stream.per_gpu`), as ranks
+        0 .. senders - 1, each serving the engine worker on its GPU (`refit_stream.join_stage_sender`); the other
+        ranks only gather. Collective."""
+        from .refit_stream import join_stage_sender, per_gpu
 
-        self._announce("join_weights", host, port, world, timeout_s, backend, senders)
-        self.weight_group = join_stage_sender(host, port, world, timeout_s, backend, senders)
+        self._announce("join_weights", host, port, world, timeout_s, backend, senders, paired)
+        self.weight_group = join_stage_sender(host, port, world, timeout_s, backend, senders, paired)
+        self.refit_per_gpu = per_gpu(backend) if paired is None else paired
 
     def send_weights(self, bucket_bytes: int, dtype: str | None) -> dict:
         """One refit into the joined weight-update group: each pipeline stage gathers only its own buckets and its
-        sender sends them (stage 0's also the EAGLE-3 head); the senders' bytes and waits and every rank's
+        sender sends them (stage 0's also the EAGLE-3 head), or, per GPU (CUDA IPC), every sender the whole model
+        and the head; the senders' bytes and waits and every rank's
         received bytes (`refit_stream.send_stages`). Collective."""
         from ...distributed.weight_group import dtype_of
-        from .refit_stream import send_stages, stage_buckets
+        from .refit_stream import refit_buckets, send_stages, stage_buckets
 
         self._announce("send_weights", bucket_bytes, dtype)
         cast, received = dtype_of(dtype) if dtype else None, [0]
-        stream = stage_buckets(self.chunks, bucket_bytes, cast, received)
+        whole = getattr(self, "refit_per_gpu", False)  # every sender the whole model, to the worker on its GPU
+        stream = (refit_buckets if whole else stage_buckets)(self.chunks, bucket_bytes, cast, received)
         group = getattr(self, "weight_group", None)
         if group is None and dist.get_rank() == 0:
             raise RuntimeError("send_weights before join_weights: the weight-update group is not formed")
         if self.eagle3:  # shared on every rank first: a stage's sender blocked on it mid-stream would hold its
             self.eagle3.share()  # receivers, and they the other stages' senders
         named = self._for_engines((item for bucket in stream for item in bucket), eagle3=group is not None and
-                                  group.rank == 0, shared=True)
-        return send_stages(group, named, received, bucket_bytes, cast)
+                                  (whole or group.rank == 0), shared=True)
+        return send_stages(group, named, received, bucket_bytes, cast, (bucket_bytes, dtype, whole, self.refit_key()))
+
+    def refit_key(self) -> tuple:
+        """The exported tensor set (`refit.tensor_set_key`): this rank's model chunks (MTP layers in them), whether
+        they go to the engines as a drafter, and the EAGLE-3 head's module."""
+        from ...refit import tensor_set_key
+
+        head = getattr(self.eagle3, "head", None) if self.eagle3 else None
+        return (self.has_drafter, bool(self.eagle3), tensor_set_key(*self.chunks, head))

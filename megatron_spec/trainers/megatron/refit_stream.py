@@ -21,7 +21,10 @@ the model's groups must drain the generator.
 The refit into engines does not need every stage's weights on one rank: `send_stages` has each pipeline stage
 gather only its own buckets (`stage_buckets`: the same gathers, no broadcast between stages) and its first rank
 send them into the weight-update group as that stage's sender (`join_stage_sender`), so no rank receives another
-stage's weights and the stages send at once, each its own share.
+stage's weights and the stages send at once, each its own share. The exception is the per-GPU CUDA IPC refit
+(`per_gpu`): an engine worker loads whole HF tensors of every stage, and an IPC handle opens only on its own GPU,
+so every rank that shares a GPU with an engine worker walks the whole model (`refit_buckets`, the stages'
+buckets reaching it over the trainer's own group) and hands it to that worker.
 """
 
 from __future__ import annotations
@@ -33,22 +36,26 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .exporter import _broadcast, _buckets, _entries, _gather, _Pool
+from .exporter import _all_gather, _broadcast, _buckets, _entries, _gather, _layout, _pack, _Pool, _unpack
 from .importer import chunks_of
+from .mapping import from_megatron, global_expert, unshard
 from .parallel import ranks
 
 
-def refit_buckets(model, bucket_bytes: int, dtype: torch.dtype | None = None) -> Iterator[list[tuple[str, Tensor]]]:
+def refit_buckets(model, bucket_bytes: int, dtype: torch.dtype | None = None,
+                  received: list[int] | None = None) -> Iterator[list[tuple[str, Tensor]]]:
     """Lists of `(hf_name, full tensor)` of at most `bucket_bytes` (in `dtype`; a larger tensor goes alone), every
     floating tensor in `dtype` (None: the parameters' own); `model` may be a list of virtual-pipeline chunks, walked
-    chunk by chunk. Every rank yields the same buckets. Collective."""
+    chunk by chunk. Every rank yields the same buckets (the whole model). `received[0]` counts the bytes this rank
+    received: its stage's gathers less its own shards, and the other stages' buckets. Collective."""
     if bucket_bytes <= 0:
         raise ValueError(f"refit bucket size must be positive, got {bucket_bytes}")
     for chunk in chunks_of(model):
-        yield from _chunk_refit(chunk, bucket_bytes, dtype)
+        yield from _chunk_refit(chunk, bucket_bytes, dtype, received)
 
 
-def _chunk_refit(model, bucket_bytes: int, dtype: torch.dtype | None) -> Iterator[list[tuple[str, Tensor]]]:
+def _chunk_refit(model, bucket_bytes: int, dtype: torch.dtype | None,
+                 received: list[int] | None) -> Iterator[list[tuple[str, Tensor]]]:
     r = ranks()
     entries = [_in_dtype(e, dtype) for e in _entries(model, r)]
     cfg, pool = model.hf_config, _Pool()
@@ -56,7 +63,7 @@ def _chunk_refit(model, bucket_bytes: int, dtype: torch.dtype | None) -> Iterato
         src = dist.get_global_rank(r.pp_group, stage) if r.pp > 1 else None
         if r.pp_rank == stage:
             for bucket in _buckets(entries, bucket_bytes):
-                items = _gather([_cast(e, dtype) for e in bucket], cfg, r, pool)
+                items = _gather(_counted(bucket, dtype, received), cfg, r, pool)
                 if r.pp > 1:
                     _broadcast(items, src, r.pp_group, model, pool)
                 yield items
@@ -65,8 +72,19 @@ def _chunk_refit(model, bucket_bytes: int, dtype: torch.dtype | None) -> Iterato
                 _broadcast(None, src, r.pp_group, model, pool)
         else:
             while (items := _broadcast(None, src, r.pp_group, model, pool, receive=True)) is not None:
+                if received is not None:
+                    received[0] += sum(t.numel() * t.element_size() for _, t in items)
                 yield items
                 items = None
+
+
+def _counted(bucket: list, dtype: torch.dtype | None, received: list[int] | None) -> list:
+    """The bucket's entries with this rank's shards cast to `dtype`; `received[0]` grows by what the gathers
+    bring this rank: each gathered tensor's bytes less its own shard's."""
+    cast = [_cast(e, dtype) for e in bucket]
+    if received is not None:
+        received[0] += sum(e.out_bytes - c.param.numel() * c.param.element_size() for e, c in zip(bucket, cast))
+    return cast
 
 
 def _casts(param: Tensor, dtype: torch.dtype | None) -> bool:
@@ -91,23 +109,91 @@ def _cast(entry, dtype: torch.dtype | None):
 
 def stage_buckets(model, bucket_bytes: int, dtype: torch.dtype | None = None,
                   received: list[int] | None = None) -> Iterator[list[tuple[str, Tensor]]]:
-    """This rank's pipeline stage's buckets only, as `refit_buckets` gathers them (every rank of the stage yields
-    them; no stage sees another's). `received[0]` counts the bytes this rank received while gathering: a
-    gathered tensor's bytes less this rank's own shard's. `model` may be a list of virtual-pipeline chunks.
-    Collective over the stage's TP and expert groups."""
+    """This rank's pipeline stage's buckets only (no stage sees another's), whole on the stage's sender
+    (`stage_senders`); the other ranks of the stage yield the same dense tensors but no experts: every EP rank
+    sends its whole experts (gathered over ETP) to the sender only, and ranks outside the sender's expert group
+    take no part in the expert gathers, so no rank receives experts it does not send. `received[0]` counts the
+    bytes this rank received while gathering. `model` may be a list of virtual-pipeline chunks. The call finds
+    the senders at once (collective over every rank: before a sender blocks in its weight group); the stream is
+    collective over the stage's TP and expert groups."""
     if bucket_bytes <= 0:
         raise ValueError(f"refit bucket size must be positive, got {bucket_bytes}")
     r = ranks()
+    sender = stage_senders()[r.pp_rank]
+    members = dist.get_process_group_ranks(r.ep_group) if r.ep > 1 else []
+    to = members.index(sender) if sender in members else None  # the sender's rank in this rank's EP group
+    return _stage_stream(model, bucket_bytes, dtype, received, r, to)
+
+
+def _stage_stream(model, bucket_bytes: int, dtype: torch.dtype | None, received: list[int] | None, r,
+                  to: int | None) -> Iterator[list[tuple[str, Tensor]]]:
     chunks = chunks_of(model)
     entries = [_in_dtype(e, dtype) for chunk in chunks for e in _entries(chunk, r)]
     cfg, pool = chunks[0].hf_config, _Pool()
     for bucket in _buckets(entries, bucket_bytes):
-        cast = [_cast(e, dtype) for e in bucket]
-        if received is not None:
-            received[0] += sum(e.out_bytes - c.param.numel() * c.param.element_size() for e, c in zip(bucket, cast))
-        items = _gather(cast, cfg, r, pool)
+        if r.ep == 1:
+            items = _gather(_counted(bucket, dtype, received), cfg, r, pool)
+        else:
+            items = _gather_for_sender(bucket, dtype, cfg, r, pool, to, received)
         yield items
         items = None
+
+
+def _gather_for_sender(bucket: list, dtype: torch.dtype | None, cfg, r, pool, to: int | None,
+                       received: list[int] | None) -> list[tuple[str, Tensor]]:
+    """One bucket of a stage with expert parallelism: dense tensors gathered over TP as the export does; experts
+    made whole over ETP, then gathered over EP to group rank `to` (the stage's sender) alone, skipped where `to`
+    is None (this rank's EP group does not hold the sender). Only rank `to` gets the bucket's experts."""
+    dense = [e for e in bucket if not e.spec.is_expert]
+    experts = [e for e in bucket if e.spec.is_expert]
+    items = _gather(_counted(dense, dtype, received), cfg, r, pool)
+    if not experts or to is None:
+        return items
+    cast = [_cast(e, dtype) for e in experts]
+    split = [c for c in cast if r.etp > 1]
+    whole = {c.name: unshard(c.spec, s) for c, s in zip(split, _all_gather([c.param for c in split], r.etp_group,
+                                                                           r.etp, pool))}
+    tensors = [whole.get(c.name, c.param.detach()) for c in cast]
+    per_rank = _gather_to(tensors, r.ep_group, r.ep, to)
+    if received is not None:
+        received[0] += sum(c.param.numel() * c.param.element_size() * (r.etp - 1) for c in split)
+        if per_rank is not None:
+            received[0] += sum(t.numel() * t.element_size() * (r.ep - 1) for t in tensors)
+    if per_rank is None:
+        return items
+    for c, by_rank in zip(cast, per_rank):
+        for ep_rank, t in enumerate(by_rank):
+            g = global_expert(c.spec.local_expert, ep_rank, cfg.num_experts, r.ep)
+            items += zip(c.spec.names(g), from_megatron(c.spec, t, cfg, r.etp))
+    return items
+
+
+def _gather_to(tensors: list[Tensor], group, size: int, to: int) -> list[list[Tensor]] | None:
+    """For each tensor, the same-shaped tensors of all `size` ranks of `group` in group-rank order, on group rank
+    `to` only (point to point: no other rank receives anything); None on the others. Received data lands in
+    fresh buffers (the HF tensors view them)."""
+    device, like = tensors[0].device, [(t.shape, t.dtype) for t in tensors]
+    offsets, total = _layout(like)
+    me = dist.get_rank(group)
+    if me != to:
+        dist.send(_pack(tensors, torch.empty(total, dtype=torch.uint8, device=device), offsets),
+                  dst=dist.get_global_rank(group, to), group=group)
+        return None
+    by_rank = []
+    for q in range(size):
+        if q == me:
+            by_rank.append(tensors)
+            continue
+        buf = torch.empty(total, dtype=torch.uint8, device=device)
+        dist.recv(buf, src=dist.get_global_rank(group, q), group=group)
+        by_rank.append(_unpack(buf, offsets, like))
+    return [[by_rank[q][i] for q in range(size)] for i in range(len(tensors))]
+
+
+def per_gpu(backend: str) -> bool:
+    """Whether a refit over `backend` is sent per GPU (every sender the whole model, to the engine worker on its
+    GPU: `cuda_ipc`) rather than per pipeline stage (each stage's sender its own stage's weights, to every worker)."""
+    return backend == "cuda_ipc"
 
 
 def stage_senders() -> list[int]:
@@ -118,11 +204,22 @@ def stage_senders() -> list[int]:
     return [stages.index(s) for s in range(max(stages) + 1)]
 
 
-def join_stage_sender(host: str, port: int, world: int, timeout_s: float, backend: str, senders: int):
+def join_stage_sender(host: str, port: int, world: int, timeout_s: float, backend: str, senders: int,
+                      paired: bool | None = None):
     """Every trainer rank: a stage's sender joins the weight-update group as member `pp_rank` (stage 0's, global
-    rank 0, hosts the rendezvous at `host:port`); returns its group, None on the other ranks. Collective."""
+    rank 0, hosts the rendezvous at `host:port`); returns its group, None on the other ranks. `paired` (None:
+    `per_gpu(backend)`): the senders are instead global ranks 0 .. senders - 1 of a paired group, rank u serving
+    receiver u, the engine worker on its GPU. Collective."""
     from ...distributed.weight_group import open_weight_group
 
+    local = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    if per_gpu(backend) if paired is None else paired:
+        if senders > dist.get_world_size():
+            raise RuntimeError(f"weight group ({backend}): {senders} engine workers, {dist.get_world_size()} trainer "
+                               "ranks: each engine worker needs the trainer rank on its GPU")
+        me = dist.get_rank()
+        return open_weight_group(host, port, me, world, timeout_s, backend, local_rank=local, senders=senders,
+                                 paired=True) if me < senders else None
     by_stage = stage_senders()
     if len(by_stage) != senders or by_stage[0] != 0:
         raise RuntimeError(f"weight group: {senders} sender(s) expected, the trainer has stages sent by ranks "
@@ -130,21 +227,21 @@ def join_stage_sender(host: str, port: int, world: int, timeout_s: float, backen
     me = dist.get_rank()
     if me not in by_stage:
         return None
-    local = torch.cuda.current_device() if torch.cuda.is_available() else 0
     return open_weight_group(host, port, by_stage.index(me), world, timeout_s, backend, local_rank=local,
                              senders=senders)
 
 
 def send_stages(group, stream: Iterator[tuple[str, Tensor]], received: list[int], bucket_bytes: int,
-                dtype: torch.dtype | None) -> dict:
+                dtype: torch.dtype | None, key=None) -> dict:
     """Drain `stream` (this rank's stage's tensors, named for the engines) into `group` in `bucket_bytes` buckets
-    (None on a rank that does not send, which still takes part in its stage's gathers); then every rank's
+    (None on a rank that does not send, which still takes part in its stage's gathers), `key` the tensor set's
+    (a new one resends the headers, `WeightGroup.send`); then every rank's
     figures, on every rank: the senders' bytes and waits, and what each rank received while gathering
     (`received[0]`). Collective."""
     from ...refit import buckets
 
     if group is not None:
-        sent = group.send(buckets(stream, bucket_bytes), dtype)
+        sent = group.send(buckets(stream, bucket_bytes), dtype, key)
         wait = group.wait_s
     else:
         for _ in stream:
