@@ -7,7 +7,10 @@ tensor-parallel part of each), the senders' refits one after another; each sende
 n travels (two buffers), so a stage costs the slower of its gather and its send, and only the first bucket of the
 refit is not overlapped. Where engine and trainer are on different nodes a receiver's bytes arrive through its
 own NIC; the receivers' links are the bottleneck, so taking the senders in turn costs nothing over taking them at
-once.
+once. Colocated on GPUs (the per-GPU CUDA IPC refit), every trainer GPU hosts one engine worker and walks the whole
+model: each stage's buckets, gathered inside the stage, reach every GPU over the trainer's own group (the other
+stages' through the GPU's NIC when the pipeline spans nodes), and each GPU hands them to its engine worker as an
+IPC device copy.
 
 Assumptions, printed with the result: a stage's parameters are its layers' share of the decoder plus the
 embedding (first stage) and output head (last); each stage's sender receives the stage's bytes less its own
@@ -102,8 +105,12 @@ def project(shape: CostShape, top: RefitTopology, hw: Hardware, dtype_bytes: flo
     allow)."""
     stages = stage_bytes(shape, top, dtype_bytes, drafter_params, tied)
     gather_bw = hw.link_bw / 2 * top.link_eff
+    copy_bw = 0.0
     if top.colocated:
-        link, bw = "NVLink (engine worker on another GPU of the node)", hw.link_bw / 2 * top.link_eff
+        # pp > 1: a stage's GPUs fill nodes of their own, so the other stages' buckets cross the NIC
+        link, bw = (("its GPU's NIC (the other stages' buckets)", hw.net_bw * top.link_eff) if top.pp > 1 else
+                    ("NVLink (the stage's own buckets)", hw.link_bw / 2 * top.link_eff))
+        copy_bw = hw.mem_bw / 2  # the IPC hand-over reads and writes every byte in HBM
     else:
         link, bw = "its GPU's NIC (engines on nodes of their own)", hw.net_bw * top.link_eff
     bucket = top.bucket_mb * 2**20
@@ -112,14 +119,17 @@ def project(shape: CostShape, top: RefitTopology, hw: Hardware, dtype_bytes: flo
     seconds, fill = 0.0, None
     for b in stages:
         gather, send = b * (1 - own) / gather_bw, b * share / bw
-        seconds += max(gather, send)
+        seconds += max(gather, send, b * share / copy_bw if copy_bw else 0.0)
         if fill is None:  # the first bucket: gathered before anything is sent
             fill = min(gather, send) * min(1.0, bucket / b) if b else 0.0
     seconds += fill or 0.0
+    receiver = (f"every trainer GPU, which hands them to the engine worker on it ({top.engines} engines x "
+                f"TP{top.gen_tp}) through CUDA IPC," if top.colocated else
+                f"each engine worker ({top.engines} engines x TP{top.gen_tp})")
     assumptions = [
         f"senders: {top.pp} (one per pipeline stage), layers per stage {stage_layers(shape, top)}",
-        f"each engine worker ({top.engines} engines x TP{top.gen_tp}) receives "
-        + ("its 1/TP share of every tensor" if shard_receive else "whole tensors") + f", through {link}",
+        f"{receiver} receives " + ("its 1/TP share of every tensor" if shard_receive else "whole tensors")
+        + f", through {link}",
         f"links at {top.link_eff:.0%} of the spec sheet: receive {bw / 1e9:.1f} GB/s, in-stage gather over NVLink "
         f"{gather_bw / 1e9:.1f} GB/s (each sender lacks {1 - own:.0%} of its stage)",
         f"buckets of {top.bucket_mb} MiB, packing bucket n + 1 while bucket n travels; loading overlaps receiving",

@@ -45,6 +45,26 @@ def test_recipe_refit_is_bounded_by_the_receivers_links():
     assert wire <= p.seconds <= wire + 512 * 2**20 / p.gather_bw
 
 
+def test_colocated_refit_walks_the_whole_model_on_every_gpu():
+    """Colocated (the per-GPU CUDA IPC refit): every trainer GPU receives the whole model, the other stages' buckets
+    through its NIC when the pipeline spans nodes, so the recipe's layout colocated is bounded by the same bytes at
+    line rate as disaggregated; with one stage and nothing to gather the bytes cross NVLink (half its two-way
+    figure) or the IPC device copy (half the HBM bandwidth), whichever is slower."""
+    shape, hw = shape_of(resolve_model("qwen3-235b-a22b")), hardware("h100")
+    coloc = RefitTopology(tp=2, pp=8, ep=8, engines=16, gen_tp=8, colocated=True, first_stage_layers=12,
+                          last_stage_layers=10)
+    p = project(shape, coloc, hw)
+    wire = p.receiver_bytes / (NDR_IB_BW * coloc.link_eff)
+    assert p.receiver_bytes == pytest.approx(2 * shape.total_params) and "NIC" in p.receive_link
+    assert wire <= p.seconds <= wire + 512 * 2**20 / p.gather_bw
+    small = shape_of(resolve_model("qwen3-8b"))
+    one = RefitTopology(tp=1, pp=1, ep=1, engines=8, gen_tp=1, colocated=True)
+    nbytes = sum(stage_bytes(small, one, 2))
+    slower = min(hw.link_bw / 2 * one.link_eff, hw.mem_bw / 2)
+    assert project(small, one, hw).seconds == pytest.approx(nbytes / slower, rel=1e-12)
+    assert "CUDA IPC" in refit_report("qwen3-235b-a22b", coloc)
+
+
 def test_report_states_its_assumptions():
     text = refit_report("qwen3-235b-a22b", RECIPE)
     for part in ("senders: 8 (one per pipeline stage)", "whole tensors", "links at 90% of the spec sheet",
