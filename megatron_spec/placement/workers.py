@@ -200,10 +200,21 @@ class TrainerRank:
     def state_dict(self) -> dict:
         return self.policy.state_dict()
 
-    def save_sharded(self, out_dir: str) -> dict:
+    def save_sharded(self, out_dir: str, background: bool = False) -> dict:
         """Rank 0 of a Megatron trainer: every rank writes its own shards into `out_dir` (the followers take part
-        through rank 0's announcement); returns the small state the run checkpoint keeps."""
-        return self.policy.save_sharded(out_dir)
+        through rank 0's announcement); returns the small state the run checkpoint keeps. `background`: each rank's
+        shards are copied to host memory here and written by a thread of its actor; `finish_save` completes them."""
+        state = self.policy.save_sharded(out_dir, background=background)
+        self.crash.check("save_sharded")
+        return state
+
+    def save_done(self) -> bool:
+        """Rank 0: whether its background write has finished (`finish_save` then waits only for the others')."""
+        return self.policy.save_done()
+
+    def finish_save(self) -> float | None:
+        """Rank 0: finalize the background save on every rank (collective, announced); its write's seconds."""
+        return self.policy.finish_save()
 
     def load_state_dict(self, state: dict) -> None:
         self.policy.load_state_dict(state)

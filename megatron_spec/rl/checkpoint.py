@@ -133,8 +133,8 @@ class Saver:
     With `background`, the state is copied to host memory on the caller's thread and written by a thread while
     the next step runs: the embedded trainer's state dict (`snapshot`), or the Megatron trainer's shards
     (`save_sharded(background=True)`, whose finalization is collective, so the loop's thread does it in `poll` or
-    `wait` and only then renames). A policy that cannot save in the background (Ray's trainer groups) saves in the
-    foreground. Each call returns the step's save metrics: `save_blocking_s` (seconds on the loop's thread) and,
+    `wait` and only then renames; under Ray each trainer rank's actor writes its own shards, `ShardedTrainerGroup`).
+    A policy that cannot save in the background saves in the foreground. Each call returns the step's save metrics: `save_blocking_s` (seconds on the loop's thread) and,
     when a background save completed, `save_background_s` (its write, on rank 0)."""
 
     def __init__(self, run_dir: Path, background: bool):
@@ -222,7 +222,11 @@ class Saver:
         self._raise(pending)
         seconds = pending["seconds"]
         if pending["policy"] is not None:
-            seconds += pending["policy"].finish_save() or 0.0
+            try:  # a rank's failed or killed write fails this on every rank: the directory is never named
+                seconds += pending["policy"].finish_save() or 0.0
+            except BaseException:
+                shutil.rmtree(pending["tmp"], ignore_errors=True)
+                raise
             self._finalize(pending)
         return {"save_background_s": seconds}
 

@@ -80,18 +80,29 @@ class BackgroundWrite:
         return not self.thread.is_alive()
 
     def finish(self) -> float:
+        """Collective, on success and failure alike: a rank whose write failed still takes part in Megatron's
+        finalization, which gathers every rank's results and raises on all of them (a rank raising alone would
+        leave the others waiting in the gather)."""
         self.thread.join()
-        if self.error is not None:
-            raise RuntimeError(f"background checkpoint write failed: {self.error}") from self.error
-        if self.request.async_fn is not None:
+        if self.request.async_fn is not None and self.error is None:
             # The writer hands its results over through a multiprocessing queue whose feeder thread may still be
             # flushing when the writer returns; Megatron's finalization reads it without waiting.
             results = self.request.async_fn_args[2]
             deadline = time.monotonic() + 60
             while results is not None and results.empty() and time.monotonic() < deadline:
                 time.sleep(0.005)
-        for fn in self.request.finalize_fns:  # collective: the write results gathered, the metadata written
-            fn()
+        # Collective: the write results gathered (an empty queue counts as this rank's failure), the metadata
+        # written by rank 0 only if no rank failed. Megatron raises torch's CheckpointException, a BaseException
+        # that callers catching Exception (Ray's actors, the loop) would not see as an error: raised as one.
+        try:
+            for fn in self.request.finalize_fns:
+                fn()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # noqa: BLE001
+            raise RuntimeError(f"background checkpoint write failed: {err}") from err
+        if self.error is not None:  # a failure Megatron's results did not carry (there was nothing to write)
+            raise RuntimeError(f"background checkpoint write failed: {self.error}") from self.error
         return self.seconds
 
 

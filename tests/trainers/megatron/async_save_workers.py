@@ -63,4 +63,47 @@ def background_vs_foreground(rank: int, world: int, root: str) -> dict:
         fresh.load_state_dict(box[0])
         out[step] = {"loaded": {n: t.clone() for n, t in fresh.export_weights()},
                      "next": megatron_steps(fresh, "moe", 1, start=1)}
+    out["failed"] = failed_write(rank, fresh, saver, rl, run_dir)  # the last built policy holds the groups
+    return out
+
+
+def failed_write(rank: int, policy, saver, rl, run_dir: Path) -> dict:
+    """A background save (step 2) whose writer fails on rank 1 only: what each rank's finalization raised, and on
+    rank 0 the checkpoint files before and after, the directories left and what `latest` names."""
+    from megatron_spec.trainers.megatron.checkpoint import BackgroundWrite
+
+    def files():
+        root = run_dir / "checkpoints"
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+    before = files() if rank == 0 else None
+    write = BackgroundWrite._write
+
+    def broken(self, args):
+        if rank == 1:
+            self.error = OSError("injected: disk full")
+            return
+        write(self, args)
+
+    BackgroundWrite._write = broken
+    try:
+        if rank == 0:
+            saver.save(2, policy, rl, background=True)
+        else:
+            policy.save_sharded(None, background=True)
+    finally:
+        BackgroundWrite._write = write
+    try:
+        saver.wait() if rank == 0 else policy.finish_save()
+        raised = None
+    except Exception as err:  # noqa: BLE001
+        raised = f"{type(err).__name__}: {err}"
+    dist.barrier()  # the group still works after the failed save
+    out = {"raised": raised}
+    if rank == 0:
+        after = files()
+        out.update(unchanged=all(after.get(k) == v for k, v in before.items()),
+                   new=sorted(set(after) - set(before)),
+                   dirs=sorted(p.name for p in (run_dir / "checkpoints").iterdir()),
+                   latest=(run_dir / "checkpoints" / "latest").read_text())
     return out

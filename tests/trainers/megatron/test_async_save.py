@@ -47,6 +47,17 @@ def test_resume_from_the_background_save_takes_the_same_next_step(saved):
         assert equal(a["weights"][-1], b["weights"][-1])
 
 
+def test_a_failed_background_write_leaves_the_previous_checkpoint(saved):
+    """Rank 1's writer fails during the step-2 background save: the finalization raises on both ranks (no rank is
+    left waiting for the other) and rank 0's Saver names nothing new: `latest` still names step 1, whose files are
+    byte for byte as they were, and the half-written directory is gone."""
+    r0, r1 = saved[0]["failed"], saved[1]["failed"]
+    for r in (r0, r1):
+        assert r["raised"].startswith("RuntimeError: background checkpoint write failed"), r["raised"]
+    assert r0["latest"] == "step_000001" and r0["unchanged"] and r0["new"] == []
+    assert r0["dirs"] == ["latest", "step_000000", "step_000001"]
+
+
 def test_torchrun_recipe_resumes_from_a_background_save(tmp_path):
     """The tiny MoE recipe under torchrun (EP2; rank 1 follows rank 0's announced calls, `finish_save` included),
     saving every step: steps 0 and 1 are saved in the background (logged `save_background_s` at the next boundary),
