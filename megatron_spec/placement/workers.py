@@ -73,15 +73,32 @@ class TrainerRank:
         self.crash = CrashHook()
 
     def address(self, rendezvous: bool = False) -> tuple[str, int, str]:
-        """This node's address, a port on it for a group this rank would host, and the node's Ray id. The port is
-        the launcher's fixed one for the trainer's own group (`rendezvous`: `rendezvous_port`), else a free one
-        (the weight-update group's, which the trainer group's store would otherwise hold)."""
+        """This node's address, the port of the group this rank hosts (`host_port`) and the node's Ray id."""
         import ray
 
-        from ..distributed.process_groups import free_port, node_address, rendezvous_port
+        host, port = self.host_port(rendezvous)
+        return host, port, ray.get_runtime_context().get_node_id()
 
-        port = rendezvous_port() if rendezvous else free_port()
-        return node_address(), port, ray.get_runtime_context().get_node_id()
+    def host_port(self, rendezvous: bool = False) -> tuple[str, int]:
+        """This node's address and, on rank 0, the port of the rendezvous it now holds bound for a group it will
+        host (0 elsewhere): the trainer's own group's (`rendezvous`, when there is more than one rank) on the
+        launcher's `rendezvous_port`, else the weight-update group's on `weights_port`; without a fixed port the
+        OS picks one as the store binds it, so no other process can take it first (`host_rendezvous`)."""
+        from ..distributed.process_groups import host_rendezvous, node_address, rendezvous_port, weights_port
+
+        host = node_address()
+        if self.rank != 0 or (rendezvous and self.world == 1):
+            return host, 0
+        return host, host_rendezvous(host, rendezvous_port() if rendezvous else weights_port())
+
+    def close_weights(self) -> None:
+        """Rank 0: close the weight-update group it hosts (its store's port with it), so that the group can form
+        again on the same fixed port (`CollectiveRefit.reconnect`)."""
+        for owner, attr in ((self, "weights"), (self.policy, "weight_group")):
+            group = getattr(owner, attr, None)
+            if group is not None:
+                group.close()
+                setattr(owner, attr, None)
 
     def setup(self, master: tuple[str, int] | None, local_rank: int, follower: bool) -> int:
         """Join the trainer's process group (when world > 1: gloo on CPUs, NCCL on the GPU `local_rank` picks, the
