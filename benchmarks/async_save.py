@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--work", default=None, help="where the checkpoints are written (default: the temp dir)")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    t0 = time.time()
+    t0, load_before = time.time(), os.getloadavg()
     res = spawn(bench, 1, args, threads=args.threads)[0]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     record = {
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "top_k": 2, "moe_ffn": args.ffn, "params_dtype": "float32"},
         "batch": f"{args.rows} rows, {args.prompt}-token prompts, {args.completion}-token completions",
         "seconds": round(time.time() - t0, 1),
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),  # other jobs on the machine skew timings
         **summarize(res["rounds"]),
         "rounds": res["rounds"],
     }
