@@ -1,10 +1,11 @@
 """Does a background checkpoint save overlap the next training step? The Megatron trainer's GRPO step on a random
 Qwen3-MoE, in one process, timed side by side in each round: a step with no save, a foreground save then a step,
-and a background save (`run.async_save`) whose write runs during the step that follows it.
+and a background save (`run.async_save`) whose write runs during the step that follows it, written by a thread
+or by a process (`run.async_save_writer`).
 
     flock /tmp/ms-timing.lock python benchmarks/async_save.py --out research/records/async_save_megatron.json
 
-Each round runs the three cases in a rotated order after one warm-up step and save of each kind; every save goes
+Each round runs the cases in a rotated order after one warm-up step and save of each kind; every save goes
 through the loop's `rl.checkpoint.Saver` into a fresh run directory (deleted after), so it is the loop's path: the
 shards (fp32 weights and both Adam moments, `torch_dist`), `state.pt`, the rename and `latest`. Per case it
 records the step's seconds and the save's seconds on the critical path: the foreground save whole; for the
@@ -16,6 +17,7 @@ with the step, so on a small CPU the overlap shows as a slower step, not as free
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -32,7 +34,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CASES = ("none", "foreground", "background")
+CASES = ("none", "foreground", "background", "background_process")
+"""`background`: the shards written by a thread of the trainer's process; `background_process`: by a spawned
+process, handed the copy in shared memory (`run.async_save_writer`)."""
 
 
 def machine(threads: int) -> str:
@@ -79,6 +83,7 @@ def bench(rank: int, world: int, args) -> dict:
                             dict(temperature=1.0, top_k=0, top_p=1.0), Parallelism())
     del model
     rl = RLConfig()
+    rl_process = dataclasses.replace(rl, run=dataclasses.replace(rl.run, async_save_writer="process"))
     work = Path(tempfile.mkdtemp(prefix="async-save-", dir=args.work))
     counter = iter(range(10**6))
 
@@ -90,11 +95,11 @@ def bench(rank: int, world: int, args) -> dict:
 
     def case(kind: str) -> dict:
         run_dir = work / f"run{next(counter)}"
-        saver = Saver(run_dir, background=kind == "background")
+        saver = Saver(run_dir, background=kind.startswith("background"))
         out = {}
         if kind != "none":
             t0 = time.perf_counter()
-            out.update(saver.save(0, policy, rl))
+            out.update(saver.save(0, policy, rl_process if kind == "background_process" else rl))
             out["save_call_s"] = time.perf_counter() - t0
         out["step_s"] = step()
         t0 = time.perf_counter()
@@ -111,7 +116,7 @@ def bench(rank: int, world: int, args) -> dict:
         case(kind)
     rounds = []
     for r in range(args.rounds):
-        order = CASES[r % 3:] + CASES[: r % 3]
+        order = CASES[r % len(CASES):] + CASES[: r % len(CASES)]
         rounds.append({kind: case(kind) for kind in order})
     shutil.rmtree(work, ignore_errors=True)
     return {"params": params, "rounds": rounds}
@@ -120,7 +125,7 @@ def bench(rank: int, world: int, args) -> dict:
 def summarize(rounds: list[dict]) -> dict:
     med = {k: {m: statistics.median(r[k][m] for r in rounds) for m in rounds[0][k]} for k in CASES}
     ratio = {f"{k}_{m}_over_none_step": statistics.median(r[k][m] / r["none"]["step_s"] for r in rounds)
-             for k in ("foreground", "background") for m in ("step_s", "critical_s")}
+             for k in CASES[1:] for m in ("step_s", "critical_s")}
     return {"median": med, "ratio_per_round_median": ratio}
 
 

@@ -27,6 +27,7 @@ DRAFTER = "drafter"
 """Sub-directory of a checkpoint holding the online-trained drafter, in the layout of the checkpoint it started from."""
 
 IGNORED_ON_RESUME = {"run.steps", "run.resume", "run.save_every", "run.save_every_s", "run.async_save",
+                     "run.async_save_writer",
                      "run.signal_before_s",
                      "run.eval_every", "run.out_dir", "run.report",
                      "grpo.micro_batch_tokens", "grpo.fold_logprob", "grpo.share_prompt", "run.device",
@@ -154,7 +155,8 @@ class Saver:
         tmp = staging_dir(self.root / f"step_{step:06d}")
         try:
             if sharded:
-                policy_state = (state.save_sharded(tmp / SHARDED, background=True) if background
+                policy_state = (state.save_sharded(tmp / SHARDED, background=True, writer=cfg.run.async_save_writer)
+                                if background
                                 else state.save_sharded(tmp / SHARDED))
             else:
                 policy_state = state if isinstance(state, dict) else state.state_dict()

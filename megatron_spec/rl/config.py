@@ -310,6 +310,11 @@ class RunSection:
     complete, so a save interrupted at any point leaves the previous checkpoint to resume from. One save is in
     flight at a time; the save at the end and on a signal are complete before the run returns. It holds a second
     copy of the trainer's state in host memory while writing; false: every save on the critical path, no copy."""
+    async_save_writer: str = "thread"
+    """What writes the Megatron trainer's background shards: `thread` (a thread of each rank's process) or `process`
+    (a spawned process per rank, the copy handed over in shared memory, so the writer never holds the step's GIL;
+    it needs /dev/shm room for a rank's whole state, which containers often cap). The embedded trainer's state
+    is always written by a thread."""
     signal_before_s: int = 300
     """SLURM jobs: the sbatch templates ask for SIGUSR1 this many seconds before the job's time limit
     (`--signal=B:USR1@N`) and forward it to the loop, which saves at the next step boundary and exits 0 (SIGTERM
@@ -351,6 +356,8 @@ class RunSection:
                              f"got {self.save_every}")
         if self.save_every_s is not None and not self.save_every_s > 0:
             raise ValueError(f"run.save_every_s must be > 0 seconds (or null: no time cadence), got {self.save_every_s}")
+        if self.async_save_writer not in ("thread", "process"):
+            raise ValueError(f"run.async_save_writer must be thread or process, got {self.async_save_writer!r}")
         if self.signal_before_s < 0:
             raise ValueError(f"run.signal_before_s must be >= 0 (0: no signal before the time limit), "
                              f"got {self.signal_before_s}")

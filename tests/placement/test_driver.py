@@ -15,6 +15,7 @@ from megatron_spec.rl import loop
 from megatron_spec.rl.config import RolloutCorrection
 from megatron_spec.rl.logging import read_metrics
 from tests.rl.test_loop import ckpts, shaped_reward, small_cfg  # noqa: F401  (fixtures)
+from tests.trainers.megatron.common import sharded_tensors
 
 pytestmark = pytest.mark.ray
 
@@ -208,18 +209,6 @@ def test_megatron_ranks_in_actors_train_and_refit_the_engine(ray_cluster, ckpts,
     assert all(m["trainer_offload"]["trainer_rss_mb_offloaded"] > 0 for m in meg)
     assert all(len(m["engine_memory"]["engine_peak_rss_mb"]) == 1 for m in meg)
     assert "trainer_offload" not in emb[0] and "engine_memory" not in emb[0]
-
-
-def sharded_tensors(ckpt_dir):
-    """Every tensor of a checkpoint's `policy/` shards, read whole in this process (no process group)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    out = {}
-    _load_state_dict(out, storage_reader=FileSystemReader(str(ckpt_dir / "policy")),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
 
 
 def test_megatron_ranks_in_actors_write_and_resume_a_sharded_checkpoint(ray_cluster, ckpts, moe_policy, tmp_path,

@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import torch
+
 import torch.distributed as dist
 
 from .common import tiny
@@ -64,7 +66,48 @@ def background_vs_foreground(rank: int, world: int, root: str) -> dict:
         out[step] = {"loaded": {n: t.clone() for n, t in fresh.export_weights()},
                      "next": megatron_steps(fresh, "moe", 1, start=1)}
     out["failed"] = failed_write(rank, fresh, saver, rl, run_dir)  # the last built policy holds the groups
+    out["process"] = process_writer(rank, fresh, saver, run_dir)
     return out
+
+
+def process_writer(rank: int, policy, saver, run_dir: Path) -> dict:
+    """The same state saved in the foreground (step 3) and by the writer process (step 4, held until the next step
+    has changed the weights, finalized after it); on rank 0 whether every tensor of the two checkpoints is equal,
+    and the writer's pid."""
+    import dataclasses
+    import os
+
+    from megatron_spec.rl.config import RLConfig
+    from megatron_spec.trainers.megatron import writer
+    from megatron_spec.trainers.megatron.checkpoint import BackgroundWrite
+
+    from .common import sharded_tensors
+
+    rl = RLConfig()
+    rl = dataclasses.replace(rl, run=dataclasses.replace(rl.run, async_save_writer="process"))
+    go, write = threading.Event(), BackgroundWrite._write
+
+    def held(self, args):
+        assert go.wait(300)
+        write(self, args)
+
+    for step, background in ((3, False), (4, True)):
+        BackgroundWrite._write = held if background else write
+        if rank == 0:
+            saver.save(step, policy, rl, background=background)
+        else:
+            policy.save_sharded(None, background=background, writer="process")
+    megatron_steps(policy, "moe", 1, start=2)
+    go.set()
+    BackgroundWrite._write = write
+    saver.wait() if rank == 0 else policy.finish_save()
+    dist.barrier()
+    pid = writer._writer.process.pid
+    if rank != 0:
+        return {"pid": pid, "me": os.getpid()}
+    a, b = (sharded_tensors(run_dir / "checkpoints" / f"step_{s:06d}") for s in (3, 4))
+    return {"pid": pid, "me": os.getpid(), "keys": len(a),
+            "equal": sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)}
 
 
 def failed_write(rank: int, policy, saver, rl, run_dir: Path) -> dict:

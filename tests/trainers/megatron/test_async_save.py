@@ -58,6 +58,16 @@ def test_a_failed_background_write_leaves_the_previous_checkpoint(saved):
     assert r0["dirs"] == ["latest", "step_000000", "step_000001"]
 
 
+def test_the_writer_process_writes_the_state_at_the_boundary(saved):
+    """`run.async_save_writer="process"`: each rank's shards are written by a spawned process of its own (another
+    pid), from the shared-memory copy taken at the boundary: every tensor equals, bitwise, the foreground save of
+    the same state, although the step that ran before the held write was released changed every weight."""
+    for rank in saved:
+        assert rank["process"]["pid"] != rank["process"]["me"]
+    assert saved[0]["process"]["pid"] != saved[1]["process"]["pid"]
+    assert saved[0]["process"]["keys"] > 0 and saved[0]["process"]["equal"]
+
+
 def test_torchrun_recipe_resumes_from_a_background_save(tmp_path):
     """The tiny MoE recipe under torchrun (EP2; rank 1 follows rank 0's announced calls, `finish_save` included),
     saving every step: steps 0 and 1 are saved in the background (logged `save_background_s` at the next boundary),
