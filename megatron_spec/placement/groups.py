@@ -179,7 +179,7 @@ class ShardedTrainerGroup(TrainerGroup):
     In the background each rank actor's thread writes its shards while the driver runs the next step; the driver's
     `Saver.poll` / `wait` then call `finish_save`, which every rank runs together, before the directory is named."""
 
-    def save_sharded(self, out_dir, background: bool = False, writer: str = "thread") -> dict:
+    def save_sharded(self, out_dir, background: bool = False, writer: str = "process") -> dict:
         return self.call("save_sharded", str(out_dir), background, writer)
 
     def save_done(self) -> bool:

@@ -217,7 +217,7 @@ class TrainerRank:
     def state_dict(self) -> dict:
         return self.policy.state_dict()
 
-    def save_sharded(self, out_dir: str, background: bool = False, writer: str = "thread") -> dict:
+    def save_sharded(self, out_dir: str, background: bool = False, writer: str = "process") -> dict:
         """Rank 0 of a Megatron trainer: every rank writes its own shards into `out_dir` (the followers take part
         through rank 0's announcement); returns the small state the run checkpoint keeps. `background`: each rank's
         shards are copied to host memory here and written by a thread of its actor (or a process: `writer`);

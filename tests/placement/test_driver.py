@@ -216,8 +216,8 @@ def test_megatron_ranks_in_actors_write_and_resume_a_sharded_checkpoint(ray_clus
     """Under Ray a Megatron trainer's checkpoint is Megatron-Core's distributed one, written by every rank actor:
     `policy/` holds `torch_dist` shard files of both ranks (`__<rank>_<n>.distcp`) and the run's `state.pt` keeps
     no weights (it is far smaller than the fp32 policy). Saving every step, steps 0 and 1 are written in the
-    background (each rank's writer thread during the next step, finalized by the driver at the next save, which
-    logs `save_background_s`) and step 2, the last, in the foreground.
+    background (each rank actor's writer process during the next step, finalized by the driver at the next save,
+    which logs `save_background_s`) and step 2, the last, in the foreground.
 
     The run cut back to step 1's background checkpoint resumes, and its step 2 equals the straight run's exactly
     (loss, grad norm, reward, log-prob mismatch) and ends in the same step-2 checkpoint, every tensor (weights and

@@ -232,7 +232,7 @@ class ShardedCheckpoints:
         return {"model": model, "optimizer": self.mopt.sharded_state_dict(model, is_loading, metadata=metadata)}
 
     def save_sharded(self, out_dir: str | os.PathLike | None, background: bool = False,
-                     writer: str = "thread") -> dict:
+                     writer: str = "process") -> dict:
         """Every rank writes its own shards of the weights (fp32 masters), both Adam moments and the MTP layers
         into `out_dir` (Megatron-Core `torch_dist`; rank 0's `out_dir` counts, the others may pass None). Collective;
         returns the small state the run checkpoint keeps beside it (`load_state_dict` of it loads the shards).
@@ -262,7 +262,8 @@ class ShardedCheckpoints:
         step = self.optimizer.adam_step()
         if background:
             process = writer_process() if writer == "process" else None
-            snapshot(sd, process.snapshot if process else None)
+            if not snapshot(sd, process.snapshot if process else None):
+                process = None  # no room in /dev/shm: the thread writes this save
             with on_cpu():
                 request = dist_checkpointing.save(sd, str(out_dir), async_sharded_save=True)
                 self._pending_save = BackgroundWrite(request, process)
@@ -362,25 +363,36 @@ def unviewed(sharded: dict) -> None:
     dict_list_map_inplace(fix, sharded)
 
 
-def snapshot(sharded: dict, into=None) -> None:
+def snapshot(sharded: dict, into=None) -> bool:
     """Build the sharded state dict's factories and replace every host tensor by a copy of its own, in place: what
     a background write reads must not change while the next step updates the parameters and moments. (Device
-    tensors are left to Megatron's preload, which copies them to the host.) `into`: a `writer.SharedSnapshot`
-    whose shared buffer takes the copies, for a writer process."""
+    tensors are left to Megatron's preload, which copies them to the host.)
+
+    `into`: a `writer.SharedSnapshot` whose shared buffer takes the copies of every tensor, device tensors
+    included, for a writer process; returns False (the copies made as without it) where /dev/shm has no room for
+    them, with a line saying so."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     apply_factories(sharded)
     host = []
 
-    def copy(x):
-        if isinstance(x, ShardedTensor) and isinstance(x.data, torch.Tensor) and x.data.device.type == "cpu":
-            if into is None:
-                x.data = x.data.detach().clone(memory_format=torch.contiguous_format)
-            else:
-                host.append(x)
+    def collect(x):
+        if isinstance(x, ShardedTensor) and isinstance(x.data, torch.Tensor):
+            host.append(x)
         return x
 
-    dict_list_map_inplace(copy, sharded)
-    for x, t in zip(host, into.take([x.data for x in host]) if host else []):
-        x.data = t
+    dict_list_map_inplace(collect, sharded)
+    if into is not None:
+        fits, need, free = into.fits([x.data for x in host])
+        if fits:
+            for x, t in zip(host, into.take([x.data for x in host])):
+                x.data = t
+            return True
+        print(f"checkpoint writer process: the copy needs {need / 2**30:.1f} GiB of /dev/shm, {free / 2**30:.1f} GiB "
+              "free; this save is written by a thread (enlarge /dev/shm, e.g. docker --shm-size, or set "
+              "run.async_save_writer=thread)", flush=True)
+    for x in host:
+        if x.data.device.type == "cpu":
+            x.data = x.data.detach().clone(memory_format=torch.contiguous_format)
+    return into is None

@@ -55,10 +55,26 @@ class SharedSnapshot:
     def __init__(self):
         self.buffer = torch.empty(0, dtype=torch.uint8)
 
+    @staticmethod
+    def _sizes(tensors: list[torch.Tensor]) -> list[int]:
+        return [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors]
+
+    def fits(self, tensors: list[torch.Tensor]) -> tuple[bool, int, int]:
+        """Whether the buffer holds `tensors` or /dev/shm has room to grow it: (fits, bytes needed, bytes free)."""
+        need = sum(self._sizes(tensors))
+        if need <= self.buffer.numel():
+            return True, need, self.buffer.numel()
+        try:
+            st = os.statvfs("/dev/shm")
+        except OSError:  # no /dev/shm to measure (torch shares memory another way there)
+            return True, need, -1
+        free = st.f_bavail * st.f_frsize + self.buffer.numel()  # the old buffer is freed before the new one
+        return need <= free, need, free
+
     def take(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of `tensors` in the buffer, each a tensor whose storage is exactly its own bytes (the writer
         clones a view into a larger storage), in `tensors`' order."""
-        sizes = [-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors]
+        sizes = self._sizes(tensors)
         if self.buffer.numel() < sum(sizes):
             self.buffer = torch.empty(0, dtype=torch.uint8)  # the old one freed first
             self.buffer = torch.empty(sum(sizes), dtype=torch.uint8).share_memory_()

@@ -40,6 +40,7 @@ def background_vs_foreground(rank: int, world: int, root: str) -> dict:
 
     BackgroundWrite._write = held
     rl = RLConfig()
+    rl.run.async_save_writer = "thread"  # the writer process has its own case (`process_writer`)
     run_dir = Path(root) / "run"
     policy = make(dict(ep=2, etp=1))
     megatron_steps(policy, "moe", 1)
@@ -49,7 +50,7 @@ def background_vs_foreground(rank: int, world: int, root: str) -> dict:
         if rank == 0:
             metrics[step] = saver.save(step, policy, rl, background=background)
         else:
-            policy.save_sharded(None, background=background)
+            policy.save_sharded(None, background=background, writer="thread")
     overlapped = megatron_steps(policy, "moe", 1, start=1)  # changes every weight and moment the write reads
     go.set()
     BackgroundWrite._write = write
@@ -133,7 +134,7 @@ def failed_write(rank: int, policy, saver, rl, run_dir: Path) -> dict:
         if rank == 0:
             saver.save(2, policy, rl, background=True)
         else:
-            policy.save_sharded(None, background=True)
+            policy.save_sharded(None, background=True, writer="thread")
     finally:
         BackgroundWrite._write = write
     try:

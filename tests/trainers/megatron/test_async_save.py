@@ -1,6 +1,7 @@
 """The Megatron trainer's background save (`save_sharded(background=True)` / `finish_save`, through
 `rl.checkpoint.Saver`) on 2 gloo ranks: what it writes while the next step updates the weights is the state at the
-boundary, equal to a foreground save of it, and a policy resumed from it at another layout takes the same next step.
+boundary, equal to a foreground save of it, and a policy resumed from it at another layout takes the same next step;
+so with the writer thread and with the writer process; a rank whose write fails fails the save on both.
 The runs are in `async_save_workers.py`."""
 
 from __future__ import annotations
