@@ -99,15 +99,15 @@ _hosted: dict[int, object] = {}
 
 
 def host_rendezvous(host: str, port: int) -> int:
-    """Bind the TCP store this process (at `host`) will host as rank 0 of a group, on `port` (0: one the OS picks while binding,
-    so no other process can take it between the choice and the bind), and return the port it holds: the others are
-    told it, and `rendezvous(host, port, 0, ...)` here uses this store. A fixed port still held (by a group not
-    closed) fails here, naming it."""
+    """Bind the TCP store this process (at `host`) will host as rank 0 of a group, on `port` (0: one the OS picks
+    while binding, so no other process can take it between the choice and the bind), and return the port it holds:
+    the others are told it, and `rendezvous(host, port, 0, ...)` here uses this store. A fixed port still held (by a
+    group not closed) fails here, naming it."""
     try:
         store = torch.distributed.TCPStore(host, port, None, True, wait_for_workers=False)
     except RuntimeError as err:
-        raise JoinError(f"cannot host a rendezvous on port {port}: {err} (a fixed port must be free on this node, and a "
-                        "group formed again must close its previous one first)") from err
+        raise JoinError(f"cannot host a rendezvous on port {port}: {err} (a fixed port must be free on this node, "
+                        "and a group formed again must close its previous one first)") from err
     _hosted[store.port] = store
     return store.port
 

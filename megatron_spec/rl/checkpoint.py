@@ -131,11 +131,12 @@ class Saver:
     `step_NNNNNN` once complete, after which `latest` is rewritten to name it: a save interrupted at any point
     (a failure, a killed process) leaves the previous checkpoint complete and still named by `latest`.
 
-    With `background`, the state is copied to host memory on the caller's thread and written by a thread while
-    the next step runs: the embedded trainer's state dict (`snapshot`), or the Megatron trainer's shards
-    (`save_sharded(background=True)`, whose finalization is collective, so the loop's thread does it in `poll` or
-    `wait` and only then renames; under Ray each trainer rank's actor writes its own shards, `ShardedTrainerGroup`).
-    A policy that cannot save in the background saves in the foreground. Each call returns the step's save metrics: `save_blocking_s` (seconds on the loop's thread) and,
+    With `background`, the state is copied to host memory on the caller's thread and written while the next step
+    runs: the embedded trainer's state dict (`snapshot`) by a thread, or the Megatron trainer's shards
+    (`save_sharded(background=True)`, each rank's by its writer, `run.async_save_writer`; their finalization is
+    collective, so the loop's thread does it in `poll` or `wait` and only then renames; under Ray each trainer rank's
+    actor writes its own shards, `ShardedTrainerGroup`). A policy that cannot save in the background saves in the
+    foreground. Each call returns the step's save metrics: `save_blocking_s` (seconds on the loop's thread) and,
     when a background save completed, `save_background_s` (its write, on rank 0)."""
 
     def __init__(self, run_dir: Path, background: bool):

@@ -289,6 +289,10 @@ class DrafterTrainSection:
             raise ValueError(f"drafter_train.max_tokens must be >= 0 (0: every row), got {self.max_tokens}")
 
 
+ASYNC_SAVE_WRITERS = ("process", "thread")
+"""What may write the Megatron trainer's background shards (`RunSection.async_save_writer`)."""
+
+
 @dataclass
 class RunSection:
     steps: int = 50
@@ -358,8 +362,9 @@ class RunSection:
                              f"got {self.save_every}")
         if self.save_every_s is not None and not self.save_every_s > 0:
             raise ValueError(f"run.save_every_s must be > 0 seconds (or null: no time cadence), got {self.save_every_s}")
-        if self.async_save_writer not in ("thread", "process"):
-            raise ValueError(f"run.async_save_writer must be thread or process, got {self.async_save_writer!r}")
+        if self.async_save_writer not in ASYNC_SAVE_WRITERS:
+            raise ValueError(f"run.async_save_writer must be {' or '.join(ASYNC_SAVE_WRITERS)}, "
+                             f"got {self.async_save_writer!r}")
         if self.signal_before_s < 0:
             raise ValueError(f"run.signal_before_s must be >= 0 (0: no signal before the time limit), "
                              f"got {self.signal_before_s}")

@@ -11,12 +11,13 @@ layout. The two forms do not load into each other. `state_dict` / `load_state_di
 on every rank) stay for small models and tools (torch optimizer only).
 
 A background save (`save_sharded(..., background=True)`) takes what Megatron-Core's own asynchronous save takes on the
-critical path: the copy of this rank's shards to host memory (`snapshot`: a clone of each host tensor, since the next
-step updates the parameters in place; device tensors are copied by Megatron's preload) and the collective planning.
-Megatron-Core's `AsyncCallsQueue` that would then run the write needs CUDA, so a thread of ours runs it
-(`BackgroundWrite`: Megatron's per-file writer, `writer.in_this_thread`, or handed to a process, `writer.py`), and `finish_save` does the finalization
-Megatron defines (the write results gathered, rank 0 writing the global metadata), collectively, when the loop asks.
-Until then the directory is incomplete and not yet named as a checkpoint (`rl/checkpoint.py` renames it after).
+critical path: the copy of this rank's shards to host memory (`snapshot`, since the next step updates the parameters
+in place: into the writer process's shared buffer, or for the writer thread a clone of each host tensor, device
+tensors then copied by Megatron's preload) and the collective planning. Megatron-Core's `AsyncCallsQueue` that would
+then run the write needs CUDA, so a thread of ours runs it (`BackgroundWrite`: Megatron's per-file writer, in that
+thread or handed to a spawned process, `writer.py`), and `finish_save` does the finalization Megatron defines (the
+write results gathered, rank 0 writing the global metadata), collectively, when the loop asks. Until then the
+directory is incomplete and not yet named as a checkpoint (`rl/checkpoint.py` renames it after).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_spec.rl.checkpoint import lower_priority
+from megatron_spec.rl.config import ASYNC_SAVE_WRITERS
 
 from . import require_megatron
 from .cpu import on_cpu
@@ -42,8 +44,6 @@ require_megatron()
 from megatron.core import parallel_state as ps  # noqa: E402
 
 OPT_STATES = ("exp_avg", "exp_avg_sq")
-WRITERS = ("thread", "process")
-"""What writes a background save's shards: a thread of the trainer's process, or a spawned process (`writer.py`)."""
 MEGATRON_CKPT = dict(distrib_optim_sharding_type="fully_reshardable", chained_optim_avoid_prefix=True)
 """Megatron-Core's checkpoint metadata: the distributed optimizer's state in the model's space (each weight's fp32
 master and Adam moments shaped and sharded as the weight, so it loads at any TP / PP / EP / DP layout; to save or
@@ -239,15 +239,15 @@ class ShardedCheckpoints:
         With `optimizer="megatron"`: Megatron-Core's checkpoint of the model and the distributed optimizer
         (`_megatron_sharded`); ranks holding a data-parallel replica of a shard leave its writing to the first.
 
-        `background`: the shards are copied to host memory and planned here, written by a thread while training
-        goes on; the checkpoint is complete only after `finish_save` (collective), and one save is in flight at
-        a time. `writer`: what writes it, a thread of this process or a spawned process (`writer.py`)."""
+        `background`: the shards are copied to host memory and planned here, written while training goes on; the
+        checkpoint is complete only after `finish_save` (collective), and one save is in flight at a time.
+        `writer`: what writes it, a spawned process (`writer.py`) or a thread of this process."""
         from megatron.core import dist_checkpointing
 
         if self._pending_save is not None:
             raise RuntimeError("a background save is still in flight: finish_save() it before the next save")
-        if writer not in WRITERS:
-            raise ValueError(f"checkpoint writer {writer!r}: one of {', '.join(WRITERS)}")
+        if writer not in ASYNC_SAVE_WRITERS:
+            raise ValueError(f"checkpoint writer {writer!r}: one of {', '.join(ASYNC_SAVE_WRITERS)}")
         self._announce("save_sharded", None if out_dir is None else str(out_dir), background, writer)
         box = [None if out_dir is None else str(out_dir)]
         dist.broadcast_object_list(box, src=0)  # rank 0 names the directory (a temporary one, renamed after)
