@@ -316,9 +316,8 @@ class RunSection:
     copy of the trainer's state in host memory while writing; false: every save on the critical path, no copy."""
     async_save_writer: str = "process"
     """What writes the Megatron trainer's background shards: `process` (a spawned process per rank, the copy handed
-    over in shared memory, so the writer never takes the step's GIL: the step it overlapped ran 1.05x a plain one
-    against 2.0x with the thread, `research/records/async_save_megatron_writer_process.json`) or `thread` (a thread
-    of each rank's process). The process needs /dev/shm room for a rank's whole state, which containers often cap:
+    over in shared memory, so the writer never takes the step's GIL; `benchmarks/async_save.py` times both) or
+    `thread` (a thread of each rank's process). The process needs /dev/shm room for a rank's whole state, which containers often cap:
     a save that does not fit is written by a thread, with a line saying so. The embedded trainer's state is always
     written by a thread."""
     signal_before_s: int = 300
