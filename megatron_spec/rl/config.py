@@ -314,12 +314,6 @@ class RunSection:
     complete, so a save interrupted at any point leaves the previous checkpoint to resume from. One save is in
     flight at a time; the save at the end and on a signal are complete before the run returns. It holds a second
     copy of the trainer's state in host memory while writing; false: every save on the critical path, no copy."""
-    async_save_writer: str = "process"
-    """What writes the Megatron trainer's background shards: `process` (a spawned process per rank, the copy handed
-    over in shared memory, so the writer never takes the step's GIL; `benchmarks/async_save.py` times both) or
-    `thread` (a thread of each rank's process). The process needs /dev/shm room for a rank's whole state, which containers often cap:
-    a save that does not fit is written by a thread, with a line saying so. The embedded trainer's state is always
-    written by a thread."""
     signal_before_s: int = 300
     """SLURM jobs: the sbatch templates ask for SIGUSR1 this many seconds before the job's time limit
     (`--signal=B:USR1@N`) and forward it to the loop, which saves at the next step boundary and exits 0 (SIGTERM
@@ -352,6 +346,12 @@ class RunSection:
     devices' floating-point differences). The spelling is checked here; that torch sees the GPU is checked when a
     run starts (`torch_device`), so a launcher on a GPU-less login node can still submit a CUDA job. The at-scale
     backends place their own work (Megatron: one GPU per rank; vLLM: its engine's devices) and ignore it."""
+    async_save_writer: str = "process"
+    """What writes the Megatron trainer's background shards (`async_save`): `process` (a spawned process per rank,
+    the copy handed over in shared memory, so the writer never takes the step's GIL; `benchmarks/async_save.py`
+    times both) or `thread` (a thread of each rank's process). The process needs /dev/shm room for a rank's whole
+    state, which containers often cap: a save that does not fit is written by a thread, with a line saying so. The
+    embedded trainer's state is always written by a thread."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -361,9 +361,6 @@ class RunSection:
                              f"got {self.save_every}")
         if self.save_every_s is not None and not self.save_every_s > 0:
             raise ValueError(f"run.save_every_s must be > 0 seconds (or null: no time cadence), got {self.save_every_s}")
-        if self.async_save_writer not in ASYNC_SAVE_WRITERS:
-            raise ValueError(f"run.async_save_writer must be {' or '.join(ASYNC_SAVE_WRITERS)}, "
-                             f"got {self.async_save_writer!r}")
         if self.signal_before_s < 0:
             raise ValueError(f"run.signal_before_s must be >= 0 (0: no signal before the time limit), "
                              f"got {self.signal_before_s}")
@@ -374,6 +371,9 @@ class RunSection:
             raise ValueError(f"run.loggers: unknown {unknown}; use any of tensorboard, wandb, mlflow")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"run.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.async_save_writer not in ASYNC_SAVE_WRITERS:
+            raise ValueError(f"run.async_save_writer must be {' or '.join(ASYNC_SAVE_WRITERS)}, "
+                             f"got {self.async_save_writer!r}")
 
     def torch_device(self):
         """`device` as a torch.device, or a ValueError when torch cannot reach it (before any model is loaded)."""
