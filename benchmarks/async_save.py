@@ -1,10 +1,11 @@
 """Does a background checkpoint save overlap the next training step? The Megatron trainer's GRPO step on a random
 Qwen3-MoE, in one process, timed side by side in each round: a step with no save, a foreground save then a step,
-and a background save (`run.async_save`) whose write runs during the step that follows it.
+and a background save (`run.async_save`) whose write runs during the step that follows it, written by a thread
+or by a process (`run.async_save_writer`).
 
     flock /tmp/ms-timing.lock python benchmarks/async_save.py --out research/records/async_save_megatron.json
 
-Each round runs the three cases in a rotated order after one warm-up step and save of each kind; every save goes
+Each round runs the cases in a rotated order after one warm-up step and save of each kind; every save goes
 through the loop's `rl.checkpoint.Saver` into a fresh run directory (deleted after), so it is the loop's path: the
 shards (fp32 weights and both Adam moments, `torch_dist`), `state.pt`, the rename and `latest`. Per case it
 records the step's seconds and the save's seconds on the critical path: the foreground save whole; for the
@@ -16,7 +17,9 @@ with the step, so on a small CPU the overlap shows as a slower step, not as free
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -31,7 +34,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CASES = ("none", "foreground", "background")
+CASES = ("none", "foreground", "background", "background_process")
+"""`background`: the shards written by a thread of the trainer's process; `background_process`: by a spawned
+process, handed the copy in shared memory (`run.async_save_writer`)."""
 
 
 def machine(threads: int) -> str:
@@ -78,6 +83,7 @@ def bench(rank: int, world: int, args) -> dict:
                             dict(temperature=1.0, top_k=0, top_p=1.0), Parallelism())
     del model
     rl = RLConfig()
+    rl_process = dataclasses.replace(rl, run=dataclasses.replace(rl.run, async_save_writer="process"))
     work = Path(tempfile.mkdtemp(prefix="async-save-", dir=args.work))
     counter = iter(range(10**6))
 
@@ -89,11 +95,11 @@ def bench(rank: int, world: int, args) -> dict:
 
     def case(kind: str) -> dict:
         run_dir = work / f"run{next(counter)}"
-        saver = Saver(run_dir, background=kind == "background")
+        saver = Saver(run_dir, background=kind.startswith("background"))
         out = {}
         if kind != "none":
             t0 = time.perf_counter()
-            out.update(saver.save(0, policy, rl))
+            out.update(saver.save(0, policy, rl_process if kind == "background_process" else rl))
             out["save_call_s"] = time.perf_counter() - t0
         out["step_s"] = step()
         t0 = time.perf_counter()
@@ -110,7 +116,7 @@ def bench(rank: int, world: int, args) -> dict:
         case(kind)
     rounds = []
     for r in range(args.rounds):
-        order = CASES[r % 3:] + CASES[: r % 3]
+        order = CASES[r % len(CASES):] + CASES[: r % len(CASES)]
         rounds.append({kind: case(kind) for kind in order})
     shutil.rmtree(work, ignore_errors=True)
     return {"params": params, "rounds": rounds}
@@ -119,7 +125,7 @@ def bench(rank: int, world: int, args) -> dict:
 def summarize(rounds: list[dict]) -> dict:
     med = {k: {m: statistics.median(r[k][m] for r in rounds) for m in rounds[0][k]} for k in CASES}
     ratio = {f"{k}_{m}_over_none_step": statistics.median(r[k][m] / r["none"]["step_s"] for r in rounds)
-             for k in ("foreground", "background") for m in ("step_s", "critical_s")}
+             for k in CASES[1:] for m in ("step_s", "critical_s")}
     return {"median": med, "ratio_per_round_median": ratio}
 
 
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--work", default=None, help="where the checkpoints are written (default: the temp dir)")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    t0 = time.time()
+    t0, load_before = time.time(), os.getloadavg()
     res = spawn(bench, 1, args, threads=args.threads)[0]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     record = {
@@ -151,6 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "top_k": 2, "moe_ffn": args.ffn, "params_dtype": "float32"},
         "batch": f"{args.rows} rows, {args.prompt}-token prompts, {args.completion}-token completions",
         "seconds": round(time.time() - t0, 1),
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),  # other jobs on the machine skew timings
         **summarize(res["rounds"]),
         "rounds": res["rounds"],
     }

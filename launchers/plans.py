@@ -82,6 +82,7 @@ RAY_PORTS = {
     "RAY_DASHBOARD_AGENT_LISTEN_PORT": 6704,
     "RAY_METRICS_EXPORT_PORT": 6705,
     "MEGATRON_SPEC_RENDEZVOUS_PORT": 6706,  # the trainer group's torch.distributed store, on trainer rank 0's node
+    "MEGATRON_SPEC_WEIGHTS_PORT": 6707,     # the refit's weight-update group's store, on trainer rank 0's node
     "RAY_MIN_WORKER_PORT": 10002,          # Ray's worker processes listen inside [min, max]
     "RAY_MAX_WORKER_PORT": 10999,
 }

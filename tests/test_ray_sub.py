@@ -197,21 +197,22 @@ def test_rendered_script_starts_each_node_as_the_plan_says(tmp_path):
     assert f"Ray cluster up with 8 GPUs on 2 nodes of {CPUS} CPUs" in done.stdout
 
 
-def test_a_taken_port_is_named_before_ray_starts(tmp_path):
-    """A process listening on the plan's node-manager port: the step stops with exit 5 naming the port and its
-    variable, and no `ray start` runs."""
+@pytest.mark.parametrize("name", ["RAY_NODE_MANAGER_PORT", "MEGATRON_SPEC_WEIGHTS_PORT"])
+def test_a_taken_port_is_named_before_ray_starts(tmp_path, name):
+    """A process listening on one of the plan's ports (a raylet's; the refit's weight-update group's): the step
+    stops with exit 5 naming the port and its variable, and no `ray start` runs."""
     plan = two_node_plan("colocated")
     env, log = stubs(tmp_path)
     script = tmp_path / "ray.sub"
     script.write_text(render_sbatch(plan, "exit 0", "t"))
-    port = plan["ray"]["ports"]["RAY_NODE_MANAGER_PORT"]
+    port = plan["ray"]["ports"][name]
     with socket.socket() as s:
         s.bind(("", port))
         s.listen()
         done = subprocess.run(["bash", str(script)], env={**env, "RAY_WAIT_S": "3"}, capture_output=True, text=True,
                               timeout=120)
     assert done.returncode == 5, done.stderr
-    assert f"port {port} (RAY_NODE_MANAGER_PORT) is taken" in done.stderr
+    assert f"port {port} ({name}) is taken" in done.stderr
     assert not any(c.startswith("ray start") for c in log.read_text().splitlines())
 
 

@@ -69,6 +69,8 @@ def straddling_groups(nodes: list[str], size: int) -> list[int]:
 
 
 def free_port() -> int:
+    """A port free at the moment of asking. Released before it is used, so another process may take it in between:
+    for a store this process hosts, `host_rendezvous` binds port 0 instead and has no such gap."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -81,9 +83,33 @@ def node_address() -> str:
 
 
 def rendezvous_port() -> int:
-    """The port a group's rank 0 hosts its rendezvous on: MEGATRON_SPEC_RENDEZVOUS_PORT where the launcher fixed one
-    (so a cluster's firewall can open it), else a free one."""
-    return int(os.environ.get("MEGATRON_SPEC_RENDEZVOUS_PORT") or free_port())
+    """The port the trainer group's rank 0 hosts its rendezvous on: MEGATRON_SPEC_RENDEZVOUS_PORT where the launcher
+    fixed one (so a cluster's firewall can open it), else 0 (`host_rendezvous`: the OS picks one as it binds)."""
+    return int(os.environ.get("MEGATRON_SPEC_RENDEZVOUS_PORT") or 0)
+
+
+def weights_port() -> int:
+    """The port trainer rank 0 hosts the weight-update group's rendezvous on: MEGATRON_SPEC_WEIGHTS_PORT where the
+    launcher fixed one, else 0 (`host_rendezvous`: the OS picks one as it binds)."""
+    return int(os.environ.get("MEGATRON_SPEC_WEIGHTS_PORT") or 0)
+
+
+_hosted: dict[int, object] = {}
+"""Stores `host_rendezvous` bound in this process, by port, until `rendezvous` takes them as rank 0's."""
+
+
+def host_rendezvous(host: str, port: int) -> int:
+    """Bind the TCP store this process (at `host`) will host as rank 0 of a group, on `port` (0: one the OS picks
+    while binding, so no other process can take it between the choice and the bind), and return the port it holds:
+    the others are told it, and `rendezvous(host, port, 0, ...)` here uses this store. A fixed port still held (by a
+    group not closed) fails here, naming it."""
+    try:
+        store = torch.distributed.TCPStore(host, port, None, True, wait_for_workers=False)
+    except RuntimeError as err:
+        raise JoinError(f"cannot host a rendezvous on port {port}: {err} (a fixed port must be free on this node, "
+                        "and a group formed again must close its previous one first)") from err
+    _hosted[store.port] = store
+    return store.port
 
 
 VERDICT_GRACE_S = 10.0
@@ -96,7 +122,11 @@ def rendezvous(host: str, port: int, rank: int, world: int, timeout_s: float, wh
     naming the ranks missing after `timeout_s` (rank 0 hosts the store and decides; the others read its verdict)."""
     timeout = timedelta(seconds=timeout_s)
     try:
-        store = torch.distributed.TCPStore(host, port, world, rank == 0, timeout=timeout, wait_for_workers=False)
+        store = _hosted.pop(port, None) if rank == 0 else None
+        if store is not None:  # bound ahead by `host_rendezvous`
+            store.set_timeout(timeout)
+        else:
+            store = torch.distributed.TCPStore(host, port, world, rank == 0, timeout=timeout, wait_for_workers=False)
     except RuntimeError as err:
         raise JoinError(f"{what}: rank {rank} could not reach the rendezvous at {host}:{port} within {timeout_s:g} s "
                         f"({err})") from err

@@ -221,11 +221,19 @@ class TrainerGroup:
 
 
 class ShardedTrainerGroup(TrainerGroup):
-    """A Megatron trainer's group: `rl.checkpoint.save` finds `save_sharded` and every rank writes its own shards
-    (Megatron-Core `torch_dist`, the followers taking part through rank 0's announcement); nothing is gathered."""
+    """A Megatron trainer's group: `rl.checkpoint.Saver` finds `save_sharded` and every rank writes its own shards
+    (Megatron-Core `torch_dist`, the followers taking part through rank 0's announcement); nothing is gathered.
+    In the background each rank actor's thread writes its shards while the driver runs the next step; the driver's
+    `Saver.poll` / `wait` then call `finish_save`, which every rank runs together, before the directory is named."""
 
-    def save_sharded(self, out_dir) -> dict:
-        return self.call("save_sharded", str(out_dir))
+    def save_sharded(self, out_dir, background: bool = False, writer: str = "process") -> dict:
+        return self.call("save_sharded", str(out_dir), background, writer)
+
+    def save_done(self) -> bool:
+        return self.call("save_done")
+
+    def finish_save(self) -> float | None:
+        return self.call("finish_save")
 
 
 @dataclasses.dataclass

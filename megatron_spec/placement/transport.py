@@ -145,7 +145,9 @@ class CollectiveRefit:
 
     def reconnect(self) -> None:
         """After an engine was replaced: form the group again and resend the last sent version (the trainer holds
-        it: refits happen only when the driver is about to generate, before the next update)."""
+        it: refits happen only when the driver is about to generate, before the next update). The old group is
+        closed first: its store holds the port (a fixed one, `weights_port`) the new group's rendezvous binds."""
+        require_ray().get(self.trainer.ranks[0].close_weights.remote())
         self.connect()
         if self.version is not None:
             resolve(self.start(self.version))

@@ -75,15 +75,32 @@ class TrainerRank:
         self.crash = CrashHook()
 
     def address(self, rendezvous: bool = False) -> tuple[str, int, str]:
-        """This node's address, a port on it for a group this rank would host, and the node's Ray id. The port is
-        the launcher's fixed one for the trainer's own group (`rendezvous`: `rendezvous_port`), else a free one
-        (the weight-update group's, which the trainer group's store would otherwise hold)."""
+        """This node's address, the port of the group this rank hosts (`host_port`) and the node's Ray id."""
         import ray
 
-        from ..distributed.process_groups import free_port, node_address, rendezvous_port
+        host, port = self.host_port(rendezvous)
+        return host, port, ray.get_runtime_context().get_node_id()
 
-        port = rendezvous_port() if rendezvous else free_port()
-        return node_address(), port, ray.get_runtime_context().get_node_id()
+    def host_port(self, rendezvous: bool = False) -> tuple[str, int]:
+        """This node's address and, on rank 0, the port of the rendezvous it now holds bound for a group it will
+        host (0 elsewhere): the trainer's own group's (`rendezvous`, when there is more than one rank) on the
+        launcher's `rendezvous_port`, else the weight-update group's on `weights_port`; without a fixed port the
+        OS picks one as the store binds it, so no other process can take it first (`host_rendezvous`)."""
+        from ..distributed.process_groups import host_rendezvous, node_address, rendezvous_port, weights_port
+
+        host = node_address()
+        if self.rank != 0 or (rendezvous and self.world == 1):
+            return host, 0
+        return host, host_rendezvous(host, rendezvous_port() if rendezvous else weights_port())
+
+    def close_weights(self) -> None:
+        """Rank 0: close the weight-update group it hosts (its store's port with it), so that the group can form
+        again on the same fixed port (`CollectiveRefit.reconnect`)."""
+        for owner, attr in ((self, "weights"), (self.policy, "weight_group")):
+            group = getattr(owner, attr, None)
+            if group is not None:
+                group.close()
+                setattr(owner, attr, None)
 
     def setup(self, master: tuple[str, int] | None, local_rank: int, follower: bool) -> int:
         """Join the trainer's process group (when world > 1: gloo on CPUs, NCCL on the GPU `local_rank` picks, the
@@ -219,10 +236,22 @@ class TrainerRank:
     def state_dict(self) -> dict:
         return self.policy.state_dict()
 
-    def save_sharded(self, out_dir: str) -> dict:
+    def save_sharded(self, out_dir: str, background: bool = False, writer: str = "process") -> dict:
         """Rank 0 of a Megatron trainer: every rank writes its own shards into `out_dir` (the followers take part
-        through rank 0's announcement); returns the small state the run checkpoint keeps."""
-        return self.policy.save_sharded(out_dir)
+        through rank 0's announcement); returns the small state the run checkpoint keeps. `background`: each rank's
+        shards are copied to host memory here and written by a thread of its actor (or a process: `writer`);
+        `finish_save` completes them."""
+        state = self.policy.save_sharded(out_dir, background=background, writer=writer)
+        self.crash.check("save_sharded")
+        return state
+
+    def save_done(self) -> bool:
+        """Rank 0: whether its background write has finished (`finish_save` then waits only for the others')."""
+        return self.policy.save_done()
+
+    def finish_save(self) -> float | None:
+        """Rank 0: finalize the background save on every rank (collective, announced); its write's seconds."""
+        return self.policy.finish_save()
 
     def load_state_dict(self, state: dict) -> None:
         self.policy.load_state_dict(state)

@@ -27,6 +27,7 @@ DRAFTER = "drafter"
 """Sub-directory of a checkpoint holding the online-trained drafter, in the layout of the checkpoint it started from."""
 
 IGNORED_ON_RESUME = {"run.steps", "run.resume", "run.save_every", "run.save_every_s", "run.async_save",
+                     "run.async_save_writer",
                      "run.signal_before_s",
                      "run.eval_every", "run.out_dir", "run.report",
                      "grpo.micro_batch_tokens", "grpo.fold_logprob", "grpo.share_prompt", "run.device",
@@ -130,10 +131,11 @@ class Saver:
     `step_NNNNNN` once complete, after which `latest` is rewritten to name it: a save interrupted at any point
     (a failure, a killed process) leaves the previous checkpoint complete and still named by `latest`.
 
-    With `background`, the state is copied to host memory on the caller's thread and written by a thread while
-    the next step runs: the embedded trainer's state dict (`snapshot`), or the Megatron trainer's shards
-    (`save_sharded(background=True)`, whose finalization is collective, so the loop's thread does it in `poll` or
-    `wait` and only then renames). A policy that cannot save in the background (Ray's trainer groups) saves in the
+    With `background`, the state is copied to host memory on the caller's thread and written while the next step
+    runs: the embedded trainer's state dict (`snapshot`) by a thread, or the Megatron trainer's shards
+    (`save_sharded(background=True)`, each rank's by its writer, `run.async_save_writer`; their finalization is
+    collective, so the loop's thread does it in `poll` or `wait` and only then renames; under Ray each trainer rank's
+    actor writes its own shards, `ShardedTrainerGroup`). A policy that cannot save in the background saves in the
     foreground. Each call returns the step's save metrics: `save_blocking_s` (seconds on the loop's thread) and,
     when a background save completed, `save_background_s` (its write, on rank 0)."""
 
@@ -154,7 +156,8 @@ class Saver:
         tmp = staging_dir(self.root / f"step_{step:06d}")
         try:
             if sharded:
-                policy_state = (state.save_sharded(tmp / SHARDED, background=True) if background
+                policy_state = (state.save_sharded(tmp / SHARDED, background=True, writer=cfg.run.async_save_writer)
+                                if background
                                 else state.save_sharded(tmp / SHARDED))
             else:
                 policy_state = state if isinstance(state, dict) else state.state_dict()
@@ -222,7 +225,11 @@ class Saver:
         self._raise(pending)
         seconds = pending["seconds"]
         if pending["policy"] is not None:
-            seconds += pending["policy"].finish_save() or 0.0
+            try:  # a rank's failed or killed write fails this on every rank: the directory is never named
+                seconds += pending["policy"].finish_save() or 0.0
+            except BaseException:
+                shutil.rmtree(pending["tmp"], ignore_errors=True)
+                raise
             self._finalize(pending)
         return {"save_background_s": seconds}
 

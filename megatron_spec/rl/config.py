@@ -291,6 +291,10 @@ class DrafterTrainSection:
             raise ValueError(f"drafter_train.max_tokens must be >= 0 (0: every row), got {self.max_tokens}")
 
 
+ASYNC_SAVE_WRITERS = ("process", "thread")
+"""What may write the Megatron trainer's background shards (`RunSection.async_save_writer`)."""
+
+
 @dataclass
 class RunSection:
     steps: int = 50
@@ -344,6 +348,12 @@ class RunSection:
     devices' floating-point differences). The spelling is checked here; that torch sees the GPU is checked when a
     run starts (`torch_device`), so a launcher on a GPU-less login node can still submit a CUDA job. The at-scale
     backends place their own work (Megatron: one GPU per rank; vLLM: its engine's devices) and ignore it."""
+    async_save_writer: str = "process"
+    """What writes the Megatron trainer's background shards (`async_save`): `process` (a spawned process per rank,
+    the copy handed over in shared memory, so the writer never takes the step's GIL; `benchmarks/async_save.py`
+    times both) or `thread` (a thread of each rank's process). The process needs /dev/shm room for a rank's whole
+    state, which containers often cap: a save that does not fit is written by a thread, with a line saying so. The
+    embedded trainer's state is always written by a thread."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -363,6 +373,9 @@ class RunSection:
             raise ValueError(f"run.loggers: unknown {unknown}; use any of tensorboard, wandb, mlflow")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"run.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.async_save_writer not in ASYNC_SAVE_WRITERS:
+            raise ValueError(f"run.async_save_writer must be {' or '.join(ASYNC_SAVE_WRITERS)}, "
+                             f"got {self.async_save_writer!r}")
 
     def torch_device(self):
         """`device` as a torch.device, or a ValueError when torch cannot reach it (before any model is loaded)."""

@@ -15,6 +15,7 @@ from megatron_spec.rl import loop
 from megatron_spec.rl.config import RolloutCorrection
 from megatron_spec.rl.logging import read_metrics
 from tests.rl.test_loop import ckpts, shaped_reward, small_cfg  # noqa: F401  (fixtures)
+from tests.trainers.megatron.common import sharded_tensors
 
 pytestmark = pytest.mark.ray
 
@@ -212,33 +213,71 @@ def test_megatron_ranks_in_actors_train_and_refit_the_engine(ray_cluster, ckpts,
 
 def test_megatron_ranks_in_actors_write_and_resume_a_sharded_checkpoint(ray_cluster, ckpts, moe_policy, tmp_path,
                                                                         shaped_reward):
-    """Under Ray a Megatron trainer's checkpoint is Megatron-Core's distributed one, written by every rank: the last
-    step's `policy/` holds `torch_dist` shard files of both ranks (`__<rank>_<n>.distcp`) and the run's `state.pt`
-    keeps no weights (it is far smaller than the fp32 policy, which a gathered state_dict would put there). A second
-    run with more steps resumes from it: steps 0-1 are not repeated, step 2 is appended, and its engine-vs-trainer
-    log-prob mismatch stays below 1e-4, which holds only if the resumed shards are the weights refit into the
-    engine."""
+    """Under Ray a Megatron trainer's checkpoint is Megatron-Core's distributed one, written by every rank actor:
+    `policy/` holds `torch_dist` shard files of both ranks (`__<rank>_<n>.distcp`) and the run's `state.pt` keeps
+    no weights (it is far smaller than the fp32 policy). Saving every step, steps 0 and 1 are written in the
+    background (each rank actor's writer process during the next step, finalized by the driver at the next save,
+    which logs `save_background_s`) and step 2, the last, in the foreground.
+
+    The run cut back to step 1's background checkpoint resumes, and its step 2 equals the straight run's exactly
+    (loss, grad norm, reward, log-prob mismatch) and ends in the same step-2 checkpoint, every tensor (weights and
+    both Adam moments) bitwise. Then a run going on from step 2 loses trainer rank 0 while step 3's background
+    write is in flight (its process ends right after handing its shards to its writer): the run stops with
+    TrainerDied, no `step_000003` is named, `latest` still names step 2 and its files are byte for byte as they
+    were, whole tensors and all."""
     pytest.importorskip("megatron.core", reason="needs megatron-core: pip install 'megatron-spec[megatron]'")
+    import shutil
+
     out = tmp_path / "run"
 
-    def run(steps: int):
-        cfg = ray_cfg(ckpts, out, "colocated", steps=steps)
+    def cfg_for(run_dir, steps: int):
+        cfg = ray_cfg(ckpts, run_dir, "colocated", steps=steps)
         cfg.model.policy, cfg.model.drafter, cfg.spec = str(moe_policy), None, None
         cfg.grpo.prompts_per_step, cfg.grpo.group_size = 2, 4
         cfg.backend.trainer, cfg.backend.megatron.ep = "megatron", 2
-        cfg.run.resume = True
-        loop.train(cfg)
+        cfg.run.resume, cfg.run.save_every, cfg.run.async_save = True, 1, True
+        return cfg
 
-    run(2)
-    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
-    shards = [p.name for p in (latest / "policy").iterdir() if p.name.endswith(".distcp")]
-    assert {name.split("_")[2] for name in shards} == {"0", "1"}, shards
+    loop.train(cfg_for(out, 3))
+    straight = read_metrics(out)
+    assert [sorted(k for k in m if k.startswith("save_")) for m in straight] == [
+        ["save_blocking_s"], ["save_background_s", "save_blocking_s"], ["save_background_s", "save_blocking_s"]]
+    ckpts_dir = out / "checkpoints"
+    assert (ckpts_dir / "latest").read_text().strip() == "step_000002"
+    for step in (1, 2):  # a background save and a foreground one
+        shards = [p.name for p in (ckpts_dir / f"step_{step:06d}" / "policy").iterdir() if p.name.endswith(".distcp")]
+        assert {name.split("_")[2] for name in shards} == {"0", "1"}, shards
     policy_bytes = sum(p.stat().st_size for p in moe_policy.glob("*.safetensors"))
-    assert (latest / "state.pt").stat().st_size < policy_bytes / 4
-    run(3)
-    logged = read_metrics(out)
-    assert [m["step"] for m in logged] == [0, 1, 2]
-    assert logged[-1]["logprob_mismatch"] < 1e-4
+    assert (ckpts_dir / "step_000001" / "state.pt").stat().st_size < policy_bytes / 4
+    final = sharded_tensors(ckpts_dir / "step_000002")
+    assert any(k.startswith("exp_avg_sq.") for k in final) and any(k.startswith("weights.") for k in final)
+
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut)
+    shutil.rmtree(cut / "checkpoints" / "step_000002")
+    (cut / "checkpoints" / "latest").write_text("step_000001")
+    loop.train(cfg_for(cut, 3))
+    resumed = read_metrics(cut)
+    keys = ["step", "loss", "grad_norm", "reward_mean", "logprob_mismatch", "gen_tokens"]
+    assert [m["step"] for m in resumed] == [0, 1, 2]
+    assert [resumed[2][k] for k in keys] == [straight[2][k] for k in keys]
+    again = sharded_tensors(cut / "checkpoints" / "step_000002")
+    assert sorted(again) == sorted(final) and all(torch.equal(again[k], final[k]) for k in final)
+
+    before = {p: p.read_bytes() for p in (cut / "checkpoints" / "step_000002").rglob("*") if p.is_file()}
+
+    def doomed(c):
+        trainer = RayTrainer(c)
+        trainer.policy.ranks[0].arm_crash.remote("save_sharded")
+        return trainer
+
+    with pytest.raises(TrainerDied):
+        loop.run(cfg_for(cut, 5), doomed)
+    assert (cut / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    assert not (cut / "checkpoints" / "step_000003").exists()
+    assert {p: p.read_bytes() for p in (cut / "checkpoints" / "step_000002").rglob("*") if p.is_file()} == before
+    loaded = sharded_tensors(cut / "checkpoints" / "step_000002")
+    assert all(torch.equal(loaded[k], final[k]) for k in final)
 
 
 def test_megatron_pipeline_stages_each_send_their_own_weights(ray_cluster, ckpts, moe_policy, tmp_path,

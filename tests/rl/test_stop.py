@@ -138,6 +138,7 @@ def test_pid_file_names_the_process_running_the_loop(tmp_path, monkeypatch):
     ("save_every_s", -5.0, "run.save_every_s must be > 0"),
     ("signal_before_s", -1, "run.signal_before_s must be >= 0"),
     ("eval_every", -2, "run.eval_every must be >= 0"),
+    ("async_save_writer", "fork", "run.async_save_writer must be process or thread"),
 ])
 def test_cadence_fields_are_checked_before_any_compute(field, value, message):
     with pytest.raises(ValueError, match=message):

@@ -336,11 +336,11 @@ class VLLMGenerator:
         the engine's weights are then incomplete until the next full refit."""
         import threading
 
-        from ...distributed.process_groups import free_port
+        from ...distributed.process_groups import host_rendezvous
         from ...distributed.weight_group import dtype_of, open_weight_group
 
         if self.local_group is None:
-            port, box = free_port(), {}
+            port, box = host_rendezvous("127.0.0.1", 0), {}  # bound now: no other process can take it first
             joining = threading.Thread(target=self._call, args=(box, self.join_weight_group, "127.0.0.1", port,
                                                                  self.workers + 1, 1, LOCAL_GROUP_TIMEOUT_S, "gloo"))
             joining.start()

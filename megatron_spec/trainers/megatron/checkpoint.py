@@ -11,12 +11,13 @@ layout. The two forms do not load into each other. `state_dict` / `load_state_di
 on every rank) stay for small models and tools (torch optimizer only).
 
 A background save (`save_sharded(..., background=True)`) takes what Megatron-Core's own asynchronous save takes on the
-critical path: the copy of this rank's shards to host memory (`snapshot`: a clone of each host tensor, since the next
-step updates the parameters in place; device tensors are copied by Megatron's preload) and the collective planning.
-Megatron-Core's `AsyncCallsQueue` that would then run the write needs CUDA, so a thread of ours runs it
-(`BackgroundWrite`: Megatron's per-file writer, `in_this_thread`), and `finish_save` does the finalization
-Megatron defines (the write results gathered, rank 0 writing the global metadata), collectively, when the loop asks.
-Until then the directory is incomplete and not yet named as a checkpoint (`rl/checkpoint.py` renames it after).
+critical path: the copy of this rank's shards to host memory (`snapshot`, since the next step updates the parameters
+in place: into the writer process's shared buffer, or for the writer thread a clone of each host tensor, device
+tensors then copied by Megatron's preload) and the collective planning. Megatron-Core's `AsyncCallsQueue` that would
+then run the write needs CUDA, so a thread of ours runs it (`BackgroundWrite`: Megatron's per-file writer, in that
+thread or handed to a spawned process, `writer.py`), and `finish_save` does the finalization Megatron defines (the
+write results gathered, rank 0 writing the global metadata), collectively, when the loop asks. Until then the
+directory is incomplete and not yet named as a checkpoint (`rl/checkpoint.py` renames it after).
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_spec.rl.checkpoint import lower_priority
+from megatron_spec.rl.config import ASYNC_SAVE_WRITERS
 
 from . import require_megatron
 from .cpu import on_cpu
 from .exporter import export_hf
 from .importer import import_hf
+from .writer import whole_storage, in_this_thread, writer_process
 
 require_megatron()
 from megatron.core import parallel_state as ps  # noqa: E402
@@ -53,8 +56,9 @@ class BackgroundWrite:
     """One rank's part of a background save: Megatron-Core's `AsyncRequest` written by a thread (its staging
     `preload_fn` first, in the caller's thread), finalized by `finish`."""
 
-    def __init__(self, request):
+    def __init__(self, request, writer=None):
         self.request = request
+        self.writer = writer or in_this_thread  # or a `writer.WriterProcess`, called the same way
         args = list(request.async_fn_args)
         if request.preload_fn is not None:  # device -> host copies; host tensors were cloned by `snapshot`
             args[1] = request.preload_fn()
@@ -69,7 +73,7 @@ class BackgroundWrite:
         try:
             fn = self.request.async_fn
             if getattr(getattr(fn, "func", None), "__name__", "") == "write_preloaded_data_multiproc":
-                in_this_thread(*fn.args, *args)
+                self.writer(*fn.args, *args)
             elif fn is not None:  # None: nothing of this rank's to write
                 fn(*args, **self.request.async_fn_kwargs)
         except BaseException as err:  # noqa: BLE001  (re-raised in the caller's thread by `finish`)
@@ -80,41 +84,30 @@ class BackgroundWrite:
         return not self.thread.is_alive()
 
     def finish(self) -> float:
+        """Collective, on success and failure alike: a rank whose write failed still takes part in Megatron's
+        finalization, which gathers every rank's results and raises on all of them (a rank raising alone would
+        leave the others waiting in the gather)."""
         self.thread.join()
-        if self.error is not None:
-            raise RuntimeError(f"background checkpoint write failed: {self.error}") from self.error
-        if self.request.async_fn is not None:
+        if self.request.async_fn is not None and self.error is None:
             # The writer hands its results over through a multiprocessing queue whose feeder thread may still be
             # flushing when the writer returns; Megatron's finalization reads it without waiting.
             results = self.request.async_fn_args[2]
             deadline = time.monotonic() + 60
             while results is not None and results.empty() and time.monotonic() < deadline:
                 time.sleep(0.005)
-        for fn in self.request.finalize_fns:  # collective: the write results gathered, the metadata written
-            fn()
+        # Collective: the write results gathered (an empty queue counts as this rank's failure), the metadata
+        # written by rank 0 only if no rank failed. Megatron raises torch's CheckpointException, a BaseException
+        # that callers catching Exception (Ray's actors, the loop) would not see as an error: raised as one.
+        try:
+            for fn in self.request.finalize_fns:
+                fn()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # noqa: BLE001
+            raise RuntimeError(f"background checkpoint write failed: {err}") from err
+        if self.error is not None:  # a failure Megatron's results did not carry (there was nothing to write)
+            raise RuntimeError(f"background checkpoint write failed: {self.error}") from self.error
         return self.seconds
-
-
-def in_this_thread(transforms, use_msc: bool, rank: int, buckets: list, results) -> None:
-    """What Megatron-Core's `write_preloaded_data_multiproc` does, file after file in the calling thread: its
-    per-file writer, the results handed to `results` as it hands them. Its own runner forks a process per file,
-    which on a host training at the same time makes every page the step then writes (weights, gradients, moments)
-    a copy-on-write fault for as long as the children live: the step ran 3-4 times slower during the write."""
-    import queue
-
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-
-    local, count, out = queue.SimpleQueue(), queue.Queue(), {}
-    for i, bucket in enumerate(buckets):
-        count.put(i)
-        FileSystemWriterAsync.write_preloaded_data(transforms, i, bucket, local, count, use_fsync=True,
-                                                   **({"use_msc": True} if use_msc else {}))
-        idx, written = local.get()
-        if isinstance(written, Exception):
-            out = written
-            break
-        out[idx] = written
-    results.put(out)
 
 
 class ShardedCheckpoints:
@@ -238,21 +231,24 @@ class ShardedCheckpoints:
                     sub._init_optimizer_states_with_dummy_values()
         return {"model": model, "optimizer": self.mopt.sharded_state_dict(model, is_loading, metadata=metadata)}
 
-    def save_sharded(self, out_dir: str | os.PathLike | None, background: bool = False) -> dict:
+    def save_sharded(self, out_dir: str | os.PathLike | None, background: bool = False,
+                     writer: str = "process") -> dict:
         """Every rank writes its own shards of the weights (fp32 masters), both Adam moments and the MTP layers
         into `out_dir` (Megatron-Core `torch_dist`; rank 0's `out_dir` counts, the others may pass None). Collective;
         returns the small state the run checkpoint keeps beside it (`load_state_dict` of it loads the shards).
         With `optimizer="megatron"`: Megatron-Core's checkpoint of the model and the distributed optimizer
         (`_megatron_sharded`); ranks holding a data-parallel replica of a shard leave its writing to the first.
 
-        `background`: the shards are copied to host memory and planned here, written by a thread while training
-        goes on; the checkpoint is complete only after `finish_save` (collective), and one save is in flight at
-        a time."""
+        `background`: the shards are copied to host memory and planned here, written while training goes on; the
+        checkpoint is complete only after `finish_save` (collective), and one save is in flight at a time.
+        `writer`: what writes it, a spawned process (`writer.py`) or a thread of this process."""
         from megatron.core import dist_checkpointing
 
         if self._pending_save is not None:
             raise RuntimeError("a background save is still in flight: finish_save() it before the next save")
-        self._announce("save_sharded", None if out_dir is None else str(out_dir), background)
+        if writer not in ASYNC_SAVE_WRITERS:
+            raise ValueError(f"checkpoint writer {writer!r}: one of {', '.join(ASYNC_SAVE_WRITERS)}")
+        self._announce("save_sharded", None if out_dir is None else str(out_dir), background, writer)
         box = [None if out_dir is None else str(out_dir)]
         dist.broadcast_object_list(box, src=0)  # rank 0 names the directory (a temporary one, renamed after)
         out_dir = Path(box[0])
@@ -265,10 +261,12 @@ class ShardedCheckpoints:
             sd = {k: v for key in ("weights", *OPT_STATES) for k, v in self._sharded(key).items()}
         step = self.optimizer.adam_step()
         if background:
-            snapshot(sd)
+            process = writer_process() if writer == "process" else None
+            if not snapshot(sd, process.snapshot if process else None):
+                process = None  # no room in /dev/shm: the thread writes this save
             with on_cpu():
                 request = dist_checkpointing.save(sd, str(out_dir), async_sharded_save=True)
-                self._pending_save = BackgroundWrite(request)
+                self._pending_save = BackgroundWrite(request, process)
         else:
             unviewed(sd)
             with on_cpu():
@@ -346,17 +344,8 @@ class ShardedCheckpoints:
         self.mopt.load_state_dict(loaded["optimizer"])
 
 
-def _whole_storage(t: torch.Tensor) -> torch.Tensor:
-    """`t`, or for a contiguous view into a larger storage the same memory as a tensor whose storage is exactly its
-    own bytes (no copy)."""
-    if t.device.type != "cpu" or not t.is_contiguous() or t.untyped_storage().nbytes() == t.numel() * t.element_size():
-        return t
-    raw = torch.from_numpy(t.reshape(-1).view(torch.uint8).numpy())  # shares t's memory, keeps t alive
-    return raw.view(t.dtype).view(t.shape)
-
-
 def unviewed(sharded: dict) -> None:
-    """Build the sharded state dict's factories and hand every tensor to the writer as `_whole_storage`, in place.
+    """Build the sharded state dict's factories and hand every tensor to the writer as `whole_storage`, in place.
 
     Megatron-Core's `torch_dist` writer clones, before writing anything, every host tensor that is a view into a
     larger storage; the gate and up halves of each SwiGLU weight (and of its Adam moments) are such views, so a save
@@ -368,24 +357,42 @@ def unviewed(sharded: dict) -> None:
 
     def fix(x):
         if isinstance(x, ShardedTensor) and isinstance(x.data, torch.Tensor):
-            x.data = _whole_storage(x.data)
+            x.data = whole_storage(x.data)
         return x
 
     dict_list_map_inplace(fix, sharded)
 
 
-def snapshot(sharded: dict) -> None:
+def snapshot(sharded: dict, into=None) -> bool:
     """Build the sharded state dict's factories and replace every host tensor by a copy of its own, in place: what
     a background write reads must not change while the next step updates the parameters and moments. (Device
-    tensors are left to Megatron's preload, which copies them to the host.)"""
+    tensors are left to Megatron's preload, which copies them to the host.)
+
+    `into`: a `writer.SharedSnapshot` whose shared buffer takes the copies of every tensor, device tensors
+    included, for a writer process; returns False (the copies made as without it) where /dev/shm has no room for
+    them, with a line saying so."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     apply_factories(sharded)
+    host = []
 
-    def copy(x):
-        if isinstance(x, ShardedTensor) and isinstance(x.data, torch.Tensor) and x.data.device.type == "cpu":
-            x.data = x.data.detach().clone(memory_format=torch.contiguous_format)
+    def collect(x):
+        if isinstance(x, ShardedTensor) and isinstance(x.data, torch.Tensor):
+            host.append(x)
         return x
 
-    dict_list_map_inplace(copy, sharded)
+    dict_list_map_inplace(collect, sharded)
+    if into is not None:
+        fits, need, free = into.fits([x.data for x in host])
+        if fits:
+            for x, t in zip(host, into.take([x.data for x in host])):
+                x.data = t
+            return True
+        print(f"checkpoint writer process: the copy needs {need / 2**30:.1f} GiB of /dev/shm, {free / 2**30:.1f} GiB "
+              "free; this save is written by a thread (enlarge /dev/shm, e.g. docker --shm-size, or set "
+              "run.async_save_writer=thread)", flush=True)
+    for x in host:
+        if x.data.device.type == "cpu":
+            x.data = x.data.detach().clone(memory_format=torch.contiguous_format)
+    return into is None

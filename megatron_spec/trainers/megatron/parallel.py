@@ -5,7 +5,6 @@ runs a function on N local processes with gloo (CPU tests and the benchmark).
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import require_megatron
+from megatron_spec.distributed.process_groups import free_port
 from megatron_spec.layout import check_layout
 
 from .checks import Parallelism, check_parallelism
@@ -87,7 +87,7 @@ def ensure_process_group() -> None:
     if dist.is_initialized():
         return
     if "WORLD_SIZE" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -116,16 +116,11 @@ def ranks() -> Ranks:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world_size: int, port: int, out_dir: str, threads: int, fn: Callable, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timedelta(minutes=5))  # the parent's
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
@@ -138,8 +133,10 @@ def spawn(fn: Callable, world_size: int, *args, threads: int = 1) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` new processes joined by gloo; return each rank's result.
 
     `fn` must be importable (a module-level function). A failure on any rank raises here with its traceback.
-    Results travel through `torch.save`, so tensors and plain containers are fine.
+    Results travel through `torch.save`, so tensors and plain containers are fine. The ranks meet at a store this
+    process holds on a port the OS picked as it bound it, so a port cannot be taken between its choice and its use.
     """
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix="megatron-spec-spawn-") as out:
-        mp.spawn(_worker, args=(world_size, _free_port(), out, threads, fn, args), nprocs=world_size, join=True)
+        mp.spawn(_worker, args=(world_size, store.port, out, threads, fn, args), nprocs=world_size, join=True)
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

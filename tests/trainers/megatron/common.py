@@ -81,3 +81,16 @@ def reference_logits(cfg: ModelConfig, tensors: dict, ids: torch.Tensor) -> tupl
     with torch.no_grad():
         hidden = model.trunk(ids).hidden
         return model.lm_head(hidden), drafter.forward_all(hidden, ids, None, model.embed, model.lm_head)
+
+
+def sharded_tensors(ckpt_dir) -> dict[str, torch.Tensor]:
+    """Every tensor of a run checkpoint's `policy/` shards (`torch_dist`), read whole in this process (no process
+    group needed)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    out: dict = {}
+    _load_state_dict(out, storage_reader=FileSystemReader(str(Path(ckpt_dir) / "policy")),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}

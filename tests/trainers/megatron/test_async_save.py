@@ -1,6 +1,7 @@
 """The Megatron trainer's background save (`save_sharded(background=True)` / `finish_save`, through
 `rl.checkpoint.Saver`) on 2 gloo ranks: what it writes while the next step updates the weights is the state at the
-boundary, equal to a foreground save of it, and a policy resumed from it at another layout takes the same next step.
+boundary, equal to a foreground save of it, and a policy resumed from it at another layout takes the same next step;
+so with the writer thread and with the writer process; a rank whose write fails fails the save on both.
 The runs are in `async_save_workers.py`."""
 
 from __future__ import annotations
@@ -45,6 +46,27 @@ def test_resume_from_the_background_save_takes_the_same_next_step(saved):
         a, b = rank[0]["next"], rank[1]["next"]
         assert a["metrics"][0]["loss"] == b["metrics"][0]["loss"]
         assert equal(a["weights"][-1], b["weights"][-1])
+
+
+def test_a_failed_background_write_leaves_the_previous_checkpoint(saved):
+    """Rank 1's writer fails during the step-2 background save: the finalization raises on both ranks (no rank is
+    left waiting for the other) and rank 0's Saver names nothing new: `latest` still names step 1, whose files are
+    byte for byte as they were, and the half-written directory is gone."""
+    r0, r1 = saved[0]["failed"], saved[1]["failed"]
+    for r in (r0, r1):
+        assert r["raised"].startswith("RuntimeError: background checkpoint write failed"), r["raised"]
+    assert r0["latest"] == "step_000001" and r0["unchanged"] and r0["new"] == []
+    assert r0["dirs"] == ["latest", "step_000000", "step_000001"]
+
+
+def test_the_writer_process_writes_the_state_at_the_boundary(saved):
+    """`run.async_save_writer="process"`: each rank's shards are written by a spawned process of its own (another
+    pid), from the shared-memory copy taken at the boundary: every tensor equals, bitwise, the foreground save of
+    the same state, although the step that ran before the held write was released changed every weight."""
+    for rank in saved:
+        assert rank["process"]["pid"] != rank["process"]["me"]
+    assert saved[0]["process"]["pid"] != saved[1]["process"]["pid"]
+    assert saved[0]["process"]["keys"] > 0 and saved[0]["process"]["equal"]
 
 
 def test_torchrun_recipe_resumes_from_a_background_save(tmp_path):
