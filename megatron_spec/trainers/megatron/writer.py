@@ -1,5 +1,5 @@
-"""What writes a background checkpoint's shards: a thread of the trainer's process (`in_this_thread`, the default)
-or a process of its own (`run.async_save_writer="process"`, `WriterProcess`).
+"""What writes a background checkpoint's shards: a process of its own (`run.async_save_writer="process"`, the
+default, `WriterProcess`) or a thread of the trainer's process (`"thread"`, `in_this_thread`).
 
 A thread of the trainer's process competes with the step for the GIL while it serializes; a process does not.
 The process is spawned, not forked (a forked child would turn every page the step then writes into a copy-on-write
