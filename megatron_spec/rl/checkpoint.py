@@ -91,12 +91,13 @@ def export_drafter(out: Path, policy_state: dict, cfg) -> None:
     export_trained_drafter(source, tensors, read_config(smollm2_dir() if policy == "smollm2-135m" else policy), out)
 
 
-def save(run_dir: Path, step: int, state, cfg, gate: dict | None = None) -> Path:
+def save(run_dir: Path, step: int, state, cfg, loop: dict | None = None) -> Path:
     """`state`: the policy's state dict, or the policy itself; a policy with `save_sharded` (the Megatron trainer)
-    then writes its distributed checkpoint into the new directory from every rank, before it gets its name. `gate`:
-    the whole-step gate's state, where the run has one. In the foreground: complete when it returns."""
+    then writes its distributed checkpoint into the new directory from every rank, before it gets its name. `loop`:
+    the loop's own state beside the policy's, by name (`gate`: the whole-step gate's, `replay`: the groups waiting
+    for a later step), where the run has them. In the foreground: complete when it returns."""
     saver = Saver(run_dir, background=False)
-    saver.save(step, state, cfg, gate)
+    saver.save(step, state, cfg, loop)
     return saver.last
 
 
@@ -146,7 +147,7 @@ class Saver:
         self._thread: threading.Thread | None = None
         self._pending: dict | None = None
 
-    def save(self, step: int, state, cfg, gate: dict | None = None, background: bool | None = None) -> dict:
+    def save(self, step: int, state, cfg, loop: dict | None = None, background: bool | None = None) -> dict:
         """Start (or, in the foreground, make) the checkpoint of `step`, after finalizing the one in flight."""
         t0 = time.perf_counter()
         out = self.wait()
@@ -164,7 +165,7 @@ class Saver:
                 if background:
                     policy_state = snapshot(policy_state)
             payload = {"step": step, "state": policy_state, "rng": torch.get_rng_state(), "config": flatten(cfg),
-                       "gate": snapshot(gate)}
+                       "gate": None, **snapshot(loop or {})}
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

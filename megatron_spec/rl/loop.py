@@ -364,6 +364,18 @@ class Trainer:
         self.generator.sleep()
         return Rollouts(outs)
 
+    def loop_state(self) -> dict:
+        """What a checkpoint keeps of the loop beside the policy: the gate's state and the waiting groups."""
+        return {"gate": self.gate.state_dict() if self.gate is not None else None,
+                "replay": self.replay.state_dict() if self.replay is not None else None}
+
+    def load_loop_state(self, saved: dict) -> None:
+        """Take back `loop_state` from a checkpoint's payload (one saved before the replay existed has none)."""
+        if self.gate is not None and saved.get("gate"):
+            self.gate.load_state_dict(saved["gate"])
+        if self.replay is not None and saved.get("replay"):
+            self.replay.load_state_dict(saved["replay"])
+
     def with_replay(self, prompts: list[list[int]], rollouts: Rollouts, rewards: torch.Tensor):
         """The step's prompts, rollouts and rewards, behind the groups waiting in the replay (`rl/replay.py`)."""
         if self.replay is None:
@@ -506,8 +518,7 @@ def _run(cfg: RLConfig, make_trainer, stop: StopRequest, clock) -> dict:
     if saved is not None:
         trainer.policy.load_state_dict(saved["state"])
         torch.set_rng_state(saved["rng"])
-        if trainer.gate is not None and saved.get("gate"):
-            trainer.gate.load_state_dict(saved["gate"])
+        trainer.load_loop_state(saved)
         start = saved["step"] + 1
         print(f"resumed from {run_dir}/checkpoints (step {saved['step']})")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -541,8 +552,7 @@ def _run(cfg: RLConfig, make_trainer, stop: StopRequest, clock) -> dict:
             signalled = stop.name  # read once: a signal arriving after this is seen at the next boundary
             why = None if failed else save_due(step, cfg.run, save_clock, signalled, last)
             if why:  # the policy writes its own shards, if sharded; the last save before exit is never left running
-                metrics.update(saver.save(step, trainer.policy, cfg,
-                                          gate=trainer.gate.state_dict() if trainer.gate is not None else None,
+                metrics.update(saver.save(step, trainer.policy, cfg, trainer.loop_state(),
                                           background=None if why in ("save_every", "save_every_s") else False))
                 save_clock.saved()
             else:

@@ -64,5 +64,12 @@ class Replay:
             self.groups.append(Waiting(prompts[rows], rollouts.outs[rows], rewards[rows], ages[rows]))
         self.groups.sort(key=lambda w: -max(w.ages))  # oldest first (stable: among equals, in the order they came)
 
+    def state_dict(self) -> dict:
+        """The waiting groups, for a checkpoint: a resumed run trains them as the uninterrupted run would."""
+        return {"groups": [dict(vars(w)) for w in self.groups]}  # not asdict: the completions stay objects
+
+    def load_state_dict(self, state: dict) -> None:
+        self.groups = [Waiting(**w) for w in state["groups"]]
+
     def __len__(self) -> int:
         return len(self.groups)

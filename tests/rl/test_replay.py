@@ -106,3 +106,31 @@ def test_loop_run_trains_a_left_out_group_a_step_later_and_drops_an_older_one(ck
     assert [s["groups_dropped_stale"] for s in m] == [0, 0, 1]
     assert [s["groups_waiting"] for s in m] == [2, 4, 5]
     assert m[0]["logprob_mismatch"] is not None and m[1]["logprob_mismatch"] is None  # step 1 trains replayed rows
+
+
+def test_resume_keeps_the_waiting_groups(ckpts, tmp_path, monkeypatch):
+    """4 steps straight against 3 steps, stop, resume to 4, under `train_groups=1` and `max_trajectory_age=2`, with
+    the rewards varying by rollout: the groups waiting at the checkpoint are in it, so the resumed step replays,
+    drops and trains what the straight run did (same counts, losses and rewards) and ends on the same weights. A
+    resume that lost them would replay nothing at step 3."""
+    from megatron_spec.rl import loop
+    from megatron_spec.rl.logging import read_metrics
+
+    from .test_loop import small_cfg
+
+    monkeypatch.setattr(loop.Trainer, "score", lambda self, problems, outs: torch.tensor(
+        [float(sum(o.token_ids) % 3 == 0) for o in outs]))
+    runs = {}
+    for name, stops in (("full", [4]), ("part", [3, 4])):
+        cfg = small_cfg(ckpts, tmp_path / name, spec=None, train_groups=1, max_trajectory_age=2)
+        cfg.run.save_every = 1
+        for steps in stops:
+            cfg.run.steps = steps
+            loop.run(cfg, loop.Trainer)
+        runs[name] = read_metrics(tmp_path / name)
+    keys = ["groups_replayed", "groups_waiting", "groups_dropped_stale", "loss", "reward_mean"]
+    assert [[m[k] for k in keys] for m in runs["full"]] == [[m[k] for k in keys] for m in runs["part"]]
+    assert runs["part"][2]["groups_waiting"] > 0 and runs["part"][3]["groups_replayed"] > 0
+    w = [torch.load(tmp_path / n / "checkpoints/step_000003/state.pt", weights_only=False)["state"]["model"]
+         for n in ("full", "part")]
+    assert all(torch.equal(w[0][k], w[1][k]) for k in w[0])
