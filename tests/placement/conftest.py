@@ -7,6 +7,9 @@ import pytest
 @pytest.fixture(scope="session")
 def ray_cluster():
     ray = pytest.importorskip("ray", reason="needs Ray: pip install 'megatron-spec[ray]'")
+    if ray.is_initialized():  # this fixture's twin (tests/generators/vllm imports it) started it in this session
+        yield ray
+        return
     # address="local": a new cluster of our own, never one another process on this machine started
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
