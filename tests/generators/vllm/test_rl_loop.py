@@ -11,15 +11,16 @@ pytestmark = vllm_only
 
 
 def test_tiny_grpo_on_vllm(tmp_path):
-    """Two steps of the tiny job: every step's acceptance length (our step metric) is above 2, i.e. the exported
-    MTP drafter drafts in vLLM after each refit; the engine's behaviour log-probs match the trainer's recompute
-    within 1e-4 (`logprob_mismatch`: fp32 on both sides, different kernels; measured ~1e-5)."""
+    """Two steps of the tiny job, speculating on both (the whole-step gate off: it would start with plain steps):
+    every step's acceptance length (our step metric) is above 2, i.e. the exported MTP drafter drafts in vLLM after
+    each refit; the engine's behaviour log-probs match the trainer's recompute within 1e-4 (`logprob_mismatch`:
+    fp32 on both sides, different kernels; measured ~1e-5)."""
     from megatron_spec.rl.loop import Trainer, run
 
     cfg = RLConfig()
     cfg.run.steps, cfg.run.out_dir, cfg.run.eval_every, cfg.run.report = 2, str(tmp_path), 0, False
     cfg.run.resume, cfg.run.save_every = False, 100
-    cfg.backend.generator = "vllm"
+    cfg.backend.generator, cfg.drafter_train.gate = "vllm", False
     made = []
 
     def make(c):
