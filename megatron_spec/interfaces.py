@@ -102,6 +102,11 @@ class Rollouts:
     """Per rollout, policy versions between the weights that generated its oldest token and the weights being
     trained (`grpo.max_trajectory_age` drops groups by them); None: every rollout is `lag` old."""
 
+    @property
+    def row_ages(self) -> list[int]:
+        """Each rollout's age: `ages`, or `lag` for every rollout where the producer gives none."""
+        return self.ages if self.ages is not None else [self.lag] * len(self.outs)
+
 
 class StepGate(Protocol):
     """Speculation switched off for one step (the whole-step gate, `speculative.adaptive.WholeStepGate`), on both

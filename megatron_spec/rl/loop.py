@@ -396,7 +396,7 @@ class Trainer:
         `grpo.max_trajectory_age` leave the update as dynamic sampling's do, and with a rejection band the tokens
         or sequences whose ratio leaves it leave the batch's mask (so the loss's means count what is left)."""
         g, rc = self.cfg.grpo, self.cfg.grpo.rollout_correction
-        ages = rollouts.ages if rollouts.ages is not None else [rollouts.lag] * len(rollouts.outs)
+        ages = rollouts.row_ages
         fresh = fresh_groups(ages, g.group_size, g.max_trajectory_age)
         lengths = [len(o.token_ids) for o in rollouts.outs]
         advantages, keep, shaping = step_advantages(rewards, lengths, g, fresh)

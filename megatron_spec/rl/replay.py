@@ -32,6 +32,16 @@ class Waiting:
     ages: list[int]
 
 
+def groups_of(prompts: list[list[int]], rollouts: Rollouts, rewards: torch.Tensor, group_size: int,
+              groups) -> list[Waiting]:
+    """The step's prompt-major groups of indices `groups`, each as a `Waiting` with its rows' ages."""
+    ages, out = rollouts.row_ages, []
+    for g in groups:
+        rows = slice(g * group_size, (g + 1) * group_size)
+        out.append(Waiting(prompts[rows], rollouts.outs[rows], rewards[rows], ages[rows]))
+    return out
+
+
 @dataclass
 class Replay:
     """The groups waiting to be trained, oldest first."""
@@ -45,9 +55,7 @@ class Replay:
         the step's own groups that no longer fit wait, as they are, for the next step."""
         if not self.groups:
             return prompts, rollouts, rewards
-        ages = rollouts.ages if rollouts.ages is not None else [rollouts.lag] * len(rollouts.outs)
-        own = [Waiting(prompts[i:i + group_size], rollouts.outs[i:i + group_size], rewards[i:i + group_size],
-                       ages[i:i + group_size]) for i in range(0, len(prompts), group_size)]
+        own = groups_of(prompts, rollouts, rewards, group_size, range(len(prompts) // group_size))
         waiting = [dataclasses.replace(w, ages=[a + 1 for a in w.ages]) for w in self.groups]
         offered, self.groups = (waiting + own)[:len(own)], (waiting + own)[len(own):]
         older = [a for w in offered for a in w.ages]
@@ -58,10 +66,7 @@ class Replay:
     def keep(self, prompts: list[list[int]], rollouts: Rollouts, rewards: torch.Tensor, group_size: int,
              groups: list[int]) -> None:
         """Let the groups `groups` (indices into the step's prompt-major groups) wait for a later step."""
-        ages = rollouts.ages if rollouts.ages is not None else [rollouts.lag] * len(rollouts.outs)
-        for g in groups:
-            rows = slice(g * group_size, (g + 1) * group_size)
-            self.groups.append(Waiting(prompts[rows], rollouts.outs[rows], rewards[rows], ages[rows]))
+        self.groups += groups_of(prompts, rollouts, rewards, group_size, groups)
         self.groups.sort(key=lambda w: -max(w.ages))  # oldest first (stable: among equals, in the order they came)
 
     def state_dict(self) -> dict:
