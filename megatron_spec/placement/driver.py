@@ -52,6 +52,7 @@ class RayTrainer(loop.Trainer):
         self.version = 0  # updates applied by the trainer: the policy version
         self.synced = -1  # the version last sent to the engines
         self.pending: dict[int, object] = {}  # step -> rollouts in flight
+        self.modes: dict[int, bool | None] = {}  # step -> the gate's mode for its generation (with a lag)
         self.sync_futures: list = []
         self.offload_info: dict = {}  # the last offload's memory metrics (colocated)
         self.sync_info = {"weight_sync_bytes": 0, "weight_sync_s": 0.0, "weight_sync_gbps": 0.0,
@@ -83,13 +84,35 @@ class RayTrainer(loop.Trainer):
         self.version += 1
         return metrics
 
-    def gated(self) -> bool:
-        """The loop's gate where both groups run it (`groups.py`: the embedded trainer, our engine and vLLM's), and
-        only with `backend.async_lag` 0: there a step's rollouts are generated in the step, in its mode, and its
-        gen stage times them. With a lag the rollouts a step trains on were submitted steps before, in that step's
-        mode, and the gen stage times only the wait for them, so the gate's prices would be neither the step's
-        mode nor its generation's cost; the run then speculates on every step."""
-        return self.cfg.backend.async_lag == 0 and super().gated()
+    @property
+    def serial(self) -> bool:
+        return self.cfg.backend.async_lag == 0
+
+    def step_mode(self, step: int) -> bool | None:
+        """The mode of the step's rollouts. With a lag the gate decides each generation's mode when it is
+        submitted (`submit`, up to L steps ahead, from the costs recorded by then), and the step that trains on
+        those rollouts takes their mode: its drafter trains exactly when they were speculated."""
+        if self.serial or self.gate is None:
+            return super().step_mode(step)
+        return self.modes.setdefault(step, self.gate.speculate())
+
+    def generation_cost(self, timer, rollouts: Rollouts, drafter_s: float) -> tuple[float, float | None]:
+        """With a lag the gen stage times only the wait for rollouts generated beside the previous steps, so the
+        gate prices the engines' own generation seconds against the trainer's side of the step (all its other
+        stages, less the drafter's training, which the gate adds per mode)."""
+        if self.serial:
+            return super().generation_cost(timer, rollouts, drafter_s)
+        other = sum(t for name, t in timer.times.items() if name != "gen")
+        return rollouts.metrics["engine_generate_s"], other - drafter_s
+
+    def loop_state(self) -> dict:
+        """The loop's state and the modes the gate chose for generations already submitted, so a resumed run
+        generates each step in the mode the uninterrupted run did."""
+        return {**super().loop_state(), "modes": {str(s): m for s, m in self.modes.items()}}
+
+    def load_loop_state(self, saved: dict) -> None:
+        super().load_loop_state(saved)
+        self.modes = {int(s): m for s, m in (saved.get("modes") or {}).items()}
 
     def refit(self) -> None:
         """Send the trainer's weights when they are newer than the engines'; wait for the engines to load them
@@ -120,6 +143,7 @@ class RayTrainer(loop.Trainer):
             if s not in self.pending:
                 self.pending[s] = self.submit(s, self.draw(s)[1])
         outs, seconds = self.generator.collect(self.pending.pop(step))
+        self.modes.pop(step, None)
         ages = [self.version - min(o.versions, default=self.version) for o in outs]  # from each oldest token
         lag = max(ages)
         metrics = {"policy_lag": lag, "generator_restarts": self.generator.restarts, **self.sync_metrics(),
@@ -143,7 +167,8 @@ class RayTrainer(loop.Trainer):
         return out
 
     def submit(self, step: int, prompts: list[list[int]]):
-        return self.generator.submit(prompts, self.sampling_params(step), self.cfg.grpo.group_size)
+        mode = None if self.serial else self.step_mode(step)  # serial: the mode the loop's step holds
+        return self.generator.submit(prompts, self.sampling_params(step), self.cfg.grpo.group_size, mode)
 
     def sync_metrics(self) -> dict:
         """The last completed refit's bytes, seconds, GB/s and transport (asynchronously: from each side's own

@@ -274,9 +274,8 @@ class GeneratorGroup:
         The mode is a generation's, fixed when it is submitted (`Pending.speculate`): each engine runs a call
         inside its generator's own `speculation`, one call at a time, so no engine switches while it generates,
         and a refit taken in flight continues the call's rollouts in the same mode. A plain step is then a step
-        whose rollouts were all generated plainly: with `backend.async_lag` 0 the step's own submissions (the
-        driver gates only then); with a lag, the rollouts a step trains on carry the mode of the earlier step that
-        submitted them."""
+        whose rollouts were all generated plainly: with `backend.async_lag` 0 the step's own submissions; with a
+        lag the driver gives each submission the mode the gate chose for the step that will train on it."""
         if not enabled and not self.supports_step_gate:
             with no_step_gate(self, enabled):
                 yield
@@ -313,11 +312,14 @@ class GeneratorGroup:
         self.weights = (version, refs)
         return [self.beside(e, "update_weights").remote(version, refs) for e in self.engines]
 
-    def submit(self, prompts: list, params, group_size: int) -> Pending:
+    def submit(self, prompts: list, params, group_size: int, speculate: bool | None = None) -> Pending:
+        """Generate `prompts` on the engines, each its share of whole groups, in mode `speculate` (None: the
+        mode `speculation` holds now)."""
+        mode = self.speculate if speculate is None else speculate
         parts = []
         for j, (lo, hi) in enumerate(split_groups(len(prompts), group_size, len(self.engines))):
-            parts.append((j, lo, hi, self.engines[j], self._generate(j, prompts[lo:hi], params, self.speculate)))
-        return Pending(prompts, params, parts, self.speculate)
+            parts.append((j, lo, hi, self.engines[j], self._generate(j, prompts[lo:hi], params, mode)))
+        return Pending(prompts, params, parts, mode)
 
     def _generate(self, j: int, prompts: list, params, speculate: bool):
         seeded = dataclasses.replace(params, seed=params.seed + j * SEED_STRIDE)

@@ -301,13 +301,13 @@ class Trainer:
             problems, prompts = self.draw(step)
         with timer("prepare"):
             self.refit()
-        speculate = self.gate.speculate() if self.gate else None
+        speculate = self.step_mode(step)
         with self.speculation(speculate):
             with timer("gen"):
                 rollouts = self.rollouts(step, prompts)
             rewards = self.score(problems, rollouts.outs)
             tokens = sum(len(o.token_ids) for o in rollouts.outs)
-            budget = self.gate.drafter_budget(timer.times["gen"], tokens) if speculate else None
+            budget = self.gate.drafter_budget(timer.times["gen"], tokens) if speculate and self.serial else None
             with self.speculation(False if budget == 0 else None, engine=False):
                 replayed = min(len(self.replay), len(prompts) // self.cfg.grpo.group_size) if self.replay else 0
                 train, mismatch = self.learn(*self.with_replay(prompts, rollouts, rewards), timer, budget)
@@ -315,10 +315,25 @@ class Trainer:
                     train.update(groups_replayed=replayed, groups_waiting=len(self.replay))
         gate = {}
         if self.gate:
-            self.gate.record(speculate, timer.times["gen"], train.get("drafter_s", 0.0), tokens)
+            drafter_s = train.get("drafter_s", 0.0)
+            gen_s, beside_s = self.generation_cost(timer, rollouts, drafter_s)
+            self.gate.record(speculate, gen_s, drafter_s, tokens, beside_s)
             gate = {"speculate": speculate, "drafter_trained": "drafter_s" in train, **self.gate.state()}
         return {**self.metrics(step, timer, rollouts.outs, rewards, mismatch, train), **rollouts.metrics,
                 **self.task.reward_stats, **gate}
+
+    serial = True
+    """Whether a step's generation runs between its other stages, not beside them (an async lag runs it ahead)."""
+
+    def step_mode(self, step: int) -> bool | None:
+        """The mode the step's rollouts are generated and its drafter trained in: the gate's decision (None: not
+        gated, as configured)."""
+        return self.gate.speculate() if self.gate else None
+
+    def generation_cost(self, timer: StageTimer, rollouts: Rollouts, drafter_s: float) -> tuple[float, float | None]:
+        """What the gate prices a step by (`WholeStepGate.record`): its generation's seconds, and the seconds of
+        the work beside it (None here: the gen stage runs between the others, so it is the generation)."""
+        return timer.times["gen"], None
 
     def gated(self) -> bool:
         """Whether the whole-step gate (`speculative.adaptive.WholeStepGate`) decides each step's mode: an adaptive

@@ -411,9 +411,16 @@ first `warmup` steps run plain and are not priced (first-use costs would be char
                 return mode
         return self.decided if self.steps < self.next_probe else not self.decided
 
-    def record(self, speculated: bool, gen_s: float, drafter_s: float, tokens: int) -> None:
-        """An RL step in the given mode: its gen stage's seconds, the drafter training's seconds (0 when plain or
-        skipped; cut at its budget, a lower bound of the whole training's) and the tokens it generated."""
+    def record(self, speculated: bool, gen_s: float, drafter_s: float, tokens: int,
+               beside_s: float | None = None) -> None:
+        """An RL step in the given mode: its generation's seconds, the drafter training's seconds (0 when plain or
+        skipped; cut at its budget, a lower bound of the whole training's) and the tokens it generated.
+
+        `beside_s`: with generation run ahead of training (an async lag), the seconds of the step's other work
+        (the policy's update, the refit), which run beside the engines' generation: the step then costs the longer
+        of the two sides, `max(gen_s, beside_s + drafter_s)`, so speculation pays only while generation is the
+        longer side and by more than the drafter's training adds to the other. None: the stages run one after
+        another and the policy's own work, the same in both modes, cancels."""
         if tokens <= 0:
             raise ValueError(f"a step that generated {tokens} tokens cannot be priced")
         if self.warmup > 0:
@@ -421,7 +428,12 @@ first `warmup` steps run plain and are not priced (first-use costs would be char
             return
         if speculated and drafter_s > 0:
             self.drafter_cost = drafter_s / tokens
-        cost = self.estimate(gen_s, tokens) if speculated and drafter_s == 0 else (gen_s + drafter_s) / tokens
+        if beside_s is not None:
+            cost = max(gen_s, beside_s + drafter_s) / tokens
+        elif speculated and drafter_s == 0:
+            cost = self.estimate(gen_s, tokens)
+        else:
+            cost = (gen_s + drafter_s) / tokens
         self.costs[speculated].append(cost)
         self.steps += 1
         if not (self.costs[True] and self.costs[False]):

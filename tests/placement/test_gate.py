@@ -51,9 +51,7 @@ def test_gated_ray_run_has_plain_and_speculative_steps(ray_cluster, ckpts, tmp_p
     - the speculative step verifies drafts and trains the drafter;
     - after the run, greedy generation by the engine group inside `speculation(False)` reports no speculation and
       equals an in-process plain engine on the final weights, token for token, as does the speculative one, which
-      drafts.
-
-    Without a lag the driver gates; with one it does not (a step's rollouts were submitted in an earlier step)."""
+      drafts."""
     cfg = ray_cfg(ckpts, tmp_path / "gated", "disaggregated")
     cfg.spec = SpecConfig("mtp", 3, adaptive=True)
     made = []
@@ -75,6 +73,33 @@ def test_gated_ray_run_has_plain_and_speculative_steps(ray_cluster, ckpts, tmp_p
     assert all(not o.spec for o in off)
     assert sum(o.spec.get("drafted", 0) for o in on) > 0
 
-    lagged = ray_cfg(ckpts, tmp_path / "lagged", "disaggregated", lag=1)
-    lagged.spec = SpecConfig("mtp", 3, adaptive=True)
-    assert RayTrainer.gated(type("Probe", (), {"cfg": lagged})()) is False
+
+def test_gated_run_with_a_lag_trains_each_step_in_its_rollouts_mode(ray_cluster, ckpts, tmp_path,
+                                                                      shaped_reward):  # noqa: F811
+    """Lag 1, the same gated setup, 5 steps: the gate decides each generation's mode when it is submitted, one step
+    ahead, so the modes run plain (the warm-up), plain twice (submitted before a plain step was priced; both
+    priced), then speculative twice (the probe, submitted again before its own cost was known). Each step trains in its rollouts' mode: plain steps verify no draft and skip the drafter's
+    training, speculative ones verify drafts and train it. Each recorded price is the longer side per generated
+    token, `max(engine_generate_s, the other stages' seconds) / gen_tokens`, recomputed here from the logged
+    metrics (the gen stage itself, only a wait here, does not enter it)."""
+    cfg = ray_cfg(ckpts, tmp_path / "lagged", "disaggregated", lag=1, steps=5)
+    cfg.spec = SpecConfig("mtp", 3, adaptive=True)
+    made = []
+    loop.run(cfg, lambda c: made.append(Gated(c)) or made[0])
+    metrics = read_metrics(tmp_path / "lagged")
+    modes = [m["speculate"] for m in metrics]
+    assert modes == [False, False, False, True, True]
+    for m in metrics:
+        assert m["policy_lag"] <= 1
+        if m["speculate"]:
+            assert m["acceptance_length"] >= 1 and m["drafter_s"] > 0 and m["drafter_trained"]
+        else:
+            assert m["acceptance_length"] is None and "drafter_s" not in m and not m["drafter_trained"]
+
+    def price(m):
+        other = sum(t for name, t in m["stages"].items() if name != "gen")
+        return max(m["engine_generate_s"], other) / m["gen_tokens"]
+
+    costs = made[0].gate.costs
+    assert list(costs[False]) == pytest.approx([price(m) for m in metrics[1:3]], rel=1e-12)
+    assert list(costs[True]) == pytest.approx([price(m) for m in metrics[3:5]], rel=1e-12)

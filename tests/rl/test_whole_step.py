@@ -90,6 +90,30 @@ def test_a_training_cut_at_its_budget_prices_speculation_as_not_paying():
     assert gate.drafter_budget(0.95, 100) == 0.0 and gate.drafter_budget(0.5, 100) > 0
 
 
+def test_with_generation_beside_the_trainer_a_step_costs_its_longer_side():
+    """With an async lag (`beside_s`: the trainer's side of the step) a mode costs max(generation, trainer side +
+    drafter training) per token. Generation-bound (plain 1.0 s, speculative 0.6 s + 0.2 s of drafter training beside
+    a 0.3 s trainer side): 0.006 against 0.010, speculation pays. Trainer-bound (the trainer side 1.2 s): plain costs
+    0.012 and speculation 0.014, as its generation saving hides behind the trainer while its drafter training adds
+    to it: speculation does not pay, where the serial sum (0.008 against 0.010) would have said it does."""
+    gen_bound = WholeStepGate(warmup=0)
+    gen_bound.record(False, 1.0, 0.0, 100, beside_s=0.3)
+    gen_bound.record(True, 0.6, 0.2, 100, beside_s=0.3)
+    assert list(gen_bound.costs[False]) == pytest.approx([0.010])
+    assert list(gen_bound.costs[True]) == pytest.approx([0.006])
+    assert gen_bound.decided is True
+    trainer_bound = WholeStepGate(warmup=0)
+    trainer_bound.record(False, 1.0, 0.0, 100, beside_s=1.2)
+    trainer_bound.record(True, 0.6, 0.2, 100, beside_s=1.2)
+    assert list(trainer_bound.costs[False]) == pytest.approx([0.012])
+    assert list(trainer_bound.costs[True]) == pytest.approx([0.014])
+    assert trainer_bound.decided is False
+    serial = WholeStepGate(warmup=0)
+    serial.record(False, 1.0, 0.0, 100)
+    serial.record(True, 0.6, 0.2, 100)
+    assert serial.decided is True
+
+
 def test_a_load_spike_on_a_plain_step_does_not_turn_speculation_on():
     """Speculation costs 1.5x plain decoding; plain step 3 ran 8x slower (another job's load). Priced by the least
     cost of its window, plain decoding keeps its own price and the gate stays plain until its re-measure of
