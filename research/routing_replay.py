@@ -7,10 +7,12 @@ replaying the engine's routing (`grpo.routing_replay`).
 Per step: `logprob_mismatch` (the loop's metric: the largest |trainer - engine| over the generated tokens), the mean
 |trainer - engine|, and the share of (position, MoE layer) choices where the trainer's own top-k differs from the
 engine's (with replay it is 0 by construction: checked). Two engines: fp32 (the CPU default, the trainer's
-precision) and bf16 (a GPU engine's precision against an fp32 trainer). No timing: any machine gives the same
-figures up to rounding.
+precision) and bf16 (a GPU engine's precision against an fp32 trainer). `--generator vllm`: the rollouts and their
+routing come from a vLLM engine (`VLLMGenerator(record_routing=True)`, the checkpoint in each dtype) instead. No
+timing: any machine gives the same figures up to rounding.
 
     python research/routing_replay.py --steps 5 --out research/records/routing_replay.json
+    python research/routing_replay.py --steps 5 --generator vllm --out research/records/routing_replay_vllm.json
 """
 
 from __future__ import annotations
@@ -42,11 +44,17 @@ GRPO = GRPOSection(micro_batch_tokens=0, routing_replay=True)
 """One micro-batch per forward: the routers' last forward then covers the whole batch."""
 
 
-def rollouts(engine_model, prompts: list[list[int]], seed: int):
-    """One step's rollouts from `engine_model` with their routing: (batch, the engine's log-probs)."""
-    outs = EmbeddedGenerator(engine_model, record_routing=True, own=True).generate(
-        prompts, SamplingParams(max_tokens=96, seed=seed, **SAMPLING))
+def rollouts(generator, prompts: list[list[int]], seed: int):
+    """One step's rollouts from `generator` (recording routing): (batch, the engine's log-probs)."""
+    outs = generator.generate(prompts, SamplingParams(max_tokens=96, seed=seed, **SAMPLING))
     return make_batch(prompts, outs)
+
+
+def vllm_engine(dtype: str):
+    """A vLLM engine serving the checkpoint in `dtype`, recording routing."""
+    from megatron_spec.generators.vllm import VLLMGenerator
+
+    return VLLMGenerator(POLICY, max_model_len=512, record_routing=True, dtype=dtype)
 
 
 def with_routing(batch, routing):
@@ -116,23 +124,29 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--generator", choices=("embedded", "vllm"), default="embedded")
     args = ap.parse_args()
     from megatron_spec.trainers.megatron.parallel import spawn
 
     torch.manual_seed(0)
     trainer_model = from_pretrained(POLICY)
     record = {"question": __doc__.split("\n")[0], "machine": machine(), "policy": POLICY,
-              "command": f"python research/routing_replay.py --steps {args.steps}"
+              "generator": args.generator,
+              "command": f"python research/routing_replay.py --steps {args.steps} --generator {args.generator}"
                          + (f" --out {args.out}" if args.out else ""),
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(),
               "torch_threads": torch.get_num_threads(), "engines": {}}
     for dtype in ("float32", "bfloat16"):
         steps = []
+        vllm = vllm_engine(dtype) if args.generator == "vllm" else None
         for step in range(args.steps):
             prompts = [p for p in task_prompts(POLICY, 8, seed=step) for _ in range(8)]
-            engine = copy.deepcopy(trainer_model).to(getattr(torch, dtype))
-            steps.append(rollouts(engine, prompts, seed=1000 + step))
+            generator = vllm or EmbeddedGenerator(copy.deepcopy(trainer_model).to(getattr(torch, dtype)),
+                                                  record_routing=True, own=True)
+            steps.append(rollouts(generator, prompts, seed=1000 + step))
+        if vllm is not None:
+            vllm.close()
         run = embedded(trainer_model)
         trainers = {"embedded": [measure(run, batch, behaviour) for batch, behaviour in steps],
                     "megatron": spawn(megatron_rank, 1, steps)[0]}

@@ -80,11 +80,6 @@ def config_problems(cfg: RLConfig) -> list[str]:
     if d.extra_groups and not (cfg.grpo.drop_uniform_groups or cfg.grpo.train_groups):
         problems.append("drafter_train.extra_groups takes the groups the policy leaves out of its update, and with "
                         "neither grpo.drop_uniform_groups nor grpo.train_groups it leaves none out")
-    if cfg.grpo.routing_replay and cfg.backend.generator == "vllm":
-        problems.append("grpo.routing_replay records the rollouts' MoE routing in the embedded engine; vLLM's "
-                        "routed-experts output (enable_return_routed_experts: Model Runner V2 only, which its CPU "
-                        "worker does not run) is not wired to it: use backend.generator=embedded or set "
-                        "grpo.routing_replay=false")
     m = cfg.backend.megatron
     if cfg.grpo.routing_replay and cfg.backend.trainer == "megatron":
         from ..layout import routing_replay_problems

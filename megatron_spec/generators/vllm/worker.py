@@ -138,6 +138,17 @@ class WorkerExtension:
 
         gate_runner(self.model_runner)
 
+    def megatron_spec_record_routing(self) -> int:
+        """Record the target's MoE routing of every request (`routing.py`); returns its MoE layer count."""
+        from .routing import RoutingRecorder
+
+        self.megatron_spec_routing_recorder = RoutingRecorder(self.model_runner)
+        return self.megatron_spec_routing_recorder.layers
+
+    def megatron_spec_routing(self, request_ids: list[str]) -> list[bytes | None]:
+        """The recorded routing of the given requests (`RoutingRecorder.take`), the rest forgotten."""
+        return self.megatron_spec_routing_recorder.take(request_ids)
+
     def megatron_spec_has_drafter(self) -> bool:
         return self.model_runner.get_draft_model() is not None
 
