@@ -144,8 +144,8 @@ def test_each_stage_sends_its_own_share_and_engine_logprobs_match(run, other_moe
     them; and the engine's log-prob of every sampled token is the trainer's within 1e-4 (both fp32), so each
     step's updated weights arrived whole; and they did move: rewards differ within the step and the gradient's
     norm is above 1 (3.9 to 9.2 here; about 0.01 when every reward is equal and only the MoE load-balancing term
-    pulls). Colocated, the trainer offloads before each refit (its metrics logged),
-    disaggregated never. All figures come from the checkpoint's tensors and the even stage split."""
+    pulls). Colocated, the trainer offloads before each refit (its metrics logged), disaggregated never. All
+    figures come from the checkpoint's tensors and the even stage split."""
     trainer, _ = run
     stages = stage_bytes(other_moe)
     largest = max(s["all"] for s in stages)
