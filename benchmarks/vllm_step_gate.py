@@ -8,12 +8,16 @@ round: 16 prompts x 64 tokens (T = 1, EOS ignored, new seed), every run once, th
 round 0 is the untimed warm-up. Printed and written: each run's median seconds and its ratio to `plain`.
 
     python benchmarks/vllm_step_gate.py --rounds 5 --out research/records/vllm_step_gate.json
+
+With `VLLM_ENABLE_V1_MULTIPROCESSING=0` both engines run their cores in this process (recorded as `engine_core`),
+so no idle engine's processes share the cores with the one generating.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -77,7 +81,9 @@ def main() -> int:
             plain.close()
             spec.close()
     med = {name: median(t) for name, t in times.items()}
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     result = {"benchmark": "vllm_step_gate", "machine": machine(),
+              "engine_core": "in this process" if in_process else "a process of its own per engine",
               "rollout": "16 prompts x 64 tokens, T=1, EOS ignored; tiny-qwen3 random target, draft_model k=3 "
                          "(a perturbed copy of the target)", "rounds": args.rounds, "seconds": times,
               "median_s": med, "ratio_to_plain": {name: m / med["plain"] for name, m in med.items()}}
