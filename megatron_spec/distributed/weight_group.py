@@ -6,7 +6,14 @@ Members `0 .. senders - 1` send, the rest receive. Each sender has a process gro
 (the sender its rank 0), so no sender ever receives another sender's bytes; receivers take the senders' refits one
 after another, in sender order. A `paired` group instead gives each sender one receiver, member `senders + s`
 taking sender s's whole stream only (the per-GPU CUDA IPC refit: each sender serves the engine worker on its GPU).
-Per sender and refit:
+A `shard`ed group (engines of vLLM tensor parallel size N > 1, N receivers each) gives each sender N groups instead,
+group r = {sender, worker r of every engine}: the sender cuts each tensor as vLLM's loader does for TP rank r
+(`tp_cut.cut`; tensors vLLM replicates go whole to every group) and sends rank r's pieces into group r, so a
+worker's link carries about 1/N of the model. Each piece's header entry adds the full shape, the cut dim and the
+offset; the receiver hands its loader a transient full-shaped tensor holding the piece in its place (the loader
+narrows to exactly that part). A sender's groups take the frames of each bucket in turn (group 0's, group 1's,
+...), FRAMED or PACKED alike.
+Per sender (and group) and refit:
 
     control          [FRAMED or PACKED, buckets]                       one small all-reduce
     FRAMED:          per bucket [header bytes, payload bytes], the JSON header, the payload; then [END | ABORT]

