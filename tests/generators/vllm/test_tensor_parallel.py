@@ -127,11 +127,12 @@ def worker_bytes(model, drafter, tp: int) -> list[int]:
     return [target // tp + norms + draft] * tp
 
 
-def test_sharded_trial_refit_fails_naming_the_tensor_a_wrong_cut_misreads(engine, target, prompts):
+def test_sharded_trial_refit_fails_naming_the_tensor_a_wrong_cut_misreads(engine):
     """The trial refit of a TP2 engine reloads its trial layers through a cut rule that cuts o_proj on dim 0
     (vLLM's row-parallel loader reads dim 1), the rest of each tensor NaN: vLLM then reads NaN into o_proj, so the
-    trial fails naming model.layers.0.self_attn.o_proj.weight; the right rule passes, and a refit afterwards
-    leaves the engine equal to ours."""
+    trial fails naming model.layers.0.self_attn.o_proj.weight; the right rule passes (13 tensors: layer 0's 11,
+    the embedding and the head, on each worker). The engine is used no further (a failed trial closes it: vLLM
+    delivers the other worker's error to the next call)."""
     kind, gen, drafter = engine
     if gen.tensor_parallel_size == 1 or kind != "mtp":
         pytest.skip("one TP2 engine is enough: the trial's cut does not depend on the drafter")
@@ -156,8 +157,6 @@ def test_sharded_trial_refit_fails_naming_the_tensor_a_wrong_cut_misreads(engine
     with pytest.raises(Exception, match=r"does not match this vLLM engine on TP rank \d: "
                                         r"model\.layers\.0\.self_attn\.o_proj\.weight"):
         gen.llm.collective_rpc(wrong_rule)
-    gen.update_weights(stream(target, drafter))
-    check_equal_to_ours(gen, target, drafter, kind, prompts)
 
 
 def test_engine_that_cannot_be_refit_fails_before_the_run(tmp_path):
