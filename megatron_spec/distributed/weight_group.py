@@ -266,16 +266,20 @@ class WeightGroup:
 
         for bucket in buckets:
             if self.geometry is None:
-                yield (self.pg, bucket, *layout_of(bucket, dtype))
-                continue
-            for r, pg in enumerate(self.pgs):
-                part, cuts = [], []
-                for name, t in bucket:
-                    c = cut(name, tuple(t.shape), self.geometry, r)
-                    part.append((name, t if c is None else t.narrow(*c)))
-                    cuts.append(None if c is None else [list(t.shape), c[0], c[1]])
-                yield (pg, part, *layout_of(part, dtype, cuts))
-            del bucket  # not held while the next one is made
+                frames = [(self.pg, bucket, *layout_of(bucket, dtype))]
+            else:
+                frames = []
+                for r, pg in enumerate(self.pgs):
+                    part, cuts = [], []
+                    for name, t in bucket:
+                        c = cut(name, tuple(t.shape), self.geometry, r)
+                        part.append((name, t if c is None else t.narrow(*c)))
+                        cuts.append(None if c is None else [list(t.shape), c[0], c[1]])
+                    frames.append((pg, part, *layout_of(part, dtype, cuts)))
+                del part
+            del bucket  # not held while the next one is made (its frames are, until sent)
+            while frames:
+                yield frames.pop(0)
 
     def _open_all(self, mode: int, n: int) -> None:
         """Open the refit in each of this sender's groups; `wait_s` is the total wait for the receivers."""
