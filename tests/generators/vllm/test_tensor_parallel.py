@@ -182,3 +182,53 @@ def test_engine_that_cannot_be_refit_fails_before_the_run(tmp_path):
     run = tmp_path / "run"
     assert not (run / "config.yaml").exists() and not (run / "metrics.jsonl").exists()
     assert not (run / "checkpoints").exists()
+
+
+def moe_bytes(model, rank: int) -> int:
+    """What TP rank `rank` of 2 receives of this test's MoE model, written out from vLLM's loaders: norms, the
+    router gates and k / v (one kv head, which both ranks serve) whole; the embedding and head by vocabulary rows
+    (100 padded to 128: rank 0 rows 0..63, rank 1 rows 64..99); every other tensor half."""
+    from megatron_spec.refit import named_weights
+
+    total = 0
+    for name, t in named_weights(model):
+        n = t.numel() * t.element_size()
+        if "norm" in name or name.endswith("mlp.gate.weight") or ".k_proj." in name or ".v_proj." in name:
+            total += n
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            total += n * (64 if rank == 0 else 36) // 100
+        else:
+            total += n // 2
+    return total
+
+
+def test_moe_tp2_sharded_refit_with_kv_heads_below_tp_and_a_padded_vocabulary(tmp_path):
+    """A random Qwen3-MoE (std 0.15: wide argmax margins) with 1 kv head and a vocabulary of 100 on an engine of
+    TP2: the sharded trial passes at start-up (the cut of experts, replicated kv head and padded vocabulary reads
+    exactly what vLLM reads), and after a sharded refit with another random model's weights the engine's greedy
+    tokens are our engine's on that model (and not on the first), each worker having received its rank's bytes."""
+    from megatron_spec.generators.vllm import VLLMGenerator
+    from megatron_spec.generators.vllm.export import export_target
+    from megatron_spec.models import CausalLM, preset
+
+    cfg = dataclasses.replace(preset("tiny-qwen3-moe"), num_key_value_heads=1, vocab_size=100)
+    models = []
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        m = CausalLM(cfg).eval()
+        m.reset_parameters(std=0.15)
+        models.append(m)
+    first, other = models
+    path = export_target(first, tmp_path / "moe")
+    gen = VLLMGenerator(str(path), max_model_len=256, tensor_parallel_size=2, cpu_threads=1)
+    try:
+        assert gen.shard == {"tp": 2, "heads": 4, "kv_heads": 1}
+        prompts = [[1, 20, 21, 22, 15, 3], [1, 30, 31, 5, 7], [1, 90, 99, 8]]
+        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        mine = [o.token_ids for o in LLMEngine(other).generate(prompts, greedy)]
+        assert mine != [o.token_ids for o in LLMEngine(first).generate(prompts, greedy)]
+        gen.update_weights(stream(other))
+        assert gen.worker_bytes == [moe_bytes(other, 0), moe_bytes(other, 1)]
+        assert [o.token_ids for o in gen.generate(prompts, greedy)] == mine
+    finally:
+        gen.close()
