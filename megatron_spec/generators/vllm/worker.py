@@ -8,7 +8,9 @@ form, loads it and re-runs `process_weights_after_loading`, for the target and f
 Weights reach the workers through the weight-update group (`distributed/weight_group.py`): each worker joins it
 (`megatron_spec_join`) and, per refit, receives the stream bucket by bucket, every trainer pipeline stage's
 sender in turn, straight into one layer-wise reload (`megatron_spec_receive`); a layer is processed as soon as its
-last tensor arrived. Tensors never travel as
+last tensor arrived. In the group's sharded mode a worker receives only its TP rank's part of each tensor
+(`tp_cut`) and hands vLLM's loader a transient full-shaped tensor with the part in place, so vLLM still does the
+final placement (and the repacking and retie below are unchanged); the trial refit checks the cut (`check_cut`). Tensors never travel as
 `collective_rpc` arguments (on CPU they arrive as lists or fail to serialise) and never through a file.
 `megatron_spec_trial_refit` runs the same reload on one layer of each kind at start-up, so an engine that cannot
 be refit fails before a run starts.
