@@ -6,7 +6,14 @@ Members `0 .. senders - 1` send, the rest receive. Each sender has a process gro
 (the sender its rank 0), so no sender ever receives another sender's bytes; receivers take the senders' refits one
 after another, in sender order. A `paired` group instead gives each sender one receiver, member `senders + s`
 taking sender s's whole stream only (the per-GPU CUDA IPC refit: each sender serves the engine worker on its GPU).
-Per sender and refit:
+A `shard`ed group (engines of vLLM tensor parallel size N > 1, N receivers each) gives each sender N groups instead,
+group r = {sender, worker r of every engine}: the sender cuts each tensor as vLLM's loader does for TP rank r
+(`tp_cut.cut`; tensors vLLM replicates go whole to every group) and sends rank r's pieces into group r, so a
+worker's link carries about 1/N of the model. Each piece's header entry adds the full shape, the cut dim and the
+offset; the receiver hands its loader a transient full-shaped tensor holding the piece in its place (the loader
+narrows to exactly that part). A sender's groups take the frames of each bucket in turn (group 0's, group 1's,
+...), FRAMED or PACKED alike.
+Per sender (and group) and refit:
 
     control          [FRAMED or PACKED, buckets]                       one small all-reduce
     FRAMED:          per bucket [header bytes, payload bytes], the JSON header, the payload; then [END | ABORT]
@@ -79,64 +86,96 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def layout_of(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> tuple[list, int]:
-    """A bucket's header ([name, dtype, shape, offset] per tensor, floating tensors in `dtype`) and payload bytes
-    (the tensors' bytes with the alignment padding between them)."""
+def layout_of(bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None,
+              cuts: list | None = None) -> tuple[list, int]:
+    """A bucket's header ([name, dtype, shape, offset] per tensor, floating tensors in `dtype`; a tensor that is a
+    piece of a larger one, `cuts[i]` = [full shape, dim, start], carries those three too) and payload bytes (the
+    tensors' bytes with the alignment padding between them)."""
     header, offset = [], 0
-    for name, t in bucket:
+    for i, (name, t) in enumerate(bucket):
         dt = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        header.append([name, str(dt), list(t.shape), offset])
+        header.append([name, str(dt), list(t.shape), offset, *(cuts[i] if cuts and cuts[i] else ())])
         offset += -(-t.numel() * _size(dt) // _ALIGN) * _ALIGN
     return header, offset
 
 
 def tensor_bytes(header: list) -> int:
     """The bytes of a bucket's tensors (what a refit reports: padding is not counted)."""
-    return sum(torch.Size(shape).numel() * _size(dtype_of(dt)) for _, dt, shape, _ in header)
+    return sum(torch.Size(entry[2]).numel() * _size(dtype_of(entry[1])) for entry in header)
 
 
 def bucket_views(header: list, payload: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Split a received payload back into (hf_name, tensor) views, as its header lays them out."""
+    """Split a received payload back into (hf_name, tensor) views, as its header lays them out; a piece of a larger
+    tensor comes back as a tensor of the full shape holding the piece in its place (`tp_cut.rebuild`: the loader
+    narrows to exactly that part, the rest is never read)."""
+    from ..tp_cut import rebuild
+
     out = []
-    for name, dtype, shape, offset in header:
+    for name, dtype, shape, offset, *cut in header:
         dt = dtype_of(dtype)
         n = torch.Size(shape).numel() * _size(dt)
-        out.append((name, payload[offset:offset + n].view(dt).view(shape)))
+        view = payload[offset:offset + n].view(dt).view(shape)
+        out.append((name, rebuild(cut[0], cut[1], cut[2], view) if cut else view))
     return out
+
+
+def _geometry(shard: dict | None, paired: bool, receivers: int):
+    """The sharded mode's `tp_cut.Geometry` (None: whole tensors to every receiver). Each sender then has one
+    process group per TP rank r, {sender, worker r of every engine}: the receivers are engines of `tp` workers
+    each, numbered engine by engine."""
+    if not shard or shard.get("tp", 1) <= 1:
+        return None
+    from ..tp_cut import Geometry
+
+    geo = Geometry(**shard)
+    if paired:
+        raise ValueError("weight group: a paired group (one receiver per sender) cannot also be sharded")
+    if receivers % geo.tp:
+        raise ValueError(f"weight group: {receivers} receivers are not engines of TP {geo.tp} (sharded refit)")
+    return geo
 
 
 class WeightGroup:
     """Member `rank` of a weight-update group of `world` members, the first `senders` of them senders, rendezvousing
     at `host:port` (member 0 hosts it). `backend`: gloo or nccl (None: nccl where there is a GPU); `timeout_s`
-    bounds the start-up and each collective."""
+    bounds the start-up and each collective. `shard`: `tp_cut.Geometry` fields of the engines (every engine of
+    TP `tp` > 1), for the sharded mode: each worker receives only the part of each tensor vLLM's loader keeps on
+    its TP rank (`tp_cut.cut`), tensors vLLM replicates whole."""
 
     def __init__(self, host: str, port: int, rank: int, world: int, timeout_s: float, backend: str | None = None,
-                 local_rank: int = 0, senders: int = 1, paired: bool = False):
+                 local_rank: int = 0, senders: int = 1, paired: bool = False, shard: dict | None = None):
         if not 0 < senders <= world or not 0 <= rank < world:
             raise ValueError(f"weight group: member {rank} of {world} with {senders} sender(s): needs 1 <= senders "
                              "<= world and 0 <= rank < world")
         if paired and world != 2 * senders:
             raise ValueError(f"weight group: paired, each of the {senders} sender(s) serves one receiver, so the "
                              f"group has {2 * senders} members, not {world}")
+        self.geometry = _geometry(shard, paired, world - senders)
+        tp = self.geometry.tp if self.geometry else 1
         self.rank, self.world, self.senders, self.paired = rank, world, senders, paired
         self.backend = backend or collective_backend()
         self.device = collective_device(self.backend, local_rank)
         self.store = rendezvous(host, port, rank, world, timeout_s, "weight-update group")
         self.timeout = timedelta(seconds=timeout_s)
-        size = 2 if paired else 1 + world - senders  # a sender and the receivers it serves
+        size = 2 if paired else 1 + (world - senders) // tp  # a sender and the receivers it serves (per TP rank)
         if rank < senders:
-            self.pg = self._group(rank, 0, size)
-            self.pgs = [self.pg]
+            self.pgs = ([self._group(f"{rank}/{r}", 0, size) for r in range(tp)] if self.geometry
+                        else [self._group(rank, 0, size)])
+            self.pg = self.pgs[0]
         elif paired:  # receiver senders + s takes sender s's stream only
             self.pg = None
             self.pgs = [self._group(rank - senders, 1, size)]
+        elif self.geometry:  # worker r of engine e: TP rank r's pieces, from every sender's group r
+            self.pg = None
+            e, r = divmod(rank - senders, tp)
+            self.pgs = [self._group(f"{s}/{r}", 1 + e, size) for s in range(senders)]
         else:
             self.pg = None
             self.pgs = [self._group(s, 1 + rank - senders, size) for s in range(senders)]
         self.layouts: list[list | None] = [None] * len(self.pgs)  # per sender: [(header, bytes)] per bucket
         self._buffers: list[torch.Tensor] = []
 
-    def _group(self, sender: int, rank: int, size: int):
+    def _group(self, sender, rank: int, size: int):
         import torch.distributed as dist
 
         store = dist.PrefixStore(f"megatron_spec/weights/{sender}", self.store)
@@ -214,66 +253,98 @@ class WeightGroup:
 
     @torch.no_grad()
     def _pack(self, bucket, header: list, out: torch.Tensor) -> torch.Tensor:
-        for (_, t), (_, dt, shape, offset) in zip(bucket, header):
+        for (_, t), (_, dt, shape, offset, *_) in zip(bucket, header):
             dt = dtype_of(dt)
             out[offset:offset + t.numel() * _size(dt)].view(dt).view(shape).copy_(t.detach())  # cast and copy
         return out
 
+    def _frames(self, buckets, dtype):
+        """Each bucket as what each of this sender's groups gets of it: (group, tensors, header, payload bytes);
+        in the sharded mode one frame per TP rank, its tensors that rank's pieces (`tp_cut.cut`, views) and the
+        replicated tensors whole."""
+        from ..tp_cut import cut
+
+        for bucket in buckets:
+            if self.geometry is None:
+                frames = [(self.pg, bucket, *layout_of(bucket, dtype))]
+            else:
+                frames = []
+                for r, pg in enumerate(self.pgs):
+                    part, cuts = [], []
+                    for name, t in bucket:
+                        c = cut(name, tuple(t.shape), self.geometry, r)
+                        part.append((name, t if c is None else t.narrow(*c)))
+                        cuts.append(None if c is None else [list(t.shape), c[0], c[1]])
+                    frames.append((pg, part, *layout_of(part, dtype, cuts)))
+                del part
+            del bucket  # not held while the next one is made (its frames are, until sent)
+            while frames:
+                yield frames.pop(0)
+
+    def _open_all(self, mode: int, n: int) -> None:
+        """Open the refit in each of this sender's groups; `wait_s` is the total wait for the receivers."""
+        wait = 0.0
+        for pg in self.pgs:
+            self._open(mode, n, pg)
+            wait += self.wait_s
+        self.wait_s = wait
+
     def _send_framed(self, buckets, dtype) -> int:
         layout, total = [], 0
-        self._open(FRAMED, 0)
+        self._open_all(FRAMED, 0)
         try:
-            for bucket in buckets:
-                header, n = layout_of(bucket, dtype)
-                total += self._send_bucket(bucket, header, n)
+            for pg, part, header, n in self._frames(buckets, dtype):
+                total += self._send_bucket(part, header, n, pg)
                 layout.append((header, n))
-                del bucket  # not held while the next one is made
+                del part
         except BaseException:
-            self._mark(ABORT)
+            for pg in self.pgs:
+                self._mark(ABORT, pg=pg)
             raise
         finally:
             self._buffers = []
-        self._mark(END)
+        for pg in self.pgs:
+            self._mark(END, pg=pg)
         self.layouts[0] = layout
         return total
 
-    def _send_bucket(self, bucket, header: list, nbytes: int) -> int:
+    def _send_bucket(self, bucket, header: list, nbytes: int, pg=None) -> int:
         """One FRAMED bucket: sizes, the JSON header, then the packed payload. Returns its tensors' bytes."""
         payload = self._pack(bucket, header, self._payload(0, nbytes))
         head = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8).to(self.device)
-        self._mark(head.numel(), nbytes)
-        self._broadcast(head)
-        self._broadcast(payload)
+        self._mark(head.numel(), nbytes, pg)
+        self._broadcast(head, pg)
+        self._broadcast(payload, pg)
         return tensor_bytes(header)
 
     def _send_packed(self, buckets, dtype) -> int:
+        """The layout's frames go to the groups in turn (frame i to group i mod groups, as `_frames` made them)."""
         layout, total, sent = self.layouts[0], 0, 0
         works = [None, None]
 
         def post(i: int, fill=None) -> torch.Tensor:
             slot = i % 2
             if works[slot] is not None:
-                works[slot].wait()  # the broadcast of bucket i - 2 has left this buffer
+                works[slot].wait()  # the broadcast of frame i - 2 has left this buffer
             buf = self._payload(slot, max(n for _, n in layout))[:layout[i][1]]
             if fill is None:
                 buf.zero_()
             else:
                 self._pack(fill, layout[i][0], buf)
-            works[slot] = self._post(buf)
+            works[slot] = self._post(buf, self.pgs[i % len(self.pgs)])
             return buf
 
-        self._open(PACKED, len(layout))
+        self._open_all(PACKED, len(layout) // len(self.pgs))
         mark = ABORT
         try:
-            for bucket in buckets:
-                header, n = layout_of(bucket, dtype)
+            for _, part, header, n in self._frames(buckets, dtype):
                 if sent >= len(layout) or [header, n] != list(layout[sent]):
                     raise RuntimeError(f"weight group: bucket {sent} of this refit differs from the layout the last "
                                        "framed refit sent (the exported tensors, bucket size or dtype changed while "
                                        "the sender's key stayed the same)")
-                post(sent, bucket)
+                post(sent, part)
                 total, sent = total + tensor_bytes(header), sent + 1
-                del bucket
+                del part
             if sent != len(layout):
                 raise RuntimeError(f"weight group: {sent} buckets where the layout has {len(layout)}")
             mark = END
@@ -285,7 +356,8 @@ class WeightGroup:
             for w in works:
                 if w is not None:
                     w.wait()
-            self._mark(mark)
+            for pg in self.pgs:
+                self._mark(mark, pg=pg)
         return total
 
     # -- receiving ----------------------------------------------------------------------------------------------
@@ -385,7 +457,7 @@ class CudaIpcWeightGroup(WeightGroup):
 
         (pg or self.pg).allreduce([torch.zeros(1)], dist.AllreduceOptions()).wait()
 
-    def _send_bucket(self, bucket, header: list, nbytes: int) -> int:
+    def _send_bucket(self, bucket, header: list, nbytes: int, pg=None) -> int:
         from torch.multiprocessing.reductions import reduce_tensor
 
         payload = self._pack(bucket, header, torch.empty(nbytes, dtype=torch.uint8, device=self.gpu))
@@ -426,14 +498,17 @@ GROUPS = {"gloo": WeightGroup, "nccl": WeightGroup, "cuda_ipc": CudaIpcWeightGro
 
 
 def open_weight_group(host: str, port: int, rank: int, world: int, timeout_s: float, backend: str | None = None,
-                      local_rank: int = 0, senders: int = 1, paired: bool | None = None):
+                      local_rank: int = 0, senders: int = 1, paired: bool | None = None, shard: dict | None = None):
     """Join a weight-update group as member `rank` of `world` (the first `senders` send) over `backend` (one of
     GROUPS; None: nccl where there is a GPU, else gloo), `paired` or not (None: as the transport requires, paired
-    for CUDA IPC only). Every member of one group must name the same backend and pairing."""
+    for CUDA IPC only), `shard`ed or not (`WeightGroup`; never with CUDA IPC, whose pairs carry whole tensors).
+    Every member of one group must name the same backend, pairing and sharding."""
     backend = backend or collective_backend()
     if backend not in GROUPS:
         raise ValueError(f"weight group: unknown transport {backend!r} (one of {', '.join(GROUPS)})")
     if paired is None:
         paired = backend == "cuda_ipc"
+    if backend == "cuda_ipc":
+        shard = None
     return GROUPS[backend](host, port, rank, world, timeout_s, backend, local_rank=local_rank, senders=senders,
-                           paired=paired)
+                           paired=paired, **({"shard": shard} if shard else {}))

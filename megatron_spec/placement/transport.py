@@ -11,8 +11,13 @@
   is formed again and the current weights resent.
 - `object_store` (fallback): rank 0 puts size-bounded buckets in Ray's object store, every engine fetches them.
 
-Both answer `start(version)` with [senders' result, engine 0, ...] results or futures: the senders' (bytes,
-seconds, `SendInfo`), each engine's (bytes, seconds); `sync_metrics` turns them into the step's `weight_sync_*`
+With engines of TP > 1 the group is sharded (`backend.refit_shard_receivers`): each sender has one process group
+per TP rank r, {sender, worker r of every engine}, and cuts each tensor as vLLM's loader does for rank r
+(`tp_cut`), so a worker receives about 1/TP of the model (replicated tensors and drafters whole) and a sender sends
+the model once plus the replicated tensors once more per extra rank.
+
+Both answer `start(version)` with [senders' result, engine 0, ...] results or futures: the senders' (bytes put on
+the wire, seconds, `SendInfo`), each engine's (bytes its busiest worker received, seconds); `sync_metrics` turns them into the step's `weight_sync_*`
 metrics: bytes, seconds, GB/s, transport, senders, the busiest sender's bytes, the most any trainer rank received
 while gathering, and how long the senders waited for the engines (`weight_sync_wait_s`).
 """
@@ -120,11 +125,13 @@ class CollectiveRefit:
         sender = self.trainer.ranks[0]
         host, port, _ = ray.get(sender.address.remote())
         sizes = ray.get([e.weight_ranks.remote() for e in self.generator.engines])
+        shard = self.shard_geometry()
         world = self.senders + sum(sizes)
-        joins = [sender.join_weights.remote(host, port, world, timeout, self.backend, self.senders)]
+        joins = [sender.join_weights.remote(host, port, world, timeout, self.backend, self.senders, shard)]
         base = self.senders
         for engine, n in zip(self.generator.engines, sizes):
-            joins.append(engine.join_weights.remote(host, port, world, base, timeout, self.backend, self.senders))
+            joins.append(engine.join_weights.remote(host, port, world, base, timeout, self.backend, self.senders,
+                                                    shard))
             base += n
         ready, _ = ray.wait(joins, num_returns=len(joins), timeout=timeout + 30)
         if len(ready) < len(joins):
@@ -135,6 +142,17 @@ class CollectiveRefit:
         if len(dtypes) != 1:
             raise RuntimeError(f"engines serve different dtypes {sorted(dtypes)}: one refit stream cannot feed them")
         self.dtype = dtypes.pop()
+
+    def shard_geometry(self) -> dict | None:
+        """The group's sharded mode (`backend.refit_shard_receivers`): the engines' common cut geometry, None when
+        their workers take whole tensors (TP 1, our engine, the option off, or CUDA IPC's paired whole stream)."""
+        if not self.cfg.backend.refit_shard_receivers or self.backend == "cuda_ipc":
+            return None
+        shards = require_ray().get([e.weight_shard.remote() for e in self.generator.engines])
+        if any(s != shards[0] for s in shards):
+            raise RuntimeError(f"engines report different tensor-parallel cuts {shards}: one sharded refit cannot "
+                               "feed them (set backend.refit_shard_receivers=false)")
+        return shards[0]
 
     def start(self, version: int) -> list:
         """Stream the weights of `version` to every engine; the futures of the sender and each engine."""

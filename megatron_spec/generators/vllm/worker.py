@@ -8,7 +8,9 @@ form, loads it and re-runs `process_weights_after_loading`, for the target and f
 Weights reach the workers through the weight-update group (`distributed/weight_group.py`): each worker joins it
 (`megatron_spec_join`) and, per refit, receives the stream bucket by bucket, every trainer pipeline stage's
 sender in turn, straight into one layer-wise reload (`megatron_spec_receive`); a layer is processed as soon as its
-last tensor arrived. Tensors never travel as
+last tensor arrived. In the group's sharded mode a worker receives only its TP rank's part of each tensor
+(`tp_cut`) and hands vLLM's loader a transient full-shaped tensor with the part in place, so vLLM still does the
+final placement (and the repacking and retie below are unchanged); the trial refit checks the cut (`check_cut`). Tensors never travel as
 `collective_rpc` arguments (on CPU they arrive as lists or fail to serialise) and never through a file.
 `megatron_spec_trial_refit` runs the same reload on one layer of each kind at start-up, so an engine that cannot
 be refit fails before a run starts.
@@ -22,8 +24,13 @@ MTP drafter's acceptance length from 1.94 to 1.30). `repack_cpu_experts` runs th
 
 from __future__ import annotations
 
+import re
+
 from ...refit import DRAFTER_PREFIX
 from .plugin import register
+
+_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
+"""The embedding and head, which the sharded trial reloads too (the vocabulary cut is the rule's subtlest)."""
 
 # vLLM imports this module in each worker before it loads the model: registering here too keeps the MTP class and
 # the CPU sampler fix in place even where the package's entry point is not installed (e.g. a stale editable
@@ -33,30 +40,32 @@ register()
 
 class WorkerExtension:
     def megatron_spec_join(self, host: str, port: int, world: int, base_rank: int, timeout_s: float, backend: str,
-                           drafter_form: dict | None, senders: int = 1) -> str:
+                           drafter_form: dict | None, senders: int = 1, shard: dict | None = None) -> str:
         """Join the weight-update group (its first `senders` members send: one per trainer pipeline stage) as rank
         `base_rank` + this worker's rank in its engine; returns the dtype this worker serves (what the senders cast
         to). `drafter_form`: how streamed drafter tensors become vLLM's (`{method: arguments of its
-        registry entry's vllm_convert}`, `export.drafter_form`), None when they load as they are."""
+        registry entry's vllm_convert}`, `export.drafter_form`), None when they load as they are. `shard`: the
+        group's sharded mode (`tp_cut.Geometry` fields): this worker receives only its TP rank's parts."""
         from ...distributed.weight_group import open_weight_group
 
         self.megatron_spec_group = open_weight_group(host, port, base_rank + self.rank, world, timeout_s, backend,
-                                                     local_rank=getattr(self, "local_rank", 0), senders=senders)
+                                                     local_rank=getattr(self, "local_rank", 0), senders=senders,
+                                                     shard=shard)
         self.megatron_spec_drafter_form = drafter_form
         return str(self.model_config.dtype).removeprefix("torch.")
 
     def megatron_spec_receive(self) -> int:
         """Receive one refit from the weight-update group and load it: the target's tensors stream straight into
-        one layer-wise reload (vLLM shards each full tensor to this worker's part), then the drafter's (collected:
-        it is small, and EAGLE-3's fc is rewritten whole). Returns the bytes received."""
+        one layer-wise reload (vLLM shards each full tensor to this worker's part; in the sharded mode each arrives
+        as this worker's part inside a transient full-shaped tensor), then the drafter's (collected: it is small,
+        and EAGLE-3's fc is rewritten whole). Returns the bytes received (the group's count: what crossed the
+        wire to this worker)."""
         group = self.megatron_spec_group
-        total, drafter, target_names = 0, {}, []
+        drafter, target_names = {}, []
 
         def target():
-            nonlocal total
             for bucket in group.receive():
                 for name, t in bucket:
-                    total += t.numel() * t.element_size()
                     if name.startswith(DRAFTER_PREFIX):
                         drafter[name[len(DRAFTER_PREFIX):]] = t.clone()
                     else:
@@ -78,13 +87,14 @@ class WorkerExtension:
             for method, args in (self.megatron_spec_drafter_form or {}).items():
                 drafter = drafter_method(method).vllm_convert(drafter, *args)
             self._load_drafter(drafter)
-        return total
+        return group.received
 
-    def megatron_spec_trial_refit(self) -> int:
+    def megatron_spec_trial_refit(self, shard: dict | None = None) -> int:
         """Reload, in place, one decoder layer of each kind (the first, and the first with experts) from the files
         the engine started from: the weights do not change, but every step of the refit path runs (layer-wise
-        reload, kernel repacking), so an engine that cannot take a refit fails here, before any run. Returns the
-        number of tensors reloaded."""
+        reload, kernel repacking), so an engine that cannot take a refit fails here, before any run. With `shard`
+        (the sharded refit's geometry) the same layers, the embedding and the head are then reloaded again
+        through the cut rule (`check_cut`). Returns the number of tensors reloaded."""
         import glob
         import os
         import re
@@ -109,13 +119,36 @@ class WorkerExtension:
             if first is not None:
                 chosen.update(by_layer[first])
 
-        def tensors():
+        if shard:
+            chosen.update(n for n in names if _VOCAB.search(n))
+
+        def tensors(geo=None, rank=0):
+            from ...tp_cut import cut, rebuild
+
             for name in sorted(chosen):
                 with safe_open(names[name], "pt") as f:
-                    yield name, f.get_tensor(name)
+                    t = f.get_tensor(name)
+                c = cut(name, tuple(t.shape), geo, rank) if geo else None
+                yield name, t if c is None else rebuild(t.shape, c[0], c[1], t.narrow(*c), fill=float("nan"))
 
-        self.model_runner.reload_weights(weights_iterator=tensors())
-        repack_cpu_experts(self.model_runner.model, chosen)
+        def reload(stream):
+            self.model_runner.reload_weights(weights_iterator=stream)
+            repack_cpu_experts(self.model_runner.model, chosen)
+            retie_output_head(self.model_runner.model, self.model_config.hf_config)
+
+        if not shard:
+            reload(tensors())
+            return len(chosen)
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        from ...tp_cut import Geometry
+
+        prefixes = {m.group(0) if (m := layer.match(n)) else n.rsplit(".", 1)[0] + "." for n in chosen}
+        whole = loaded_values(self.model_runner.model, prefixes, lambda: reload(tensors()))
+        rank = get_tensor_model_parallel_rank()
+        cut_ = loaded_values(self.model_runner.model, prefixes,
+                             lambda: reload(tensors(Geometry(**shard), rank)))
+        check_cut(whole, cut_, sorted(chosen), rank)
         return len(chosen)
 
     def _load_drafter(self, tensors: dict) -> None:
@@ -151,6 +184,52 @@ class WorkerExtension:
 
     def megatron_spec_has_drafter(self) -> bool:
         return self.model_runner.get_draft_model() is not None
+
+
+def loaded_values(model, prefixes, reload) -> dict:
+    """Run `reload()` and return, for every parameter of a module under one of `prefixes`, the value the loader
+    put there: taken just before the module's post-load step for modules that have one (on CPU it packs linear
+    weights away and empties `.weight`), after the reload for the others (norms). Copies on the host."""
+    paths = {id(m): p for p, m in model.named_modules() if any(p.startswith(x) or p + "." == x for x in prefixes)}
+    values, wrapped = {}, {}
+    for path, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if id(module) in paths and hasattr(method, "process_weights_after_loading") and id(method) not in wrapped:
+            def snapshot(layer, _orig=method.process_weights_after_loading):
+                if id(layer) in paths:
+                    for n, p in layer.named_parameters(recurse=False):
+                        values[f"{paths[id(layer)]}.{n}"] = p.detach().to("cpu", copy=True)
+                return _orig(layer)
+
+            method.process_weights_after_loading = snapshot  # an instance attribute over the class's method
+            wrapped[id(method)] = method
+    try:
+        reload()
+    finally:
+        for method in wrapped.values():
+            del method.process_weights_after_loading
+    for path, module in model.named_modules():
+        if id(module) in paths and getattr(module, "quant_method", None) is None:
+            for n, p in module.named_parameters(recurse=False):
+                values[f"{path}.{n}"] = p.detach().to("cpu", copy=True)
+    return values
+
+
+def check_cut(whole: dict, cut: dict, names: list[str], rank: int) -> None:
+    """The sharded trial's verdict: every parameter loaded from the cut tensors (their parts outside the cut NaN)
+    equals what the whole tensors loaded. A parameter that differs (NaN: vLLM read outside the part the rule
+    sends) means the rule does not match this engine; fail naming it and the checkpoint tensors it loads."""
+    import torch
+
+    for key in sorted(whole.keys() | cut.keys()):
+        a, b = whole.get(key), cut.get(key)
+        if a is None or b is None or a.shape != b.shape or not torch.equal(a, b):
+            module = key.rsplit(".", 2)[0] + "."
+            sources = [n for n in names if n.startswith(module)] or names
+            raise RuntimeError(f"sharded refit: the tensor-parallel cut (megatron_spec.tp_cut) does not match this "
+                               f"vLLM engine on TP rank {rank}: {key} loaded from the cut tensors differs from the "
+                               f"whole ones (it reads outside the part sent); checkpoint tensors {sources[:6]}. Set "
+                               f"backend.refit_shard_receivers=false to send whole tensors")
 
 
 def retie_output_head(model, hf_config) -> None:

@@ -28,15 +28,16 @@ class RefitSource:
         yield from self._for_engines((item for bucket in stream for item in bucket), eagle3=True)
 
     def join_weights(self, host: str, port: int, world: int, timeout_s: float, backend: str, senders: int,
-                     paired: bool | None = None) -> None:
+                     paired: bool | None = None, shard: dict | None = None) -> None:
         """Join the weight-update group at `host:port` (rank 0 hosts it) as one sender per pipeline stage, the
         stage's first rank, or, `paired` (None: the CUDA IPC refit's rule, `refit_stream.per_gpu`), as ranks
         0 .. senders - 1, each serving the engine worker on its GPU (`refit_stream.join_stage_sender`); the other
-        ranks only gather. Collective."""
+        ranks only gather. `shard`: the group's sharded mode (each sender cuts every tensor per engine TP rank,
+        `weight_group.WeightGroup`). Collective."""
         from .refit_stream import join_stage_sender, per_gpu
 
-        self._announce("join_weights", host, port, world, timeout_s, backend, senders, paired)
-        self.weight_group = join_stage_sender(host, port, world, timeout_s, backend, senders, paired)
+        self._announce("join_weights", host, port, world, timeout_s, backend, senders, paired, shard)
+        self.weight_group = join_stage_sender(host, port, world, timeout_s, backend, senders, paired, shard)
         self.refit_per_gpu = per_gpu(backend) if paired is None else paired
 
     def send_weights(self, bucket_bytes: int, dtype: str | None) -> dict:

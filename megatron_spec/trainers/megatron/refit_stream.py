@@ -205,11 +205,12 @@ def stage_senders() -> list[int]:
 
 
 def join_stage_sender(host: str, port: int, world: int, timeout_s: float, backend: str, senders: int,
-                      paired: bool | None = None):
+                      paired: bool | None = None, shard: dict | None = None):
     """Every trainer rank: a stage's sender joins the weight-update group as member `pp_rank` (stage 0's, global
     rank 0, hosts the rendezvous at `host:port`); returns its group, None on the other ranks. `paired` (None:
     `per_gpu(backend)`): the senders are instead global ranks 0 .. senders - 1 of a paired group, rank u serving
-    receiver u, the engine worker on its GPU. Collective."""
+    receiver u, the engine worker on its GPU. `shard`: the stage senders' sharded mode (`WeightGroup`; never
+    paired). Collective."""
     from ...distributed.weight_group import open_weight_group
 
     local = torch.cuda.current_device() if torch.cuda.is_available() else 0
@@ -228,7 +229,7 @@ def join_stage_sender(host: str, port: int, world: int, timeout_s: float, backen
     if me not in by_stage:
         return None
     return open_weight_group(host, port, by_stage.index(me), world, timeout_s, backend, local_rank=local,
-                             senders=senders)
+                             senders=senders, shard=shard)
 
 
 def send_stages(group, stream: Iterator[tuple[str, Tensor]], received: list[int], bucket_bytes: int,
