@@ -3,8 +3,9 @@ disturb the trainer's or vLLM's) from the trainer ranks that send (one per pipel
 own stage's weights) to every generator worker.
 
 Members `0 .. senders - 1` send, the rest receive. Each sender has a process group of its own with every receiver
-(the sender its rank 0), so no sender ever receives another sender's bytes; receivers take the senders' refits one
-after another, in sender order. A `paired` group instead gives each sender one receiver, member `senders + s`
+(the sender its rank 0), so no sender ever receives another sender's bytes; receivers take the senders' refits at
+once, a bucket of each in turn (sender order, the same on every receiver), so every stage streams while the others
+do. A `paired` group instead gives each sender one receiver, member `senders + s`
 taking sender s's whole stream only (the per-GPU CUDA IPC refit: each sender serves the engine worker on its GPU).
 A `shard`ed group (engines of vLLM tensor parallel size N > 1, N receivers each) gives each sender N groups instead,
 group r = {sender, worker r of every engine}: the sender cuts each tensor as vLLM's loader does for TP rank r
@@ -363,17 +364,31 @@ class WeightGroup:
     # -- receiving ----------------------------------------------------------------------------------------------
 
     def receive(self, reuse: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """A receiver: every sender's buckets, sender by sender, each a list of (hf_name, tensor) views of one
-        received buffer. `reuse`: for a loader that copies each bucket before asking for the next, two buffers
-        alternate (no allocation or first touch of fresh memory per bucket); otherwise each bucket is a fresh buffer
-        (vLLM's reload keeps views until a layer is whole). Must be drained to the end; the bytes received are
-        `self.received` after."""
+        """A receiver: every sender's buckets, each a list of (hf_name, tensor) views of one received buffer. The
+        senders are taken at once, one bucket of each in turn (sender order), so every stage streams its share
+        while the others do: a receiver's link, not one sender's, bounds the refit. `reuse`: for a loader that
+        copies each bucket before asking for the next, two buffers per sender alternate (no allocation or first
+        touch of fresh memory per bucket); otherwise each bucket is a fresh buffer (vLLM's reload keeps views until
+        a layer is whole). Must be drained to the end; the bytes received are `self.received` after."""
         if self.is_sender:
             raise RuntimeError(f"weight group: member {self.rank} sends")
         self.received, self._reuse = 0, reuse
-        for s, pg in enumerate(self.pgs):
-            yield from self._receive_from(s, pg)
+        streams = [self._receive_from(s, pg) for s, pg in enumerate(self.pgs)]
+        aborted = None
+        while streams:
+            # Every receiver walks the senders' buckets in this same order, so no two wait on each other.
+            for stream in list(streams):
+                try:
+                    bucket = next(stream, None)
+                except RefitAborted as err:  # the other senders still stream: take the rest of theirs, then raise
+                    aborted, bucket = err, None
+                if bucket is None:
+                    streams.remove(stream)
+                elif aborted is None:
+                    yield bucket
         self._buffers = self._buffers if reuse else []
+        if aborted is not None:
+            raise aborted
 
     def _receive_from(self, s: int, pg) -> Iterator[list[tuple[str, torch.Tensor]]]:
         mode, n = self._open(0, 0, pg)
@@ -392,8 +407,8 @@ class WeightGroup:
                                f"{'no' if layout is None else len(layout)} buckets of its layout")
 
         def post(i):
-            if self._reuse:
-                buf = self._payload(i % 2, max(n for _, n in layout))[:layout[i][1]]
+            if self._reuse:  # two slots of this sender's own
+                buf = self._payload(2 * s + i % 2, max(n for _, n in layout))[:layout[i][1]]
             else:
                 buf = torch.empty(layout[i][1], dtype=torch.uint8, device=self.device)
             return buf, self._post(buf, pg)

@@ -5,14 +5,14 @@ each holding only its own stage's weights, which the stage gathers bucket by buc
 expert-parallel ranks inside its scale-up domain; every engine worker receives whole tensors (vLLM keeps its own
 tensor-parallel part of each) or, sharded (`backend.refit_shard_receivers`, the default for engines of TP > 1),
 only its TP rank's part of each tensor (`tp_cut`: norms, router gates and the drafter whole, k / v at one kv head
-where there are fewer kv heads than TP ranks), the senders' refits one after another; each sender packs bucket n + 1 while bucket
-n travels (two buffers), so a stage costs the slower of its gather and its send, and only the first bucket of the
-refit is not overlapped. Where engine and trainer are on different nodes a receiver's bytes arrive through its
-own NIC. With whole tensors the receivers' links are the bottleneck (a broadcast puts each byte once on the
-sender's link and once on every receiver's), so taking the senders in turn costs nothing over taking them at once.
-Sharded, a receiver's link carries about 1/TP of a stage but the sender's still the whole stage (its TP groups'
-pieces add up to it, plus the replicated tensors once per extra group): the senders' links become the bound, and
-since the receivers take the senders in turn the stages' sends add up. Colocated on GPUs (the per-GPU CUDA IPC refit), every trainer GPU hosts one engine worker and walks the whole
+where there are fewer kv heads than TP ranks), the senders' refits at once (a bucket of each in turn); each
+sender packs bucket n + 1 while bucket n travels (two buffers), so a stage costs the slower of its gather and its
+send, and only the first bucket of the refit is not overlapped. Where engine and trainer are on different nodes a
+receiver's bytes arrive through its own NIC. A broadcast puts each byte once on the sender's link and once on
+every receiver's: each sender's link carries its own stage, each receiver's every stage's share, and the refit
+takes the longer of the two. With whole tensors the receivers' links are the bound (the whole model each).
+Sharded, a receiver's link carries about 1/TP of the model, while a sender's still carries its whole stage (its
+TP groups' pieces add up to it, plus the replicated tensors once per extra group). Colocated on GPUs (the per-GPU CUDA IPC refit), every trainer GPU hosts one engine worker and walks the whole
 model: each stage's buckets, gathered inside the stage, reach every GPU over the trainer's own group (the other
 stages' through the GPU's NIC when the pipeline spans nodes), and each GPU hands them to its engine worker as an
 IPC device copy.
@@ -139,12 +139,10 @@ class RefitProjection:
 
 
 def project(shape: CostShape, top: RefitTopology, hw: Hardware, dtype_bytes: float = 2.0,
-            drafter_params: float = 0.0, cut: CutShare | None = None, tied: bool = False,
-            senders_at_once: bool = False) -> RefitProjection:
+            drafter_params: float = 0.0, cut: CutShare | None = None, tied: bool = False) -> RefitProjection:
     """Seconds of one refit on `top` over `hw`'s links. `cut`: the sharded refit (disaggregated engines: the
     per-GPU CUDA IPC refit of colocated ones carries whole tensors), each engine worker receiving its TP rank's
-    part. `senders_at_once`: the receivers take every sender's stream at the same time instead of in turn (not
-    what the transport does; shown as what the links would then allow)."""
+    part."""
     stages = stage_bytes(shape, top, dtype_bytes, drafter_params, tied)
     if cut is not None and top.colocated:
         raise ValueError("refit projection: the colocated (CUDA IPC) refit carries whole tensors, never sharded")
@@ -171,10 +169,10 @@ def project(shape: CostShape, top: RefitTopology, hw: Hardware, dtype_bytes: flo
         per_stage.append(max(gather, send, r / copy_bw if copy_bw else 0.0))
         if fill is None:  # the first bucket: gathered before anything is sent
             fill = min(gather, send) * min(1.0, bucket / b) if b else 0.0
-    if senders_at_once:  # each sender's link its own stage; each receiver's link every stage's share
-        seconds = max(max(per_stage), sum(recv) / bw)
-    else:
+    if top.colocated:  # every GPU walks the stages' buckets one stage after another
         seconds = sum(per_stage)
+    else:  # the senders at once: each sender's link its own stage, each receiver's link every stage's share
+        seconds = max(max(per_stage), sum(recv) / bw)
     seconds += fill or 0.0
     receiver = (f"every trainer GPU, which hands them to the engine worker on it ({top.engines} engines x "
                 f"TP{top.gen_tp}) through CUDA IPC," if top.colocated else
@@ -184,7 +182,7 @@ def project(shape: CostShape, top: RefitTopology, hw: Hardware, dtype_bytes: flo
            f"{cut.kv_share(top.gen_tp):.3g} of each)")
     assumptions = [
         f"senders: {top.pp} (one per pipeline stage), layers per stage {stage_layers(shape, top)}, "
-        + ("taken at once" if senders_at_once else "taken in turn by the receivers"),
+        + ("taken in turn by every GPU" if top.colocated else "taken at once by the receivers"),
         f"{receiver} receives {got}, through {link}",
         f"links at {top.link_eff:.0%} of the spec sheet: receive {bw / 1e9:.1f} GB/s, in-stage gather over NVLink "
         f"{gather_bw / 1e9:.1f} GB/s (each sender lacks {1 - own:.0%} of its stage)",
@@ -195,8 +193,8 @@ def project(shape: CostShape, top: RefitTopology, hw: Hardware, dtype_bytes: flo
 
 def refit_report(model: str, top: RefitTopology, hw_name: str = "h100", fp8: bool = False,
                  drafter_params: float = 0.0) -> str:
-    """The refit of `model` on `top`: seconds with whole tensors, sharded (the default for disaggregated engines of
-    TP > 1), and sharded with the receivers taking the senders at once (not implemented)."""
+    """The refit of `model` on `top`: seconds with whole tensors and sharded (the default for disaggregated engines
+    of TP > 1)."""
     from .config import resolve_model
     from .shapes import shape_of
 
@@ -216,10 +214,8 @@ def refit_report(model: str, top: RefitTopology, hw_name: str = "h100", fp8: boo
         return "\n".join(lines)
     cut = CutShare.of(cfg)
     shard = project(shape, top, hw, dtype_bytes, drafter_params, cut=cut, tied=tied)
-    at_once = project(shape, top, hw, dtype_bytes, drafter_params, cut=cut, tied=tied, senders_at_once=True)
     lines += [f"  assumption: sharded, {shard.assumptions[1]}",
               f"  refit sharded (backend.refit_shard_receivers, as implemented): {shard.seconds:.1f} s, each "
               f"receiver {shard.receiver_bytes / 1e9:.1f} GB, busiest sender's link "
-              f"{max(shard.sender_wire_bytes) / 1e9:.1f} GB: the senders' links, taken in turn, are the bound",
-              f"  sharded with the receivers taking the senders at once (not implemented): {at_once.seconds:.1f} s"]
+              f"{max(shard.sender_wire_bytes) / 1e9:.1f} GB"]
     return "\n".join(lines)

@@ -1,5 +1,6 @@
 """The weight-update group with two senders (one per pipeline stage) and two receivers, on gloo in spawned
-processes: every receiver gets each sender's buckets exactly, sender after sender; a sender is in no group but its
+processes: every receiver gets each sender's buckets exactly, the senders taken at once (a bucket of each in
+turn, in sender order: the order every receiver walks them in, so none waits on another); a sender is in no group but its
 own; the first refit carries the headers and every later one only the payloads, until a sender's tensor set
 changes (its key says so) and that sender resends its headers once; a failure, or a layout changed behind an
 unchanged key, in a PACKED refit reaches every receiver as RefitAborted; a paired group serves one receiver per
@@ -24,6 +25,14 @@ def stage(sender: int, refit: int, shape=(3, 4)):
              (f"s{sender}.ids", torch.arange(5) + refit)],
             [(f"s{sender}.b", torch.randn(2, 2, generator=g, dtype=torch.float64))],
             [(f"s{sender}.c", torch.randn(7, generator=g))]]
+
+
+def in_turn(*streams):
+    """The buckets of each sender's stream taken one of each in turn, in sender order, until all are done."""
+    out = []
+    for i in range(max(len(b) for b in streams)):
+        out += [b[i] for b in streams if i < len(b)]
+    return out
 
 
 def drafter(refit: int):
@@ -87,7 +96,7 @@ def test_each_receiver_gets_every_stage_from_its_own_sender_and_headers_only_onc
             assert results[s][refit] == ("sent", _bytes(stage(s, refit)), buckets_posts, 1)
         for r in (2, 3):
             status, got, received, posts, groups = results[r][refit]
-            want = stage(0, refit) + stage(1, refit)
+            want = in_turn(stage(0, refit), stage(1, refit))
             assert status == "received" and len(got) == 6
             assert received == _bytes(want) and posts == SENDERS * buckets_posts
             for sent, recv in zip(want, got):
@@ -138,6 +147,24 @@ def test_a_paired_group_gives_each_receiver_its_own_senders_stream_only():
         WeightGroup("127.0.0.1", free_port(), 0, 3, 5, "gloo", senders=2, paired=True)
 
 
+def test_a_sender_failing_in_a_framed_refit_leaves_the_others_streaming_to_the_end():
+    """Refit 0 (FRAMED): sender 1 sends its abort mark after its first bucket, while sender 0 still has two to
+    send. The receivers take sender 0's stream to its end before raising RefitAborted, so sender 0's refit
+    completes instead of waiting in a broadcast no one receives (it would fail at the group's timeout); refit 1 is
+    whole on every receiver, sender 0 PACKED (its layout stands) and sender 1 FRAMED again."""
+    results = _run(["fail", "ok"])
+    assert results[0][0] == ("sent", _bytes(stage(0, 0)), 3 * 3 + 1, 1)
+    assert results[1][0] == ("ValueError", "export failed")
+    for r in (2, 3):
+        assert results[r][0][0] == "RefitAborted"
+        status, got, received, posts, _ = results[r][1]
+        want = in_turn(stage(0, 1), stage(1, 1))
+        assert (status, received, posts) == ("received", _bytes(want), (3 + 1) + (3 * 3 + 1))
+        for sent, recv in zip(want, got, strict=True):
+            for (_, a), (_, b) in zip(sent, recv, strict=True):
+                assert torch.equal(a.to(torch.bfloat16) if a.is_floating_point() else a, b)
+
+
 def test_a_tensor_set_that_changes_between_refits_resends_its_headers_once():
     """Refit 0 sends both stages' sets; from refit 1 on, sender 1's set gains a drafter bucket and its key says so:
     refit 1 is FRAMED again for sender 1 (headers resent, 3 broadcasts per bucket) while sender 0 stays PACKED,
@@ -152,7 +179,7 @@ def test_a_tensor_set_that_changes_between_refits_resends_its_headers_once():
     for r in (2, 3):
         for refit, posts in ((1, (3 + 1) + (4 * 3 + 1)), (2, (3 + 1) + (4 + 1))):
             status, got, received, n_posts, _ = results[r][refit]
-            want = stage(0, refit) + stage(1, refit) + [drafter(refit)]
+            want = in_turn(stage(0, refit), stage(1, refit) + [drafter(refit)])
             assert (status, received, n_posts) == ("received", _bytes(want), posts)
             for sent, recv in zip(want, got, strict=True):
                 assert [n for n, _ in sent] == [n for n, _ in recv]

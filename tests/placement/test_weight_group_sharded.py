@@ -12,6 +12,7 @@ import torch
 
 from megatron_spec.distributed.process_groups import free_port
 from megatron_spec.distributed.weight_group import RefitAborted, WeightGroup
+from tests.placement.test_weight_group_senders import in_turn
 
 SENDERS, TP, WORLD = 2, 2, 6
 GEO = {"tp": 2, "heads": 4, "kv_heads": 1}
@@ -95,7 +96,7 @@ def _check_refit(results, refit, sender_posts, receiver_posts):
         r = (rank - SENDERS) % TP
         status, got, received, posts, groups = results[rank][refit]
         assert (status, received, posts, groups) == ("received", RECEIVED[r], receiver_posts, SENDERS)
-        want = stage(0, refit) + stage(1, refit)
+        want = in_turn(stage(0, refit), stage(1, refit))
         assert len(got) == len(want)
         for sent, recv in zip(want, got, strict=True):
             assert [n for n, _ in sent] == [n for n, _, _ in recv]
