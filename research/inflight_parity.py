@@ -2,20 +2,22 @@
 
 For each seed: the main job (`configs/tiny_grpo_spec.yaml`) for `--steps` steps twice, synchronous and inline, and
 on Ray (disaggregated, one engine) with `backend.async_lag=2 backend.in_flight_updates=true`, both evaluated on
-the 128 held-out problems before step 0 and after the last step (greedy). The two runs of a seed run at the same
-time (nothing here is a timing). Writes research/records/inflight_parity_<tag>.json: per seed and run the held-out
+the 128 held-out problems before step 0 and after the last step (greedy). `--jobs` runs (2 by default) run at a
+time, in seed order (nothing here is a timing). Writes research/records/inflight_parity_<tag>.json: per seed and run the held-out
 accuracy before / after with its binomial standard error over the held-out problems, and for the in-flight run
 the steps whose rollouts spanned two or more versions, the largest span and `policy_lag`, and the refit's wait
 (`weight_sync_wait_s`) against the engine's generation.
 
 `--set KEY=VALUE ...` changes the job for both runs alike (recorded). A rollout spans versions only when a refit
-arrives while the engine still generates: with lag L the engine runs step s + 1's and s + 2's generations while the
-trainer updates on step s, and the next refit comes when that update ends, so the update must be the shorter of the
-two (`drafter_train.extra_groups=0` makes it so on the main job: without it the online drafter's training on 20
-left-out groups a step outlasts the generation). `--jobs` runs that many runs at a time (nothing here is a timing).
+arrives while the engine still generates: with lag 2 the engine runs step s + 1's and s + 2's generations while the
+trainer updates on step s, and the next refit is sent when that update ends, so the update must be the shorter of
+the two. On the main job it is not: under a lag the whole-step gate is off, so the online drafter trains every step,
+also on 20 left-out groups (`drafter_train.extra_groups`), and outlasts the generation; `drafter_train.extra_groups=0`
+with 48 prompts a step turns that around. `--summarise` writes the record from runs already finished.
 
     python research/inflight_parity.py --seeds 0 1 --steps 30 --tag 30steps
-    python research/inflight_parity.py --seeds 0 1 2 --steps 40 --set drafter_train.extra_groups=0 --tag spanning
+    python research/inflight_parity.py --seeds 0 1 2 --steps 40 --set grpo.prompts_per_step=48 \
+        drafter_train.extra_groups=0 --tag spanning_40steps
 """
 
 from __future__ import annotations
