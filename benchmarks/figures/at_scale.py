@@ -13,6 +13,8 @@ SCHEDULE = "research/records/megatron_schedule.json"
 ASYNC = "research/records/async_save_megatron_writer_process_2threads.json"
 ROUTING = "research/records/routing_replay_trainers.json"
 ROUTING_VLLM = "research/records/routing_replay_vllm.json"
+GATE_VLLM = "research/records/vllm_step_gate.json"
+GATE_VLLM_PROCESSES = "research/records/vllm_step_gate_engine_processes.json"
 INFLIGHT = "research/records/inflight_parity_spanning_40steps.json"
 RANKS = ("0", "1", "2", "3")
 
@@ -215,6 +217,12 @@ FIGURES += [
            + [routing(r, "bfloat16", "free", "mean_abs", "median")]),
     Figure(R, "with an fp32 vLLM engine no choice differs and the mismatch is at most 1.8e-5 either way", ROUTING_VLLM,
            fp32_routing),
+    Figure(R, "1.04x by median (0.23-0.29 s against 0.23-0.28 s), speculating 3.82x", GATE_VLLM,
+           lambda r: [r["ratio_to_plain"]["gate_off"], *span(r["seconds"]["gate_off"]), *span(r["seconds"]["plain"]),
+                      r["ratio_to_plain"]["spec"]]),
+    Figure(R, "in a process of its own 1.06x by median, single rounds 0.33-0.86 s plain and 0.40-2.15 s gated",
+           GATE_VLLM_PROCESSES, lambda r: [r["ratio_to_plain"]["gate_off"], *span(r["seconds"]["plain"]),
+                                           *span(r["seconds"]["gate_off"])]),
     Figure(R, "held-out accuracy 0.320 / 0.320 / 0.273 -> 0.641 / 0.484 / 0.945 in flight against 0.516 / 0.469 / "
            "0.945 synchronous", INFLIGHT, accuracies),
     Figure(R, "in flight minus synchronous +0.047 ± 0.031 over the seeds (1.5 standard errors", INFLIGHT,
