@@ -36,7 +36,8 @@ _HEADS_Q = re.compile(r"\.q_proj\.(weight|bias)$")
 _HEADS_KV = re.compile(r"\.[kv]_proj\.(weight|bias)$")
 _COLUMN = re.compile(r"\.(gate_proj|up_proj)\.(weight|bias)$")
 _ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
-_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
+VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
+"""The embedding and the output head: cut by vocabulary rows."""
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def cut(name: str, shape: tuple[int, ...], geo: Geometry, rank: int) -> tuple[in
         return (0, *_even(shape[0], geo.tp, rank))
     if _ROW.search(name) and len(shape) == 2:
         return (1, *_even(shape[1], geo.tp, rank))
-    if _VOCAB.search(name):
+    if VOCAB.search(name):
         vocab = shape[0]
         per = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING // geo.tp
         start = min(rank * per, vocab)

@@ -6,8 +6,8 @@ backend repacks every linear layer and empties `.weight`, so a second `load_weig
 form, loads it and re-runs `process_weights_after_loading`, for the target and for the drafter alike.
 
 Weights reach the workers through the weight-update group (`distributed/weight_group.py`): each worker joins it
-(`megatron_spec_join`) and, per refit, receives the stream bucket by bucket, every trainer pipeline stage's
-sender in turn, straight into one layer-wise reload (`megatron_spec_receive`); a layer is processed as soon as its
+(`megatron_spec_join`) and, per refit, receives the stream bucket by bucket, the trainer pipeline stages' senders
+at once (a bucket of each in turn), straight into one layer-wise reload (`megatron_spec_receive`); a layer is processed as soon as its
 last tensor arrived. In the group's sharded mode a worker receives only its TP rank's part of each tensor
 (`tp_cut`) and hands vLLM's loader a transient full-shaped tensor with the part in place, so vLLM still does the
 final placement (and the repacking and retie below are unchanged); the trial refit checks the cut (`check_cut`). Tensors never travel as
@@ -24,13 +24,8 @@ MTP drafter's acceptance length from 1.94 to 1.30). `repack_cpu_experts` runs th
 
 from __future__ import annotations
 
-import re
-
 from ...refit import DRAFTER_PREFIX
 from .plugin import register
-
-_VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
-"""The embedding and head, which the sharded trial reloads too (the vocabulary cut is the rule's subtlest)."""
 
 # vLLM imports this module in each worker before it loads the model: registering here too keeps the MTP class and
 # the CPU sampler fix in place even where the package's entry point is not installed (e.g. a stale editable
@@ -119,8 +114,10 @@ class WorkerExtension:
             if first is not None:
                 chosen.update(by_layer[first])
 
-        if shard:
-            chosen.update(n for n in names if _VOCAB.search(n))
+        if shard:  # the embedding and head too: the vocabulary cut is the rule's subtlest
+            from ...tp_cut import VOCAB
+
+            chosen.update(n for n in names if VOCAB.search(n))
 
         def tensors(geo=None, rank=0):
             from ...tp_cut import cut, rebuild
