@@ -65,18 +65,11 @@ def trainer_routing(policy: EmbeddedPolicy, batch, rows: list[int]) -> torch.Ten
     return out.long().sort(-1).values
 
 
-@pytest.mark.parametrize("spec", [None, SpecConfig(method="ngram", num_speculative_tokens=3)],
-                         ids=["plain", "ngram"])
-def test_trainer_routes_every_token_as_the_engine_did(spec):
-    """With replay, the trainer's log-prob forward and its train forward choose the engine's experts at every
-    recorded position of every rollout (prompt and completion); without it, the crafted near ties send some of those
-    positions elsewhere (observed: 110 of 432), and the engine-vs-trainer log-prob mismatch shows it. With replay
-    the log-probs differ from the engine's only through the routers' weights of the same experts (the perturbed
-    gate rows move them by ~1 %): observed 0.027, bounded at 0.1; the flips without replay move some token's
-    log-prob by 0.51 (bounded below at 0.25). Rounding (~1e-6 on any instruction set or thread count) can move a
-    tie the crafted 1e-3 gaps leave only rarely, and the margins to both bounds are ~4x and ~2x."""
-    engine, trainer = near_tie_models()
-    batch, behaviour = rollouts(engine, spec)
+def check_replay(trainer: CausalLM, batch, behaviour) -> torch.Tensor:
+    """Replaying the batch's routing, `trainer`'s log-prob and train forwards choose the recorded experts at every
+    recorded position; routing by itself it chooses others at 5 or more (the crafted ties do flip, so the equality
+    is not vacuous), and the mismatch with the engine's log-probs is above 0.25 free and below 0.1 replayed (the
+    bounds' reasoning: `test_trainer_routes_every_token_as_the_engine_did`). Returns the replayed log-probs."""
     where = recorded(batch)
     policy = EmbeddedPolicy(trainer, GRPOSection(micro_batch_tokens=0, routing_replay=True), SAMPLING)
     [(rows, _)] = policy.split(batch)
@@ -97,6 +90,22 @@ def test_trainer_routes_every_token_as_the_engine_did(spec):
     batch.advantages = torch.linspace(-1, 1, len(rows))
     policy.train_step(batch)
     assert torch.equal(trainer_routing(policy, batch, rows)[where], engine_choice[where])
+    return replay_lp
+
+
+@pytest.mark.parametrize("spec", [None, SpecConfig(method="ngram", num_speculative_tokens=3)],
+                         ids=["plain", "ngram"])
+def test_trainer_routes_every_token_as_the_engine_did(spec):
+    """With replay, the trainer's log-prob forward and its train forward choose the engine's experts at every
+    recorded position of every rollout (prompt and completion); without it, the crafted near ties send some of those
+    positions elsewhere (observed: 110 of 432), and the engine-vs-trainer log-prob mismatch shows it. With replay
+    the log-probs differ from the engine's only through the routers' weights of the same experts (the perturbed
+    gate rows move them by ~1 %): observed 0.027, bounded at 0.1; the flips without replay move some token's
+    log-prob by 0.51 (bounded below at 0.25). Rounding (~1e-6 on any instruction set or thread count) can move a
+    tie the crafted 1e-3 gaps leave only rarely, and the margins to both bounds are ~4x and ~2x."""
+    engine, trainer = near_tie_models()
+    batch, behaviour = rollouts(engine, spec)
+    replay_lp = check_replay(trainer, batch, behaviour)
     torch.testing.assert_close(batch.old_logprobs, replay_lp, rtol=0, atol=1e-6)
 
 

@@ -13,8 +13,6 @@ its routers chose at every position of every request, and the trainer replays th
   left from a rejected draft would route that position differently from the model's forward, which the first
   test's equality, run here on the speculating engine too, would catch."""
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -23,9 +21,8 @@ from megatron_spec.engine import SamplingParams
 from megatron_spec.models import CausalLM, preset
 from megatron_spec.models.routing import choices
 from megatron_spec.rl.config import GRPOSection, RLConfig
-from megatron_spec.rl.loop import logprob_mismatch, make_batch
-from megatron_spec.trainers.embedded import EmbeddedPolicy
-from tests.rl.test_routing_replay import SAMPLING, near_tie_models, recorded, trainer_routing
+from megatron_spec.rl.loop import make_batch
+from tests.rl.test_routing_replay import check_replay, near_tie_models
 
 from .common import vllm_only
 
@@ -77,25 +74,7 @@ def test_trainer_replays_vllms_routing(tmp_path):
         outs = gen.generate(PROMPTS, SAMPLED)
     finally:
         gen.close()
-    batch, behaviour = make_batch(PROMPTS, outs)
-    where = recorded(batch)
-    policy = EmbeddedPolicy(trainer, GRPOSection(micro_batch_tokens=0, routing_replay=True), SAMPLING)
-    [(rows, _)] = policy.split(batch)
-    engine_choice = batch.routing.long().sort(-1).values
-
-    free = copy.copy(batch)
-    free.routing = None
-    free_lp = policy.logprobs(free)
-    assert int((trainer_routing(policy, batch, rows) != engine_choice).any(-1)[where].sum()) >= 5
-
-    replay_lp = policy.logprobs(batch)
-    assert torch.equal(trainer_routing(policy, batch, rows)[where], engine_choice[where])
-    completion = batch.mask[:, 1:]
-    assert logprob_mismatch(replay_lp, behaviour, completion) < 0.1
-    assert logprob_mismatch(free_lp, behaviour, completion) > 0.25
-    batch.advantages = torch.linspace(-1, 1, len(rows))
-    policy.train_step(batch)
-    assert torch.equal(trainer_routing(policy, batch, rows)[where], engine_choice[where])
+    check_replay(trainer, *make_batch(PROMPTS, outs))
 
 
 def test_a_loop_step_with_vllm_speculating_carries_the_routing(tmp_path):
