@@ -97,7 +97,7 @@ def tally(events: list[tuple[int, int, int]]) -> LiveBytes:
 @contextmanager
 def gloo_lets_go(*holders):
     """Inside the block, `torch.distributed.broadcast` and the `broadcast` and `allreduce` of each holder's process
-    group (`.pg`: a weight group's) return only once no other thread holds a reference to the tensors they were given (their
+    groups (`.pg` and `.pgs`: a weight group's) return only once no other thread holds a reference to the tensors they were given (their
     use counts are back to what they were before the call). Changes what runs when, never what is allocated."""
     import torch.distributed as dist
 
@@ -140,13 +140,18 @@ def gloo_lets_go(*holders):
         settle([tensor], [count])
         return out
 
-    groups = [h.pg for h in holders]
+    saved = [(h.pg, list(getattr(h, "pgs", []))) for h in holders]
     dist.broadcast = broadcast
-    for h in holders:
-        h.pg = Group(h.pg)
+    for h, (pg, pgs) in zip(holders, saved):  # `.pgs`: every group a weight group sends in (`.pg` among them)
+        wrapped = {id(g): Group(g) for g in [pg, *pgs] if g is not None}
+        h.pg = wrapped.get(id(pg))
+        if pgs:
+            h.pgs = [wrapped[id(g)] for g in pgs]
     try:
         yield
     finally:
         dist.broadcast = original
-        for h, pg in zip(holders, groups):
+        for h, (pg, pgs) in zip(holders, saved):
             h.pg = pg
+            if pgs:
+                h.pgs = pgs
