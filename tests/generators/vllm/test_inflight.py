@@ -128,6 +128,7 @@ def test_ray_async_run_with_in_flight_updates(tmp_path):
     cfg.run.resume, cfg.run.save_every = False, 100
     cfg.backend.generator, cfg.backend.placement, cfg.backend.async_lag = "vllm", "disaggregated", 2
     cfg.backend.in_flight_updates, cfg.grpo.max_tokens = True, 128
+    cfg.drafter_train.gate = False  # every step speculates (the gate would start with plain steps)
     started = not ray.is_initialized()  # the Ray tests' cluster when they run in the same session
     if started:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)

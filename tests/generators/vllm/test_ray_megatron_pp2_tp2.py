@@ -48,18 +48,23 @@ def stage_of(name: str, layers: int) -> int:
 
 
 def stage_bytes(policy_dir) -> list[dict]:
-    """Per stage, from the checkpoint's own tensors: all bytes, and the experts' bytes (fp32: the engine serves
-    the checkpoint's dtype, and the refit streams in it)."""
+    """Per stage, from the checkpoint's own tensors: all bytes, the experts' bytes, and the bytes of the tensors
+    vLLM keeps whole on every TP rank (the RMS norms and the routers' gates; with as many kv heads as TP ranks,
+    k / v split), which the sharded refit sends to each of the engine's TP ranks (fp32: the engine serves the
+    checkpoint's dtype, and the refit streams in it)."""
     from megatron_spec.models import from_pretrained
 
     model = from_pretrained(str(policy_dir))
     layers = model.config.num_hidden_layers
-    out = [{"all": 0, "experts": 0} for _ in range(PP)]
+    assert model.config.num_key_value_heads % TP == 0  # k / v are then cut, not replicated
+    out = [{"all": 0, "experts": 0, "replicated": 0} for _ in range(PP)]
     for name, t in model.state_dict().items():
         s, n = stage_of(name, layers), t.numel() * 4
         out[s]["all"] += n
         if ".mlp.experts." in name:
             out[s]["experts"] += n
+        if "norm." in name or name.endswith(".mlp.gate.weight"):
+            out[s]["replicated"] += n
     return out
 
 
@@ -138,7 +143,8 @@ def test_refit_with_another_model_serves_its_greedy_tokens(run, moe_policy, othe
 
 def test_each_stage_sends_its_own_share_and_engine_logprobs_match(run, other_moe, parity_reward):  # noqa: F811
     """Three synchronous steps. Every refit has exactly 2 senders (one per pipeline stage), the busiest sending
-    exactly the larger stage's bytes; the most any trainer rank received while gathering is exactly half the
+    exactly its stage's bytes, its replicated tensors once more for the engine's second TP rank (the sharded
+    refit: each TP rank's group takes its part of every split tensor and the replicated ones whole); the most any trainer rank received while gathering is exactly half the
     larger stage's expert bytes (the stage sender takes its EP peer's experts, nothing else: TP 1, dense weights
     replicated), which is below one stage's bytes, where a rank that received another stage's weights would exceed
     them; and the engine's log-prob of every sampled token is the trainer's within 1e-4 (both fp32), so each
@@ -149,13 +155,14 @@ def test_each_stage_sends_its_own_share_and_engine_logprobs_match(run, other_moe
     trainer, _ = run
     stages = stage_bytes(other_moe)
     largest = max(s["all"] for s in stages)
+    busiest = max(s["all"] + (TP - 1) * s["replicated"] for s in stages)
     for step in range(STEPS):
         m = trainer.step(step)
         assert m["weight_sync_senders"] == PP, (step, m)
-        assert m["weight_sync_sender_bytes_max"] == largest, (step, m["weight_sync_sender_bytes_max"], stages)
+        assert m["weight_sync_sender_bytes_max"] == busiest, (step, m["weight_sync_sender_bytes_max"], stages)
         assert m["weight_sync_received_bytes_max"] <= largest
         assert m["weight_sync_received_bytes_max"] == max(s["experts"] for s in stages) // EP
-        assert m["weight_sync_bytes"] == sum(s["all"] for s in stages)
+        assert m["weight_sync_bytes"] == sum(s["all"] + (TP - 1) * s["replicated"] for s in stages)
         assert m["logprob_mismatch"] < 1e-4, (step, m["logprob_mismatch"])
         assert m["policy_lag"] == 0 and m["gen_tokens"] > 0
         assert 0 < m["reward_mean"] < 1 and m["grad_norm"] > 1, (step, m["reward_mean"], m["grad_norm"])
