@@ -40,11 +40,9 @@ def drafter(refit: int):
     return [("drafter.fc", torch.full((2, 3), float(refit))), ("drafter.norm", torch.arange(4.0) + refit)]
 
 
-def _member(rank, port, plan, out, paired=False):
+def _member(rank, port, plan, paired, out):
     group = WeightGroup("127.0.0.1", port, rank, WORLD, 60, "gloo", senders=SENDERS, paired=paired)
-    posts = []
-    post = group._post
-    group._post = lambda t, pg=None: (posts.append(t.numel()), post(t, pg))[1]
+    posts = counted_posts(group)
     results = []
     for refit, what in enumerate(plan):
         posts.clear()
@@ -67,16 +65,29 @@ def _member(rank, port, plan, out, paired=False):
     out.put((rank, pickle.dumps(results)))  # plain bytes: no shared-memory tensors outlive the process
 
 
-def _run(plan, paired=False):
+def counted_posts(group) -> list[int]:
+    """The sizes of the collectives `group` posts from now on, appended as they are posted."""
+    posts, post = [], group._post
+    group._post = lambda t, pg=None: (posts.append(t.numel()), post(t, pg))[1]
+    return posts
+
+
+def spawn(member, *args, world: int = WORLD, timeout: float = 180) -> dict:
+    """Run `member(rank, port, *args, out)` as `world` spawned processes on one rendezvous port; each rank's
+    results (what it put on `out`, pickled)."""
     ctx = mp.get_context("spawn")
     out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_member, args=(r, port, plan, out, paired)) for r in range(WORLD)]
+    procs = [ctx.Process(target=member, args=(r, port, *args, out)) for r in range(world)]
     for p in procs:
         p.start()
-    results = {r: pickle.loads(b) for r, b in (out.get(timeout=180) for _ in procs)}
+    results = {r: pickle.loads(b) for r, b in (out.get(timeout=timeout) for _ in procs)}
     for p in procs:
         p.join(30)
     return results
+
+
+def _run(plan, paired=False):
+    return spawn(_member, plan, paired)
 
 
 def _bytes(buckets) -> int:
@@ -85,7 +96,7 @@ def _bytes(buckets) -> int:
 
 def test_each_receiver_gets_every_stage_from_its_own_sender_and_headers_only_once():
     """Three refits. Each sender reports exactly its own stage's bytes and sits in one process group (its own);
-    each receiver gets sender 0's three buckets then sender 1's, floating tensors equal to the sender's cast to
+    each receiver gets both senders' three buckets, one of each in turn, floating tensors equal to the sender's cast to
     bf16, integers unchanged, and counts both stages' bytes. Broadcasts per sender and refit after the opening
     all-reduce: the first (FRAMED) 3 per bucket + 1 ([sizes, header, payload] per bucket, end), the later ones
     (PACKED) 1 per bucket + 1: no per-bucket header."""

@@ -4,7 +4,6 @@ tensor vLLM's loader keeps on TP rank r (`tp_cut`), replicated tensors whole, re
 part in its place; FRAMED on the first refit, PACKED after; a sender failing mid-stream in a PACKED refit reaches
 every receiver as RefitAborted and the next refit recovers."""
 
-import multiprocessing as mp
 import pickle
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 from megatron_spec.distributed.process_groups import free_port
 from megatron_spec.distributed.weight_group import RefitAborted, WeightGroup
-from tests.placement.test_weight_group_senders import in_turn
+from tests.placement.test_weight_group_senders import counted_posts, in_turn, spawn
 
 SENDERS, TP, WORLD = 2, 2, 6
 GEO = {"tp": 2, "heads": 4, "kv_heads": 1}
@@ -45,9 +44,7 @@ def stage(sender: int, refit: int):
 
 def _member(rank, port, plan, out):
     group = WeightGroup("127.0.0.1", port, rank, WORLD, 60, "gloo", senders=SENDERS, shard=GEO)
-    posts = []
-    post = group._post
-    group._post = lambda t, pg=None: (posts.append(t.numel()), post(t, pg))[1]
+    posts = counted_posts(group)
     results = []
     for refit, what in enumerate(plan):
         posts.clear()
@@ -70,15 +67,7 @@ def _member(rank, port, plan, out):
 
 
 def _run(plan):
-    ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_member, args=(r, port, plan, out)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    results = {r: pickle.loads(b) for r, b in (out.get(timeout=240) for _ in procs)}
-    for p in procs:
-        p.join(30)
-    return results
+    return spawn(_member, plan, world=WORLD, timeout=240)
 
 
 RECEIVED = {0: 1210, 1: 282}
